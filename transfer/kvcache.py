@@ -1,0 +1,169 @@
+"""The one place that converts between KVSegment and transformers caches: extract, to_cache, and generation.
+
+Facts this rests on (transformers 5.x): the forward argument is `cache`; keys are cached after RoPE (and after
+Gemma3's k_norm); `cache.layers[i].keys` is `[B, H_kv, T, D]`; a `DynamicCache` built with the model's config
+makes sliding-window layers that keep only the last `window - 1` tokens, while one built without a config keeps
+every token of every layer (the prefill's attention masks come from the config either way, so this is how
+`extract` captures the full KV of sliding layers); `generate` needs at least one token the cache does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelSpec
+
+
+def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:
+    # token_ids: list[int] | [T] | [1, T] -> [T] int64 on the CPU
+    ids = torch.as_tensor(token_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{what} is empty: there is no text to run the model on")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{what} must be integer token ids, got dtype {ids.dtype}")
+    ids = ids.to(torch.int64).cpu()
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{what} holds ids outside the model's vocabulary [0, {vocab_size}): min {low}, max {high}")
+    return ids
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 0) -> KVSegment:
+    """Prefill `token_ids` ([T]) at positions start_position.. and return the full KV of every layer.
+
+    The KV is exactly what the model caches (keys rotated), in the model's dtype, on the model's device — for
+    sliding-window layers too: all T tokens, not only the last window.
+    """
+    ids = _as_ids(token_ids, "token_ids", spec.vocab_size)
+    if start_position < 0:
+        raise ValueError(f"start_position must be >= 0, got {start_position}")
+    device = _model_device(model)
+    positions = torch.arange(start_position, start_position + ids.numel(), dtype=torch.int64)
+    cache = DynamicCache()  # no config: every layer keeps every token
+    model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, use_cache=True,
+          logits_to_keep=1)
+    return from_cache(cache, spec, ids, positions)
+
+
+def from_cache(cache, spec: ModelSpec, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
+               batch_index: int = 0) -> KVSegment:
+    """A KVSegment from a transformers cache that holds every token of every layer.
+
+    token_ids: [T]; positions: [T] (default 0..T-1). Raises if a layer dropped tokens (a sliding-window cache
+    layer that is full) or if the cache does not match the spec.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"expected a transformers Cache with .layers, got {type(cache).__name__}")
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"the cache has {len(layers)} layers, {spec.name!r} has {spec.num_layers}")
+    t = token_ids.numel()
+    expected = (spec.num_kv_heads, t, spec.head_dim)
+    keys, values = [], []
+    for i, layer in enumerate(layers):
+        k, v = layer.keys, layer.values
+        if k is None or v is None:
+            raise ValueError(f"layer {i} of the cache is empty")
+        if k.ndim != 4 or not 0 <= batch_index < k.shape[0]:
+            raise ValueError(f"layer {i}: keys of shape {tuple(k.shape)} have no batch row {batch_index}")
+        if tuple(k.shape[1:]) != expected or tuple(v.shape[1:]) != expected:
+            hint = (" (a sliding-window layer keeps only its last tokens: extract with a cache that keeps all)"
+                    if getattr(layer, "is_sliding", False) else "")
+            raise ValueError(
+                f"layer {i}: cached keys {tuple(k.shape[1:])} / values {tuple(v.shape[1:])} do not match "
+                f"{spec.name!r} with {t} tokens, expected [H_kv, T, D] = {expected}{hint}"
+            )
+        keys.append(k[batch_index])
+        values.append(v[batch_index])
+    kv = torch.stack((torch.stack(keys), torch.stack(values)), dim=1)  # [L, 2, H_kv, T, D]
+    if positions is None:
+        positions = torch.arange(t, dtype=torch.int64)
+    return KVSegment(kv=kv, token_ids=token_ids.to(torch.int64).cpu(), positions=positions.to(torch.int64).cpu(),
+                     model=spec.identity, rotated=True)
+
+
+def check_compatible(segment: KVSegment, spec: ModelSpec) -> None:
+    """Raise ValueError unless the segment is KV of this model, in a layout its cache can hold."""
+    if segment.model != spec.identity:
+        raise ValueError(f"the segment holds KV of {segment.model.key}, not of {spec.identity.key}")
+    expected = (spec.num_layers, 2, spec.num_kv_heads, segment.num_tokens, spec.head_dim)
+    if tuple(segment.kv.shape) != expected:
+        raise ValueError(f"segment layout {tuple(segment.kv.shape)} does not match {spec.name!r}: expected {expected}")
+
+
+def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: ModelSpec) -> DynamicCache:
+    """A transformers DynamicCache the model continues from, holding one segment per batch row.
+
+    Every segment must be rotated KV of this model at positions 0..T-1 (shift it first otherwise), all of one
+    length. Tensors are converted to the model's dtype and device. Sliding-window layers keep their last
+    `window - 1` tokens and count all T (their `cumulative_length`), so the next position is T.
+    """
+    if isinstance(segments, KVSegment):
+        segments = [segments]
+    if not segments:
+        raise ValueError("to_cache needs at least one segment")
+    t = segments[0].num_tokens
+    for i, seg in enumerate(segments):
+        check_compatible(seg, spec)
+        if not seg.rotated:
+            raise ValueError(f"segment {i} holds un-rotated keys: rotate them at their positions before caching")
+        if seg.num_tokens != t:
+            raise ValueError(f"segment {i} has {seg.num_tokens} tokens, segment 0 has {t}: batch rows must match")
+        if t == 0:
+            raise ValueError("cannot build a cache from an empty segment")
+        if not seg.is_contiguous_from(0):
+            raise ValueError(
+                f"segment {i} sits at positions {int(seg.positions[0])}..{int(seg.positions[-1])}, a cache needs "
+                "0..T-1: shift its keys to the positions it will occupy"
+            )
+    param = next(model.parameters())
+    kv = torch.stack([seg.kv for seg in segments]).to(device=param.device, dtype=param.dtype)  # [B, L, 2, H, T, D]
+    cache = DynamicCache(ddp_cache_data=[(kv[:, i, 0], kv[:, i, 1]) for i in range(spec.num_layers)],
+                         config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            # update() counted the T tokens it was given; keep that true even if a later transformers changes it
+            layer.cumulative_length = t
+        assert layer.get_seq_length() == t, f"layer {i} reports {layer.get_seq_length()} cached tokens, expected {t}"
+    return cache
+
+
+@torch.no_grad()
+def generate(model: nn.Module, spec: ModelSpec, segment: KVSegment, new_ids, **generate_kwargs) -> torch.Tensor:
+    """Continue from a cached segment plus at least one new token; returns only the generated ids ([N]).
+
+    new_ids: [N_new] tokens after the segment (the model prefills these). generate_kwargs go to `model.generate`
+    (max_new_tokens, do_sample, ...); greedy decoding unless told otherwise.
+    """
+    new = _as_ids(new_ids, "new_ids (the uncached tokens after the segment; generate needs at least one)",
+                  spec.vocab_size)
+    cache = to_cache(segment, model, spec)
+    device = _model_device(model)
+    input_ids = torch.cat((segment.token_ids, new))[None].to(device)
+    generate_kwargs.setdefault("do_sample", False)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
+                         **generate_kwargs)
+    return out[0, input_ids.shape[1]:].cpu()
+
+
+@torch.no_grad()
+def generate_plain(model: nn.Module, spec: ModelSpec, token_ids, **generate_kwargs) -> torch.Tensor:
+    """Reference: `model.generate` on the full token sequence with no injected cache; returns the new ids ([N])."""
+    ids = _as_ids(token_ids, "token_ids", spec.vocab_size)[None].to(_model_device(model))
+    generate_kwargs.setdefault("do_sample", False)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **generate_kwargs)
+    return out[0, ids.shape[1]:].cpu()

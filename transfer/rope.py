@@ -1,0 +1,207 @@
+"""RoPE on cached keys: rotate, unrotate and shift, with cos/sin from the model's own rotary module.
+
+Convention: transformers' `rotate_half` (the first and second halves of the rotated dims form the pairs).
+With partial rotary (`partial_rotary_factor` < 1) only the first R = cos.shape[-1] dims rotate; the rest pass.
+
+Scaled variants (yarn, longrope) multiply cos and sin by an attention scale s, so their "rotation" is s·R(θ).
+`unrotate` divides by cos² + sin² = s², which makes unrotate∘rotate the identity for every scaling type.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from kvbridge.transfer.spec import ModelSpec, RopeSpec, find_rotary_module
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., R] -> [..., R]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE. x: [..., T, D]; cos, sin: [T, R] with R <= D, R even. Returns [..., T, D] in x's dtype."""
+    r = cos.shape[-1]
+    work = _compute_dtype(x)
+    xr = x[..., :r].to(work)
+    cos, sin = cos.to(device=x.device, dtype=work), sin.to(device=x.device, dtype=work)
+    out = xr * cos + rotate_half(xr) * sin
+    if r == x.shape[-1]:
+        return out.to(x.dtype)
+    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Invert `rotate`. x: [..., T, D]; cos, sin: [T, R]. Returns [..., T, D] in x's dtype."""
+    r = cos.shape[-1]
+    work = _compute_dtype(x)
+    xr = x[..., :r].to(work)
+    cos, sin = cos.to(device=x.device, dtype=work), sin.to(device=x.device, dtype=work)
+    out = (xr * cos - rotate_half(xr) * sin) / (cos * cos + sin * sin)
+    if r == x.shape[-1]:
+        return out.to(x.dtype)
+    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+
+
+class ModelRope:
+    """Per-layer RoPE of one model: cos/sin tables, rotate/unrotate/shift of cached keys.
+
+    Holds a private copy of the model's rotary module, so asking for tables never changes the live model's state
+    (dynamic and longrope modules keep state between calls). Tables are always computed in float32.
+    """
+
+    def __init__(self, spec: ModelSpec, rotary_module: nn.Module):
+        self.spec = spec
+        self._module = copy.deepcopy(rotary_module).float()
+        self._takes_layer_type = "layer_type" in inspect.signature(self._module.forward).parameters
+        self._device = next(iter(self._module.buffers()), torch.empty(0)).device
+
+    @classmethod
+    def from_model(cls, model: nn.Module, spec: ModelSpec) -> "ModelRope":
+        """Build from a loaded model and check that its attention rotates keys the way `rotate` does."""
+        rope = cls(spec, find_rotary_module(model, spec.name))
+        rope.check_convention(model)
+        return rope
+
+    def check_convention(self, model: nn.Module, atol: float = 1e-5) -> float:
+        """Compare `rotate` with the model's own `apply_rotary_pos_emb` on random keys, for each RoPE family.
+
+        Returns the largest absolute difference seen. Raises ValueError (naming model, layer and reason) when the
+        modeling code has no such function or rotates differently (e.g. interleaved pairs).
+        """
+        modeling = sys.modules.get(type(model).__module__)
+        apply = getattr(modeling, "apply_rotary_pos_emb", None)
+        first_layer: dict[RopeSpec, int] = {}
+        for layer in self.spec.layers:
+            if layer.rope is not None:
+                first_layer.setdefault(layer.rope, layer.index)
+        if not first_layer:
+            return 0.0
+        if apply is None:
+            raise ValueError(
+                f"model {self.spec.name!r} layer {min(first_layer.values())}: {type(model).__module__} defines no "
+                "apply_rotary_pos_emb, so kvbridge cannot verify how it rotates keys"
+            )
+        worst = 0.0
+        gen = torch.Generator().manual_seed(0)
+        for rope, layer in first_layer.items():
+            positions = torch.tensor([0, 1, 7, 100, 1000, 4095])
+            positions = positions[positions < max(rope.original_max_positions, 2)]
+            cos, sin = self.cos_sin(layer, positions)
+            # keys: [1, H, T, D] like the attention module sees them
+            k = torch.randn(1, self.spec.num_kv_heads, positions.numel(), self.spec.head_dim, generator=gen)
+            try:
+                _, theirs = apply(k.clone(), k.clone(), cos[None], sin[None])
+            except Exception as exc:  # a signature we do not know how to call
+                raise ValueError(
+                    f"model {self.spec.name!r} layer {layer}: could not call {type(model).__module__}."
+                    f"apply_rotary_pos_emb(q, k, cos, sin) to verify the RoPE convention: {exc}"
+                ) from exc
+            err = float((rotate(k, cos, sin) - theirs).abs().max())
+            if err > atol:
+                raise ValueError(
+                    f"model {self.spec.name!r} layer {layer}: its RoPE does not follow the rotate_half convention "
+                    f"kvbridge implements (max difference {err:.3g} on random keys); re-rotating its keys would be wrong"
+                )
+            worst = max(worst, err)
+        return worst
+
+    def layer_rope(self, layer: int) -> RopeSpec | None:
+        if not 0 <= layer < self.spec.num_layers:
+            raise IndexError(f"layer {layer} out of range: {self.spec.name!r} has {self.spec.num_layers} layers")
+        return self.spec.layers[layer].rope
+
+    def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for one layer. positions: [T] int64 -> cos, sin: [T, R] float32 on the rope's device."""
+        rope = self.layer_rope(layer)
+        if rope is None:
+            raise ValueError(f"layer {layer} of {self.spec.name!r} applies no RoPE; it has no cos/sin tables")
+        return self._tables(rope, layer, positions)
+
+    def _tables(self, rope: RopeSpec, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]
+        if positions.ndim != 1:
+            raise ValueError(f"positions must be 1-D [T], got shape {tuple(positions.shape)}")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
+        if rope.rope_type == "dynamic" and positions.numel() and int(positions.max()) >= rope.original_max_positions:
+            raise ValueError(
+                f"{self.spec.name!r} layer {layer}: dynamic-NTK RoPE rescales its frequencies with the longest "
+                f"sequence seen, so keys at positions >= {rope.original_max_positions} cannot be re-rotated exactly "
+                f"(got position {int(positions.max())})"
+            )
+        dummy = torch.empty(0, dtype=torch.float32, device=self._device)
+        pos = positions.to(device=self._device, dtype=torch.long)[None]
+        with torch.no_grad():
+            if self._takes_layer_type:
+                cos, sin = self._module(dummy, pos, rope.module_key)
+            else:
+                cos, sin = self._module(dummy, pos)
+        return cos[0].float(), sin[0].float()
+
+    def rotate(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, D]; positions: [T]
+        if self.layer_rope(layer) is None:
+            return x
+        cos, sin = self.cos_sin(layer, positions)
+        return rotate(x, cos, sin)
+
+    def unrotate(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, D]; positions: [T]
+        if self.layer_rope(layer) is None:
+            return x
+        cos, sin = self.cos_sin(layer, positions)
+        return unrotate(x, cos, sin)
+
+    def shift(self, x: torch.Tensor, layer: int, positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """Move keys rotated at `positions` to `new_positions`. x: [..., T, D]; positions, new_positions: [T].
+
+        Unrotate then rotate, which is exact for every scaling type (for plain RoPE it equals one rotation by Δ).
+        """
+        if positions.shape != new_positions.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} and new_positions {tuple(new_positions.shape)} differ")
+        if self.layer_rope(layer) is None:
+            return x
+        return self.rotate(self.unrotate(x, layer, positions), layer, new_positions)
+
+    def _per_group(self, keys: torch.Tensor, fn) -> torch.Tensor:
+        # keys: [L, H, T, D] -> [L, H, T, D]; layers sharing one RopeSpec share one table computation
+        if keys.shape[0] != self.spec.num_layers:
+            raise ValueError(f"keys have {keys.shape[0]} layers, {self.spec.name!r} has {self.spec.num_layers}")
+        out = keys.clone()
+        groups: dict[RopeSpec, list[int]] = {}
+        for layer in self.spec.layers:
+            if layer.rope is not None:
+                groups.setdefault(layer.rope, []).append(layer.index)
+        for rope, layers in groups.items():
+            idx = torch.tensor(layers, device=keys.device)
+            out[idx] = fn(keys[idx], rope, layers[0])
+        return out
+
+    def rotate_all(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """keys: [L, H, T, D] un-rotated; positions: [T] -> [L, H, T, D] rotated."""
+        return self._per_group(keys, lambda k, rope, layer: rotate(k, *self._tables(rope, layer, positions)))
+
+    def unrotate_all(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """keys: [L, H, T, D] rotated at positions [T] -> [L, H, T, D] un-rotated."""
+        return self._per_group(keys, lambda k, rope, layer: unrotate(k, *self._tables(rope, layer, positions)))
+
+    def shift_all(self, keys: torch.Tensor, positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """keys: [L, H, T, D] rotated at positions [T] -> rotated at new_positions [T]."""
+        if positions.shape != new_positions.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} and new_positions {tuple(new_positions.shape)} differ")
+
+        def move(k: torch.Tensor, rope: RopeSpec, layer: int) -> torch.Tensor:
+            return rotate(unrotate(k, *self._tables(rope, layer, positions)), *self._tables(rope, layer, new_positions))
+
+        return self._per_group(keys, move)
