@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models (seconds) and the real packaged small pair (slow, converted once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def tiny_source():
+    from kvbridge.transfer.presets import tiny_source
+
+    return tiny_source(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from kvbridge.transfer.presets import tiny_target
+
+    return tiny_target(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    from kvbridge.transfer.models import load_packaged
+
+    return load_packaged("gemma-3-270m-q4_k_m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvbridge.transfer.models import load_packaged
+
+    return load_packaged("smollm2-135m-instruct-q4_1", device="cpu")
+
+
+def _packaged_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from kvbridge.transfer.models import prepare_gguf
+
+    return AutoTokenizer.from_pretrained(prepare_gguf(name), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer():
+    return _packaged_tokenizer("gemma-3-270m-q4_k_m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return _packaged_tokenizer("smollm2-135m-instruct-q4_1")

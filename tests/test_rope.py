@@ -1,0 +1,145 @@
+"""RoPE identities: free functions, every layer family of every zoo model, scaled and partial variants, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.transfer.models import random_model
+from kvbridge.transfer.rope import rotate, rotate_half, unrotate
+
+
+def tables(positions: torch.Tensor, dim: int, base: float = 10000.0, scale: float = 1.0):
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    emb = torch.cat([positions[:, None].float() * inv] * 2, dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def test_rotate_half_pairs_first_and_second_half():
+    x = torch.arange(6.0)
+    assert rotate_half(x).tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]
+
+
+def test_rotate_matches_complex_multiplication():
+    # HF rotate_half convention: dim i pairs with i + D/2 as the real and imaginary parts of one complex number
+    pos = torch.arange(5)
+    cos, sin = tables(pos, 8)
+    x = torch.randn(2, 5, 8)
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(5, 4), torch.atan2(sin[:, :4], cos[:, :4]))
+    assert torch.allclose(rotate(x, cos, sin), torch.cat([z.real, z.imag], -1), atol=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 100_000), st.sampled_from([1.0, 0.7, 1.3]), st.sampled_from([8, 16, 32]))
+def test_unrotate_inverts_rotate(t, start, scale, rot_dim):
+    pos = torch.arange(start, start + t)
+    cos, sin = tables(pos, rot_dim, scale=scale)
+    x = torch.randn(3, t, 32)
+    y = rotate(x, cos, sin)
+    assert torch.allclose(unrotate(y, cos, sin), x, atol=1e-5)
+    if rot_dim < 32:  # partial rotary: the pass-through dims are untouched
+        assert torch.equal(y[..., rot_dim:], x[..., rot_dim:])
+    assert not torch.allclose(y, x) or (start == 0 and t == 1 and scale == 1.0)
+
+
+def test_rotation_preserves_dtype_and_bfloat16_round_trip():
+    pos = torch.arange(100)
+    cos, sin = tables(pos, 16)
+    x = torch.randn(2, 100, 16, dtype=torch.bfloat16)
+    y = rotate(x, cos, sin)
+    assert y.dtype == torch.bfloat16
+    assert (unrotate(y, cos, sin).float() - x.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("name", sorted(zoo.configs()))
+def test_every_layer_family_round_trips_and_shifts(name):
+    lm = zoo.build(name)
+    gen = torch.Generator().manual_seed(1)
+    families = {layer.rope: layer.index for layer in lm.spec.layers if layer.rope is not None}
+    assert families, "every zoo model applies RoPE"
+    for rope, layer in families.items():
+        limit = min(rope.original_max_positions, 2048)
+        pos = torch.randint(0, limit // 2, (64,), generator=gen)
+        x = torch.randn(lm.spec.num_kv_heads, 64, lm.spec.head_dim, generator=gen)
+        rotated = lm.rope.rotate(x, layer, pos)
+        assert not torch.allclose(rotated, x)
+        assert torch.allclose(lm.rope.unrotate(rotated, layer, pos), x, atol=1e-5)
+        delta = 17
+        shifted = lm.rope.shift(rotated, layer, pos, pos + delta)
+        assert torch.allclose(shifted, lm.rope.rotate(x, layer, pos + delta), atol=1e-3)
+
+
+def test_gemma3_layer_types_use_their_own_bases():
+    lm = zoo.build("gemma3")
+    sliding, full = lm.spec.layers[0].rope, lm.spec.layers[3].rope
+    assert (sliding.base, full.base) == (10000.0, 1e6)
+    pos = torch.arange(50, 60)
+    assert not torch.allclose(lm.rope.cos_sin(0, pos)[0], lm.rope.cos_sin(3, pos)[0])
+    # the tables are the model's own: layer 3's equal a plain 1e6-base table
+    assert torch.allclose(lm.rope.cos_sin(3, pos)[0], tables(pos, 32, base=1e6)[0], atol=1e-6)
+
+
+def test_batched_all_layer_ops_equal_per_layer_ops():
+    lm = zoo.build("gemma3")
+    keys = torch.randn(lm.spec.num_layers, 1, 20, lm.spec.head_dim)
+    pos = torch.arange(100, 120)
+    rotated = lm.rope.rotate_all(keys, pos)
+    for layer in range(lm.spec.num_layers):
+        assert torch.equal(rotated[layer], lm.rope.rotate(keys[layer], layer, pos))
+    assert torch.allclose(lm.rope.unrotate_all(rotated, pos), keys, atol=1e-5)
+    moved = lm.rope.shift_all(rotated, pos, pos - 100)
+    assert torch.allclose(moved, lm.rope.rotate_all(keys, pos - 100), atol=1e-4)
+
+
+def test_longrope_beyond_original_length_uses_long_factors_consistently():
+    lm = zoo.build("phi3-longrope")  # original_max_position_embeddings 256
+    short = lm.rope.cos_sin(0, torch.arange(10))[0]
+    long = lm.rope.cos_sin(0, torch.arange(300))[0][:10]
+    assert not torch.allclose(short, long), "a call reaching past 256 must switch to the long factors"
+    ids = torch.randint(0, lm.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    from kvbridge.transfer import kvcache
+
+    seg = kvcache.extract(lm.model, lm.spec, ids)
+    un = lm.rope.unrotate_all(seg.keys, seg.positions)
+    assert torch.allclose(lm.rope.rotate_all(un, seg.positions), seg.keys, atol=1e-5)
+
+
+def test_dynamic_rope_refuses_positions_it_cannot_reproduce():
+    lm = zoo.build("llama-dynamic")  # max_position_embeddings 2048
+    x = torch.randn(2, 3, 16)
+    lm.rope.rotate(x, 0, torch.tensor([0, 5, 2047]))
+    with pytest.raises(ValueError, match=r"llama-dynamic.*layer 0.*dynamic-NTK"):
+        lm.rope.rotate(x, 0, torch.tensor([0, 5, 2048]))
+
+
+def test_asking_for_tables_does_not_change_the_live_model():
+    lm = zoo.build("phi3-longrope")
+    live = next(m for n, m in lm.model.named_modules() if n.endswith("rotary_emb"))
+    before = live.inv_freq.clone()
+    lm.rope.cos_sin(0, torch.arange(1000))
+    assert torch.equal(live.inv_freq, before)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("gpt2", "has no rotary embedding module"),
+    ("cohere-interleaved", "does not follow the rotate_half convention"),
+])
+def test_models_that_cannot_be_rerotated_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        random_model(zoo.non_rope_configs()[name], name, device="cpu")
+
+
+def test_bad_arguments_name_the_problem():
+    lm = zoo.build("qwen2")
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        lm.rope.rotate(x, 0, torch.tensor([-1, 0, 1]))
+    with pytest.raises(ValueError, match="1-D"):
+        lm.rope.rotate(x, 0, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(IndexError, match="qwen2.*2 layers"):
+        lm.rope.rotate(x, 5, torch.arange(3))
+    with pytest.raises(ValueError, match="differ"):
+        lm.rope.shift(x, 0, torch.arange(3), torch.arange(4))

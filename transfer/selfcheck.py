@@ -1,0 +1,140 @@
+"""Self-checks of the exact KV foundation on a loaded model: RoPE identities, re-positioned real keys, and
+extract -> to_cache -> greedy continue against a plain greedy generate. The CLI and the server run these."""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+
+import torch
+
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.rope import rotate, unrotate
+
+# Relative error allowed when two prefills that are equal in exact arithmetic are compared, by parameter dtype.
+PREFILL_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    model: str
+    check: str  # "spec", "rope", "rope-real", "inject"
+    detail: str  # what was measured, in words
+    error: float  # the measured error (0 where the check is an equality of tokens and they matched)
+    passed: bool
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.model:<28} {self.check:<9} {self.detail}"
+
+
+def sample_text() -> str:
+    """A few KB of Python documentation prose shipped with kvbridge (PSF licence)."""
+    return (importlib.resources.files("kvbridge.transfer") / "data" / "tiny_corpus.txt").read_text(encoding="utf-8")
+
+
+def _layer_groups(lm: LoadedModel) -> dict:
+    groups: dict = {}
+    for layer in lm.spec.layers:
+        if layer.rope is not None:
+            groups.setdefault(layer.rope, []).append(layer.index)
+    return groups
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}" if len(layers) == 1 else (
+        f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else
+        ",".join(map(str, layers)))
+
+
+def check_rope(lm: LoadedModel, num_tokens: int = 256, seed: int = 0) -> list[CheckResult]:
+    """unrotate∘rotate = identity and rotate(p) then shift(Δ) = rotate(p+Δ), per RoPE family, on random keys."""
+    results = []
+    gen = torch.Generator().manual_seed(seed)
+    conv = lm.rope.check_convention(lm.model)
+    for rope, layers in _layer_groups(lm).items():
+        layer = layers[0]
+        limit = min(rope.original_max_positions or 4096, 4096)
+        positions = torch.randint(0, limit // 2, (num_tokens,), generator=gen)
+        delta = torch.randint(1, limit // 2, (1,), generator=gen)
+        x = torch.randn(lm.spec.num_kv_heads, num_tokens, lm.spec.head_dim, generator=gen)  # [H, T, D]
+        cos, sin = lm.rope.cos_sin(layer, positions)
+        rot = rotate(x, cos, sin)
+        round_trip = float((unrotate(rot, cos, sin) - x).abs().max() / x.abs().max())
+        shifted = lm.rope.shift(rot, layer, positions, positions + delta)
+        direct = lm.rope.rotate(x, layer, positions + delta)
+        shift_err = float((shifted - direct).abs().max() / x.abs().max())
+        # Both sides use the module's float32 angles p·θ, so the identity holds to float32 rounding of the
+        # products, not to the (much larger) rounding of the angles themselves.
+        tol = 1e-5
+        ok = round_trip < tol and shift_err < tol
+        results.append(CheckResult(
+            lm.name, "rope",
+            f"layers {_span(layers)} ({rope.rope_type}, base {rope.base:g}, rotary_dim {rope.rotary_dim}): "
+            f"unrotate(rotate(x)) rel err {round_trip:.1e}; shift(rotate(x,p),+{int(delta)}) vs rotate(x,p+Δ) "
+            f"rel err {shift_err:.1e} (tol {tol:.0e}); vs the model's apply_rotary_pos_emb {conv:.1e}",
+            max(round_trip, shift_err), ok))
+    if not results:
+        results.append(CheckResult(lm.name, "rope", "no layer applies RoPE", 0.0, True))
+    return results
+
+
+def check_real_shift(lm: LoadedModel, token_ids: torch.Tensor, delta: int = 37) -> CheckResult:
+    """Keys of a real prefill at positions 0.. shifted by Δ equal the keys of the same prefill at Δ.. (RoPE
+    attention only sees relative positions, so every layer's hidden states are the same in exact arithmetic)."""
+    tol = PREFILL_TOL[lm.spec.dtype]
+    at0 = kvcache.extract(lm.model, lm.spec, token_ids)
+    at_delta = kvcache.extract(lm.model, lm.spec, token_ids, start_position=delta)
+    shifted = lm.rope.shift_all(at0.keys.float(), at0.positions, at0.positions + delta)
+    ref = at_delta.keys.float()
+    err = float(((shifted - ref).abs().amax(dim=(1, 2, 3)) / ref.abs().amax(dim=(1, 2, 3))).max())
+    return CheckResult(lm.name, "rope-real",
+                       f"{token_ids.numel()} real tokens: shift(extract@0, +{delta}) vs extract@{delta}, "
+                       f"worst layer rel err {err:.1e} (tol {tol:.0e})", err, err < tol)
+
+
+def check_inject(lm: LoadedModel, token_ids: torch.Tensor, tail: int = 4, new_tokens: int = 16) -> CheckResult:
+    """extract(context) -> to_cache -> greedy continue == plain greedy generate from the full token sequence."""
+    ctx, rest = token_ids[:-tail], token_ids[-tail:]
+    segment = kvcache.extract(lm.model, lm.spec, ctx)
+    device = lm.device
+    with torch.no_grad():
+        cache = kvcache.to_cache(segment, lm.model, lm.spec)
+        pos = torch.arange(ctx.numel(), token_ids.numel(), device=device)[None]
+        injected = lm.model(input_ids=rest[None].to(device), position_ids=pos, cache=cache).logits[0].float()
+        full = lm.model(input_ids=token_ids[None].to(device)).logits[0, -tail:].float()
+    logit_err = float((injected - full).abs().max())
+    ours = kvcache.generate(lm.model, lm.spec, segment, rest, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    ref = kvcache.generate_plain(lm.model, lm.spec, token_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    same = int((ours == ref).sum()) if ours.shape == ref.shape else 0
+    windows = [layer.sliding_window for layer in lm.spec.layers if layer.sliding_window]
+    note = f" (> sliding window {min(windows)})" if windows and ctx.numel() > min(windows) else ""
+    ok = ours.shape == ref.shape and bool(torch.equal(ours, ref))
+    return CheckResult(lm.name, "inject",
+                       f"{ctx.numel()}-token context{note} + {tail} new: {same}/{ref.numel()} greedy tokens equal "
+                       f"to plain generate; max |Δlogit| {logit_err:.1e}", 0.0 if ok else 1.0, ok)
+
+
+def check_tokens(lm: LoadedModel, min_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Token ids for the checks: real text through the tokenizer, or seeded random ids for config-only models."""
+    if lm.tokenizer is not None:
+        text = sample_text()
+        ids = torch.tensor(lm.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.int64)
+        while ids.numel() < min_tokens:
+            ids = torch.cat((ids, ids))
+        return ids[:min_tokens]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, lm.spec.vocab_size, (min_tokens,), generator=gen)
+
+
+def run_selfcheck(lm: LoadedModel, context_tokens: int | None = None, new_tokens: int = 16) -> list[CheckResult]:
+    """All checks on one model. The context is longer than every sliding window so sliding layers are covered."""
+    windows = [layer.sliding_window for layer in lm.spec.layers if layer.sliding_window]
+    if context_tokens is None:
+        context_tokens = max(96, max(windows, default=0) + 64)
+    results = [CheckResult(lm.name, "spec", line.strip(), 0.0, True) for line in lm.spec.describe()]
+    results += check_rope(lm)
+    ids = check_tokens(lm, context_tokens + 4)
+    results.append(check_real_shift(lm, ids[:64]))
+    results.append(check_inject(lm, ids, new_tokens=new_tokens))
+    return results
