@@ -196,3 +196,16 @@ def test_real_models_speak_sensibly(smollm2):
     out = kvcache.generate(smollm2.model, smollm2.spec, seg, ids[-1:], max_new_tokens=12)
     words = smollm2.tokenizer.decode(out)
     assert sum(c.isalpha() for c in words) > 10, words
+
+
+def test_extract_text(tiny_target):
+    lm = tiny_target
+    seg = kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, "import json")
+    assert seg.token_ids.tolist() == lm.tokenizer("import json")["input_ids"]
+    for text in ("", "   \n"):
+        with pytest.raises(ValueError, match="text is empty"):
+            kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, text)
+    with pytest.raises(TypeError, match="must be a str, got bytes"):
+        kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, b"abc")
+    with pytest.raises(ValueError, match="without a tokenizer"):
+        kvcache.extract_text(lm.model, lm.spec, None, "abc")

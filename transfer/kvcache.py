@@ -59,6 +59,19 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
     return from_cache(cache, spec, ids, positions)
 
 
+def extract_text(model: nn.Module, spec: ModelSpec, tokenizer, text: str, add_special_tokens: bool = True,
+                 start_position: int = 0) -> KVSegment:
+    """Tokenize `text` with the model's tokenizer and `extract` its KV. Empty or blank text is refused."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"text is empty{' (only whitespace)' if text else ''}: there is nothing to cache")
+    if tokenizer is None:
+        raise ValueError(f"{spec.name!r} was loaded without a tokenizer: pass token ids to extract() instead")
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    return extract(model, spec, ids, start_position=start_position)
+
+
 def from_cache(cache, spec: ModelSpec, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
                batch_index: int = 0) -> KVSegment:
     """A KVSegment from a transformers cache that holds every token of every layer.
