@@ -52,3 +52,27 @@ def gemma_tokenizer():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     return _packaged_tokenizer("smollm2-135m-instruct-q4_1")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on 127.0.0.1 at a free port, no persistence, stopped after the test."""
+    from redisproc import RedisProcess, redis_available
+
+    if not redis_available():
+        pytest.fail(
+            "no redis-server (or valkey-server) on PATH: these tests need a real Redis. "
+            ".ci/run installs redis-server (apt-get install redis-server) before setup.sh; "
+            "install it the same way on this machine."
+        )
+    server = RedisProcess(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    return redis_server.url
