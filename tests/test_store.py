@@ -1,0 +1,470 @@
+"""PagedStore: sharing, eviction order, TTL, pins, capacity, tiers (CPU and a real Redis), tenants, threads,
+bad input. Every scenario ends with check() == []."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from kvbridge.transfer.block_pool import CapacityError
+from kvbridge.transfer.kv_blocks import FreeBlockQueue, Block, Namespace, chain_root, hash_block, hash_chain
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+
+M = ModelIdentity("model-a", "a" * 64)
+OTHER = ModelIdentity("model-b", "b" * 64)
+L, H, D, BS = 2, 2, 8, 16
+BLOCK_BYTES = L * 2 * H * BS * D * 4  # float32
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def seg(tokens, model=M, dtype=torch.float32, start=0, seed=None, heads=H):
+    t = torch.as_tensor(tokens, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(t.sum()) + len(t))
+    kv = torch.randn(L, 2, heads, len(t), D, generator=gen).to(dtype)
+    return KVSegment(kv=kv, token_ids=t, positions=torch.arange(start, start + len(t)), model=model, rotated=True)
+
+
+def store(blocks=32, cpu_blocks=0, redis_url=None, clock=None, **kw):
+    cfg = StoreConfig(capacity_bytes=blocks * BLOCK_BYTES, max_layouts=1, cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES,
+                      redis_url=redis_url, device="cpu", **kw)
+    return PagedStore(cfg, clock=clock or Clock())
+
+
+def ok(st):
+    assert st.check() == []
+
+
+def device_blocks_used(st):
+    return sum(1 for p in st.pools.values() for b in p.blocks if b.block_hash is not None)
+
+
+# ---------------------------------------------------------------------------------------------------- hashing
+
+
+def test_hashes_are_stable_and_namespaced():
+    ns = Namespace("tenant", "m@1", "bfloat16")
+    root = chain_root(ns.digest(), "prefix")
+    h = hash_block(root, torch.arange(16), ns.digest())
+    # a fixed value: replicas and restarts must agree (no salted hash())
+    assert h.hex() == hash_block(root, torch.arange(16), Namespace("tenant", "m@1", "bfloat16").digest()).hex()
+    assert len(h) == 16
+    assert h != hash_block(root, torch.arange(16), Namespace("tenant2", "m@1", "bfloat16").digest())
+    assert h != hash_block(root, torch.arange(16), Namespace("tenant", "m@1", "float32").digest())
+    assert h != hash_block(root, torch.arange(16), Namespace("tenant", "m@1", "bfloat16", "ad@1").digest())
+    chain = hash_chain(torch.arange(40), 16, root, ns.digest())
+    assert len(chain) == 3 and chain[0] == h
+    assert chain[1] == hash_block(h, torch.arange(16, 32), ns.digest())
+    assert hash_chain(torch.arange(40), 16, root, ns.digest(), full_only=True) == chain[:2]
+    with pytest.raises(ValueError, match="tenant"):
+        Namespace("", "m", "f")
+
+
+def test_free_queue_is_lru_with_o1_removal():
+    blocks = [Block(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    q.append(blocks[2])
+    q.appendleft(q.popleft())
+    assert [b.block_id for b in q] == [0, 1, 3, 4, 2] and len(q) == 5
+    assert q.popleft() is blocks[0] and not q.contains(blocks[0])
+    for b in list(q):
+        q.remove(b)
+    with pytest.raises(IndexError):
+        q.popleft()
+
+
+# ---------------------------------------------------------------------------------------------------- basics
+
+
+def test_put_get_round_trip_is_bit_exact_for_several_dtypes():
+    st = store()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cfg = StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=3, device="cpu")
+        st = PagedStore(cfg)
+        s = seg(range(37), dtype=dtype)
+        info = st.put(s, "t")
+        out = st.get(info.key, "t")
+        assert out.kv.dtype == dtype and torch.equal(out.kv, s.kv)
+        assert out.kv.is_contiguous()
+        assert torch.equal(out.token_ids, s.token_ids) and torch.equal(out.positions, s.positions)
+        assert out.model == M and out.rotated
+        ok(st)
+
+
+def test_common_prefix_blocks_are_stored_once():
+    st = store()
+    a = seg(list(range(64)) + [1000, 1001, 1002])
+    b = seg(list(range(64)) + [2000] * 20, seed=1)
+    b.kv[:, :, :, :64] = a.kv[:, :, :, :64]  # same prefix -> same KV
+    ia = st.put(a, "t")
+    ib = st.put(b, "t")
+    assert (ia.num_blocks, ia.new_blocks) == (5, 5)
+    assert (ib.num_blocks, ib.new_blocks) == (6, 2), "the 4 blocks of the common 64 tokens are shared"
+    assert device_blocks_used(st) == 7
+    assert torch.equal(st.get(ia.key, "t").kv, a.kv) and torch.equal(st.get(ib.key, "t").kv, b.kv)
+    # deleting one keeps the shared blocks for the other
+    assert st.delete(ia.key, "t")
+    assert device_blocks_used(st) == 6
+    assert torch.equal(st.get(ib.key, "t").kv, b.kv)
+    ok(st)
+
+
+def test_put_is_idempotent_and_refreshes():
+    clock = Clock()
+    st = store(clock=clock)
+    s = seg(range(20))
+    first = st.put(s, "t", ttl_s=10)
+    clock.now += 5
+    again = st.put(s, "t", ttl_s=10)
+    assert again.key == first.key and again.new_blocks == 0 and again.expires_at == clock.now + 10
+    assert st.stats().entries == 1
+    ok(st)
+
+
+def test_lookup_longest_prefix_and_exact():
+    st = store()
+    s = seg(range(50))
+    info = st.put(s, "t")
+    exact = st.lookup(torch.arange(50), "t", M, torch.float32)
+    assert (exact.key, exact.num_tokens, exact.tier) == (info.key, 50, "device")
+    longer = st.lookup(torch.cat([torch.arange(50), torch.tensor([7, 7, 7])]), "t", M, torch.float32)
+    assert longer.key is None and longer.num_tokens == 48 and longer.tier == "device"
+    prefix = st.get_prefix(torch.arange(60), "t", M, torch.float32, longer.num_tokens)
+    assert torch.equal(prefix.kv, s.kv[:, :, :, :48])
+    diverging = torch.arange(50)
+    diverging[20] = 999
+    assert st.lookup(diverging, "t", M, torch.float32).num_tokens == 16
+    miss = st.lookup(torch.arange(100, 150), "t", M, torch.float32)
+    assert (miss.key, miss.num_tokens, miss.tier) == (None, 0, None)
+    assert st.lookup(torch.arange(50), "t", OTHER, torch.float32).num_tokens == 0
+    assert st.lookup(torch.arange(50), "t", M, torch.bfloat16).num_tokens == 0
+    s = st.stats()
+    assert s.hits >= 3 and s.misses >= 3 and s.hit_tokens >= 50 + 48 + 16
+    ok(st)
+
+
+def test_segments_are_position_independent_and_share_nothing():
+    st = store()
+    a = seg(range(40), start=100)
+    ia = st.put(a, "t", kind="segment")
+    found = st.lookup(torch.arange(40), "t", M, torch.float32, kind="segment")
+    assert found.key == ia.key and found.num_tokens == 40
+    out = st.get(ia.key, "t")
+    assert out.positions.tolist() == list(range(100, 140)) and torch.equal(out.kv, a.kv)
+    b = seg(list(range(32)) + [9] * 8, start=5, seed=3)
+    ib = st.put(b, "t", kind="segment")
+    assert ib.new_blocks == ib.num_blocks == 3, "segments never share blocks (their KV depends on context)"
+    assert st.lookup(torch.arange(40), "t", M, torch.float32).num_tokens == 0, "segments are not prefixes"
+    with pytest.raises(ValueError, match="prefix entry must hold positions 0..T-1"):
+        st.put(a, "t", kind="prefix")
+    ok(st)
+
+
+# ---------------------------------------------------------------------------------------------------- eviction
+
+
+def test_eviction_is_lru_and_takes_chain_tails_first():
+    st = store(blocks=8, cpu_blocks=16)
+    a = st.put(seg(range(48)), "t")  # 3 blocks
+    b = st.put(seg(range(100, 148)), "t")  # 3 blocks, more recent
+    pool = next(iter(st.pools.values()))
+    a_hashes = st._entries[a.key].hashes
+    st.put(seg(range(200, 232)), "t")  # 2 blocks: 2 unused blocks remain, no eviction yet
+    assert st.stats().evictions["device"] == 0
+    st.put(seg(range(300, 332)), "t")  # 2 more: evicts the two least recent blocks, A's tail first
+    on_device = [pool.lookup(h) is not None for h in a_hashes]
+    assert on_device == [True, False, False], "A's chain lost its tail blocks, kept its head"
+    assert all(h in st.cpu for h in a_hashes[1:])
+    assert all(pool.lookup(h) is not None for h in st._entries[b.key].hashes)
+    assert st.stats().evictions["device"] == 2
+    ok(st)
+    # reading A promotes its blocks back, bit-exact; the now least recent blocks (B's tail) go down
+    assert torch.equal(st.get(a.key, "t").kv, seg(range(48)).kv)
+    assert all(pool.lookup(h) is not None for h in a_hashes)
+    ok(st)
+
+
+def test_without_a_lower_tier_evicted_entries_are_lost_cleanly():
+    st = store(blocks=4)
+    a = st.put(seg(range(48)), "t")
+    st.put(seg(range(100, 148)), "t")  # evicts 2 of A's blocks with nowhere to go
+    with pytest.raises(NotFound):
+        st.get(a.key, "t")
+    assert st.stats().lost_entries == 1 and st.stats().entries == 1
+    ok(st)
+
+
+def test_pinned_entries_are_never_evicted():
+    st = store(blocks=6)
+    pinned = st.put(seg(range(48)), "t", pin=True)
+    for i in range(5):
+        st.put(seg(range(1000 * (i + 1), 1000 * (i + 1) + 40)), "t")
+        ok(st)
+    assert torch.equal(st.get(pinned.key, "t").kv, seg(range(48)).kv)
+    with pytest.raises(CapacityError, match="need 4 free blocks, 3 of 6 are free"):
+        st.put(seg(range(7000, 7064)), "t")
+    ok(st)
+    st.pin(pinned.key, "t", False)
+    st.put(seg(range(7000, 7064)), "t")
+    ok(st)
+
+
+def test_capacity_is_never_exceeded_under_random_traffic():
+    rng = random.Random(0)
+    st = store(blocks=12, cpu_blocks=6)
+    keys = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.6 or not keys:
+            base = rng.randrange(4) * 10_000
+            n = rng.randrange(1, 90)
+            tokens = list(range(base, base + rng.randrange(0, 40))) + [rng.randrange(50_000) for _ in range(n)]
+            try:
+                keys.append(st.put(seg(tokens), "t", pin=rng.random() < 0.05).key)
+            except CapacityError:
+                pass
+        elif op < 0.85:
+            try:
+                st.get(rng.choice(keys), "t")
+            except (NotFound, CapacityError):
+                pass
+        elif op < 0.95:
+            st.delete(rng.choice(keys), "t")
+        else:
+            try:
+                st.pin(rng.choice(keys), "t", False)
+            except NotFound:
+                pass
+        s = st.stats()
+        assert s.bytes_used["device"] <= 12 * BLOCK_BYTES and s.bytes_used["cpu"] <= 6 * BLOCK_BYTES
+        assert st.check() == [], f"step {step}"
+
+
+# ---------------------------------------------------------------------------------------------------- TTL, tenants
+
+
+def test_ttl_expiry_with_an_injected_clock():
+    clock = Clock()
+    st = store(clock=clock, default_ttl_s=60)
+    short = st.put(seg(range(20)), "t", ttl_s=5)
+    default = st.put(seg(range(100, 120)), "t")
+    assert default.expires_at == clock.now + 60
+    clock.now += 4.9
+    st.get(short.key, "t")
+    clock.now += 0.2
+    with pytest.raises(NotFound):
+        st.get(short.key, "t")
+    assert st.lookup(torch.arange(20), "t", M, torch.float32).num_tokens == 0, "expired KV is gone"
+    clock.now += 60
+    st.purge_expired()
+    assert st.stats().entries == 0 and st.stats().expired_entries == 2
+    assert device_blocks_used(st) == 0
+    ok(st)
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        st.put(seg(range(3)), "t", ttl_s=0)
+
+
+def test_tenants_never_see_each_other_even_for_identical_tokens():
+    st = store()
+    s = seg(range(40))
+    a = st.put(s, "alice")
+    b = st.put(s, "bob")
+    assert a.key != b.key and b.new_blocks == b.num_blocks, "no block is shared across tenants"
+    with pytest.raises(NotFound) as exc:
+        st.get(a.key, "bob")
+    assert "alice" not in str(exc.value)
+    assert st.delete(a.key, "bob") is False and st.get(a.key, "alice") is not None
+    assert st.lookup(torch.arange(40), "carol", M, torch.float32).num_tokens == 0
+    with pytest.raises(NotFound):
+        st.pin(a.key, "bob")
+    assert st.keys("alice") == [a.key] and st.keys("carol") == []
+    ok(st)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_leaves_the_store_unchanged():
+    st = store(blocks=8)
+    good = st.put(seg(range(30)), "t")
+    before = (st.stats().entries, device_blocks_used(st))
+    with pytest.raises(ValueError, match=r"layout mismatch for model-a@aaaaaaaaaaaaaaaa/float32: .*H_kv=2.*H_kv=3"):
+        st.put(seg(range(30), heads=3), "t")
+    with pytest.raises(CapacityError, match="needs 9 blocks of 16 tokens, the pool has 8"):
+        st.put(seg(range(140)), "t")
+    with pytest.raises(CapacityError, match="already holds 1 layouts"):
+        st.put(seg(range(30), model=OTHER), "t")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        st.put(seg(range(30)), "t", kind="blob")
+    with pytest.raises(ValueError, match="empty segment"):
+        st.put(seg([]), "t")
+    with pytest.raises(ValueError, match="tenant must be a non-empty string"):
+        st.put(seg(range(30)), "")
+    with pytest.raises(ValueError, match="put takes a KVSegment"):
+        st.put({"kv": 1}, "t")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        st.get_prefix(torch.arange(30), "t", M, torch.float32, 20)
+    with pytest.raises(NotFound):
+        st.get("0" * 32, "t")
+    assert (st.stats().entries, device_blocks_used(st)) == before
+    assert torch.equal(st.get(good.key, "t").kv, seg(range(30)).kv)
+    ok(st)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        StoreConfig(block_size=0)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        StoreConfig(capacity_bytes=0)
+    with pytest.raises(CapacityError, match="one block needs"):
+        PagedStore(StoreConfig(capacity_bytes=100, device="cpu")).put(seg(range(3)), "t")
+
+
+def test_block_size_is_configurable():
+    cfg = StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, block_size=4, device="cpu")
+    st = PagedStore(cfg)
+    info = st.put(seg(range(10)), "t")
+    assert info.num_blocks == 3
+    assert st.lookup(torch.arange(9), "t", M, torch.float32).num_tokens == 8
+    ok(st)
+
+
+# ---------------------------------------------------------------------------------------------------- threads
+
+
+def test_concurrent_put_get_delete_from_8_threads():
+    st = store(blocks=40, cpu_blocks=20)
+    errors = []
+    originals = {}
+    lock = threading.Lock()
+
+    def worker(n):
+        rng = random.Random(n)
+        for _ in range(60):
+            tokens = [rng.randrange(3) * 1000 + i for i in range(rng.randrange(10, 70))]
+            s = seg(tokens)
+            try:
+                op = rng.random()
+                if op < 0.5:
+                    info = st.put(s, f"tenant{n % 3}")
+                    with lock:
+                        originals[(info.key, f"tenant{n % 3}")] = s.kv
+                elif op < 0.85:
+                    with lock:
+                        items = list(originals.items())
+                    if items:
+                        (key, tenant), kv = rng.choice(items)
+                        try:
+                            got = st.get(key, tenant)
+                            if not torch.equal(got.kv, kv):
+                                errors.append(f"wrong KV for {key}")
+                        except NotFound:
+                            pass
+                else:
+                    with lock:
+                        items = list(originals)
+                    if items:
+                        st.delete(*rng.choice(items))
+            except CapacityError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - any other error is a failure
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ok(st)
+
+
+# ---------------------------------------------------------------------------------------------------- Redis
+
+
+@pytest.mark.integration
+def test_demotion_to_cpu_and_redis_and_promotion_back_bit_exact(redis_url):
+    st = store(blocks=4, cpu_blocks=2, redis_url=redis_url)
+    a_seg = seg(range(64))
+    a = st.put(a_seg, "t")  # 4 blocks: fills the pool
+    b_seg = seg(range(100, 164))
+    b = st.put(b_seg, "t")  # evicts all of A: 2 to the CPU tier, 2 on to Redis
+    assert st.info(a.key, "t").tier == "mixed"
+    assert st.stats().redis["puts"] == 2
+    ok(st)
+    assert st.lookup(torch.arange(64), "t", M, torch.float32).tier == "redis"
+    assert torch.equal(st.get(a.key, "t").kv, a_seg.kv)
+    assert torch.equal(st.get(b.key, "t").kv, b_seg.kv)
+    ok(st)
+    # deleting removes the blocks from Redis too
+    st.delete(a.key, "t")
+    st.delete(b.key, "t")
+    import redis
+
+    assert redis.Redis.from_url(redis_url).keys("kvbridge:blk:*") == []
+
+
+@pytest.mark.integration
+def test_replicas_share_blocks_through_redis(redis_url):
+    first = store(blocks=4, redis_url=redis_url)  # no CPU tier: evictions go straight to Redis
+    a_seg = seg(range(64))
+    first.put(a_seg, "t")
+    first.put(seg(range(100, 164)), "t")  # all 4 of A's blocks go to Redis
+    other = store(blocks=8, redis_url=redis_url)  # another replica on the same Redis
+    other.put(seg(range(5000, 5010)), "t")  # creates the layout's pool there
+    found = other.lookup(torch.arange(70), "t", M, torch.float32)
+    assert (found.num_tokens, found.tier) == (64, "redis")
+    assert torch.equal(other.get_prefix(torch.arange(70), "t", M, torch.float32, 64).kv, a_seg.kv)
+    assert other.lookup(torch.arange(70), "t", M, torch.float32).tier == "device", "promoted"
+    assert other.lookup(torch.arange(70), "u", M, torch.float32).num_tokens == 0, "tenant u sees nothing"
+    ok(first)
+    ok(other)
+
+
+@pytest.mark.integration
+def test_redis_down_then_back(redis_server):
+    clock = Clock()
+    st = store(blocks=4, cpu_blocks=1, redis_url=redis_server.url, clock=clock, redis_retry_s=5)
+    local = st.put(seg(range(32)), "t")
+    redis_server.kill()
+    far = st.put(seg(range(100, 164)), "t")  # evicts local's blocks; Redis is down
+    s = st.stats()
+    assert s.redis["available"] is False and s.redis["errors"] >= 1 and "Error" in s.redis["last_error"]
+    assert torch.equal(st.get(far.key, "t").kv, seg(range(100, 164)).kv), "local hits keep being served"
+    assert st.stats().lost_entries >= 1  # what could not be demoted is gone, cleanly
+    ok(st)
+    redis_server.restart()
+    clock.now += 1  # within the retry interval the tier stays marked down (no hammering)
+    st.put(seg(range(200, 264)), "t")
+    clock.now += 10
+    st.put(seg(range(300, 364)), "t")  # demotion to Redis works again
+    s = st.stats()
+    assert s.redis["available"] is True and s.redis["puts"] >= 1
+    ok(st)
+
+
+@pytest.mark.integration
+def test_corrupt_redis_block_is_a_miss(redis_url):
+    import redis
+
+    st = store(blocks=2, redis_url=redis_url)
+    a = st.put(seg(range(32)), "t")
+    st.put(seg(range(100, 132)), "t")  # A goes to Redis
+    client = redis.Redis.from_url(redis_url)
+    for key in client.keys("kvbridge:blk:*"):
+        blob = bytearray(client.get(key))
+        blob[-1] ^= 0xFF  # flip bits in the tensor data
+        client.set(key, bytes(blob))
+    with pytest.raises(NotFound):
+        st.get(a.key, "t")
+    assert st.stats().redis["corrupt"] >= 1
+    ok(st)

@@ -1,0 +1,187 @@
+"""BlockPool: the preallocated KV blocks of one layout, with ref counts, a hash index and LRU eviction.
+
+Nothing here knows about entries, tenants or tiers: the store decides what a block holds, the pool keeps the
+bookkeeping right. Invariants (checked by `check`):
+- a block is in the free queue if and only if its ref_cnt is 0;
+- `hash_to_block[h] is b` if and only if `b.block_hash == h`;
+- free blocks without a hash sit before every free block with one (they are taken first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbridge.transfer.kv_blocks import Block, BlockHash, FreeBlockQueue
+
+
+class CapacityError(RuntimeError):
+    """Not enough evictable blocks for a request (everything else is pinned or in use)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """The shape of one model's KV in one dtype; one pool per layout."""
+
+    model: str  # ModelIdentity.key
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.dtype}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
+        return n * torch.empty(0, dtype=self.torch_dtype).element_size()
+
+
+class BlockPool:
+    def __init__(self, layout: PoolLayout, num_blocks: int, device: torch.device):
+        if num_blocks < 1:
+            raise ValueError(f"a pool needs at least one block; {layout.key} got {num_blocks}")
+        self.layout = layout
+        self.device = device
+        # kv: [num_blocks, L, 2, H_kv, block_size, D]
+        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.hash_to_block: dict[BlockHash, Block] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of blocks holding KV (cached or referenced)."""
+        used = sum(1 for b in self.blocks if b.block_hash is not None or b.ref_cnt > 0)
+        return used * self.layout.block_bytes
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        return self.hash_to_block.get(block_hash)
+
+    def allocate(self, n: int) -> tuple[list[Block], list[tuple[BlockHash, int]]]:
+        """Take n free blocks, least recently used first. Returns them and the (hash, block_id) of the cached KV
+        they held: that KV is still in `kv` until the caller overwrites it, so it can be demoted first.
+        Raises CapacityError (pool unchanged) when fewer than n blocks are free."""
+        if n > self.free_queue.num_free:
+            raise CapacityError(
+                f"{self.layout.key}: need {n} free blocks, {self.free_queue.num_free} of {self.num_blocks} are free "
+                "(the rest are pinned or in use)"
+            )
+        taken, evicted = [], []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                evicted.append((block.block_hash, block.block_id))
+                del self.hash_to_block[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1  # the caller holds it until it caches or releases it
+            taken.append(block)
+        return taken, evicted
+
+    def set_hash(self, block: Block, block_hash: BlockHash) -> None:
+        assert block.block_hash is None and block_hash not in self.hash_to_block, "hash already indexed"
+        block.block_hash = block_hash
+        self.hash_to_block[block_hash] = block
+
+    def ref(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def unref(self, blocks: list[Block]) -> None:
+        """Release blocks; those reaching 0 go to the most-recently-used end, the chain's tail first, so a chain
+        is evicted from its tail back towards its head."""
+        for block in reversed(blocks):
+            assert block.ref_cnt > 0, f"block {block.block_id} released more often than taken"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Mark free cached blocks as just used (tail first, as in unref)."""
+        for block in reversed(blocks):
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.free_queue.append(block)
+
+    def drop(self, block: Block) -> None:
+        """Forget a block's KV (delete): unindex it and, if free, make it the next one taken."""
+        if block.block_hash is not None:
+            del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+
+    def write(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """One scatter. block_ids: [n]; data: [n, L, 2, H_kv, block_size, D]."""
+        self.kv.index_copy_(0, block_ids.to(self.device), data.to(device=self.device, dtype=self.kv.dtype))
+
+    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """block_ids: [n] -> [n, L, 2, H_kv, block_size, D] (a copy)."""
+        return self.kv.index_select(0, block_ids.to(self.device))
+
+    def gather(self, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """One gather into the segment layout. block_ids: [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous."""
+        layout = self.layout
+        n = block_ids.numel()
+        assert (n - 1) * layout.block_size < num_tokens <= n * layout.block_size, "token count does not fit blocks"
+        view = self.kv.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, N, bs, D], no copy
+        block_ids = block_ids.to(self.device)
+        if num_tokens == n * layout.block_size:
+            # whole blocks: index dim 3 once; the result is written once, contiguous, in [L, 2, H, n, bs, D]
+            out = view[:, :, :, block_ids]
+            return out.reshape(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim)
+        # a partial tail: index (block, offset) per token so the result is still one contiguous copy
+        t = torch.arange(num_tokens, device=self.device)
+        return view[:, :, :, block_ids[t // layout.block_size], t % layout.block_size]
+
+    def check(self) -> list[str]:
+        """Violated invariants, in words (empty when all hold)."""
+        problems = []
+        queued = set()
+        seen_hashed_free = False
+        for block in self.free_queue:
+            queued.add(block.block_id)
+            if block.block_hash is not None:
+                seen_hashed_free = True
+            elif seen_hashed_free:
+                problems.append(f"{self.layout.key}: empty free block {block.block_id} queued after cached ones")
+        if len(queued) != self.free_queue.num_free:
+            problems.append(f"{self.layout.key}: free queue holds {len(queued)} blocks, counts {self.free_queue.num_free}")
+        for block in self.blocks:
+            if (block.block_id in queued) == (block.ref_cnt > 0):
+                problems.append(f"{self.layout.key}: block {block.block_id} ref_cnt {block.ref_cnt} but "
+                                f"{'in' if block.block_id in queued else 'not in'} the free queue")
+            if block.ref_cnt < 0:
+                problems.append(f"{self.layout.key}: block {block.block_id} has ref_cnt {block.ref_cnt}")
+            if block.block_hash is not None and self.hash_to_block.get(block.block_hash) is not block:
+                problems.append(f"{self.layout.key}: block {block.block_id} hash not indexed to it")
+        for h, block in self.hash_to_block.items():
+            if block.block_hash != h:
+                problems.append(f"{self.layout.key}: index maps a hash to block {block.block_id} holding another")
+        return problems

@@ -1,0 +1,247 @@
+"""Tiers below the device pool: a CPU tier (LRU, bounded in bytes) and a Redis/Valkey tier shared by replicas.
+
+Both hold single blocks `[L, 2, H_kv, block_size, D]` keyed by block hash. Redis values are safetensors blobs with
+the layout key and a blake2b checksum of the tensor bytes in the metadata; a blob that fails to parse or to
+match its checksum is deleted and treated as a miss. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvbridge.transfer.kv_blocks import BlockHash
+
+log = logging.getLogger(__name__)
+
+
+class CpuTier:
+    """Blocks in host memory (pinned when CUDA is present), least recently used evicted first."""
+
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False):
+        if capacity_bytes < 0:
+            raise ValueError(f"cpu tier capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.pin_memory = pin_memory
+        self._blocks: OrderedDict[BlockHash, tuple[str, torch.Tensor]] = OrderedDict()
+        self.bytes_used = 0
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hashes(self):
+        return self._blocks.keys()
+
+    def put(self, block_hash: BlockHash, layout_key: str, block: torch.Tensor) -> list[tuple[BlockHash, str, torch.Tensor]]:
+        """Store a copy of block ([L, 2, H, bs, D]); returns the blocks evicted to make room (LRU first).
+        A block larger than the whole tier is returned as evicted at once."""
+        nbytes = block.numel() * block.element_size()
+        if nbytes > self.capacity_bytes:
+            return [(block_hash, layout_key, block.to("cpu"))]
+        evicted = []
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+            return evicted
+        while self.bytes_used + nbytes > self.capacity_bytes:
+            h, (key, old) = self._blocks.popitem(last=False)
+            self.bytes_used -= old.numel() * old.element_size()
+            evicted.append((h, key, old))
+        copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=self.pin_memory)
+        copy.copy_(block)
+        self._blocks[block_hash] = (layout_key, copy)
+        self.bytes_used += nbytes
+        return evicted
+
+    def pop(self, block_hash: BlockHash) -> tuple[str, torch.Tensor] | None:
+        item = self._blocks.pop(block_hash, None)
+        if item is not None:
+            self.bytes_used -= item[1].numel() * item[1].element_size()
+        return item
+
+    def check(self) -> list[str]:
+        total = sum(t.numel() * t.element_size() for _, t in self._blocks.values())
+        problems = []
+        if total != self.bytes_used:
+            problems.append(f"cpu tier counts {self.bytes_used} bytes, holds {total}")
+        if self.bytes_used > self.capacity_bytes:
+            problems.append(f"cpu tier holds {self.bytes_used} bytes, over its capacity {self.capacity_bytes}")
+        return problems
+
+
+def block_checksum(block: torch.Tensor) -> str:
+    data = block.contiguous().view(torch.uint8).numpy().tobytes() if block.dtype != torch.uint8 else bytes(block)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def encode_block(layout_key: str, block: torch.Tensor) -> bytes:
+    """A safetensors blob holding one block, its layout key and checksum."""
+    block = block.detach().to("cpu").contiguous()
+    return st_save({"kv": block}, metadata={"layout": layout_key, "blake2b": block_checksum(block)})
+
+
+def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
+    """Inverse of encode_block. Raises ValueError for a blob that is not one (bad bytes, wrong checksum)."""
+    try:
+        tensors = st_load(blob)
+        # safetensors layout: 8-byte little-endian header length, then the JSON header with __metadata__
+        header_len = int.from_bytes(blob[:8], "little")
+        meta = json.loads(blob[8:8 + header_len]).get("__metadata__") or {}
+    except Exception as exc:
+        raise ValueError(f"not a kvbridge block blob: {type(exc).__name__}: {exc}") from exc
+    if set(tensors) != {"kv"} or "layout" not in meta or "blake2b" not in meta:
+        raise ValueError(f"not a kvbridge block blob: tensors {sorted(tensors)}, metadata {sorted(meta)}")
+    block = tensors["kv"]
+    if block_checksum(block) != meta["blake2b"]:
+        raise ValueError("block blob checksum mismatch: the stored bytes are corrupt")
+    return meta["layout"], block
+
+
+@dataclass
+class RedisStats:
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    available: bool = True
+    down_since: float | None = None
+    last_error: str = ""
+
+
+class RedisTier:
+    """Blocks in Redis/Valkey under `kvbridge:blk:<hash>` with a TTL. When the server is unreachable every call
+    degrades to a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds."""
+
+    PREFIX = b"kvbridge:blk:"
+
+    def __init__(self, url: str, ttl_s: int = 3600, retry_s: float = 2.0, timeout_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        import redis  # imported here: the store works without the package when no Redis tier is configured
+
+        if ttl_s <= 0:
+            raise ValueError(f"redis tier ttl must be > 0 seconds, got {ttl_s}")
+        self.url = url
+        self.ttl_s = int(ttl_s)
+        self.retry_s = retry_s
+        self.clock = clock
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry_on_timeout=False)
+        self.stats = RedisStats()
+        self._next_try = 0.0
+
+    def _key(self, block_hash: BlockHash) -> bytes:
+        return self.PREFIX + block_hash.hex().encode()
+
+    def _usable(self) -> bool:
+        return self.stats.available or self.clock() >= self._next_try
+
+    def _ok(self) -> None:
+        if not self.stats.available:
+            log.warning("redis tier %s is reachable again", self.url)
+        self.stats.available = True
+        self.stats.down_since = None
+
+    def _failed(self, exc: Exception) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        if self.stats.available:
+            log.warning("redis tier %s is down (%s); serving from local tiers", self.url, self.stats.last_error)
+            self.stats.down_since = self.clock()
+        self.stats.available = False
+        self._next_try = self.clock() + self.retry_s
+
+    def put_many(self, items: list[tuple[BlockHash, str, torch.Tensor]]) -> bool:
+        """SET with TTL for each (hash, layout_key, block). False when the tier is down (nothing stored)."""
+        if not items or not self._usable():
+            return False if items else True
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash, layout_key, block in items:
+                pipe.set(self._key(block_hash), encode_block(layout_key, block), ex=self.ttl_s)
+            pipe.execute()
+        except self._errors as exc:
+            self._failed(exc)
+            return False
+        self._ok()
+        self.stats.puts += len(items)
+        return True
+
+    def exists_many(self, hashes: list[BlockHash]) -> list[bool]:
+        if not hashes or not self._usable():
+            return [False] * len(hashes)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash in hashes:
+                pipe.exists(self._key(block_hash))
+            found = [bool(x) for x in pipe.execute()]
+        except self._errors as exc:
+            self._failed(exc)
+            return [False] * len(hashes)
+        self._ok()
+        return found
+
+    def get_many(self, hashes: list[BlockHash], layout_key: str) -> dict[BlockHash, torch.Tensor]:
+        """The blocks found, valid and of this layout; corrupt ones are deleted and counted."""
+        if not hashes or not self._usable():
+            return {}
+        try:
+            blobs = self._client.mget([self._key(h) for h in hashes])
+        except self._errors as exc:
+            self._failed(exc)
+            return {}
+        self._ok()
+        self.stats.gets += len(hashes)
+        found: dict[BlockHash, torch.Tensor] = {}
+        bad = []
+        for block_hash, blob in zip(hashes, blobs):
+            if blob is None:
+                continue
+            try:
+                key, block = decode_block(blob)
+            except ValueError as exc:
+                log.warning("redis tier: dropping block %s: %s", block_hash.hex(), exc)
+                self.stats.corrupt += 1
+                bad.append(block_hash)
+                continue
+            if key != layout_key:
+                self.stats.corrupt += 1
+                bad.append(block_hash)
+                continue
+            found[block_hash] = block
+        self.stats.hits += len(found)
+        if bad:
+            self.delete_many(bad)
+        return found
+
+    def delete_many(self, hashes: list[BlockHash]) -> None:
+        if not hashes or not self._usable():
+            return
+        try:
+            self._client.delete(*[self._key(h) for h in hashes])
+        except self._errors as exc:
+            self._failed(exc)
+            return
+        self._ok()
+
+    def ping(self) -> bool:
+        """Probe the server now (ignores the retry interval); updates availability."""
+        try:
+            self._client.ping()
+        except self._errors as exc:
+            self._failed(exc)
+            return False
+        self._ok()
+        return True
