@@ -468,3 +468,24 @@ def test_corrupt_redis_block_is_a_miss(redis_url):
         st.get(a.key, "t")
     assert st.stats().redis["corrupt"] >= 1
     ok(st)
+
+
+def test_model_kv_through_the_store_continues_exactly(tiny_source):
+    """extract -> put -> (evicted to CPU, promoted back) -> get -> to_cache -> generate == plain generate."""
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.selfcheck import check_tokens
+
+    lm = tiny_source
+    ids = check_tokens(lm, 100)
+    segment = kvcache.extract(lm.model, lm.spec, ids[:-2])
+    layout_bytes = segment.nbytes // segment.num_tokens * BS
+    st = PagedStore(StoreConfig(capacity_bytes=8 * layout_bytes, max_layouts=1, cpu_capacity_bytes=16 * layout_bytes,
+                                device="cpu"))
+    info = st.put(segment, "t")
+    st.put(kvcache.extract(lm.model, lm.spec, ids[:40].flip(0)), "t")  # pushes part of it down to the CPU tier
+    assert st.info(info.key, "t").tier == "mixed"
+    back = st.get(info.key, "t")
+    assert torch.equal(back.kv, segment.kv)
+    out = kvcache.generate(lm.model, lm.spec, back, ids[-2:], max_new_tokens=8, min_new_tokens=8)
+    assert torch.equal(out, kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=8, min_new_tokens=8))
+    ok(st)

@@ -116,7 +116,7 @@ class StoreStats:
     hit_tokens: int = 0
     puts: int = 0
     entries: int = 0
-    evictions: dict = field(default_factory=lambda: {"device": 0, "cpu": 0, "redis": 0})
+    evictions: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})  # blocks pushed down from each tier
     bytes_used: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})
     bytes_capacity: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})
     lost_entries: int = 0  # entries dropped because a block left the last tier
@@ -262,8 +262,7 @@ class PagedStore:
         if not below:
             return
         if self.redis is not None and self.redis.put_many(below):
-            self._stats.evictions["redis"] += 0  # demoted, not evicted: Redis expires blocks itself
-            return
+            return  # Redis expires blocks itself (TTL); its own evictions are not seen from here
         self._lose([h for h, _, _ in below])
 
     def _allocate(self, pool: BlockPool, n: int):
