@@ -9,10 +9,10 @@ bookkeeping right. Invariants (checked by `check`):
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
-
 from kvbridge.transfer.kv_blocks import Block, BlockHash, FreeBlockQueue
 
 
@@ -60,6 +60,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[BlockHash, Block] = {}
+        # The blocks live as long as the pool: keep the cyclic GC from walking a million of them on every pass.
+        gc.collect()
+        gc.freeze()
 
     @property
     def num_blocks(self) -> int:
@@ -71,9 +74,8 @@ class BlockPool:
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of blocks holding KV (cached or referenced)."""
-        used = sum(1 for b in self.blocks if b.block_hash is not None or b.ref_cnt > 0)
-        return used * self.layout.block_bytes
+        """Bytes of blocks holding KV. Between store operations every such block is indexed by its hash."""
+        return len(self.hash_to_block) * self.layout.block_bytes
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self.hash_to_block.get(block_hash)
@@ -145,20 +147,33 @@ class BlockPool:
         """block_ids: [n] -> [n, L, 2, H_kv, block_size, D] (a copy)."""
         return self.kv.index_select(0, block_ids.to(self.device))
 
-    def gather(self, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """One gather into the segment layout. block_ids: [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous."""
+    def gather(self, block_ids: torch.Tensor, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather blocks into the segment layout: block_ids [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous.
+
+        One index_select of the whole blocks written straight into the output (plus one copy of the partial tail
+        block), the same number of kernels whatever n is. `out` (contiguous, that shape and dtype, on the pool's
+        device) is filled instead of a fresh tensor: large fresh CPU allocations page-fault on first write.
+        """
         layout = self.layout
         n = block_ids.numel()
-        assert (n - 1) * layout.block_size < num_tokens <= n * layout.block_size, "token count does not fit blocks"
+        bs = layout.block_size
+        assert (n - 1) * bs < num_tokens <= n * bs, "token count does not fit blocks"
+        shape = (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
+        elif tuple(out.shape) != shape or out.dtype != self.kv.dtype or out.device != self.kv.device \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {self.kv.dtype} tensor of shape {shape} on {self.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
         view = self.kv.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, N, bs, D], no copy
         block_ids = block_ids.to(self.device)
-        if num_tokens == n * layout.block_size:
-            # whole blocks: index dim 3 once; the result is written once, contiguous, in [L, 2, H, n, bs, D]
-            out = view[:, :, :, block_ids]
-            return out.reshape(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim)
-        # a partial tail: index (block, offset) per token so the result is still one contiguous copy
-        t = torch.arange(num_tokens, device=self.device)
-        return view[:, :, :, block_ids[t // layout.block_size], t % layout.block_size]
+        full = num_tokens // bs  # whole blocks
+        if full:
+            dest = out[:, :, :, : full * bs].view(*shape[:3], full, bs, layout.head_dim)
+            torch.index_select(view, 3, block_ids[:full], out=dest)
+        if full < n:
+            out[:, :, :, full * bs:].copy_(view[:, :, :, block_ids[full], : num_tokens - full * bs])
+        return out
 
     def check(self) -> list[str]:
         """Violated invariants, in words (empty when all hold)."""
@@ -172,7 +187,8 @@ class BlockPool:
             elif seen_hashed_free:
                 problems.append(f"{self.layout.key}: empty free block {block.block_id} queued after cached ones")
         if len(queued) != self.free_queue.num_free:
-            problems.append(f"{self.layout.key}: free queue holds {len(queued)} blocks, counts {self.free_queue.num_free}")
+            problems.append(f"{self.layout.key}: free queue holds {len(queued)} blocks, "
+                            f"counts {self.free_queue.num_free}")
         for block in self.blocks:
             if (block.block_id in queued) == (block.ref_cnt > 0):
                 problems.append(f"{self.layout.key}: block {block.block_id} ref_cnt {block.ref_cnt} but "

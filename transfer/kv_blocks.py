@@ -80,12 +80,12 @@ def hash_chain(tokens: torch.Tensor, block_size: int, root: bytes, namespace_dig
     end = (tokens.numel() // block_size) * step if full_only else len(data)
     hashes: list[BlockHash] = []
     parent = root
-    full_len = struct.pack("<I", block_size)
+    full_suffix = namespace_digest + struct.pack("<I", block_size)  # made once: this is the per-block hot loop
     blake2b = hashlib.blake2b
     for start in range(0, end, step):
         chunk = data[start:start + step]
-        length = full_len if len(chunk) == step else struct.pack("<I", len(chunk) // 8)
-        parent = blake2b(parent + namespace_digest + length + chunk, digest_size=DIGEST_SIZE).digest()
+        suffix = full_suffix if len(chunk) == step else namespace_digest + struct.pack("<I", len(chunk) // 8)
+        parent = blake2b(parent + suffix + chunk, digest_size=DIGEST_SIZE).digest()
         hashes.append(parent)
     return hashes
 

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
 from kvbridge.transfer.block_pool import BlockPool, CapacityError, PoolLayout
 from kvbridge.transfer.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.segment import KVSegment
@@ -431,8 +430,9 @@ class PagedStore:
             self._stats.puts += 1
             return self._info(entry, new_blocks=len(missing))
 
-    def get(self, key: str, tenant: str) -> KVSegment:
-        """The stored segment (a contiguous copy on the store's device). Raises NotFound."""
+    def get(self, key: str, tenant: str, out: torch.Tensor | None = None) -> KVSegment:
+        """The stored segment (a contiguous copy on the store's device, or written into `out`, a contiguous
+        [L, 2, H_kv, T, D] tensor of the entry's dtype on that device). Raises NotFound."""
         with self._lock:
             self._expire()
             entry = self._entry_for(key, tenant)
@@ -445,7 +445,7 @@ class PagedStore:
                 self._remove_entry(entry, drop_remote=False)
                 raise NotFound(f"no entry {key!r}") from None
             try:
-                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), entry.token_ids.numel())
+                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), entry.token_ids.numel(), out=out)
             finally:
                 pool.unref(blocks)
             entry.last_access = self.clock()
@@ -479,11 +479,14 @@ class PagedStore:
             hashes = hash_chain(token_ids, self.config.block_size, chain_root(digest, "prefix"), digest,
                                 full_only=True)
             found, tiers = 0, set()
-            for h in hashes:
-                tier = self._tier_of(pool, h)
-                if tier is None:
+            on_device = pool.hash_to_block if pool is not None else {}
+            for h in hashes:  # the hot loop: a dict probe per block, the CPU tier only on a device miss
+                if h in on_device:
+                    tiers.add("device")
+                elif self.cpu is not None and h in self.cpu:
+                    tiers.add("cpu")
+                else:
                     break
-                tiers.add(tier)
                 found += 1
             if found < len(hashes) and self.redis is not None:
                 in_redis = self.redis.exists_many(hashes[found:])

@@ -1,0 +1,418 @@
+"""Paged-store benchmarks: each line is a ratio against a baseline measured in the same run, on the machine named
+in the header (STYLE rule 9). The two sides of a ratio are interleaved over several rounds and each reported
+time is a median, because other processes share the machine.
+
+    .venv/bin/python bench/bench_store.py [--quick]
+
+1. get: `PagedStore.get` of one entry vs `dst.copy_(src)` of the same bytes (GB/s), real small-preset layouts.
+2. lookup: `PagedStore.lookup` of a long cached prefix with >= 1M blocks indexed (us per block), and the share
+   of it spent in `hash_chain`.
+3. bytes: device bytes held per stored token vs the exact KV size, without and with shared prefixes.
+4. redis: `RedisTier.put_many` / `get_many` vs raw redis-py pipelined SET / MGET of the same sizes (MB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kvbridge.transfer.block_pool import PoolLayout
+from kvbridge.transfer.kv_blocks import Namespace, chain_root, hash_chain
+from kvbridge.transfer.models import prepare_gguf, resolve_device
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity, config_hash
+from kvbridge.transfer.store import PagedStore, StoreConfig
+from kvbridge.transfer.tiers import RedisTier
+
+TENANT = "bench"
+BLOCK_SIZE = 16  # StoreConfig's default
+DTYPE = torch.bfloat16  # the production KV dtype
+SMALL_SOURCE = "gemma-3-270m-q4_k_m"
+SMALL_TARGET = "smollm2-135m-instruct-q4_1"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each benchmark is; --quick shrinks all of them (a smoke run in well under a minute)."""
+
+    get_rounds: int
+    get_inner: int
+    lookup_entries: int
+    lookup_blocks_per_entry: int
+    lookup_rounds: int
+    bytes_entries: int
+    bytes_max_tokens: int
+    shared_entries: int
+    shared_max_suffix: int
+    redis_blocks: int
+    redis_rounds: int
+
+
+FULL = Sizes(get_rounds=15, get_inner=3, lookup_entries=250, lookup_blocks_per_entry=4096, lookup_rounds=15,
+             bytes_entries=200, bytes_max_tokens=3000, shared_entries=100, shared_max_suffix=2000,
+             redis_blocks=512, redis_rounds=7)
+QUICK = Sizes(get_rounds=5, get_inner=2, lookup_entries=16, lookup_blocks_per_entry=1024, lookup_rounds=5,
+              bytes_entries=24, bytes_max_tokens=1000, shared_entries=12, shared_max_suffix=500,
+              redis_blocks=128, redis_rounds=2)
+REDIS_BATCH = 64
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_line(device: torch.device, mode: str) -> str:
+    dev = str(device)
+    if device.type == "cuda":
+        dev += f" ({torch.cuda.get_device_name(device)})"
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"machine: {platform.node()} | CPU {cpu_model()} x {os.cpu_count()} cores | torch {torch.__version__} "
+            f"(intra-op threads: {torch.get_num_threads()}) | device {dev} | python {platform.python_version()} | "
+            f"load average {load} at start | {mode} run")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, inner: int,
+                device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each fn. Every round runs each fn `inner` times; the order alternates between
+    rounds, so drift in the machine's load hits both sides of a ratio alike."""
+    for fn in fns.values():  # warm-up: allocator, caches, lazy imports
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            fn = fns[name]
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def verdict(ok: bool) -> str:
+    return "meets goal" if ok else "BELOW GOAL"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One real model's KV layout, read from its converted config."""
+
+    role: str  # "source" | "target" of the small preset
+    identity: ModelIdentity
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE.itemsize
+
+    def describe(self) -> str:
+        return (f"{self.identity.name} ({self.role}) L={self.num_layers} H_kv={self.num_kv_heads} "
+                f"D={self.head_dim} bf16")
+
+
+def small_layout(role: str, name: str) -> KVLayout:
+    from transformers import AutoConfig
+
+    folder = prepare_gguf(name)  # converted once per machine; a few seconds when already there
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return KVLayout(role, ModelIdentity(name, config_hash(config)), text.num_hidden_layers,
+                    text.num_key_value_heads, head_dim)
+
+
+def segment(layout: KVLayout, kv: torch.Tensor, tokens: torch.Tensor) -> KVSegment:
+    # kv: [L, 2, H_kv, T, D]; tokens: [T]
+    return KVSegment(kv=kv, token_ids=tokens, positions=torch.arange(tokens.numel()), model=layout.identity,
+                     rotated=True)
+
+
+def store_for(blocks: int, block_bytes: int, device: torch.device) -> PagedStore:
+    """A store whose one layout pool holds exactly `blocks` blocks (no evictions in these benchmarks)."""
+    return PagedStore(StoreConfig(capacity_bytes=blocks * block_bytes, max_layouts=1, block_size=BLOCK_SIZE,
+                                  device=str(device)))
+
+
+def pool_layout(layout: KVLayout) -> PoolLayout:
+    return PoolLayout(model=layout.identity.key, dtype="bfloat16", num_layers=layout.num_layers,
+                      num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, block_size=BLOCK_SIZE)
+
+
+# ---------------------------------------------------------------------------------------------------- 1. get
+
+
+def bench_get(layout: KVLayout, num_tokens: int, sizes: Sizes, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim, generator=gen).to(DTYPE)
+    tokens = torch.randint(0, 200_000, (num_tokens,), generator=gen)
+    blocks = -(-num_tokens // BLOCK_SIZE)
+    st = store_for(blocks, pool_layout(layout).block_bytes, device)
+    key = st.put(segment(layout, kv, tokens), TENANT).key
+    if not torch.equal(st.get(key, TENANT).kv.cpu(), kv):
+        raise AssertionError(f"get of {layout.identity.name} ({num_tokens} tokens) did not return what was put")
+    src = kv.to(device)
+    dst = torch.empty_like(src)
+    out = torch.empty_like(src)
+    times = interleaved({"get": lambda: st.get(key, TENANT, out=out), "copy": lambda: dst.copy_(src),
+                         "get fresh": lambda: st.get(key, TENANT), "clone": lambda: src.clone()},
+                        sizes.get_rounds, sizes.get_inner, device)
+    nbytes = kv.numel() * kv.element_size()
+    gbs = {name: nbytes / t / 1e9 for name, t in times.items()}
+    ratio = times["copy"] / times["get"]
+    fresh = times["clone"] / times["get fresh"]
+    tail = "full blocks" if num_tokens % BLOCK_SIZE == 0 else f"partial tail of {num_tokens % BLOCK_SIZE}"
+    print(f"get     {layout.describe()}, {num_tokens} tokens ({tail}, {nbytes / 1e6:.1f} MB): "
+          f"get into a buffer {gbs['get']:.2f} GB/s, copy_ {gbs['copy']:.2f} GB/s -> ratio get/copy {ratio:.2f} "
+          f"(goal >= 0.8, {verdict(ratio >= 0.8)}); into a fresh tensor: get {gbs['get fresh']:.2f} GB/s, "
+          f"clone {gbs['clone']:.2f} GB/s -> ratio {fresh:.2f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- 2. lookup
+
+
+def bench_lookup(sizes: Sizes, device: torch.device) -> None:
+    # A tiny layout so a million blocks stay small: one block is 1 x 2 x 1 x 16 x 2 float16 = 128 bytes.
+    model = ModelIdentity("bench-tiny", "0" * 64)
+    layout = PoolLayout(model=model.key, dtype="float16", num_layers=1, num_kv_heads=1, head_dim=2,
+                        block_size=BLOCK_SIZE)
+    n_entries, per_entry = sizes.lookup_entries, sizes.lookup_blocks_per_entry
+    num_tokens = per_entry * BLOCK_SIZE
+    st = store_for(n_entries * per_entry, layout.block_bytes, device)
+    kv = torch.zeros(1, 2, 1, num_tokens, 2, dtype=torch.float16)  # content does not matter to lookup
+    positions = torch.arange(num_tokens)
+    gen = torch.Generator().manual_seed(2)
+    t0 = time.perf_counter()
+    for _ in range(n_entries):
+        tokens = torch.randint(0, 2**31 - 1, (num_tokens,), generator=gen)
+        st.put(KVSegment(kv=kv, token_ids=tokens, positions=positions, model=model, rotated=True), TENANT)
+    fill_s = time.perf_counter() - t0
+    pool = next(iter(st.pools.values()))
+    t0 = time.perf_counter()
+    stats = st.stats()
+    stats_s = time.perf_counter() - t0
+    indexed = len(pool.hash_to_block)
+    if stats.entries != n_entries or stats.evictions["device"] or indexed != n_entries * per_entry:
+        raise AssertionError(f"lookup store not filled as planned: {stats.entries} entries, {indexed} blocks "
+                             f"indexed, {stats.evictions['device']} evictions")
+    print(f"lookup  fill: {n_entries} entries x {per_entry} blocks = {indexed:,} blocks indexed "
+          f"(pool {pool.num_blocks:,} blocks of {layout.block_bytes} B) in {fill_s:.1f} s "
+          f"({fill_s / n_entries * 1e3:.1f} ms per put of {num_tokens} tokens); one stats() call "
+          f"{stats_s * 1e3:.0f} ms", flush=True)
+
+    exact = tokens  # the last entry stored
+    prefix = torch.cat([tokens, torch.arange(BLOCK_SIZE // 2)])  # not an entry: walks the chain, all full blocks hit
+    diverge = tokens.clone()
+    diverge[-1] += 1  # the last block's hash differs: per_entry - 1 blocks hit
+    expected = {"exact": num_tokens, "prefix": num_tokens, "diverge": num_tokens - BLOCK_SIZE}
+    queries = {"exact": exact, "prefix": prefix, "diverge": diverge}
+    for name, query in queries.items():
+        found = st.lookup(query, TENANT, model, "float16").num_tokens
+        if found != expected[name]:
+            raise AssertionError(f"lookup ({name}) found {found} tokens, expected {expected[name]}")
+    ns = Namespace(tenant=TENANT, model=model.key, dtype="float16")
+    digest = ns.digest()
+    root = chain_root(digest, "prefix")
+    fns = {name: (lambda q=q: st.lookup(q, TENANT, model, "float16")) for name, q in queries.items()}
+    fns["hash_chain"] = lambda: hash_chain(prefix, BLOCK_SIZE, root, digest, full_only=True)
+    times = interleaved(fns, sizes.lookup_rounds, 3, device)
+    us = {name: t / per_entry * 1e6 for name, t in times.items()}
+    print(f"lookup  {per_entry}-block ({num_tokens}-token) cached prefix, {indexed:,} blocks indexed: "
+          f"{us['prefix']:.2f} us/block (diverging in the last block {us['diverge']:.2f}, exact entry key "
+          f"{us['exact']:.2f}) (goal <= 2 us/block, {verdict(max(us['prefix'], us['diverge']) <= 2)})", flush=True)
+    share = times["hash_chain"] / times["prefix"]
+    print(f"lookup  hashing share: hash_chain alone {us['hash_chain']:.2f} us/block -> ratio hash_chain/lookup "
+          f"{share:.2f} (no goal: the rest is index probes and the content-key hash)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- 3. bytes
+
+
+def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    bpt = layout.bytes_per_token
+    block_bytes = pool_layout(layout).block_bytes
+
+    # no shared prefixes: random tokens, so no two entries share a first block
+    lengths = [rng.randint(1, sizes.bytes_max_tokens) for _ in range(sizes.bytes_entries)]
+    blocks = sum(-(-n // BLOCK_SIZE) for n in lengths)
+    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, max(lengths), layout.head_dim,
+                     generator=gen).to(DTYPE)
+    st = store_for(blocks, block_bytes, device)
+    for n in lengths:
+        info = st.put(segment(layout, kv[:, :, :, :n], torch.randint(0, 200_000, (n,), generator=gen)), TENANT)
+        if info.new_blocks != info.num_blocks:
+            raise AssertionError("random entries unexpectedly shared a block")
+    stats = st.stats()
+    tokens = sum(lengths)
+    held = stats.bytes_used["device"] / (tokens * bpt)
+    expected = blocks * BLOCK_SIZE / tokens
+    print(f"bytes   no shared prefixes: {len(lengths)} entries of 1-{sizes.bytes_max_tokens} tokens, {tokens:,} tokens "
+          f"of {layout.describe()} ({tokens * bpt / 1e9:.2f} GB exact KV): ratio held/exact {held:.4f}, "
+          f"expected from partial tail blocks {expected:.4f} (goal: equal, {verdict(abs(held - expected) < 1e-9)})",
+          flush=True)
+    del st, kv
+    gc.collect()
+
+    # shared prefixes: every entry starts with the same 1024 tokens (64 full blocks, stored once)
+    shared = 1024
+    suffixes = [rng.randint(1, sizes.shared_max_suffix) for _ in range(sizes.shared_entries)]
+    blocks = shared // BLOCK_SIZE + sum(-(-n // BLOCK_SIZE) for n in suffixes)
+    head = torch.randint(0, 200_000, (shared,), generator=gen)
+    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, shared + max(suffixes), layout.head_dim,
+                     generator=gen).to(DTYPE)
+    st = store_for(blocks, block_bytes, device)
+    stored_tokens = 0
+    for n in suffixes:
+        ids = torch.cat([head, torch.randint(0, 200_000, (n,), generator=gen)])
+        st.put(segment(layout, kv[:, :, :, :shared + n], ids), TENANT)
+        stored_tokens += shared + n
+    distinct = shared + sum(suffixes)
+    used = st.stats().bytes_used["device"]
+    held = used / (distinct * bpt)
+    expected = blocks * BLOCK_SIZE / distinct
+    print(f"bytes   shared {shared}-token prefix: {len(suffixes)} entries + 1-{sizes.shared_max_suffix} tokens each, "
+          f"{stored_tokens:,} tokens stored, {distinct:,} distinct: ratio held/exact-distinct {held:.4f}, expected "
+          f"from partial tail blocks {expected:.4f} (goal: equal, {verdict(abs(held - expected) < 1e-9)}; "
+          f"held/all-stored {used / (stored_tokens * bpt):.4f})", flush=True)
+    del st, kv
+    gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------------- 4. redis
+
+
+def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
+    import redis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from redisproc import RedisProcess, redis_available
+
+    if not redis_available():
+        print("redis   skipped: no redis-server (or valkey-server) on PATH; install it (apt-get install redis-server)",
+              flush=True)
+        return
+    n = sizes.redis_blocks
+    gen = torch.Generator().manual_seed(4)
+    pl = pool_layout(layout)
+    blocks = torch.randn(n, *pl.block_shape, generator=gen).to(DTYPE)  # [n, L, 2, H_kv, bs, D]
+    hashes = [bytes(torch.randint(0, 256, (16,), dtype=torch.uint8, generator=gen).tolist()) for _ in range(n)]
+    raw_values = [b.view(torch.uint8).numpy().tobytes() for b in blocks]  # the same sizes, as plain bytes
+    raw_keys = [b"bench:raw:" + h.hex().encode() for h in hashes]
+    batches = [range(i, min(i + REDIS_BATCH, n)) for i in range(0, n, REDIS_BATCH)]
+
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-redis-") as tmp:
+        server = RedisProcess(Path(tmp))
+        server.start()
+        try:
+            tier = RedisTier(server.url, ttl_s=3600, timeout_s=30.0)
+            client = redis.Redis.from_url(server.url, socket_timeout=30.0)
+            version = client.info("server").get("redis_version", "?")
+
+            def tier_put():
+                for batch in batches:
+                    if not tier.put_many([(hashes[i], pl.key, blocks[i]) for i in batch]):
+                        raise AssertionError(f"RedisTier.put_many failed: {tier.stats.last_error}")
+
+            def tier_get():
+                for batch in batches:
+                    found = tier.get_many([hashes[i] for i in batch], pl.key)
+                    if len(found) != len(batch):
+                        raise AssertionError(f"RedisTier.get_many found {len(found)} of {len(batch)} blocks")
+
+            def raw_put():
+                for batch in batches:
+                    pipe = client.pipeline(transaction=False)
+                    for i in batch:
+                        pipe.set(raw_keys[i], raw_values[i], ex=3600)
+                    pipe.execute()
+
+            def raw_get():
+                for batch in batches:
+                    values = client.mget([raw_keys[i] for i in batch])
+                    if any(v is None for v in values):
+                        raise AssertionError("raw MGET missed a key")
+
+            tier_put()
+            if not torch.equal(tier.get_many(hashes[:1], pl.key)[hashes[0]], blocks[0]):
+                raise AssertionError("RedisTier round trip changed a block")
+            # puts first (each round overwrites the same keys), then gets of what is there
+            put_t = interleaved({"tier": tier_put, "raw": raw_put}, sizes.redis_rounds, 1, device)
+            get_t = interleaved({"tier": tier_get, "raw": raw_get}, sizes.redis_rounds, 1, device)
+        finally:
+            server.stop()
+    total = n * pl.block_bytes
+    for op, t in (("put", put_t), ("get", get_t)):
+        tier_mbs, raw_mbs = total / t["tier"] / 1e6, total / t["raw"] / 1e6
+        raw_op = "pipelined SET ex=" if op == "put" else "MGET"
+        print(f"redis   {op} {n} blocks of {layout.describe()} ({pl.block_bytes / 1e3:.0f} kB each) in batches of "
+              f"{REDIS_BATCH}, redis-server {version} on loopback: RedisTier.{op}_many {tier_mbs:.0f} MB/s, raw "
+              f"{raw_op} {raw_mbs:.0f} MB/s -> ratio tier/raw {tier_mbs / raw_mbs:.2f} (goal: near 1, the "
+              f"cost of encoding and checksums)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run in well under a minute")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared machine, OpenMP threads waiting at a "
+                             "barrier for a descheduled sibling turn millisecond copies into stalls of up to a second)")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    device = resolve_device("auto")
+    started = time.perf_counter()
+    print(machine_line(device, "quick" if args.quick else "full"), flush=True)
+    source = small_layout("source", SMALL_SOURCE)
+    target = small_layout("target", SMALL_TARGET)
+    print(f"layouts: {source.describe()}, {source.bytes_per_token} B/token; {target.describe()}, "
+          f"{target.bytes_per_token} B/token; blocks of {BLOCK_SIZE} tokens; times are medians of interleaved rounds",
+          flush=True)
+    for layout in (source, target):
+        for num_tokens in (2048, 2047):
+            bench_get(layout, num_tokens, sizes, device)
+    gc.collect()
+    bench_lookup(sizes, device)
+    gc.collect()  # the million-block store
+    bench_bytes(source, sizes, device)
+    bench_redis(source, sizes, device)
+    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""bench/bench_store.py --quick runs to the end and prints its four benchmarks. No timing is asserted (STYLE 9):
+the numbers belong to the machine that printed them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_store.py"
+# each benchmark's lines start with its tag; among them, its ratio and its goal
+BENCHMARKS = ("get", "lookup", "bytes", "redis")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_store_quick_runs_and_prints_every_benchmark(tmp_path):
+    from redisproc import redis_available
+
+    if not redis_available():
+        pytest.fail("no redis-server (or valkey-server) on PATH: the bench's Redis line needs a real one. "
+                    "Install it with apt-get install redis-server.")
+    # a few seconds of work; the bound leaves room for converting the packaged models on a fresh machine
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=BENCH.parents[1], capture_output=True,
+                          text=True, timeout=600, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = out.splitlines()
+    assert lines and lines[0].startswith("machine: "), out
+    assert "quick run" in lines[0] and "device " in lines[0] and "torch " in lines[0], lines[0]
+    for tag in BENCHMARKS:
+        mine = [line for line in lines if line.split(" ", 1)[0] == tag]
+        assert any("ratio" in line for line in mine), f"no {tag!r} ratio line in:\n{out}"
+        assert any("goal" in line for line in mine), f"no {tag!r} goal in:\n{out}"
+    assert "skipped" not in out, out
+    assert lines[-1].startswith("done in "), out
