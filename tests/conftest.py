@@ -37,9 +37,8 @@ def smollm2():
 
 
 def _packaged_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
     from kvbridge.transfer.models import prepare_gguf
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(prepare_gguf(name), local_files_only=True)
 

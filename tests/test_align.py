@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, normalizers
-from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
-
 from kvbridge.transfer.align import AlignKind, Alignment, TokenizedText, align_text, align_tokens, tokenize
 from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+from tokenizers import Tokenizer, normalizers
+from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
 EXACT, FALLBACK, SPECIAL, UNMAPPED = AlignKind.EXACT, AlignKind.FALLBACK, AlignKind.SPECIAL, AlignKind.UNMAPPED
 PYDOC_SUMMARIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pydoc_summaries.jsonl"

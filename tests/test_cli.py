@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import zoo
-
 from kvbridge.server.cli import main
 
 KVBRIDGE = Path(sys.executable).parent / "kvbridge"

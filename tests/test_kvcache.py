@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
-from transformers import DynamicCache
-
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.selfcheck import check_inject, check_real_shift, check_tokens, sample_text
 from kvbridge.transfer.spec import ModelIdentity
+from transformers import DynamicCache
 
 
 def ids_for(lm, n, seed=0):

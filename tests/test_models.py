@@ -7,11 +7,19 @@ import json
 import pytest
 import torch
 import zoo
-
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.models import (PACKAGED, attention_implementation, converted_path, kvbridge_home, load_model,
-                                      model_from_config_file, prepare_gguf, random_model, resolve_device,
-                                      resolve_dtype)
+from kvbridge.transfer.models import (
+    PACKAGED,
+    attention_implementation,
+    converted_path,
+    kvbridge_home,
+    load_model,
+    model_from_config_file,
+    prepare_gguf,
+    random_model,
+    resolve_device,
+    resolve_dtype,
+)
 from kvbridge.transfer.presets import load_pair, tiny_source
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import redis
-
 from redisproc import RedisProcess
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,6 @@ import torch
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvbridge.transfer.models import random_model
 from kvbridge.transfer.rope import rotate, rotate_half, unrotate
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 

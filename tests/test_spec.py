@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import zoo
-from transformers import Qwen2Config
-
 from kvbridge.transfer.models import random_model
 from kvbridge.transfer.spec import config_hash
+from transformers import Qwen2Config
 
 
 def test_tiny_qwen2_spec():

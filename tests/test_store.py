@@ -8,9 +8,8 @@ import threading
 
 import pytest
 import torch
-
 from kvbridge.transfer.block_pool import CapacityError
-from kvbridge.transfer.kv_blocks import FreeBlockQueue, Block, Namespace, chain_root, hash_block, hash_chain
+from kvbridge.transfer.kv_blocks import Block, FreeBlockQueue, Namespace, chain_root, hash_block, hash_chain
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
@@ -434,7 +433,7 @@ def test_replicas_share_blocks_through_redis(redis_url):
 def test_redis_down_then_back(redis_server):
     clock = Clock()
     st = store(blocks=4, cpu_blocks=1, redis_url=redis_server.url, clock=clock, redis_retry_s=5)
-    local = st.put(seg(range(32)), "t")
+    st.put(seg(range(32)), "t")
     redis_server.kill()
     far = st.put(seg(range(100, 164)), "t")  # evicts local's blocks; Redis is down
     s = st.stats()

@@ -9,7 +9,6 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvbridge.transfer.tiny_tokenizers import TINY_TOKENIZER_KINDS, build_tiny_tokenizer, tiny_corpus_text
 
 HASH_SCRIPT = """
@@ -20,8 +19,8 @@ print(json.dumps({kind: hashlib.sha256(build_tiny_tokenizer(kind).backend_tokeni
 """
 
 # Spacing, byte-fallback and special-token text mixed in more often than st.text() finds them.
-FRAGMENTS = [" ", "  ", "\n", "\t", "a", "The", " value", "é", "e\u0301", "日本語", "😀", "👩\u200d💻", "▁", "<s>", "</s>",
-             "<|endoftext|>"]  # fmt: skip
+FRAGMENTS = [" ", "  ", "\n", "\t", "a", "The", " value", "é", "e\u0301", "日本語", "😀", "👩\u200d💻", "▁",
+             "<s>", "</s>", "<|endoftext|>"]  # fmt: skip
 mixed_text = st.one_of(st.text(max_size=60), st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
 
 

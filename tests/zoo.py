@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from transformers import (CohereConfig, GPT2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
-                          Qwen2Config, Qwen3Config)
+from functools import cache
 
 from kvbridge.transfer.models import LoadedModel, random_model
+from transformers import (
+    CohereConfig,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               initializer_range=0.2)
@@ -53,6 +60,6 @@ def non_rope_configs() -> dict:
             "cohere-interleaved": CohereConfig(**COMMON, num_hidden_layers=2, max_position_embeddings=4096)}
 
 
-@lru_cache(maxsize=None)
+@cache
 def build(name: str, seed: int = 0) -> LoadedModel:
     return random_model(configs()[name], name, seed=seed, device="cpu")

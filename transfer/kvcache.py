@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-from transformers import DynamicCache
-
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelSpec
+from torch import nn
+from transformers import DynamicCache
 
 
 def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from kvbridge.transfer.rope import ModelRope
+from kvbridge.transfer.spec import ModelSpec, read_spec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.utils import logging as hf_logging
-
-from kvbridge.transfer.rope import ModelRope
-from kvbridge.transfer.spec import ModelSpec, read_spec
 
 log = logging.getLogger(__name__)
 

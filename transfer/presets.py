@@ -7,10 +7,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import Phi3Config, Qwen2Config
-
 from kvbridge.transfer.models import LoadedModel, load_model, load_packaged, random_model
 from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+from transformers import Phi3Config, Qwen2Config
 
 DEFAULT_PRESET = "small"
 TINY_SEED = 0

@@ -14,9 +14,8 @@ import inspect
 import sys
 
 import torch
-from torch import nn
-
 from kvbridge.transfer.spec import ModelSpec, RopeSpec, find_rotary_module
+from torch import nn
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +110,8 @@ class ModelRope:
             if err > atol:
                 raise ValueError(
                     f"model {self.spec.name!r} layer {layer}: its RoPE does not follow the rotate_half convention "
-                    f"kvbridge implements (max difference {err:.3g} on random keys); re-rotating its keys would be wrong"
+                    f"kvbridge implements (max difference {err:.3g} on random keys); re-rotating its keys would be "
+                    "wrong"
                 )
             worst = max(worst, err)
         return worst
@@ -169,7 +169,8 @@ class ModelRope:
         Unrotate then rotate, which is exact for every scaling type (for plain RoPE it equals one rotation by Δ).
         """
         if positions.shape != new_positions.shape:
-            raise ValueError(f"positions {tuple(positions.shape)} and new_positions {tuple(new_positions.shape)} differ")
+            raise ValueError(f"positions {tuple(positions.shape)} and new_positions "
+                             f"{tuple(new_positions.shape)} differ")
         if self.layer_rope(layer) is None:
             return x
         return self.rotate(self.unrotate(x, layer, positions), layer, new_positions)
@@ -199,7 +200,8 @@ class ModelRope:
     def shift_all(self, keys: torch.Tensor, positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
         """keys: [L, H, T, D] rotated at positions [T] -> rotated at new_positions [T]."""
         if positions.shape != new_positions.shape:
-            raise ValueError(f"positions {tuple(positions.shape)} and new_positions {tuple(new_positions.shape)} differ")
+            raise ValueError(f"positions {tuple(positions.shape)} and new_positions "
+                             f"{tuple(new_positions.shape)} differ")
 
         def move(k: torch.Tensor, rope: RopeSpec, layer: int) -> torch.Tensor:
             return rotate(unrotate(k, *self._tables(rope, layer, positions)), *self._tables(rope, layer, new_positions))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
 from kvbridge.transfer.spec import ModelIdentity
 
 

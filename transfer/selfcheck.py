@@ -7,7 +7,6 @@ import importlib.resources
 from dataclasses import dataclass
 
 import torch
-
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import rotate, unrotate

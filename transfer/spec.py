@@ -178,7 +178,8 @@ def _read_rope(config: PretrainedConfig, name: str, layer: int, layer_type: str,
     scaling = float(cos[0, 0, 0])  # cos(0) * attention_scaling
     if rotary_dim % 2:
         raise ValueError(f"model {name!r} layer {layer}: odd rotary dimension {rotary_dim}")
-    original_max = int(params.get("original_max_position_embeddings", getattr(config, "max_position_embeddings", 0) or 0))
+    default_max = getattr(config, "max_position_embeddings", 0) or 0
+    original_max = int(params.get("original_max_position_embeddings", default_max))
     rest = tuple(sorted((k, json.dumps(v, default=str)) for k, v in params.items()
                         if k not in ("rope_type", "type", "rope_theta")))
     return RopeSpec(rope_type=str(rope_type), base=float(base), rotary_dim=rotary_dim,
