@@ -69,6 +69,12 @@ def cmd_models_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_adapter(args: argparse.Namespace) -> int:
+    from kvbridge.adapters.cli import main as train_main
+
+    return train_main(args.rest, prog="kvbridge train-adapter")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.transfer.presets import PRESETS
 
@@ -95,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     _add_model_args(p)
     p.set_defaults(func=cmd_models_info)
+    p = sub.add_parser("train-adapter", help="fit a projection adapter (same as the train-adapter command)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_train_adapter)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""The projection adapter: per target layer j, a convex mix of source layers S(j), then linear K and V maps
+d_s -> d_t with bias. Keys are mapped un-rotated: un-rotate with the source RoPE at the source positions, map,
+rotate with the target RoPE of layer j at the target positions.
+
+Shapes (L = layers, H = KV heads, D = head_dim, d = H * D, T = tokens, k = source layers per target layer):
+  layer_map [L_t, k] int64;  mix_k, mix_v [L_t, k] float32 (convex weights: rows sum to 1)
+  wk, wv [L_t, d_s, d_t];    bk, bv [L_t, d_t]
+  start_kv [L_t, 2, H_t, D_t] or None: the target's own KV of its start token at position 0 (exact)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from kvbridge.transfer.align import AlignKind, Alignment
+from kvbridge.transfer.rope import ModelRope
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelSpec
+
+FORMAT_VERSION = 1
+
+
+def rope_record(spec: ModelSpec) -> list[dict | None]:
+    """Per-layer RoPE of a spec as plain data (for the adapter's metadata and its compatibility check)."""
+    out = []
+    for layer in spec.layers:
+        r = layer.rope
+        out.append(None if r is None else {
+            "type": r.rope_type, "base": r.base, "rotary_dim": r.rotary_dim, "scaling": r.attention_scaling,
+            "parameters": [list(p) for p in r.parameters]})
+    return out
+
+
+@dataclass
+class AdapterMeta:
+    """What an adapter maps between and how it was made; saved as JSON beside the tensors."""
+
+    source: dict  # {"name", "config_hash", "num_layers", "num_kv_heads", "head_dim", "rope": [...]}
+    target: dict  # the same for the target
+    layer_map: str  # strategy name ("proportional", "nearest", "last-aligned", "mix")
+    start_token: int | None  # target token whose exact KV is start_kv (prepended to every projected context)
+    format_version: int = FORMAT_VERSION
+    lambdas: dict = field(default_factory=dict)  # {"k": [L_t], "v": [L_t]} ridge λ chosen per layer
+    corpus: dict = field(default_factory=dict)  # {"sha256", "windows", "tokens", "files"}
+    metrics: dict = field(default_factory=dict)  # held-out R², cosine, recovery, ...
+    version: str = "1"  # bumped by whoever retrains under the same name
+
+
+def model_record(spec: ModelSpec) -> dict:
+    return {"name": spec.name, "config_hash": spec.identity.config_hash, "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rope": rope_record(spec)}
+
+
+@dataclass
+class Adapter:
+    meta: AdapterMeta
+    layer_map: torch.Tensor  # [L_t, k] int64
+    mix_k: torch.Tensor  # [L_t, k] float32, convex weights of the source layers for the K map
+    mix_v: torch.Tensor  # [L_t, k] float32, the same for the V map
+    wk: torch.Tensor  # [L_t, d_s, d_t]
+    bk: torch.Tensor  # [L_t, d_t]
+    wv: torch.Tensor  # [L_t, d_s, d_t]
+    bv: torch.Tensor  # [L_t, d_t]
+    start_kv: torch.Tensor | None = None  # [L_t, 2, H_t, D_t]
+
+    def __post_init__(self):
+        s, t = self.meta.source, self.meta.target
+        d_s = s["num_kv_heads"] * s["head_dim"]
+        d_t = t["num_kv_heads"] * t["head_dim"]
+        lt = t["num_layers"]
+        k = self.layer_map.shape[1] if self.layer_map.ndim == 2 else -1
+        expect = {"layer_map": (lt, k), "mix_k": (lt, k), "mix_v": (lt, k), "wk": (lt, d_s, d_t), "wv": (lt, d_s, d_t),
+                  "bk": (lt, d_t), "bv": (lt, d_t)}
+        for name, shape in expect.items():
+            if tuple(getattr(self, name).shape) != shape:
+                got = tuple(getattr(self, name).shape)
+                raise ValueError(f"adapter tensor {name} has shape {got}, expected {shape} "
+                                 f"for {s['name']} -> {t['name']}")
+        if int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= s["num_layers"]:
+            raise ValueError(f"adapter layer_map refers to source layers outside [0, {s['num_layers']})")
+        if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
+            raise ValueError(f"adapter start_kv has shape {tuple(self.start_kv.shape)}, expected "
+                             f"{(lt, 2, t['num_kv_heads'], t['head_dim'])}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.meta.source['name']}->{self.meta.target['name']}"
+
+    def to(self, device: torch.device | str) -> "Adapter":
+        move = {n: getattr(self, n).to(device) for n in ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")}
+        start = self.start_kv.to(device) if self.start_kv is not None else None
+        return Adapter(meta=self.meta, start_kv=start, **move)
+
+    def check_models(self, source: ModelSpec, target: ModelSpec) -> None:
+        """Raise ValueError unless these are the models (config and RoPE) the adapter was fitted for."""
+        for role, spec, rec in (("source", source, self.meta.source), ("target", target, self.meta.target)):
+            if spec.identity.config_hash != rec["config_hash"]:
+                raise ValueError(f"adapter {self.name!r} was fitted for {role} {rec['name']!r} (config "
+                                 f"{rec['config_hash'][:16]}), not {spec.name!r} "
+                                 f"(config {spec.identity.config_hash[:16]})")
+            got = model_record(spec)
+            for key in ("num_layers", "num_kv_heads", "head_dim", "rope"):
+                if got[key] != rec[key]:
+                    raise ValueError(f"adapter {self.name!r}: {role} {key} differs from the model's ({spec.name!r})")
+
+
+def has_text_source(kind: torch.Tensor) -> torch.Tensor:
+    """kind: Alignment.kind [T_t] -> [T_t] bool, True where a source text token covers the target token."""
+    return (kind == AlignKind.EXACT) | (kind == AlignKind.FALLBACK)
+
+
+def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linear part, batched over target layers.
+
+    xk, xv: [L_s, T, d_s] un-rotated source keys / values (already gathered to target tokens)
+    returns yk, yv: [L_t, T, d_t] un-rotated target keys / values
+    """
+    work = torch.float32 if accumulate_fp32 else xk.dtype
+    out = []
+    for x, mix, w, b in ((xk, adapter.mix_k, adapter.wk, adapter.bk), (xv, adapter.mix_v, adapter.wv, adapter.bv)):
+        x = x.to(work)
+        sel = x[adapter.layer_map]  # [L_t, k, T, d_s]
+        mixed = torch.einsum("lk,lktd->ltd", mix.to(work), sel)  # [L_t, T, d_s]
+        out.append(torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work)))  # [L_t, T, d_t]
+    return out[0], out[1]
+
+
+def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_ids: torch.Tensor,
+            source_rope: ModelRope, target_rope: ModelRope, offset: int = 0, dtype: torch.dtype | None = None,
+            accumulate_fp32: bool = True) -> KVSegment:
+    """Project a source segment into the target's KV space: one position per target token.
+
+    segment: source KV, rotated, [L_s, 2, H_s, T_s, D_s]; alignment: target -> source token indices ([T_t]);
+    target_ids: [T_t]. The result sits at target positions offset .. offset + T_t - 1, rotated, in `dtype`
+    (default: the segment's). The target's start token (when not covered by source text) takes its exact stored
+    KV; other target tokens without a source token take the map's bias (zero input).
+    """
+    adapter.check_models(source_rope.spec, target_rope.spec)
+    if segment.model != source_rope.spec.identity:
+        raise ValueError(f"the segment holds KV of {segment.model.key}, the adapter maps from "
+                         f"{source_rope.spec.identity.key}")
+    if not segment.rotated:
+        raise ValueError("project expects rotated source keys (as the source model caches them)")
+    target_ids = torch.as_tensor(target_ids, dtype=torch.int64).cpu()
+    t_t = target_ids.numel()
+    if alignment.source_index.shape != (t_t,):
+        raise ValueError(f"alignment covers {alignment.source_index.numel()} target tokens, target_ids has {t_t}")
+    if t_t and int(alignment.source_index.max()) >= segment.num_tokens:
+        raise ValueError(f"alignment refers to source token {int(alignment.source_index.max())}, the segment has "
+                         f"{segment.num_tokens}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    device = adapter.wk.device
+    tgt = target_rope.spec
+    ls, hs, ts, ds_ = segment.num_layers, segment.num_kv_heads, segment.num_tokens, segment.head_dim
+    kv = segment.kv.to(device)
+    keys = source_rope.unrotate_all(kv[:, 0].float(), segment.positions)  # [L_s, H_s, T_s, D_s]
+    xk = keys.permute(0, 2, 1, 3).reshape(ls, ts, hs * ds_)
+    xv = kv[:, 1].float().permute(0, 2, 1, 3).reshape(ls, ts, hs * ds_)
+    idx = alignment.source_index.to(device)
+    mapped = idx >= 0
+    gather = idx.clamp(min=0)
+    xk = xk[:, gather] * mapped[None, :, None]  # [L_s, T_t, d_s]; unmapped tokens get zero input
+    xv = xv[:, gather] * mapped[None, :, None]
+    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32)  # [L_t, T_t, d_t]
+    lt, ht, dt = tgt.num_layers, tgt.num_kv_heads, tgt.head_dim
+    yk = yk.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)  # [L_t, H_t, T_t, D_t]
+    yv = yv.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)
+    start = adapter.meta.start_token
+    if adapter.start_kv is not None and start is not None:
+        use_start = (~has_text_source(alignment.kind)) & (target_ids == start)
+        if bool(use_start.any()):
+            where = use_start.nonzero()[:, 0].to(device)
+            yk[:, :, where] = adapter.start_kv[:, 0, :, None, :].to(yk.dtype)
+            yv[:, :, where] = adapter.start_kv[:, 1, :, None, :].to(yv.dtype)
+    positions = torch.arange(offset, offset + t_t, dtype=torch.int64)
+    yk = target_rope.rotate_all(yk, positions)
+    out = torch.stack((yk, yv), dim=1).to(dtype or segment.dtype)
+    return KVSegment(kv=out, token_ids=target_ids, positions=positions, model=tgt.identity, rotated=True)

@@ -1,0 +1,128 @@
+"""`train-adapter`: fit a projection adapter between two models, print its per-layer table and its recovery."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from kvbridge.adapters.layer_map import LAYER_MAPS
+
+
+def packaged_data(name: str) -> Path:
+    return Path(str(importlib.resources.files("kvbridge.transfer") / "data" / name))
+
+
+def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("--preset", choices=["tiny", "small", "production"], default=None,
+                   help="model pair (default small, unless --source/--target are given)")
+    p.add_argument("--source", help="source model folder or HF repo id in the local cache (production pair)")
+    p.add_argument("--target", help="target model folder or HF repo id in the local cache (production pair)")
+    p.add_argument("--corpus", nargs="+", metavar="FILE",
+                   help="fitting corpus: .txt or .jsonl ('text' field) files (default: the packaged "
+                        "pydoc_corpus_sample.txt, 400 KB of Python documentation)")
+    p.add_argument("--out", help="adapter file (.safetensors); default KVBRIDGE_HOME/adapters/<pair>-<layer map>")
+    p.add_argument("--layer-map", default="proportional", choices=LAYER_MAPS)
+    p.add_argument("--k", type=int, default=3, help="source layers mixed per target layer with --layer-map mix")
+    p.add_argument("--max-tokens", type=int, default=16_384, help="target tokens of corpus to read (train + held-out)")
+    p.add_argument("--window-tokens", type=int, default=256)
+    p.add_argument("--refine-steps", type=int, default=0,
+                   help="end-to-end refinement steps through the frozen target after the ridge fit (0: none)")
+    p.add_argument("--stats", help="file to keep accumulated statistics in; a rerun resumes from it")
+    p.add_argument("--eval", metavar="FILE", help="held-out documents (.jsonl with 'document' or 'text'); default: "
+                                                  "the packaged pydoc_heldout.jsonl")
+    p.add_argument("--eval-docs", type=int, default=20, help="documents for the recovery figure (0: skip it)")
+    p.add_argument("--context-tokens", type=int, default=192)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.adapters.refine import refine_adapter
+    from kvbridge.adapters.train import TrainConfig, read_corpus, train_adapter
+    from kvbridge.transfer.models import kvbridge_home
+    from kvbridge.transfer.presets import load_pair
+
+    torch.manual_seed(args.seed)
+    preset = args.preset or ("production" if (args.source or args.target) else "small")
+    config = TrainConfig(layer_map=args.layer_map, k=args.k, window_tokens=args.window_tokens,
+                         max_tokens=args.max_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
+    print(f"{source.name} -> {target.name} on {target.device} ({time.perf_counter() - t0:.1f} s to load)", flush=True)
+    corpus = args.corpus or [str(packaged_data("pydoc_corpus_sample.txt"))]
+    t0 = time.perf_counter()
+    adapter, report = train_adapter(source, target, corpus, config, stats_path=args.stats, progress=not args.quiet)
+    fit_s = time.perf_counter() - t0
+    print(f"ridge fit: {report.windows} windows, {report.train_tokens} train / {report.heldout_tokens} held-out "
+          f"tokens, layer map {args.layer_map}, {fit_s:.1f} s")
+    print(report.table())
+    result_json: dict = {"layers": report.layers, "fit_seconds": fit_s, "layer_map": args.layer_map}
+    docs = []
+    if args.eval_docs:
+        texts, _ = read_corpus([args.eval or str(packaged_data("pydoc_heldout.jsonl"))])
+        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens)
+        docs = docs[:args.eval_docs]
+    if args.refine_steps:
+        t0 = time.perf_counter()
+        before = None
+        if docs:
+            before = evaluate_recovery(source, target, adapter, docs, seed=args.seed, progress=not args.quiet,
+                                       wrong=False)
+            print(f"before refinement: recovery {before.recovery['projected']:.3f}")
+        texts, _ = read_corpus(corpus)
+        adapter, losses = refine_adapter(source, target, adapter, texts, steps=args.refine_steps, seed=args.seed,
+                                         context_tokens=args.context_tokens,
+                                         continuation_tokens=args.continuation_tokens, progress=not args.quiet)
+        print(f"refinement: {args.refine_steps} steps, KL {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"({time.perf_counter() - t0:.1f} s)")
+        result_json["refine"] = {"steps": args.refine_steps, "kl_first": losses[0], "kl_last": losses[-1],
+                                 "recovery_before": before.recovery["projected"] if before else None}
+    if docs:
+        t0 = time.perf_counter()
+        result = evaluate_recovery(source, target, adapter, docs, seed=args.seed, progress=not args.quiet)
+        for line in result.lines():
+            print(line)
+        print(f"(evaluation {time.perf_counter() - t0:.1f} s)")
+        adapter.meta.metrics["recovery"] = result.recovery
+        adapter.meta.metrics["recovery_ci95"] = result.interval
+        adapter.meta.metrics["nll"] = result.nll
+        adapter.meta.metrics["eval_documents"] = result.documents
+        result_json["recovery"] = {"nll": result.nll, "recovery": result.recovery, "interval": result.interval,
+                                   "documents": result.documents, "scored_tokens": result.scored_tokens}
+    adapter.meta.metrics["heldout_mean"] = {key: sum(r[key] for r in report.layers) / len(report.layers)
+                                            for key in ("r2_k", "cos_k", "r2_v", "cos_v")}
+    out = Path(args.out) if args.out else (kvbridge_home() / "adapters" /
+                                           f"{source.name}--{target.name}--{args.layer_map}.safetensors")
+    save_adapter(adapter, out)
+    print(f"adapter written to {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result_json, indent=2, default=float))
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "train-adapter") -> int:
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

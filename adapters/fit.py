@@ -1,0 +1,152 @@
+"""Fitting adapters in closed form: stream aligned KV pairs, accumulate XᵀX and XᵀY in float64, solve ridge.
+
+For target layer j with source layers N(j) = (s_1..s_k), the augmented input is x = [x_{s_1}, ..., x_{s_k}, 1]
+(k·d_s + 1). Train and held-out statistics are kept apart: `RidgeStats` holds, per distinct N, the Gram
+G = Σ xxᵀ; per target layer, C = Σ x yᵀ and Σ‖y‖². A convex mix α of the k layers with a map W (and bias)
+is a ridge problem in the mixed input whose Gram and cross terms follow from G and C (MᵀGM, MᵀC with M = α ⊗ I
+plus the bias), so every (α, λ) candidate is solved and scored on held-out statistics without touching data
+again. Held-out SSE of W: Σ‖y‖² − 2 tr(WᵀC_h) + tr(WᵀG_hW).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # × mean diagonal of the input Gram
+
+
+class RidgeStats:
+    """Float64 sufficient statistics for the K and V maps of every target layer under one layer map.
+
+    groups: for each target layer j, the tuple of source layers N(j) (all of one length k).
+    """
+
+    def __init__(self, groups: list[tuple[int, ...]], d_s: int, d_t: int, device: torch.device | str = "cpu"):
+        if not groups or len({len(g) for g in groups}) != 1:
+            raise ValueError("every target layer needs the same number k >= 1 of source layers")
+        self.groups = [tuple(g) for g in groups]
+        self.unique = sorted(set(self.groups))
+        self.k = len(self.groups[0])
+        self.d_s, self.d_t = d_s, d_t
+        n_in = self.k * d_s + 1
+        f64 = dict(dtype=torch.float64, device=device)
+        self.gram = {m: torch.zeros(len(self.unique), n_in, n_in, **f64) for m in "kv"}  # [G, n_in, n_in]
+        self.cross = {m: torch.zeros(len(self.groups), n_in, d_t, **f64) for m in "kv"}  # [L_t, n_in, d_t]
+        self.yy = {m: torch.zeros(len(self.groups), **f64) for m in "kv"}  # [L_t]
+        self.count = 0
+        self._gidx = torch.tensor([self.unique.index(g) for g in self.groups])
+        self._unique_layers = torch.tensor(self.unique)  # [G, k]
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [L_s, n, d_s] -> [G, n, k*d_s + 1] in float64
+        sel = x.to(torch.float64)[self._unique_layers.to(x.device)]  # [G, k, n, d_s]
+        g, k, n, d = sel.shape
+        flat = sel.permute(0, 2, 1, 3).reshape(g, n, k * d)
+        return torch.cat((flat, torch.ones(g, n, 1, dtype=torch.float64, device=x.device)), dim=2)
+
+    def add(self, xk: torch.Tensor, xv: torch.Tensor, yk: torch.Tensor, yv: torch.Tensor) -> None:
+        """xk, xv: [L_s, n, d_s]; yk, yv: [L_t, n, d_t] (one window's aligned pairs)."""
+        device = self.gram["k"].device
+        for m, x, y in (("k", xk, yk), ("v", xv, yv)):
+            xa = self._augment(x.to(device))  # [G, n, n_in]
+            self.gram[m] += xa.transpose(1, 2) @ xa
+            y64 = y.to(device=device, dtype=torch.float64)  # [L_t, n, d_t]
+            self.cross[m] += xa[self._gidx.to(device)].transpose(1, 2) @ y64
+            self.yy[m] += (y64 * y64).sum(dim=(1, 2))
+        self.count += xk.shape[1]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {"count": torch.tensor(self.count), "groups": torch.tensor(self.groups),
+               "dims": torch.tensor([self.d_s, self.d_t])}
+        for m in "kv":
+            out[f"gram_{m}"] = self.gram[m].cpu()
+            out[f"cross_{m}"] = self.cross[m].cpu()
+            out[f"yy_{m}"] = self.yy[m].cpu()
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> "RidgeStats":
+        d_s, d_t = state["dims"].tolist()
+        stats = cls([tuple(g) for g in state["groups"].tolist()], d_s, d_t, device)
+        for m in "kv":
+            for name in ("gram", "cross", "yy"):
+                want = getattr(stats, name)[m]
+                got = state[f"{name}_{m}"]
+                if got.shape != want.shape:
+                    raise ValueError(f"saved statistics {name}_{m} have shape {tuple(got.shape)}, expected "
+                                     f"{tuple(want.shape)}")
+                want.copy_(got)
+        stats.count = int(state["count"])
+        return stats
+
+
+def simplex_grid(k: int, step: float) -> list[tuple[float, ...]]:
+    """Convex weights over k items on a grid of `step` (k = 1: just (1,))."""
+    if k == 1:
+        return [(1.0,)]
+    n = round(1 / step)
+    return [tuple(c / n for c in combo) for combo in itertools.product(range(n + 1), repeat=k) if sum(combo) == n]
+
+
+def _mixing(alpha: torch.Tensor, d_s: int) -> torch.Tensor:
+    # alpha: [k] -> M: [k*d_s + 1, d_s + 1] with x_mix_aug = x_aug @ M
+    k = alpha.numel()
+    eye = torch.eye(d_s, dtype=torch.float64)
+    m = torch.zeros(k * d_s + 1, d_s + 1, dtype=torch.float64)
+    for i in range(k):
+        m[i * d_s:(i + 1) * d_s, :d_s] = alpha[i] * eye
+    m[-1, -1] = 1.0
+    return m
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    w: torch.Tensor  # [d_s, d_t] float64
+    b: torch.Tensor  # [d_t] float64
+    alpha: tuple[float, ...]
+    lam: float  # the chosen λ (relative)
+    heldout_r2: float  # 1 - SSE/SST on held-out statistics
+    heldout_sse: float
+
+
+def _sse(w_aug: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, yy: torch.Tensor) -> torch.Tensor:
+    # w_aug: [..., n_in, d_t]; gram: [n_in, n_in]; cross: [n_in, d_t]; yy: scalar -> [...]
+    return yy - 2 * (w_aug * cross).sum(dim=(-2, -1)) + (w_aug * (gram @ w_aug)).sum(dim=(-2, -1))
+
+
+def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: int,
+                lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25) -> LayerFit:
+    """Best (α, λ) for one target layer's K or V map, chosen on held-out SSE."""
+    g = train.unique.index(train.groups[layer])
+    gram, cross = train.gram[map_name][g].cpu(), train.cross[map_name][layer].cpu()
+    h_gram, h_cross = heldout.gram[map_name][g].cpu(), heldout.cross[map_name][layer].cpu()
+    h_yy = heldout.yy[map_name][layer].cpu()
+    n_h = heldout.count
+    if train.count == 0 or n_h == 0:
+        raise ValueError("fitting needs training and held-out tokens; the corpus gave "
+                         f"{train.count} and {n_h}")
+    d_s = train.d_s
+    sum_y = h_cross[-1]
+    sst = float(h_yy - (sum_y @ sum_y) / n_h)
+    best: LayerFit | None = None
+    for alpha in simplex_grid(train.k, mix_step):
+        m = _mixing(torch.tensor(alpha, dtype=torch.float64), d_s)
+        gm, cm = m.T @ gram @ m, m.T @ cross
+        hgm, hcm = m.T @ h_gram @ m, m.T @ h_cross
+        scale = float(torch.diagonal(gm)[:d_s].mean()) / max(train.count, 1)
+        reg = torch.zeros(d_s + 1, dtype=torch.float64)
+        reg[:d_s] = 1.0
+        lams = torch.tensor(lambdas, dtype=torch.float64)
+        systems = gm[None] + (lams * scale * train.count)[:, None, None] * torch.diag(reg)[None]
+        w_aug = torch.linalg.solve(systems, cm[None].expand(len(lambdas), -1, -1))  # [n_lam, d_s+1, d_t]
+        sse = _sse(w_aug, hgm, hcm, h_yy)
+        i = int(torch.argmin(sse))
+        if best is None or float(sse[i]) < best.heldout_sse:
+            best = LayerFit(w=w_aug[i, :d_s], b=w_aug[i, d_s], alpha=alpha, lam=float(lams[i]),
+                            heldout_r2=1 - float(sse[i]) / sst if sst > 0 else float("nan"),
+                            heldout_sse=float(sse[i]))
+    assert best is not None
+    return best

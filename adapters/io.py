@@ -1,0 +1,55 @@
+"""Adapter files: one safetensors file, tensors plus the JSON metadata in its header. Never pickle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from kvbridge.adapters.adapter import FORMAT_VERSION, Adapter, AdapterMeta
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")
+
+
+def save_adapter(adapter: Adapter, path: str | Path) -> Path:
+    """Write atomically (temp file, then rename)."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"adapter files end in .safetensors, got {path.name!r}")
+    tensors = {name: getattr(adapter, name).detach().cpu().contiguous() for name in TENSORS}
+    if adapter.start_kv is not None:
+        tensors["start_kv"] = adapter.start_kv.detach().cpu().contiguous()
+    meta = {"kvbridge_adapter": json.dumps(dataclasses.asdict(adapter.meta), sort_keys=True)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def load_adapter(path: str | Path, device: torch.device | str = "cpu") -> Adapter:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no adapter file {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for bad files
+        raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
+    if "kvbridge_adapter" not in header:
+        raise ValueError(f"{path} is a safetensors file but not a kvbridge adapter (no kvbridge_adapter metadata)")
+    data = json.loads(header["kvbridge_adapter"])
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: adapter format version {data.get('format_version')}, this kvbridge reads "
+                         f"{FORMAT_VERSION}")
+    fields = {f.name for f in dataclasses.fields(AdapterMeta)}
+    meta = AdapterMeta(**{k: v for k, v in data.items() if k in fields})
+    missing = [n for n in TENSORS if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: adapter tensors missing: {missing}")
+    adapter = Adapter(meta=meta, start_kv=tensors.get("start_kv"), **{n: tensors[n] for n in TENSORS})
+    return adapter.to(device)

@@ -1,0 +1,77 @@
+"""End-to-end refinement: gradient steps on the adapter's K and V maps through the frozen target, minimising
+KL(target with its own prefill ‖ target with the projected context) over the next-token distributions of the
+continuation tokens. Starts from the ridge solution; the source and target weights never change."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+import torch.nn.functional as F
+from kvbridge.adapters.adapter import Adapter, project
+from kvbridge.adapters.evaluate import prepare_documents
+from kvbridge.adapters.pairs import start_token_id
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from tqdm import tqdm
+
+
+def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, texts: list[str], steps: int,
+                   seed: int = 0, lr: float = 1e-4, context_tokens: int = 192, continuation_tokens: int = 64,
+                   max_documents: int = 64, progress: bool = True) -> tuple[Adapter, list[float]]:
+    """Returns the refined adapter (a copy) and the KL of every step."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    # documents cut from the training texts: context + continuation tokens each
+    chunk = context_tokens + continuation_tokens
+    pieces = []
+    for text in texts:
+        enc = target.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for i in range(0, len(enc) - chunk + 1, chunk):
+            pieces.append(text[enc[i][0]:enc[i + chunk - 1][1]])
+    random.Random(seed).shuffle(pieces)
+    docs = prepare_documents(pieces[: max_documents * 2], source, target, context_tokens, continuation_tokens)
+    docs = docs[:max_documents]
+    if not docs:
+        raise ValueError(f"the refinement texts hold no piece of {chunk} target tokens")
+    start = torch.tensor([start_token_id(target.tokenizer)])
+    device = target.device
+    with torch.no_grad():
+        prepared = []
+        for doc in docs:
+            seg = kvcache.extract(source.model, source.spec, doc.source.ids)
+            full = torch.cat((start, doc.target_context, doc.continuation))[None].to(device)
+            teacher = target.model(input_ids=full).logits[0, -continuation_tokens:-1].float().log_softmax(-1)
+            prepared.append((doc, seg, teacher))
+    params = {n: getattr(adapter, n).detach().clone().to(device).requires_grad_(True) for n in ("wk", "bk", "wv", "bv")}
+    trainable = dataclasses.replace(adapter, **params)
+    optimizer = torch.optim.Adam(params.values(), lr=lr)
+    frozen = [p for p in target.model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    rng = random.Random(seed)
+    losses = []
+    dtype = next(target.model.parameters()).dtype
+    try:
+        for _ in tqdm(range(steps), desc="refining", disable=not progress):
+            doc, seg, teacher = prepared[rng.randrange(len(prepared))]
+            target_ids = torch.cat((start, doc.target_context))
+            projected = project(trainable, seg, doc.alignment, target_ids, source.rope, target.rope, dtype=dtype)
+            cache = kvcache.to_cache(projected, target.model, target.spec)
+            t = projected.num_tokens
+            pos = torch.arange(t, t + continuation_tokens, device=device)[None]
+            logits = target.model(input_ids=doc.continuation[None].to(device), position_ids=pos, cache=cache).logits
+            student = logits[0, :-1].float().log_softmax(-1)
+            loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    refined = dataclasses.replace(adapter, **{n: t.detach().cpu() for n, t in params.items()},
+                                  meta=dataclasses.replace(adapter.meta, metrics=dict(adapter.meta.metrics)))
+    refined.meta.metrics["refine"] = {"steps": steps, "lr": lr, "kl_first": losses[0], "kl_last": losses[-1]}
+    return refined, losses

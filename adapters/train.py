@@ -1,0 +1,209 @@
+"""Training an adapter end to end: corpus windows -> aligned KV pairs -> ridge statistics -> per-layer solve,
+with held-out metrics (R² and cosine per layer) and optional end-to-end refinement."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from kvbridge.adapters.adapter import Adapter, AdapterMeta, map_tokens, model_record
+from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, solve_layer
+from kvbridge.adapters.layer_map import LAYER_MAPS, build_layer_map
+from kvbridge.adapters.pairs import kv_pairs, pair_text, start_kv, start_token_id
+from kvbridge.transfer.models import LoadedModel
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    layer_map: str = "proportional"  # see layer_map.LAYER_MAPS
+    k: int = 3  # source layers per target layer for "mix"
+    window_tokens: int = 256  # target tokens per fitting window
+    max_tokens: int = 16_384  # target tokens read from the corpus in all (train + held-out)
+    heldout_fraction: float = 0.1  # of the windows, for choosing λ and α and for the metrics
+    lambdas: tuple[float, ...] = DEFAULT_LAMBDAS  # ridge strengths tried, × the mean input power
+    mix_step: float = 0.25  # grid step of the convex mix weights
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.layer_map not in LAYER_MAPS:
+            raise ValueError(f"layer_map must be one of {LAYER_MAPS}, got {self.layer_map!r}")
+        if self.window_tokens < 8:
+            raise ValueError(f"window_tokens must be >= 8, got {self.window_tokens}")
+        if self.max_tokens < 2 * self.window_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must hold at least two windows of {self.window_tokens}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+
+
+def read_corpus(files: list[str | Path]) -> tuple[list[str], str]:
+    """Texts from .txt files (paragraphs separated by blank lines) and .jsonl files (a "text" field, else
+    "document"). Returns the texts and a sha256 over every file's bytes."""
+    texts: list[str] = []
+    digest = hashlib.sha256()
+    if not files:
+        raise ValueError("no corpus files given")
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file {path} does not exist")
+        raw = path.read_bytes()
+        digest.update(raw)
+        text = raw.decode("utf-8", errors="replace")
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+                body = record.get("text", record.get("document")) if isinstance(record, dict) else None
+                if not isinstance(body, str):
+                    raise ValueError(f"{path}:{n}: expected an object with a string 'text' (or 'document') field")
+                texts.append(body)
+        else:
+            texts.append(text)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"the corpus files {[str(f) for f in files]} hold no text")
+    return texts, digest.hexdigest()
+
+
+def corpus_windows(texts: list[str], target_tokenizer, window_tokens: int, max_tokens: int, seed: int) -> list[str]:
+    """Consecutive chunks of about window_tokens target tokens (cut at token boundaries), shuffled with the
+    seed, as many as max_tokens allows."""
+    windows = []
+    for text in texts:
+        enc = target_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        for start in range(0, len(offsets) - window_tokens + 1, window_tokens):
+            a, b = offsets[start][0], offsets[start + window_tokens - 1][1]
+            chunk = text[a:b]
+            if chunk.strip():
+                windows.append(chunk)
+    random.Random(seed).shuffle(windows)
+    return windows[: max(2, max_tokens // window_tokens)]
+
+
+@dataclass
+class TrainReport:
+    layers: list[dict] = field(default_factory=list)  # per target layer: source layers, α, λ, R², cosine of K and V
+    train_tokens: int = 0
+    heldout_tokens: int = 0
+    windows: int = 0
+
+    def table(self) -> str:
+        head = f"{'layer':>5} {'src':>10} {'R2 K':>7} {'cos K':>7} {'R2 V':>7} {'cos V':>7} {'lam K':>7} {'lam V':>7}"
+        rows = [head]
+        for r in self.layers:
+            src = ",".join(str(s) for s in r["source_layers"])
+            rows.append(f"{r['layer']:>5} {src:>10} {r['r2_k']:7.3f} {r['cos_k']:7.3f} {r['r2_v']:7.3f} "
+                        f"{r['cos_v']:7.3f} {r['lambda_k']:7.0e} {r['lambda_v']:7.0e}")
+        mean = {key: sum(r[key] for r in self.layers) / len(self.layers) for key in ("r2_k", "cos_k", "r2_v", "cos_v")}
+        rows.append(f"{'mean':>5} {'':>10} {mean['r2_k']:7.3f} {mean['cos_k']:7.3f} {mean['r2_v']:7.3f} "
+                    f"{mean['cos_v']:7.3f}")
+        return "\n".join(rows)
+
+
+def _stats_key(config: TrainConfig, corpus_sha: str, source: LoadedModel, target: LoadedModel) -> str:
+    data = {"config": asdict(config), "corpus": corpus_sha, "source": source.spec.identity.key,
+            "target": target.spec.identity.key}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[str | Path], config: TrainConfig,
+                  stats_path: str | Path | None = None, progress: bool = True) -> tuple[Adapter, TrainReport]:
+    """Fit an adapter in closed form. With stats_path, accumulated statistics are saved after every window and
+    a rerun with the same models, corpus and config resumes from them."""
+    texts, corpus_sha = read_corpus(corpus_files)
+    windows = corpus_windows(texts, target.tokenizer, config.window_tokens, config.max_tokens, config.seed)
+    n_heldout = max(1, round(len(windows) * config.heldout_fraction))
+    heldout_windows, train_windows = windows[:n_heldout], windows[n_heldout:]
+    if not train_windows:
+        raise ValueError(f"the corpus gave {len(windows)} windows of {config.window_tokens} tokens: too few to fit")
+    sspec, tspec = source.spec, target.spec
+    groups = [tuple(g) for g in build_layer_map(config.layer_map, sspec.num_layers, tspec.num_layers, config.k)]
+    d_s, d_t = sspec.num_kv_heads * sspec.head_dim, tspec.num_kv_heads * tspec.head_dim
+    device = target.device
+    train = RidgeStats(groups, d_s, d_t, device)
+    heldout = RidgeStats(groups, d_s, d_t, device)
+    key = _stats_key(config, corpus_sha, source, target)
+    done = 0
+    if stats_path is not None and Path(stats_path).exists():
+        state = load_file(str(stats_path))
+        saved_key = bytes(state.pop("key").tolist()).decode()
+        if saved_key != key:
+            raise ValueError(f"{stats_path} holds statistics of another run (models, corpus or config differ); "
+                             "remove it or choose another --stats file")
+        done = int(state.pop("windows_done"))
+        train = RidgeStats.from_state_dict({k[6:]: v for k, v in state.items() if k.startswith("train.")}, device)
+        heldout = RidgeStats.from_state_dict({k[8:]: v for k, v in state.items() if k.startswith("heldout.")}, device)
+        log.info("resuming from %s: %d of %d windows already accumulated", stats_path, done, len(train_windows))
+
+    held_pairs = []
+    for text in tqdm(heldout_windows, desc="held-out windows", disable=not progress):
+        pairs = kv_pairs(source, target, pair_text(text, source.tokenizer, target.tokenizer))
+        held_pairs.append(pairs)
+        if done == 0:
+            heldout.add(*pairs)
+    for i, text in enumerate(tqdm(train_windows, desc="fitting windows", disable=not progress)):
+        if i < done:
+            continue
+        train.add(*kv_pairs(source, target, pair_text(text, source.tokenizer, target.tokenizer)))
+        if stats_path is not None:
+            state = {f"train.{k}": v for k, v in train.state_dict().items()}
+            state |= {f"heldout.{k}": v for k, v in heldout.state_dict().items()}
+            state["windows_done"] = torch.tensor(i + 1)
+            state["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
+            tmp = Path(stats_path).with_name(Path(stats_path).name + ".tmp")
+            save_file(state, str(tmp))
+            tmp.replace(stats_path)
+
+    fits = {m: [solve_layer(train, heldout, m, j, config.lambdas, config.mix_step) for j in range(len(groups))]
+            for m in "kv"}
+    start = start_token_id(target.tokenizer)
+    f32 = dict(dtype=torch.float32)
+    adapter = Adapter(
+        meta=AdapterMeta(source=model_record(sspec), target=model_record(tspec), layer_map=config.layer_map,
+                         start_token=start,
+                         lambdas={m: [f.lam for f in fits[m]] for m in "kv"},
+                         corpus={"sha256": corpus_sha, "files": [str(f) for f in corpus_files],
+                                 "windows": len(windows), "train_tokens": train.count,
+                                 "heldout_tokens": heldout.count}),
+        layer_map=torch.tensor(groups, dtype=torch.int64),
+        mix_k=torch.tensor([f.alpha for f in fits["k"]], **f32),
+        mix_v=torch.tensor([f.alpha for f in fits["v"]], **f32),
+        wk=torch.stack([f.w for f in fits["k"]]).to(**f32), bk=torch.stack([f.b for f in fits["k"]]).to(**f32),
+        wv=torch.stack([f.w for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
+        start_kv=start_kv(target, start).cpu(),
+    )
+    return adapter, _report(adapter, fits, held_pairs, train.count, heldout.count, len(windows), groups)
+
+
+def _report(adapter, fits, held_pairs, n_train, n_heldout, n_windows, groups) -> TrainReport:
+    """R² and mean cosine per layer from the held-out pairs themselves, with the adapter's own maps."""
+    report = TrainReport(train_tokens=n_train, heldout_tokens=n_heldout, windows=n_windows)
+    xk = torch.cat([p[0] for p in held_pairs], dim=1)
+    xv = torch.cat([p[1] for p in held_pairs], dim=1)
+    yk = torch.cat([p[2] for p in held_pairs], dim=1)
+    yv = torch.cat([p[3] for p in held_pairs], dim=1)
+    pk, pv = map_tokens(adapter.to(xk.device), xk, xv)
+    for j in range(len(groups)):
+        row = {"layer": j, "source_layers": list(groups[j]), "alpha_k": list(fits["k"][j].alpha),
+               "alpha_v": list(fits["v"][j].alpha), "lambda_k": fits["k"][j].lam, "lambda_v": fits["v"][j].lam}
+        for m, pred, true in (("k", pk[j], yk[j]), ("v", pv[j], yv[j])):
+            sse = ((pred - true) ** 2).sum()
+            sst = ((true - true.mean(0)) ** 2).sum()
+            row[f"r2_{m}"] = float(1 - sse / sst)
+            row[f"cos_{m}"] = float(torch.nn.functional.cosine_similarity(pred, true, dim=-1).mean())
+        report.layers.append(row)
+    return report

@@ -1,0 +1,264 @@
+"""Adapters: layer maps, the ridge solver, RoPE re-rotation, identity transfer, files, training and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import zoo
+from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record, project
+from kvbridge.adapters.fit import RidgeStats, simplex_grid, solve_layer
+from kvbridge.adapters.io import load_adapter, save_adapter
+from kvbridge.adapters.layer_map import build_layer_map
+from kvbridge.adapters.pairs import pair_text, start_kv, start_token_id
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import Alignment
+from kvbridge.transfer.selfcheck import check_tokens
+
+
+def identity_alignment(n: int) -> Alignment:
+    return Alignment(source_index=torch.arange(n), kind=torch.zeros(n, dtype=torch.int8),
+                     target_special=torch.zeros(n, dtype=torch.bool), num_source_tokens=n)
+
+
+def random_adapter(source, target, seed=0, k=1, layer_map="proportional") -> Adapter:
+    gen = torch.Generator().manual_seed(seed)
+    s, t = source.spec, target.spec
+    d_s, d_t = s.num_kv_heads * s.head_dim, t.num_kv_heads * t.head_dim
+    groups = build_layer_map(layer_map, s.num_layers, t.num_layers, k)
+    k = len(groups[0])
+    mix = torch.full((t.num_layers, k), 1.0 / k)
+    return Adapter(meta=AdapterMeta(model_record(s), model_record(t), layer_map, start_token_id(target.tokenizer)),
+                   layer_map=torch.tensor(groups), mix_k=mix, mix_v=mix.clone(),
+                   wk=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.1,
+                   bk=torch.randn(t.num_layers, d_t, generator=gen) * 0.1,
+                   wv=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.1,
+                   bv=torch.randn(t.num_layers, d_t, generator=gen) * 0.1,
+                   start_kv=start_kv(target, start_token_id(target.tokenizer)))
+
+
+def identity_adapter(lm) -> Adapter:
+    spec = lm.spec
+    d = spec.num_kv_heads * spec.head_dim
+    eye = torch.eye(d).expand(spec.num_layers, d, d).clone()
+    zero = torch.zeros(spec.num_layers, d)
+    ones = torch.ones(spec.num_layers, 1)
+    return Adapter(meta=AdapterMeta(model_record(spec), model_record(spec), "identity", None),
+                   layer_map=torch.arange(spec.num_layers)[:, None], mix_k=ones, mix_v=ones.clone(),
+                   wk=eye, bk=zero, wv=eye.clone(), bv=zero.clone())
+
+
+# ---------------------------------------------------------------------------------------------------- layer maps
+
+
+def test_layer_maps():
+    assert build_layer_map("proportional", 18, 30) == [[j * 18 // 30] for j in range(30)]
+    prop = [s for (s,) in build_layer_map("proportional", 28, 32)]
+    assert prop[0] == 0 and prop[-1] == 27 and len(set(prop)) == 28, "28 -> 32 uses every source layer"
+    nearest = [s for (s,) in build_layer_map("nearest", 18, 30)]
+    assert nearest[0] == 0 and nearest[-1] == 17 and nearest == sorted(nearest)
+    last = [s for (s,) in build_layer_map("last-aligned", 18, 30)]
+    assert last[-1] == 17 and last[-2] == 16 and last[0] == 0
+    mix = build_layer_map("mix", 18, 30, k=3)
+    assert all(len(g) == 3 and g == list(range(g[0], g[0] + 3)) and 0 <= g[0] <= 15 for g in mix)
+    assert build_layer_map("mix", 2, 5, k=3)[0] == [0, 1], "k is capped at the source's layer count"
+    with pytest.raises(ValueError, match="unknown layer map 'deep'"):
+        build_layer_map("deep", 4, 6)
+    assert sorted(simplex_grid(2, 0.5)) == [(0.0, 1.0), (0.5, 0.5), (1.0, 0.0)]
+    assert all(math.isclose(sum(a), 1.0) for a in simplex_grid(3, 0.25)) and len(simplex_grid(3, 0.25)) == 15
+
+
+# ---------------------------------------------------------------------------------------------------- ridge
+
+
+def test_ridge_recovers_a_planted_linear_map_exactly():
+    gen = torch.Generator().manual_seed(0)
+    l_s, l_t, d_s, d_t = 3, 4, 6, 5
+    groups = [(0,), (1,), (1,), (2,)]
+    w = torch.randn(l_t, d_s, d_t, generator=gen, dtype=torch.float64)
+    b = torch.randn(l_t, d_t, generator=gen, dtype=torch.float64)
+    train, held = RidgeStats(groups, d_s, d_t), RidgeStats(groups, d_s, d_t)
+    for stats, n in ((train, 200), (held, 50)):
+        for _ in range(3):  # streamed in chunks
+            xk = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64)
+            xv = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64)
+            yk = torch.stack([xk[g[0]] @ w[j] + b[j] for j, g in enumerate(groups)])
+            yv = torch.stack([xv[g[0]] @ (2 * w[j]) - b[j] for j, g in enumerate(groups)])
+            stats.add(xk, xv, yk, yv)
+    for j in range(l_t):
+        fit = solve_layer(train, held, "k", j, lambdas=(0.0, 1e-2))
+        assert fit.lam == 0.0 and fit.heldout_r2 > 1 - 1e-12
+        assert torch.allclose(fit.w, w[j], atol=1e-9) and torch.allclose(fit.b, b[j], atol=1e-9)
+        fit_v = solve_layer(train, held, "v", j, lambdas=(0.0,))
+        assert torch.allclose(fit_v.w, 2 * w[j], atol=1e-9) and torch.allclose(fit_v.b, -b[j], atol=1e-9)
+
+
+def test_ridge_finds_a_planted_convex_mix():
+    gen = torch.Generator().manual_seed(1)
+    d = 4
+    groups = [(0, 1)]
+    w = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    train, held = RidgeStats(groups, d, d), RidgeStats(groups, d, d)
+    for stats in (train, held):
+        x = torch.randn(2, 300, d, generator=gen, dtype=torch.float64)
+        y = ((0.25 * x[0] + 0.75 * x[1]) @ w)[None]
+        stats.add(x, x, y, y)
+    fit = solve_layer(train, held, "k", 0, lambdas=(0.0,), mix_step=0.25)
+    assert fit.alpha == (0.25, 0.75) and torch.allclose(fit.w, w, atol=1e-8)
+
+
+def test_ridge_statistics_round_trip():
+    stats = RidgeStats([(0, 1), (1, 2)], 3, 2)
+    stats.add(torch.randn(3, 10, 3), torch.randn(3, 10, 3), torch.randn(2, 10, 2), torch.randn(2, 10, 2))
+    again = RidgeStats.from_state_dict(stats.state_dict())
+    assert again.count == 10 and torch.equal(again.gram["k"], stats.gram["k"])
+    assert torch.equal(again.cross["v"], stats.cross["v"])
+    with pytest.raises(ValueError, match="same number k"):
+        RidgeStats([(0,), (0, 1)], 3, 2)
+
+
+# ---------------------------------------------------------------------------------------------------- projection
+
+
+def test_identity_transfer_is_exact_through_a_position_shift(tiny_target):
+    """Target -> itself with an identity adapter: keys computed at positions 37.. are un-rotated there and
+    re-rotated at 0.., and generation equals the target's own prefill, token for token."""
+    lm = tiny_target
+    ids = check_tokens(lm, 80)
+    context, tail = ids[:-3], ids[-3:]
+    shifted = kvcache.extract(lm.model, lm.spec, context, start_position=37)
+    adapter = identity_adapter(lm)
+    projected = project(adapter, shifted, identity_alignment(context.numel()), context, lm.rope, lm.rope)
+    assert projected.positions.tolist() == list(range(context.numel()))
+    reference = kvcache.extract(lm.model, lm.spec, context)
+    assert torch.allclose(projected.kv, reference.kv, atol=1e-4)
+    ours = kvcache.generate(lm.model, lm.spec, projected, tail, max_new_tokens=10, min_new_tokens=10)
+    theirs = kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=10, min_new_tokens=10)
+    assert torch.equal(ours, theirs)
+
+
+def _explicit_rotation(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    # x: [..., T, D]; an independent RoPE: pairs (i, i + D/2) as complex numbers times exp(i p θ_i)
+    d = x.shape[-1]
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = positions[:, None].double() * theta
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+def test_rerotation_between_two_bases_matches_a_direct_computation(tiny_source, tiny_target):
+    src, tgt = tiny_source, tiny_target
+    assert src.spec.layers[0].rope.base == 1e6 and tgt.spec.layers[0].rope.base == 1e4
+    adapter = random_adapter(src, tgt)
+    ids = check_tokens(src, 24)
+    seg = kvcache.extract(src.model, src.spec, ids, start_position=5)
+    out = project(adapter, seg, identity_alignment(24), ids, src.rope, tgt.rope, offset=11)
+    # direct: undo base-1e6 rotation at 5.., map, apply base-1e4 rotation at 11..
+    un = _explicit_rotation(seg.keys.double(), -seg.positions, 1e6)  # rotating by -p undoes p
+    x = un.permute(0, 2, 1, 3).reshape(src.spec.num_layers, 24, -1)
+    for j in range(tgt.spec.num_layers):
+        s = int(adapter.layer_map[j, 0])
+        y = x[s] @ adapter.wk[j].double() + adapter.bk[j].double()
+        y = y.reshape(24, tgt.spec.num_kv_heads, tgt.spec.head_dim).permute(1, 0, 2)
+        direct = _explicit_rotation(y, torch.arange(11, 35), 1e4)
+        assert torch.allclose(out.keys[j].double(), direct, atol=1e-4), f"layer {j}"
+    assert out.positions.tolist() == list(range(11, 35)) and out.model == tgt.spec.identity
+
+
+def test_start_token_takes_the_targets_exact_kv(tiny_source, tiny_target):
+    adapter = random_adapter(tiny_source, tiny_target)
+    paired = pair_text("The json module.", tiny_source.tokenizer, tiny_target.tokenizer)
+    assert paired.target_ids[0] == start_token_id(tiny_target.tokenizer)
+    seg = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)
+    out = project(adapter, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
+    own = kvcache.extract(tiny_target.model, tiny_target.spec, paired.target_ids[:1])
+    assert torch.allclose(out.kv[:, :, :, 0], own.kv[:, :, :, 0], atol=1e-6)
+
+
+def test_save_load_apply_is_bit_identical(tmp_path, tiny_source, tiny_target):
+    adapter = random_adapter(tiny_source, tiny_target, k=3, layer_map="mix")
+    path = save_adapter(adapter, tmp_path / "a.safetensors")
+    again = load_adapter(path)
+    for name in ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv"):
+        assert torch.equal(getattr(again, name), getattr(adapter, name)), name
+    assert again.meta == adapter.meta
+    paired = pair_text("import os\nos.getcwd()", tiny_source.tokenizer, tiny_target.tokenizer)
+    seg = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)
+    a = project(adapter, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
+    b = project(again, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
+    assert torch.equal(a.kv, b.kv)
+    assert b"pickle" not in path.read_bytes()[:200]
+
+
+def test_mismatched_adapters_and_files_are_refused(tmp_path, tiny_source, tiny_target):
+    adapter = random_adapter(tiny_source, tiny_target)
+    other = zoo.build("qwen2")
+    seg = kvcache.extract(other.model, other.spec, torch.arange(5))
+    with pytest.raises(ValueError, match="fitted for source 'tiny-qwen2'.*not 'qwen2'"):
+        project(adapter, seg, identity_alignment(5), torch.arange(5), other.rope, tiny_target.rope)
+    with pytest.raises(ValueError, match="fitted for target 'tiny-phi3'"):
+        adapter.check_models(tiny_source.spec, other.spec)
+    seg = kvcache.extract(tiny_source.model, tiny_source.spec, torch.arange(5))
+    with pytest.raises(ValueError, match="alignment covers 3 target tokens, target_ids has 5"):
+        project(adapter, seg, identity_alignment(3), torch.arange(5), tiny_source.rope, tiny_target.rope)
+    with pytest.raises(ValueError, match="adapter tensor wk has shape"):
+        dataclasses.replace(adapter, wk=adapter.wk[:, :3])
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not a kvbridge adapter"):
+        load_adapter(tmp_path / "plain.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_adapter(tmp_path / "junk.safetensors")
+    with pytest.raises(ValueError, match=r"end in \.safetensors"):
+        save_adapter(adapter, tmp_path / "a.pt")
+    with pytest.raises(FileNotFoundError):
+        load_adapter(tmp_path / "absent.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def test_training_is_deterministic_and_resumable(tmp_path, tiny_source, tiny_target):
+    from kvbridge.adapters.train import TrainConfig, train_adapter
+
+    corpus = tmp_path / "c.txt"
+    from kvbridge.transfer.selfcheck import sample_text
+
+    corpus.write_text(sample_text())
+    cfg = TrainConfig(max_tokens=1024, window_tokens=128, layer_map="mix", k=2)
+    a, report = train_adapter(tiny_source, tiny_target, [corpus], cfg, progress=False)
+    b, _ = train_adapter(tiny_source, tiny_target, [corpus], cfg, stats_path=tmp_path / "s.safetensors",
+                         progress=False)
+    c, _ = train_adapter(tiny_source, tiny_target, [corpus], cfg, stats_path=tmp_path / "s.safetensors",
+                         progress=False)  # resumes: every window already accumulated
+    for name in ("wk", "bk", "wv", "bv", "mix_k", "mix_v"):
+        assert torch.equal(getattr(a, name), getattr(b, name)) and torch.equal(getattr(b, name), getattr(c, name))
+    assert len(report.layers) == tiny_target.spec.num_layers
+    assert all(-1 <= row["r2_k"] <= 1 and -1 <= row["cos_k"] <= 1 for row in report.layers)
+    assert "mean" in report.table()
+    with pytest.raises(ValueError, match="statistics of another run"):
+        train_adapter(tiny_source, tiny_target, [corpus], dataclasses.replace(cfg, seed=1),
+                      stats_path=tmp_path / "s.safetensors", progress=False)
+    with pytest.raises(ValueError, match="layer_map must be one of"):
+        TrainConfig(layer_map="deep")
+
+
+def test_train_adapter_cli_on_the_tiny_pair(tmp_path, capsys):
+    from kvbridge.adapters.cli import main
+
+    out = tmp_path / "tiny.safetensors"
+    rc = main(["--preset", "tiny", "--max-tokens", "2048", "--eval-docs", "4", "--out", str(out), "--quiet",
+               "--json", str(tmp_path / "r.json"), "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "R2 K" in text and "recovery projected:" in text and out.exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert len(report["layers"]) == 6 and "projected" in report["recovery"]["recovery"]
+    assert load_adapter(out).meta.metrics["eval_documents"] == 4
+    assert main(["--preset", "tiny", "--corpus", str(tmp_path / "absent.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
