@@ -1,5 +1,6 @@
 """Cross-tokenizer alignment: the rules on hand-built offsets, the tiny tokenizer pair, and the real small pair."""
 
+import importlib.resources
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer, normalizers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
 EXACT, FALLBACK, SPECIAL, UNMAPPED = AlignKind.EXACT, AlignKind.FALLBACK, AlignKind.SPECIAL, AlignKind.UNMAPPED
-PYDOC_SUMMARIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pydoc_summaries.jsonl"
+PYDOC_SUMMARIES = Path(str(importlib.resources.files("kvbridge.transfer") / "data" / "pydoc_heldout.jsonl"))
 
 # Spacing, byte pieces, combining marks, ZWJ sequences and literal special-token text, mixed in more often than
 # st.text() alone would find them.
@@ -342,8 +343,6 @@ def test_identity_on_random_text(sentencepiece, text):
 
 
 def pydoc_documents(count: int) -> list[str]:
-    if not PYDOC_SUMMARIES.exists():
-        pytest.skip(f"{PYDOC_SUMMARIES} is absent")
     with PYDOC_SUMMARIES.open(encoding="utf-8") as lines:
         return [json.loads(line)["document"] for _, line in zip(range(count), lines, strict=False)]
 

@@ -19,7 +19,7 @@ from torch import nn
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # x: [..., R] -> [..., R]
+    """transformers' convention, for reference and tests. x: [..., R] -> [..., R]."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -30,26 +30,32 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE. x: [..., T, D]; cos, sin: [T, R] with R <= D, R even. Returns [..., T, D] in x's dtype."""
-    r = cos.shape[-1]
-    work = _compute_dtype(x)
-    xr = x[..., :r].to(work)
-    cos, sin = cos.to(device=x.device, dtype=work), sin.to(device=x.device, dtype=work)
-    out = xr * cos + rotate_half(xr) * sin
-    if r == x.shape[-1]:
-        return out.to(x.dtype)
-    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+    return _apply(x, cos, sin, inverse=False)
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Invert `rotate`. x: [..., T, D]; cos, sin: [T, R]. Returns [..., T, D] in x's dtype."""
+    return _apply(x, cos, sin, inverse=True)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    # With pairs (x1, x2) = (x[:h], x[h:]) and rotate_half(x) = (-x2, x1):
+    #   rotate:   (x1·c1 − x2·s1,  x2·c2 + x1·s2)
+    #   unrotate: (x1·c1 + x2·s1,  x2·c2 − x1·s2) / (c² + s²)      (c² + s² = attention scale², usually 1)
     r = cos.shape[-1]
+    h = r // 2
     work = _compute_dtype(x)
-    xr = x[..., :r].to(work)
     cos, sin = cos.to(device=x.device, dtype=work), sin.to(device=x.device, dtype=work)
-    out = (xr * cos - rotate_half(xr) * sin) / (cos * cos + sin * sin)
-    if r == x.shape[-1]:
-        return out.to(x.dtype)
-    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+    out = torch.empty(x.shape, dtype=work, device=x.device)
+    x1, x2 = x[..., :h].to(work), x[..., h:r].to(work)
+    sign = 1.0 if inverse else -1.0
+    torch.addcmul(x1 * cos[:, :h], x2, sin[:, :h], value=sign, out=out[..., :h])
+    torch.addcmul(x2 * cos[:, h:], x1, sin[:, h:], value=-sign, out=out[..., h:r])
+    if inverse:
+        out[..., :r] /= cos * cos + sin * sin
+    if r < x.shape[-1]:
+        out[..., r:] = x[..., r:]
+    return out if work == x.dtype else out.to(x.dtype)
 
 
 class ModelRope:
@@ -64,6 +70,14 @@ class ModelRope:
         self._module = copy.deepcopy(rotary_module).float()
         self._takes_layer_type = "layer_type" in inspect.signature(self._module.forward).parameters
         self._device = next(iter(self._module.buffers()), torch.empty(0)).device
+        by_rope: dict[RopeSpec, list[int]] = {}
+        for layer in spec.layers:
+            if layer.rope is not None:
+                by_rope.setdefault(layer.rope, []).append(layer.index)
+        # (rope, layers, layer index tensor, slice when the layers are consecutive)
+        self._groups = [(rope, layers, torch.tensor(layers),
+                         slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else None)
+                        for rope, layers in by_rope.items()]
 
     @classmethod
     def from_model(cls, model: nn.Module, spec: ModelSpec) -> "ModelRope":
@@ -179,14 +193,17 @@ class ModelRope:
         # keys: [L, H, T, D] -> [L, H, T, D]; layers sharing one RopeSpec share one table computation
         if keys.shape[0] != self.spec.num_layers:
             raise ValueError(f"keys have {keys.shape[0]} layers, {self.spec.name!r} has {self.spec.num_layers}")
-        out = keys.clone()
-        groups: dict[RopeSpec, list[int]] = {}
-        for layer in self.spec.layers:
-            if layer.rope is not None:
-                groups.setdefault(layer.rope, []).append(layer.index)
-        for rope, layers in groups.items():
-            idx = torch.tensor(layers, device=keys.device)
-            out[idx] = fn(keys[idx], rope, layers[0])
+        if len(self._groups) == 1 and len(self._groups[0][1]) == self.spec.num_layers:
+            rope, layers, _, _ = self._groups[0]
+            return fn(keys, rope, layers[0])
+        covered = sum(len(g[1]) for g in self._groups)
+        out = keys.clone() if covered < self.spec.num_layers else torch.empty_like(keys)
+        for rope, layers, idx, span in self._groups:
+            if span is not None:  # a run of consecutive layers: slices, no gather
+                out[span] = fn(keys[span], rope, layers[0])
+            else:
+                idx = idx.to(keys.device)
+                out.index_copy_(0, idx, fn(keys.index_select(0, idx), rope, layers[0]))
         return out
 
     def rotate_all(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Projection throughput vs the target's own prefill, on the same target tokens, measured in one run.
+
+The source KV is already cached (the service keeps it); the question is what producing the target's cache costs
+by projection (un-rotate, map, re-rotate: `project`) against by prefill (`extract` on the target model).
+Ceiling from FLOPs (DESIGN.md): about 45x for Gemma-3-270M -> SmolLM2-135M.
+
+    .venv/bin/python bench/bench_projection.py [--preset small|tiny] [--tokens 512] [--adapter FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def machine_line(device: torch.device) -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return (f"machine: {platform.node()} | {cpu} x {os.cpu_count()} cores{gpu} | torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads) | load average {os.getloadavg()[0]:.2f} at start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", choices=["small", "tiny"])
+    p.add_argument("--tokens", type=int, default=512, help="context length in target tokens (about)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--adapter", help="a trained adapter file (default: random weights of the right shapes)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+
+    from kvbridge.adapters.adapter import project
+    from kvbridge.adapters.io import load_adapter
+    from kvbridge.adapters.pairs import pair_text, start_kv, start_token_id
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.presets import load_pair
+    from kvbridge.transfer.selfcheck import sample_text
+
+    source, target = load_pair(args.preset, dtype=args.dtype, device=args.device)
+    device = target.device
+    print(machine_line(device))
+    text = sample_text()
+    enc = target.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    text = text[: enc[min(args.tokens, len(enc)) - 1][1]]
+    paired = pair_text(text, source.tokenizer, target.tokenizer)
+    if args.adapter:
+        adapter = load_adapter(args.adapter, device)
+    else:
+        from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record
+        from kvbridge.adapters.layer_map import build_layer_map
+
+        s, t = source.spec, target.spec
+        d_s, d_t = s.num_kv_heads * s.head_dim, t.num_kv_heads * t.head_dim
+        gen = torch.Generator().manual_seed(0)
+        ones = torch.ones(t.num_layers, 1)
+        start = start_token_id(target.tokenizer)
+        adapter = Adapter(meta=AdapterMeta(model_record(s), model_record(t), "proportional", start),
+                          layer_map=torch.tensor(build_layer_map("proportional", s.num_layers, t.num_layers)),
+                          mix_k=ones, mix_v=ones.clone(),
+                          wk=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
+                          bk=torch.zeros(t.num_layers, d_t),
+                          wv=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
+                          bv=torch.zeros(t.num_layers, d_t), start_kv=start_kv(target, start)).to(device)
+    source_kv = kvcache.extract(source.model, source.spec, paired.source_ids)  # cached by the service already
+    dtype = next(target.model.parameters()).dtype
+
+    def by_projection():
+        return project(adapter, source_kv, paired.alignment, paired.target_ids, source.rope, target.rope, dtype=dtype)
+
+    def by_prefill():
+        return kvcache.extract(target.model, target.spec, paired.target_ids)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    by_projection(), by_prefill()  # warm up
+    times = {"projection": [], "prefill": []}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for name, fn in (("projection", by_projection), ("prefill", by_prefill)):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+    n = paired.target_ids.numel()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tps = {k: n / v for k, v in med.items()}
+    print(f"projection {source.name} -> {target.name}, {n} target tokens ({paired.source_ids.numel()} source), "
+          f"{args.dtype} on {device}: projection {tps['projection']:,.0f} tokens/s, target prefill "
+          f"{tps['prefill']:,.0f} tokens/s -> ratio projection/prefill {med['prefill'] / med['projection']:.1f}x "
+          f"(FLOP ceiling ~45x for the small pair; medians of {args.rounds} interleaved rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
