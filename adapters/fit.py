@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # × mean diagonal of the input Gram
+DEFAULT_LAMBDAS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # × mean input power
 
 
 class RidgeStats:

@@ -67,7 +67,7 @@ def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, t
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
     finally:
         for p in frozen:
             p.requires_grad_(True)

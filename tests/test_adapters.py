@@ -253,12 +253,34 @@ def test_train_adapter_cli_on_the_tiny_pair(tmp_path, capsys):
 
     out = tmp_path / "tiny.safetensors"
     rc = main(["--preset", "tiny", "--max-tokens", "2048", "--eval-docs", "4", "--out", str(out), "--quiet",
-               "--json", str(tmp_path / "r.json"), "--device", "cpu"])
+               "--json", str(tmp_path / "r.json"), "--device", "cpu", "--refine-steps", "3"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "R2 K" in text and "recovery projected:" in text and out.exists()
+    assert "refinement: 3 steps" in text and "before refinement: recovery" in text
     report = json.loads((tmp_path / "r.json").read_text())
     assert len(report["layers"]) == 6 and "projected" in report["recovery"]["recovery"]
-    assert load_adapter(out).meta.metrics["eval_documents"] == 4
+    saved = load_adapter(out)
+    assert saved.meta.metrics["eval_documents"] == 4 and saved.meta.metrics["refine"]["steps"] == 3
     assert main(["--preset", "tiny", "--corpus", str(tmp_path / "absent.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_small_pair_adapter_fits_and_helps(gemma, smollm2):
+    """A short real fit (16 windows) on Gemma-3-270M -> SmolLM2-135M: the maps explain a good part of the
+    target's KV, and the projected context lowers the target's NLL on held-out continuations."""
+    from kvbridge.adapters.cli import packaged_data
+    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.train import TrainConfig, read_corpus, train_adapter
+
+    cfg = TrainConfig(max_tokens=4096, window_tokens=256)
+    adapter, report = train_adapter(gemma, smollm2, [packaged_data("pydoc_corpus_sample.txt")], cfg, progress=False)
+    mean_r2_k = sum(r["r2_k"] for r in report.layers) / len(report.layers)
+    mean_cos_k = sum(r["cos_k"] for r in report.layers) / len(report.layers)
+    assert mean_r2_k > 0.3 and mean_cos_k > 0.8, report.table()
+    texts, _ = read_corpus([packaged_data("pydoc_heldout.jsonl")])
+    docs = prepare_documents(texts, gemma, smollm2)[:6]
+    result = evaluate_recovery(gemma, smollm2, adapter, docs, progress=False, wrong=False)
+    assert result.nll["full"] < result.nll["none"]
+    assert result.nll["projected"] < result.nll["none"], "\n".join(result.lines())

@@ -142,3 +142,13 @@ def test_bad_arguments_name_the_problem():
         lm.rope.rotate(x, 5, torch.arange(3))
     with pytest.raises(ValueError, match="differ"):
         lm.rope.shift(x, 0, torch.arange(3), torch.arange(4))
+
+
+def test_rotation_is_differentiable_and_agrees_with_the_fast_path():
+    pos = torch.arange(7)
+    cos, sin = tables(pos, 8, scale=1.2)
+    x = torch.randn(2, 7, 12, requires_grad=True)
+    y = unrotate(rotate(x, cos, sin), cos, sin)
+    y.sum().backward()
+    assert torch.allclose(x.grad, torch.ones_like(x), atol=1e-5)
+    assert torch.allclose(rotate(x, cos, sin), rotate(x.detach(), cos, sin))  # autograd path == fast path

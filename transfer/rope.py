@@ -46,9 +46,18 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
     h = r // 2
     work = _compute_dtype(x)
     cos, sin = cos.to(device=x.device, dtype=work), sin.to(device=x.device, dtype=work)
-    out = torch.empty(x.shape, dtype=work, device=x.device)
     x1, x2 = x[..., :h].to(work), x[..., h:r].to(work)
     sign = 1.0 if inverse else -1.0
+    if torch.is_grad_enabled() and x.requires_grad:  # autograd path (adapter refinement): no out= writes
+        o1 = torch.addcmul(x1 * cos[:, :h], x2, sin[:, :h], value=sign)
+        o2 = torch.addcmul(x2 * cos[:, h:], x1, sin[:, h:], value=-sign)
+        out = torch.cat((o1, o2), dim=-1)
+        if inverse:
+            out = out / (cos * cos + sin * sin)
+        if r < x.shape[-1]:
+            out = torch.cat((out, x[..., r:].to(work)), dim=-1)
+        return out.to(x.dtype)
+    out = torch.empty(x.shape, dtype=work, device=x.device)
     torch.addcmul(x1 * cos[:, :h], x2, sin[:, :h], value=sign, out=out[..., :h])
     torch.addcmul(x2 * cos[:, h:], x1, sin[:, h:], value=-sign, out=out[..., h:r])
     if inverse:
