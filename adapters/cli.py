@@ -34,6 +34,7 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--refine-steps", type=int, default=0,
                    help="end-to-end refinement steps through the frozen target after the ridge fit (0: none)")
     p.add_argument("--refine-lr", type=float, default=1e-5, help="Adam learning rate of the refinement")
+    p.add_argument("--refine-docs", type=int, default=64, help="corpus pieces the refinement samples from")
     p.add_argument("--stats", help="file to keep accumulated statistics in; a rerun resumes from it")
     p.add_argument("--eval", metavar="FILE", help="held-out documents (.jsonl with 'document' or 'text'); default: "
                                                   "the packaged pydoc_heldout.jsonl")
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     docs = []
     if args.eval_docs:
         texts, _ = read_corpus([args.eval or str(packaged_data("pydoc_heldout.jsonl"))])
-        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens)
-        docs = docs[:args.eval_docs]
+        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
+                                 limit=args.eval_docs)
     if args.refine_steps:
         t0 = time.perf_counter()
         before = None
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"before refinement: recovery {before.recovery['projected']:.3f}")
         texts, _ = read_corpus(corpus)
         adapter, losses = refine_adapter(source, target, adapter, texts, steps=args.refine_steps, seed=args.seed,
-                                         lr=args.refine_lr,
+                                         lr=args.refine_lr, max_documents=args.refine_docs,
                                          context_tokens=args.context_tokens,
                                          continuation_tokens=args.continuation_tokens, progress=not args.quiet)
         print(f"refinement: {args.refine_steps} steps, KL {losses[0]:.4f} -> {losses[-1]:.4f} "

@@ -55,10 +55,12 @@ class EvalDocument:
 
 
 def prepare_documents(texts: list[str], source: LoadedModel, target: LoadedModel, context_tokens: int = 192,
-                      continuation_tokens: int = 64) -> list[EvalDocument]:
-    """Documents long enough for context + continuation; shorter ones are skipped."""
+                      continuation_tokens: int = 64, limit: int | None = None) -> list[EvalDocument]:
+    """Documents long enough for context + continuation (shorter ones are skipped), at most `limit` of them."""
     docs = []
     for text in texts:
+        if limit is not None and len(docs) >= limit:
+            break
         tgt = tokenize(target.tokenizer, text, add_special_tokens=False)
         if len(tgt) < context_tokens + continuation_tokens:
             continue

@@ -31,12 +31,13 @@ def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, t
     chunk = context_tokens + continuation_tokens
     pieces = []
     for text in texts:
+        if len(pieces) >= 4 * max_documents:
+            break
         enc = target.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         for i in range(0, len(enc) - chunk + 1, chunk):
             pieces.append(text[enc[i][0]:enc[i + chunk - 1][1]])
     random.Random(seed).shuffle(pieces)
-    docs = prepare_documents(pieces[: max_documents * 2], source, target, context_tokens, continuation_tokens)
-    docs = docs[:max_documents]
+    docs = prepare_documents(pieces, source, target, context_tokens, continuation_tokens, limit=max_documents)
     if not docs:
         raise ValueError(f"the refinement texts hold no piece of {chunk} target tokens")
     start = torch.tensor([start_token_id(target.tokenizer)])

@@ -253,7 +253,8 @@ def test_train_adapter_cli_on_the_tiny_pair(tmp_path, capsys):
 
     out = tmp_path / "tiny.safetensors"
     rc = main(["--preset", "tiny", "--max-tokens", "2048", "--eval-docs", "4", "--out", str(out), "--quiet",
-               "--json", str(tmp_path / "r.json"), "--device", "cpu", "--refine-steps", "3"])
+               "--json", str(tmp_path / "r.json"), "--device", "cpu", "--refine-steps", "3",
+               "--refine-docs", "4"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "R2 K" in text and "recovery projected:" in text and out.exists()
