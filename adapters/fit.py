@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_LAMBDAS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # × mean input power
+DEFAULT_LAMBDAS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # × mean centred input power
 
 
 class RidgeStats:
@@ -132,16 +132,25 @@ def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: in
     sum_y = h_cross[-1]
     sst = float(h_yy - (sum_y @ sum_y) / n_h)
     best: LayerFit | None = None
+    lams = torch.tensor(lambdas, dtype=torch.float64)
+    n = train.count
     for alpha in simplex_grid(train.k, mix_step):
         m = _mixing(torch.tensor(alpha, dtype=torch.float64), d_s)
-        gm, cm = m.T @ gram @ m, m.T @ cross
+        gm, cm = m.T @ gram @ m, m.T @ cross  # augmented: the last row/column is the bias input
         hgm, hcm = m.T @ h_gram @ m, m.T @ h_cross
-        scale = float(torch.diagonal(gm)[:d_s].mean()) / max(train.count, 1)
-        reg = torch.zeros(d_s + 1, dtype=torch.float64)
-        reg[:d_s] = 1.0
-        lams = torch.tensor(lambdas, dtype=torch.float64)
-        systems = gm[None] + (lams * scale * train.count)[:, None, None] * torch.diag(reg)[None]
-        w_aug = torch.linalg.solve(systems, cm[None].expand(len(lambdas), -1, -1))  # [n_lam, d_s+1, d_t]
+        # Centre, so the bias falls out and the ridge is (Gc + λ·s·I) W = Cc, solved for every λ at once through
+        # one eigendecomposition of the centred Gram (symmetric PSD; a singular one gets a pseudo-inverse).
+        x_mean, y_mean = gm[:d_s, d_s] / n, cm[d_s] / n
+        gc = gm[:d_s, :d_s] - n * torch.outer(x_mean, x_mean)
+        cc = cm[:d_s] - n * torch.outer(x_mean, y_mean)
+        evals, q = torch.linalg.eigh(gc)
+        evals = evals.clamp(min=0)
+        scale = float(torch.diagonal(gc).mean()) or 1.0
+        denom = evals[None] + lams[:, None] * scale  # [n_lam, d_s]
+        inv = torch.where(denom > evals.max() * 1e-12, 1.0 / denom, torch.zeros_like(denom))
+        w = q @ (inv[:, :, None] * (q.T @ cc)[None])  # [n_lam, d_s, d_t]
+        b = y_mean[None] - x_mean[None, None, :] @ w  # [n_lam, 1, d_t]
+        w_aug = torch.cat((w, b), dim=1)  # [n_lam, d_s + 1, d_t]
         sse = _sse(w_aug, hgm, hcm, h_yy)
         i = int(torch.argmin(sse))
         if best is None or float(sse[i]) < best.heldout_sse:

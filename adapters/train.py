@@ -186,7 +186,9 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
         wv=torch.stack([f.w for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
         start_kv=start_kv(target, start).cpu(),
     )
-    return adapter, _report(adapter, fits, held_pairs, train.count, heldout.count, len(windows), groups)
+    report = _report(adapter, fits, held_pairs, train.count, heldout.count, len(windows), groups)
+    adapter.meta.metrics["heldout_layers"] = report.layers
+    return adapter, report
 
 
 def _report(adapter, fits, held_pairs, n_train, n_heldout, n_windows, groups) -> TrainReport:
