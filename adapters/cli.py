@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import logging
 import sys
@@ -11,10 +10,7 @@ import time
 from pathlib import Path
 
 from kvbridge.adapters.layer_map import LAYER_MAPS
-
-
-def packaged_data(name: str) -> Path:
-    return Path(str(importlib.resources.files("kvbridge.transfer") / "data" / name))
+from kvbridge.transfer.data import data_path
 
 
 def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
@@ -65,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
     print(f"{source.name} -> {target.name} on {target.device} ({time.perf_counter() - t0:.1f} s to load)", flush=True)
-    corpus = args.corpus or [str(packaged_data("pydoc_corpus_sample.txt"))]
+    corpus = args.corpus or [str(data_path("pydoc_corpus_sample.txt"))]
     t0 = time.perf_counter()
     adapter, report = train_adapter(source, target, corpus, config, stats_path=args.stats, progress=not args.quiet)
     fit_s = time.perf_counter() - t0
@@ -75,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     result_json: dict = {"layers": report.layers, "fit_seconds": fit_s, "layer_map": args.layer_map}
     docs = []
     if args.eval_docs:
-        texts, _ = read_corpus([args.eval or str(packaged_data("pydoc_heldout.jsonl"))])
+        texts, _ = read_corpus([args.eval or str(data_path("pydoc_heldout.jsonl"))])
         docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
                                  limit=args.eval_docs)
     if args.refine_steps:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, project
-from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.pairs import start_token_id, with_start_token
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import AlignKind, Alignment, TokenizedText, align_tokens, tokenize
+from kvbridge.transfer.align import Alignment, TokenizedText, align_tokens, tokenize
 from kvbridge.transfer.models import LoadedModel
 from tqdm import tqdm
 
@@ -69,13 +69,7 @@ def prepare_documents(texts: list[str], source: LoadedModel, target: LoadedModel
         src = tokenize(source.tokenizer, context_text, add_special_tokens=True)
         ctx = TokenizedText(ids=tgt.ids[:context_tokens], offsets=tgt.offsets[:context_tokens],
                             special=tgt.special[:context_tokens], roles=tgt.roles[:context_tokens])
-        aligned = align_tokens(src, ctx)
-        alignment = Alignment(
-            source_index=torch.cat((torch.tensor([-1]), aligned.source_index)),
-            kind=torch.cat((torch.tensor([int(AlignKind.UNMAPPED)], dtype=torch.int8), aligned.kind)),
-            target_special=torch.cat((torch.tensor([True]), aligned.target_special)),
-            num_source_tokens=aligned.num_source_tokens)
-        docs.append(EvalDocument(context_text, src, ctx.ids, alignment,
+        docs.append(EvalDocument(context_text, src, ctx.ids, with_start_token(align_tokens(src, ctx)),
                                  tgt.ids[context_tokens:context_tokens + continuation_tokens]))
     return docs
 

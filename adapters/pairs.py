@@ -34,6 +34,16 @@ class PairedText:
     target_offsets: torch.Tensor  # [T_t, 2] character offsets of the target tokens ((0, 0) for the start)
 
 
+def with_start_token(aligned: Alignment) -> Alignment:
+    """The alignment of the target's text tokens with the start token put in front (UNMAPPED: its KV is exact)."""
+    return Alignment(
+        source_index=torch.cat((torch.tensor([-1]), aligned.source_index)),
+        kind=torch.cat((torch.tensor([int(AlignKind.UNMAPPED)], dtype=torch.int8), aligned.kind)),
+        target_special=torch.cat((torch.tensor([True]), aligned.target_special)),
+        num_source_tokens=aligned.num_source_tokens,
+    )
+
+
 def pair_text(text: str, source_tokenizer, target_tokenizer) -> PairedText:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
@@ -41,14 +51,8 @@ def pair_text(text: str, source_tokenizer, target_tokenizer) -> PairedText:
         raise ValueError("text is empty: there is nothing to project")
     src = tokenize(source_tokenizer, text, add_special_tokens=True)
     tgt = tokenize(target_tokenizer, text, add_special_tokens=False)
-    aligned = align_tokens(src, tgt)
+    alignment = with_start_token(align_tokens(src, tgt))
     start = start_token_id(target_tokenizer)
-    alignment = Alignment(
-        source_index=torch.cat((torch.tensor([-1]), aligned.source_index)),
-        kind=torch.cat((torch.tensor([int(AlignKind.UNMAPPED)], dtype=torch.int8), aligned.kind)),
-        target_special=torch.cat((torch.tensor([True]), aligned.target_special)),
-        num_source_tokens=aligned.num_source_tokens,
-    )
     return PairedText(text=text, source_ids=src.ids, target_ids=torch.cat((torch.tensor([start]), tgt.ids)),
                       alignment=alignment, target_offsets=torch.cat((torch.zeros(1, 2, dtype=torch.int64),
                                                                      tgt.offsets)))

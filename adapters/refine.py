@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.evaluate import prepare_documents
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.train import corpus_windows
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from tqdm import tqdm
@@ -29,14 +30,7 @@ def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, t
         raise ValueError(f"steps must be >= 1, got {steps}")
     # documents cut from the training texts: context + continuation tokens each
     chunk = context_tokens + continuation_tokens
-    pieces = []
-    for text in texts:
-        if len(pieces) >= 4 * max_documents:
-            break
-        enc = target.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        for i in range(0, len(enc) - chunk + 1, chunk):
-            pieces.append(text[enc[i][0]:enc[i + chunk - 1][1]])
-    random.Random(seed).shuffle(pieces)
+    pieces = corpus_windows(texts, target.tokenizer, chunk, 4 * max_documents * chunk, seed)
     docs = prepare_documents(pieces, source, target, context_tokens, continuation_tokens, limit=max_documents)
     if not docs:
         raise ValueError(f"the refinement texts hold no piece of {chunk} target tokens")

@@ -271,16 +271,16 @@ def test_train_adapter_cli_on_the_tiny_pair(tmp_path, capsys):
 def test_small_pair_adapter_fits_and_helps(gemma, smollm2):
     """A short real fit (16 windows) on Gemma-3-270M -> SmolLM2-135M: the maps explain a good part of the
     target's KV, and the projected context lowers the target's NLL on held-out continuations."""
-    from kvbridge.adapters.cli import packaged_data
     from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
     from kvbridge.adapters.train import TrainConfig, read_corpus, train_adapter
+    from kvbridge.transfer.data import data_path
 
     cfg = TrainConfig(max_tokens=4096, window_tokens=256)
-    adapter, report = train_adapter(gemma, smollm2, [packaged_data("pydoc_corpus_sample.txt")], cfg, progress=False)
+    adapter, report = train_adapter(gemma, smollm2, [data_path("pydoc_corpus_sample.txt")], cfg, progress=False)
     mean_r2_k = sum(r["r2_k"] for r in report.layers) / len(report.layers)
     mean_cos_k = sum(r["cos_k"] for r in report.layers) / len(report.layers)
     assert mean_r2_k > 0.3 and mean_cos_k > 0.8, report.table()
-    texts, _ = read_corpus([packaged_data("pydoc_heldout.jsonl")])
+    texts, _ = read_corpus([data_path("pydoc_heldout.jsonl")])
     docs = prepare_documents(texts, gemma, smollm2)[:6]
     result = evaluate_recovery(gemma, smollm2, adapter, docs, progress=False, wrong=False)
     assert result.nll["full"] < result.nll["none"]

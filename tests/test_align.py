@@ -1,20 +1,19 @@
 """Cross-tokenizer alignment: the rules on hand-built offsets, the tiny tokenizer pair, and the real small pair."""
 
-import importlib.resources
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvbridge.transfer.align import AlignKind, Alignment, TokenizedText, align_text, align_tokens, tokenize
+from kvbridge.transfer.data import data_path
 from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
 from tokenizers import Tokenizer, normalizers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
 EXACT, FALLBACK, SPECIAL, UNMAPPED = AlignKind.EXACT, AlignKind.FALLBACK, AlignKind.SPECIAL, AlignKind.UNMAPPED
-PYDOC_SUMMARIES = Path(str(importlib.resources.files("kvbridge.transfer") / "data" / "pydoc_heldout.jsonl"))
+PYDOC_SUMMARIES = data_path("pydoc_heldout.jsonl")
 
 # Spacing, byte pieces, combining marks, ZWJ sequences and literal special-token text, mixed in more often than
 # st.text() alone would find them.

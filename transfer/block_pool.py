@@ -20,6 +20,11 @@ class CapacityError(RuntimeError):
     """Not enough evictable blocks for a request (everything else is pinned or in use)."""
 
 
+def layout_key(model: str, dtype: str) -> str:
+    """The key of a pool: one per model identity and dtype."""
+    return f"{model}/{dtype}"
+
+
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
     """The shape of one model's KV in one dtype; one pool per layout."""
@@ -33,7 +38,7 @@ class PoolLayout:
 
     @property
     def key(self) -> str:
-        return f"{self.model}/{self.dtype}"
+        return layout_key(self.model, self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -88,6 +88,11 @@ class ModelRope:
                          slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else None)
                         for rope, layers in by_rope.items()]
 
+    @property
+    def families(self) -> list[tuple[RopeSpec, list[int]]]:
+        """Each distinct RoPE of the model with the layers that use it (layers without RoPE are in none)."""
+        return [(rope, layers) for rope, layers, _, _ in self._groups]
+
     @classmethod
     def from_model(cls, model: nn.Module, spec: ModelSpec) -> "ModelRope":
         """Build from a loaded model and check that its attention rotates keys the way `rotate` does."""
@@ -103,10 +108,7 @@ class ModelRope:
         """
         modeling = sys.modules.get(type(model).__module__)
         apply = getattr(modeling, "apply_rotary_pos_emb", None)
-        first_layer: dict[RopeSpec, int] = {}
-        for layer in self.spec.layers:
-            if layer.rope is not None:
-                first_layer.setdefault(layer.rope, layer.index)
+        first_layer = {rope: layers[0] for rope, layers in self.families}
         if not first_layer:
             return 0.0
         if apply is None:

@@ -3,13 +3,13 @@ extract -> to_cache -> greedy continue against a plain greedy generate. The CLI 
 
 from __future__ import annotations
 
-import importlib.resources
 from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import rotate, unrotate
+from kvbridge.transfer.tiny_tokenizers import tiny_corpus_text
 
 # Relative error allowed when two prefills that are equal in exact arithmetic are compared, by parameter dtype.
 PREFILL_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
@@ -29,15 +29,7 @@ class CheckResult:
 
 def sample_text() -> str:
     """A few KB of Python documentation prose shipped with kvbridge (PSF licence)."""
-    return (importlib.resources.files("kvbridge.transfer") / "data" / "tiny_corpus.txt").read_text(encoding="utf-8")
-
-
-def _layer_groups(lm: LoadedModel) -> dict:
-    groups: dict = {}
-    for layer in lm.spec.layers:
-        if layer.rope is not None:
-            groups.setdefault(layer.rope, []).append(layer.index)
-    return groups
+    return tiny_corpus_text()
 
 
 def _span(layers: list[int]) -> str:
@@ -51,7 +43,7 @@ def check_rope(lm: LoadedModel, num_tokens: int = 256, seed: int = 0) -> list[Ch
     results = []
     gen = torch.Generator().manual_seed(seed)
     conv = lm.rope.check_convention(lm.model)
-    for rope, layers in _layer_groups(lm).items():
+    for rope, layers in lm.rope.families:
         layer = layers[0]
         limit = min(rope.original_max_positions or 4096, 4096)
         positions = torch.randint(0, limit // 2, (num_tokens,), generator=gen)

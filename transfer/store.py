@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from kvbridge.transfer.block_pool import BlockPool, CapacityError, PoolLayout
+from kvbridge.transfer.block_pool import BlockPool, CapacityError, PoolLayout, layout_key
 from kvbridge.transfer.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
@@ -185,6 +185,10 @@ class PagedStore:
                  num_blocks * layout.block_bytes, self.device)
         return pool
 
+    def _pool_of(self, ns: Namespace) -> BlockPool | None:
+        """The pool holding this namespace's model and dtype."""
+        return self.pools.get(layout_key(ns.model, ns.dtype))
+
     @staticmethod
     def _namespace(tenant: str, model: ModelIdentity, dtype: torch.dtype | str, adapter: str) -> Namespace:
         if not isinstance(tenant, str) or not tenant:
@@ -298,14 +302,24 @@ class PagedStore:
         try:
             if missing:
                 layout_key = pool.layout.key
+                # Blocks leave the CPU tier before allocation can demote into it (so they cannot be evicted
+                # meanwhile); on failure exactly those go back, into the room they left.
                 data: dict[int, torch.Tensor] = {}
+                from_cpu: list[int] = []
                 redis_wanted = []
                 for i in missing:
                     item = self.cpu.pop(entry_hashes[i]) if self.cpu is not None else None
                     if item is not None:
                         data[i] = item[1]
+                        from_cpu.append(i)
                     else:
                         redis_wanted.append(i)
+
+                def restore() -> None:
+                    for i in from_cpu:
+                        evicted = self.cpu.put(entry_hashes[i], layout_key, data[i])
+                        assert not evicted, "restoring popped blocks cannot overflow the CPU tier"
+
                 if redis_wanted and self.redis is not None:
                     found = self.redis.get_many([entry_hashes[i] for i in redis_wanted], layout_key)
                     for i in redis_wanted:
@@ -313,17 +327,12 @@ class PagedStore:
                             data[i] = found[entry_hashes[i]]
                 absent = [i for i in missing if i not in data]
                 if absent:
-                    # put back what was taken from the CPU tier, then report the loss
-                    for i, block in data.items():
-                        if self.cpu is not None:
-                            self.cpu.put(entry_hashes[i], layout_key, block)
+                    restore()
                     raise NotFound(f"{len(absent)} of {len(entry_hashes)} blocks are no longer stored")
                 try:
                     new_blocks = self._allocate(pool, len(missing))
-                except CapacityError:
-                    for i, block in data.items():
-                        if self.cpu is not None:
-                            self.cpu.put(entry_hashes[i], layout_key, block)
+                except CapacityError:  # raised before any eviction: the CPU tier is as we left it
+                    restore()
                     raise
                 ids = torch.tensor([b.block_id for b in new_blocks])
                 pool.write(ids, torch.stack([data[i] for i in missing]))
@@ -465,8 +474,7 @@ class PagedStore:
             self._expire()
             key = content_key(ns.digest(), kind, token_ids)
             entry = self._entries.get(key)
-            pool = next((p for p in self.pools.values()
-                         if p.layout.model == ns.model and p.layout.dtype == ns.dtype), None)
+            pool = self._pool_of(ns)
             if entry is not None:
                 tiers = {self._tier_of(pool, h) or "redis" for h in entry.hashes}
                 self._stats.hits += 1
@@ -512,8 +520,7 @@ class PagedStore:
                              f"got {num_tokens}")
         ns = self._namespace(tenant, model, dtype, adapter)
         with self._lock:
-            pool = next((p for p in self.pools.values()
-                         if p.layout.model == ns.model and p.layout.dtype == ns.dtype), None)
+            pool = self._pool_of(ns)
             if pool is None:
                 raise NotFound(f"nothing stored for {ns.model} in {ns.dtype}")
             digest = ns.digest()

@@ -19,9 +19,9 @@ different hash seeds and trainer thread counts.
 """
 
 import functools
-import importlib.resources
 import json
 
+from kvbridge.transfer.data import data_path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +72,7 @@ def build_tiny_tokenizer(kind: str) -> PreTrainedTokenizerFast:
 
 def tiny_corpus_text() -> str:
     """The shipped training text: an excerpt of the Python 3.11 tutorial (PSF licence), about 26 KB."""
-    return importlib.resources.files(__package__).joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+    return data_path("tiny_corpus.txt").read_text(encoding="utf-8")
 
 
 @functools.cache
