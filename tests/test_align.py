@@ -54,6 +54,11 @@ def reference_alignment(source: TokenizedText, target: TokenizedText) -> tuple[l
             containing = [j for j, (s, e) in enumerate(s_offsets) if not s_special[j] and s <= c < e]
             if containing:
                 j = containing[-1]
+                no_further = [j for j, (s, e) in enumerate(s_offsets) if not s_special[j] and e <= end]
+                if no_further:
+                    latest = max(no_further, key=lambda j: (s_offsets[j][1], j))
+                    if latest in containing:
+                        j = latest
                 later_pieces = 0  # following target tokens that end on c too: later pieces of a split character
                 for next_start, next_end in t_offsets[i + 1 :]:
                     if next_end != end or next_start == next_end:

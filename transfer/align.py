@@ -183,8 +183,10 @@ def align_tokens(source: TokenizedText, target: TokenizedText) -> Alignment:
     """Map every target token to a source token of the same text (see the module docstring for the rules).
 
     Text tokens (not `special`) with a non-empty span use their last character c = end - 1:
-      EXACT     the last source token (in sequence order) whose span contains c — with byte-level pieces of one
-                character spread over several tokens, the last one is the one that has read the whole character.
+      EXACT     a source token whose span contains c: the latest one ending at or before the target token's end
+                if that one contains c (it has read no further than the target token), else the last one (in
+                sequence order) — with byte-level pieces of one character spread over several tokens, the last
+                one is the one that has read the whole character.
                 A target token that is itself an earlier piece of a split character (the k tokens after it also
                 end on c) steps back k source tokens among those that contain c, as far as there are such
                 tokens: pieces are matched from the right, so identical tokenizations map to the identity;
@@ -216,6 +218,14 @@ def align_tokens(source: TokenizedText, target: TokenizedText) -> Alignment:
     has_span = target_end > target_start  # [T_t]
     query = torch.where(has_span, target_end - 1, target_start)  # [T_t] last character, or the start position
     exact = torch.where(has_span, covering[query], -1)  # [T_t]
+    # Among the source tokens containing c, prefer one that has read no further than the target token: the latest
+    # ending at or before the target's end (it matters where spans overlap, e.g. a prepended "▁" with span (0, 1)
+    # next to "re" (0, 2): identical tokenizations must map to the identity).
+    if num_source:
+        no_further = preceding[target_end.clamp(max=num_chars)]  # [T_t]
+        nf = no_further.clamp(min=0)
+        contains = has_span & (no_further >= 0) & (source_start[nf] <= query) & (query < source_end[nf])
+        exact = torch.where(contains, no_further, exact)
     exact = _match_pieces_from_right(exact, query, _pieces_after(target.offsets, has_span), source_offsets, source_text)
     before = preceding[query]  # [T_t]
     before = torch.where(before >= 0, before, leading_special)
