@@ -75,6 +75,22 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     return train_main(args.rest, prog="kvbridge train-adapter")
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvbridge.server.app import serve, setup_logging
+    from kvbridge.server.config import ServeConfig
+
+    setup_logging(verbose=True, as_json=args.log_json)
+    overrides = {k: getattr(args, k) for k in (
+        "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
+        "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
+        "token_file", "max_message_mb", "chunk_kb", "workers", "metrics_listen", "grace_s")}
+    for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json"):
+        overrides[flag] = True if getattr(args, flag) else None
+    overrides["selfcheck"] = False if args.no_selfcheck else None
+    config = ServeConfig.load(args.config, **overrides)
+    return serve(config, ready_file=args.ready_file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.transfer.presets import PRESETS
 
@@ -101,6 +117,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     _add_model_args(p)
     p.set_defaults(func=cmd_models_info)
+    p = sub.add_parser("serve", help="run the gRPC service (kvbridge.v1) until SIGINT/SIGTERM")
+    p.add_argument("--config", metavar="TOML", help="a TOML file of ServeConfig fields; flags override it")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model pair (default small)")
+    p.add_argument("--source", help="production preset: source model folder or cached repo id")
+    p.add_argument("--target", help="production preset: target model folder or cached repo id")
+    p.add_argument("--device", default=None, help="where models run: cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--adapters", metavar="DIR", help="adapter folder (default KVBRIDGE_HOME/adapters)")
+    p.add_argument("--default-adapter", metavar="NAME", help="adapter to load at start (default: newest matching)")
+    p.add_argument("--fit-adapter", action="store_true",
+                   help="fit a ridge adapter at start if the folder has none for the pair (about a minute)")
+    p.add_argument("--store-device", default=None, help="device of the block pool (default: cuda when present)")
+    p.add_argument("--store-capacity-mb", type=float, default=None, help="block pool size (default: half the free "
+                                                                          "memory)")
+    p.add_argument("--cpu-tier-mb", type=float, default=None, help="CPU tier under the pool (default 0: none)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16)")
+    p.add_argument("--redis-url", help="Redis/Valkey tier shared by replicas, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--default-ttl-s", type=float, default=None, help="TTL of entries stored without one")
+    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:50051; port 0 picks a free one)")
+    p.add_argument("--allow-remote-without-tokens", action="store_true",
+                   help="let a server without --token-file listen on a non-loopback address")
+    p.add_argument("--tls-cert", help="PEM certificate chain (TLS only, with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--token-file", help="'tenant token' lines: bearer tokens and their tenants")
+    p.add_argument("--max-message-mb", type=float, default=None, help="largest gRPC message (default 8)")
+    p.add_argument("--chunk-kb", type=int, default=None, help="KV chunk size on the wire (default 1024)")
+    p.add_argument("--workers", type=int, default=None, help="gRPC worker threads (default 8)")
+    p.add_argument("--metrics-listen", help="host:port of a Prometheus /metrics endpoint (default: off)")
+    p.add_argument("--grace-s", type=float, default=None, help="shutdown drain time (default 10)")
+    p.add_argument("--no-selfcheck", action="store_true", help="skip the start-up self-checks (not for production)")
+    p.add_argument("--log-json", action="store_true", help="structured logs: one JSON object per line")
+    p.add_argument("--ready-file", help="write the bound address as JSON here once serving (for scripts)")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("train-adapter", help="fit a projection adapter (same as the train-adapter command)",
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -115,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

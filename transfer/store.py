@@ -559,6 +559,24 @@ class PagedStore:
                 entry.pinned = False
             return self._info(entry, new_blocks=0)
 
+    def refresh(self, key: str, tenant: str, ttl_s: float | None = None, pin: bool = False) -> EntryInfo:
+        """What a second put of the same entry does, without its tensor: restart the TTL (ttl_s, else the
+        default), and pin it if asked (never unpins). Raises NotFound."""
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        with self._lock:
+            self._expire()
+            entry = self._entry_for(key, tenant)
+            ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
+            now = self.clock()
+            entry.expires_at = now + ttl if ttl is not None else None
+            entry.last_access = now
+            if entry.expires_at is not None:
+                heapq.heappush(self._expiry, (entry.expires_at, key))
+            if pin:
+                return self.pin(key, tenant)
+            return self._info(entry, new_blocks=0)
+
     def info(self, key: str, tenant: str) -> EntryInfo:
         with self._lock:
             self._expire()

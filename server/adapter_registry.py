@@ -1,0 +1,189 @@
+"""The adapters a server can use: loaded by bare name from one folder (never a path outside it), checked against
+the served models, one default per (source, target) pair. Only safetensors files are ever read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.io import load_adapter
+from kvbridge.transfer.spec import ModelSpec
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SUFFIX = ".safetensors"
+
+
+def check_name(name: str) -> str:
+    """The adapter's bare name (a trailing .safetensors is dropped); ValueError for anything path-like."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("adapter name is empty")
+    bare = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+    if "/" in bare or "\\" in bare or ".." in bare or not NAME.fullmatch(bare):
+        raise ValueError(f"adapter name {name!r} is not a bare name: use letters, digits, '.', '_' and '-' only "
+                         "(no paths; adapters load from the server's adapter folder)")
+    return bare
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    source_model: str
+    target_model: str
+    version: str
+    layer_map: str
+    loaded: bool
+    is_default: bool
+    metrics: dict
+
+
+class AdapterRegistry:
+    def __init__(self, folder: str | Path | None, source: ModelSpec, targets: list[ModelSpec],
+                 device: torch.device | str = "cpu"):
+        self.folder = Path(folder).expanduser().resolve() if folder else None
+        self.source = source
+        self.targets = {t.identity.config_hash: t for t in targets}
+        self.device = device
+        self._loaded: dict[str, Adapter] = {}
+        self._defaults: dict[str, str] = {}  # target config hash -> adapter name
+        self._lock = threading.RLock()  # _info is called with it held
+
+    # ------------------------------------------------------------------------------------------ files
+
+    def path(self, name: str) -> Path:
+        bare = check_name(name)
+        if self.folder is None:
+            raise ValueError("this server has no adapter folder (start it with --adapters DIR)")
+        path = (self.folder / f"{bare}{SUFFIX}").resolve()
+        if path.parent != self.folder:  # a symlink pointing out of the folder
+            raise ValueError(f"adapter {bare!r} resolves outside the adapter folder")
+        return path
+
+    def _read_meta(self, path: Path) -> dict | None:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                header = f.metadata() or {}
+            return json.loads(header["kvbridge_adapter"])
+        except Exception as exc:  # not an adapter, or unreadable: listed by nobody
+            log.warning("skipping %s: not a readable kvbridge adapter (%s)", path.name, exc)
+            return None
+
+    def available(self) -> list[AdapterInfo]:
+        """Every adapter file in the folder, plus adapters added in memory."""
+        out = {}
+        if self.folder is not None and self.folder.is_dir():
+            for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+                if not NAME.fullmatch(path.stem):
+                    continue
+                meta = self._read_meta(path)
+                if meta is not None:
+                    out[path.stem] = self._info(path.stem, meta)
+        with self._lock:
+            for name, adapter in self._loaded.items():
+                out[name] = self._info(name, _meta_dict(adapter))
+        return [out[k] for k in sorted(out)]
+
+    def _info(self, name: str, meta: dict) -> AdapterInfo:
+        with self._lock:
+            loaded = name in self._loaded
+            default = name in self._defaults.values()
+        return AdapterInfo(name=name, source_model=meta.get("source", {}).get("name", "?"),
+                           target_model=meta.get("target", {}).get("name", "?"), version=str(meta.get("version", "")),
+                           layer_map=str(meta.get("layer_map", "")), loaded=loaded, is_default=default,
+                           metrics=meta.get("metrics", {}))
+
+    # ------------------------------------------------------------------------------------------ loading
+
+    def _target_of(self, adapter: Adapter, name: str) -> ModelSpec:
+        src, tgt = adapter.meta.source, adapter.meta.target
+        if src["config_hash"] != self.source.identity.config_hash or tgt["config_hash"] not in self.targets:
+            raise ValueError(f"adapter {name!r} maps {src['name']!r} -> {tgt['name']!r}; this server serves "
+                             f"{self.source.name!r} -> {sorted(t.name for t in self.targets.values())}")
+        target = self.targets[tgt["config_hash"]]
+        adapter.check_models(self.source, target)
+        return target
+
+    def add(self, name: str, adapter: Adapter, make_default: bool = False) -> AdapterInfo:
+        """Register an adapter object (an in-memory one, or one just read from the folder)."""
+        name = check_name(name)
+        target = self._target_of(adapter, name)
+        adapter = adapter.to(self.device)
+        with self._lock:
+            self._loaded[name] = adapter
+            if make_default or target.identity.config_hash not in self._defaults:
+                self._defaults[target.identity.config_hash] = name
+        log.info("adapter %s loaded: %s -> %s%s", name, self.source.name, target.name,
+                 " (default)" if self._defaults.get(target.identity.config_hash) == name else "")
+        return self._info(name, _meta_dict(adapter))
+
+    def load(self, name: str, make_default: bool = False) -> AdapterInfo:
+        path = self.path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"no adapter {check_name(name)!r} in the adapter folder")
+        return self.add(path.stem, load_adapter(path), make_default=make_default)
+
+    def autoload(self, preferred: str | None = None) -> list[str]:
+        """Load a default adapter for each served pair: `preferred` if given, else the newest matching file."""
+        if preferred:
+            return [self.load(preferred, make_default=True).name]
+        if self.folder is None or not self.folder.is_dir():
+            return []
+        names = []
+        files = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for target_hash in self.targets:
+            for path in files:
+                meta = self._read_meta(path) if NAME.fullmatch(path.stem) else None
+                if (meta and meta.get("source", {}).get("config_hash") == self.source.identity.config_hash
+                        and meta.get("target", {}).get("config_hash") == target_hash):
+                    try:
+                        names.append(self.load(path.stem).name)
+                        break
+                    except ValueError as exc:
+                        log.warning("adapter %s not usable: %s", path.stem, exc)
+        return names
+
+    def default_for(self, target: ModelSpec) -> str | None:
+        with self._lock:
+            return self._defaults.get(target.identity.config_hash)
+
+    def resolve(self, name: str, source: ModelSpec, target: ModelSpec) -> tuple[str, Adapter]:
+        """(label "name@version", adapter) for a request: the named one (loaded from the folder on first use) or
+        the pair's default."""
+        from kvbridge.server.service import FailedPrecondition
+
+        if name:
+            bare = check_name(name)
+            with self._lock:
+                adapter = self._loaded.get(bare)
+            if adapter is None:
+                try:
+                    self.load(bare)
+                except FileNotFoundError:
+                    raise ValueError(f"adapter: unknown adapter {bare!r} (not loaded, not in the adapter folder)"
+                                     ) from None
+                with self._lock:
+                    adapter = self._loaded[bare]
+        else:
+            with self._lock:
+                bare = self._defaults.get(target.identity.config_hash)
+                adapter = self._loaded.get(bare) if bare else None
+            if adapter is None:
+                raise FailedPrecondition(f"no adapter is loaded for {source.name!r} -> {target.name!r}: fit one with "
+                                         "`train-adapter`, put it in the adapter folder and call LoadAdapter")
+        if adapter.meta.target["config_hash"] != target.identity.config_hash:
+            raise ValueError(f"adapter {bare!r} maps to {adapter.meta.target['name']!r}, not to {target.name!r}")
+        return f"{bare}@{adapter.meta.version}", adapter
+
+
+def _meta_dict(adapter: Adapter) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(adapter.meta)

@@ -1,0 +1,208 @@
+"""Putting a server together: models, store, adapters and service from a ServeConfig; the gRPC server with auth,
+health, reflection and metrics; graceful shutdown. `kvbridge serve` calls `serve`; tests call `start_server`
+with port 0 and talk to it over loopback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
+from kvbridge.server.config import ServeConfig, is_loopback, split_address
+from kvbridge.server.metrics import Metrics
+from kvbridge.server.service import KVBridgeService, ServiceLimits
+from kvbridge.server.servicer import KVBridgeServicer
+from kvbridge.transfer.models import LoadedModel, kvbridge_home
+from kvbridge.transfer.store import PagedStore, StoreConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["KVBridge"].full_name  # "kvbridge.v1.KVBridge"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(verbose: bool, as_json: bool) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if as_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("kvbridge.server").setLevel(logging.INFO)
+
+
+def selfcheck_models(models: list[LoadedModel]) -> None:
+    """The foundation's self-checks on each distinct model; RuntimeError (refuse to serve) if any fails."""
+    from kvbridge.transfer.selfcheck import run_selfcheck
+
+    seen = set()
+    for lm in models:
+        if lm.name in seen:
+            continue
+        seen.add(lm.name)
+        t0 = time.perf_counter()
+        results = run_selfcheck(lm)
+        failed = [r for r in results if not r.passed]
+        for r in results:
+            log.info("selfcheck %s", r.line())
+        if failed:
+            raise RuntimeError(f"self-checks failed on {lm.name!r}, refusing to serve: "
+                               + "; ".join(r.line() for r in failed))
+        log.info("selfcheck %s: %d passed in %.1f s", lm.name, len(results), time.perf_counter() - t0)
+
+
+def store_config(config: ServeConfig) -> StoreConfig:
+    mb = 1 << 20
+    return StoreConfig(capacity_bytes=int(config.store_capacity_mb * mb) if config.store_capacity_mb else None,
+                       block_size=config.block_size, cpu_capacity_bytes=int(config.cpu_tier_mb * mb),
+                       redis_url=config.redis_url, default_ttl_s=config.default_ttl_s, device=config.store_device)
+
+
+def adapter_folder(config: ServeConfig) -> Path:
+    return Path(config.adapters).expanduser() if config.adapters else kvbridge_home() / "adapters"
+
+
+def fit_default_adapter(source: LoadedModel, target: LoadedModel, folder: Path) -> Path:
+    """A ridge adapter with train-adapter's defaults, written to the folder (about a minute on the small pair)."""
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.adapters.train import TrainConfig, train_adapter
+    from kvbridge.transfer.data import data_path
+
+    t0 = time.perf_counter()
+    adapter, _ = train_adapter(source, target, [str(data_path("pydoc_corpus_sample.txt"))], TrainConfig(),
+                               progress=True)
+    path = save_adapter(adapter, folder / f"{source.name}--{target.name}--proportional.safetensors")
+    log.info("fitted adapter %s in %.1f s", path.name, time.perf_counter() - t0)
+    return path
+
+
+def build_service(config: ServeConfig, source: LoadedModel | None = None,
+                  targets: list[LoadedModel] | None = None, store: PagedStore | None = None) -> KVBridgeService:
+    """Load the preset's models (unless given), self-check them, and wire store, adapters and service."""
+    if source is None or targets is None:
+        from kvbridge.transfer.presets import load_pair
+
+        t0 = time.perf_counter()
+        src, tgt = load_pair(config.preset, config.source, config.target, dtype=config.dtype, device=config.device)
+        source, targets = source or src, targets or [tgt]
+        log.info("loaded %s -> %s in %.1f s", source.name, targets[0].name, time.perf_counter() - t0)
+    if config.selfcheck:
+        selfcheck_models([source, *targets])
+    store = store or PagedStore(store_config(config))
+    folder = adapter_folder(config)
+    registry = AdapterRegistry(folder, source.spec, [t.spec for t in targets], device=targets[0].device)
+    loaded = registry.autoload(config.default_adapter)
+    if config.fit_adapter:
+        for target in targets:
+            if registry.default_for(target.spec) is None:
+                fit_default_adapter(source, target, folder)
+        loaded = registry.autoload(config.default_adapter)
+    if not loaded:
+        log.warning("no adapter for %s -> %s in %s: projected fetches fail until one is loaded "
+                    "(train-adapter, then LoadAdapter; or start with --fit-adapter)", source.name,
+                    [t.name for t in targets], folder)
+    limits = ServiceLimits(chunk_bytes=config.chunk_kb * 1024,
+                           max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536))
+    return KVBridgeService(source, targets, store, registry, limits)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    port: int
+    address: str  # host:port the clients use
+    service: KVBridgeService
+    metrics: Metrics
+    metrics_port: int | None
+    health: health.HealthServicer
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop taking calls; in-flight calls and streams get grace_s to finish."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+        self.metrics.close()
+
+
+def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str, str] | None = None
+                 ) -> RunningServer:
+    """Bind and start (non-blocking). Tokens: given, or read from config.token_file, else an open server."""
+    if tokens is None and config.token_file:
+        tokens = read_token_file(config.token_file)
+    host, port = split_address(config.listen, "listen")
+    if tokens is None:
+        if not is_loopback(host) and not config.allow_remote_without_tokens:
+            raise ValueError(f"refusing to listen on {config.listen} without a token file")
+        log.warning("no token file: the server is open (every caller is tenant 'default') on %s", config.listen)
+    auth = Authenticator(tokens)
+    metrics = Metrics(service.store)
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-rpc"),
+                         interceptors=[AuthInterceptor(auth)], options=options)
+    pb2_grpc.add_KVBridgeServicer_to_server(KVBridgeServicer(service, auth, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+        bound = server.add_secure_port(config.listen, creds)
+    else:
+        bound = server.add_insecure_port(config.listen)
+    if bound == 0:
+        raise OSError(f"could not bind {config.listen}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = None
+    if config.metrics_listen:
+        m_host, m_port = split_address(config.metrics_listen, "metrics_listen")
+        metrics_port = metrics.serve_http(m_host, m_port)
+    address = f"{host if ':' not in host else f'[{host}]'}:{bound}"
+    log.info("serving kvbridge.v1 on %s (%s, %s)%s", address, "TLS" if config.tls_cert else "plaintext",
+             "tokens" if tokens else "open", f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
+    return RunningServer(server=server, port=bound, address=address, service=service, metrics=metrics,
+                         metrics_port=metrics_port, health=health_servicer)
+
+
+def serve(config: ServeConfig, ready_file: str | None = None) -> int:
+    """Build, start, and block until SIGINT/SIGTERM; then drain and stop."""
+    service = build_service(config)
+    running = start_server(service, config)
+    print(f"kvbridge serving on {running.address}" +
+          (f", metrics on port {running.metrics_port}" if running.metrics_port else ""), flush=True)
+    if ready_file:
+        Path(ready_file).write_text(json.dumps({"address": running.address, "port": running.port,
+                                                "metrics_port": running.metrics_port}))
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        log.warning("signal %d: draining (up to %.0f s)", signum, config.grace_s)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    running.stop(config.grace_s)
+    print("kvbridge server stopped", flush=True)
+    return 0

@@ -1,0 +1,133 @@
+"""KV on the wire: a [L, 2, H, T, D] tensor cut into bounded chunks (layer range x token range), each a safetensors
+blob holding one tensor "kv", and put back together with every range checked. Nothing is ever unpickled.
+
+Chunk plan: when whole layers fit in `chunk_bytes`, a chunk is as many whole layers as fit (all tokens);
+otherwise it is one layer and as many tokens as fit. Chunks go layer-major, tokens within a layer in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit, large enough to stream fast
+MIN_CHUNK_BYTES = 4096
+
+
+class ChunkError(ValueError):
+    """A chunk that does not fit its header or the chunks before it (the message names which and why)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def wire_dtype(name: str, field: str = "dtype") -> torch.dtype:
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"{field} must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
+    return WIRE_DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRange:
+    layer_start: int
+    layer_end: int  # exclusive
+    token_start: int
+    token_end: int  # exclusive
+
+
+def plan_chunks(num_layers: int, num_tokens: int, bytes_per_layer_token: int, chunk_bytes: int) -> list[ChunkRange]:
+    """Ranges covering [0, L) x [0, T) exactly once, each at most chunk_bytes of tensor data."""
+    if chunk_bytes < MIN_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be >= {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+    if bytes_per_layer_token > chunk_bytes:
+        raise ValueError(f"one token of one layer takes {bytes_per_layer_token} bytes, more than chunk_bytes "
+                         f"{chunk_bytes}")
+    layer_bytes = bytes_per_layer_token * num_tokens
+    if layer_bytes <= chunk_bytes:
+        per = max(1, chunk_bytes // max(layer_bytes, 1))
+        return [ChunkRange(l0, min(l0 + per, num_layers), 0, num_tokens) for l0 in range(0, num_layers, per)]
+    per = chunk_bytes // bytes_per_layer_token
+    return [ChunkRange(layer, layer + 1, t0, min(t0 + per, num_tokens))
+            for layer in range(num_layers) for t0 in range(0, num_tokens, per)]
+
+
+def encode(kv: torch.Tensor, r: ChunkRange) -> bytes:
+    """kv: [L, 2, H, T, D] -> the safetensors blob of kv[layers, :, :, tokens]."""
+    part = kv[r.layer_start:r.layer_end, :, :, r.token_start:r.token_end].contiguous().cpu()
+    return st_save({"kv": part})
+
+
+def iter_chunks(kv: torch.Tensor, chunk_bytes: int):
+    """Yield (range, blob) for a [L, 2, H, T, D] tensor."""
+    n_layers, _, h, t, d = kv.shape
+    for r in plan_chunks(n_layers, t, 2 * h * d * kv.element_size(), chunk_bytes):
+        yield r, encode(kv, r)
+
+
+class ChunkAssembler:
+    """Receives chunks into one preallocated [L, 2, H, T, D] tensor; every (layer, token) must arrive exactly once.
+
+    Bad chunks raise ChunkError and leave what was received so far unchanged.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype,
+                 max_bytes: int | None = None):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("num_tokens", num_tokens),
+                            ("head_dim", head_dim)):
+            if value <= 0:
+                raise ChunkError(f"header {name} must be > 0, got {value}")
+        total = num_layers * 2 * num_kv_heads * num_tokens * head_dim * torch.empty(0, dtype=dtype).element_size()
+        if max_bytes is not None and total > max_bytes:
+            raise ChunkError(f"header describes {total} bytes of KV ({num_layers} layers x {num_tokens} tokens x "
+                             f"{num_kv_heads} heads x {head_dim}), more than the {max_bytes} allowed")
+        self.shape = (num_layers, 2, num_kv_heads, num_tokens, head_dim)
+        self.dtype = dtype
+        self.kv = torch.empty(self.shape, dtype=dtype)
+        self._seen = torch.zeros(num_layers, num_tokens, dtype=torch.bool)  # [L, T] cells received
+        self.nbytes = total
+
+    def add(self, layer_start: int, layer_end: int, token_start: int, token_end: int, data: bytes) -> None:
+        n_layers, _, h, t, d = self.shape
+        where = f"chunk layers [{layer_start}, {layer_end}) tokens [{token_start}, {token_end})"
+        if not (0 <= layer_start < layer_end <= n_layers):
+            raise ChunkError(f"{where}: layer range outside [0, {n_layers})")
+        if not (0 <= token_start < token_end <= t):
+            raise ChunkError(f"{where}: token range outside [0, {t})")
+        try:
+            tensors = st_load(bytes(data))
+        except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ChunkError(f"{where}: data is not a valid safetensors blob ({exc})") from None
+        if set(tensors) != {"kv"}:
+            raise ChunkError(f"{where}: the blob must hold exactly one tensor named 'kv', got {sorted(tensors)}")
+        part = tensors["kv"]
+        expect = (layer_end - layer_start, 2, h, token_end - token_start, d)
+        if tuple(part.shape) != expect:
+            raise ChunkError(f"{where}: tensor 'kv' has shape {tuple(part.shape)}, expected {expect}")
+        if part.dtype != self.dtype:
+            raise ChunkError(f"{where}: tensor 'kv' is {dtype_name(part.dtype)}, the header says "
+                             f"{dtype_name(self.dtype)}")
+        cells = self._seen[layer_start:layer_end, token_start:token_end]
+        if bool(cells.any()):
+            raise ChunkError(f"{where}: overlaps a chunk received before")
+        if not bool(torch.isfinite(part).all()):
+            raise ChunkError(f"{where}: tensor 'kv' holds NaN or infinite values")
+        self.kv[layer_start:layer_end, :, :, token_start:token_end] = part
+        cells.fill_(True)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._seen.all())
+
+    def missing(self) -> str:
+        """A sentence on what has not arrived ('' when complete)."""
+        if self.complete:
+            return ""
+        layers = (~self._seen).any(dim=1).nonzero()[:, 0].tolist()
+        return f"{int((~self._seen).sum())} (layer, token) cells missing, in layers {layers[:8]}" + (
+            "..." if len(layers) > 8 else "")

@@ -1,0 +1,315 @@
+"""KVBridgeClient: the Python end of kvbridge.v1. Ingest text, upload source KV, look up, and fetch caches —
+projected on the server, or source KV projected here with the same adapter — as KVSegments or as transformers
+caches ready for the target's `generate`.
+
+Every call has a deadline (timeout_s); calls that fail with UNAVAILABLE are retried with exponential backoff
+(a stream only while none of its messages has arrived). Errors come back as KVBridgeError with the status code
+and the server's sentence.
+
+    with KVBridgeClient("127.0.0.1:50051", token=...) as client:
+        entry = client.ingest("some long document ...").entries[0]
+        cache, target_ids = client.projected_cache(target, key=entry.key)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, dtype_name, iter_chunks, wire_dtype
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity
+
+__all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply"]
+
+
+class KVBridgeError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, method: str = ""):
+        super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    kind: str
+    num_tokens: int
+    start: int
+    new_blocks: int
+    tier: str
+    model: str
+
+
+@dataclass(frozen=True)
+class IngestReply:
+    entries: list[Entry]
+    source_token_ids: torch.Tensor  # [T] int64
+    model: str
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    key: str | None
+    num_tokens: int
+    query_tokens: int
+    tier: str | None
+
+
+@dataclass(frozen=True)
+class FetchedCache:
+    segment: KVSegment  # rotated KV at `segment.positions`
+    entry_key: str
+    source_key: str
+    adapter: str  # "name@version" of a server-side projection; "" for source KV
+    text: str  # the text the entry was made from ("" when the server did not send it)
+    exact_coverage: float
+    wire_bytes: int  # bytes of chunk data received
+    num_chunks: int
+
+    def to_cache(self, lm):
+        """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1)."""
+        from kvbridge.transfer import kvcache
+
+        return kvcache.to_cache(self.segment, lm.model, lm.spec)
+
+
+def _entry(e: pb2.Entry) -> Entry:
+    return Entry(key=e.key, kind=e.kind, num_tokens=e.num_tokens, start=e.start, new_blocks=e.new_blocks,
+                 tier=e.tier, model=e.model)
+
+
+def _read(value: bytes | str | Path | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class KVBridgeClient:
+    def __init__(self, address: str, token: str | None = None, tls_root_cert: bytes | str | Path | None = None,
+                 tls: bool | None = None, timeout_s: float = 60.0, retries: int = 4, backoff_s: float = 0.1,
+                 max_message_mb: float = 8, tls_server_name: str | None = None):
+        """tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        limit = int(max_message_mb * (1 << 20))
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls or tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb2_grpc.KVBridgeStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "KVBridgeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ plumbing
+
+    def _sleep(self, attempt: int) -> None:
+        time.sleep(self.backoff_s * (2 ** attempt))
+
+    def _unary(self, method: str, request, timeout_s: float | None = None):
+        call = getattr(self._stub, method)
+        for attempt in range(self.retries + 1):
+            try:
+                return call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    self._sleep(attempt)
+                    continue
+                raise KVBridgeError(exc.code(), exc.details() or "", method) from None
+
+    def _fetch(self, method: str, request, timeout_s: float | None) -> FetchedCache:
+        call = getattr(self._stub, method)
+        for attempt in range(self.retries + 1):
+            received = 0
+            try:
+                stream = call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                header, assembler, wire = None, None, 0
+                for message in stream:
+                    received += 1
+                    if message.HasField("header"):
+                        if header is not None:
+                            raise KVBridgeError(grpc.StatusCode.INTERNAL, "the server sent a second header", method)
+                        header = message.header
+                        assembler = ChunkAssembler(header.num_layers, header.num_kv_heads, len(header.token_ids),
+                                                   header.head_dim, wire_dtype(header.dtype))
+                    if assembler is None:
+                        raise KVBridgeError(grpc.StatusCode.INTERNAL, "a chunk arrived before the header", method)
+                    c = message.chunk
+                    assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
+                    wire += len(c.data)
+                if header is None or not assembler.complete:
+                    raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "
+                                        + (assembler.missing() if assembler else "no header"), method)
+                segment = KVSegment(kv=assembler.kv, token_ids=torch.tensor(list(header.token_ids)),
+                                    positions=torch.tensor(list(header.positions)),
+                                    model=ModelIdentity(header.model.name, header.model.config_hash),
+                                    rotated=header.rotated)
+                return FetchedCache(segment=segment, entry_key=header.entry_key, source_key=header.source_key,
+                                    adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
+                                    wire_bytes=wire, num_chunks=received)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
+                    self._sleep(attempt)
+                    continue
+                raise KVBridgeError(exc.code(), exc.details() or "", method) from None
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------------------------------ calls
+
+    def ingest(self, text: str | None = None, token_ids=None, session_id: str = "", model: str = "",
+               ttl_s: float | None = None, pin: bool = False, detect_segments: bool = False,
+               timeout_s: float | None = None) -> IngestReply:
+        request = pb2.IngestRequest(session_id=session_id, model=model,
+                                    options=pb2.StoreOptions(ttl_s=ttl_s or 0, pin=pin),
+                                    mode=pb2.IngestRequest.DETECT_SEGMENTS if detect_segments else
+                                    pb2.IngestRequest.STORE_WHOLE)
+        _set_input(request, text, token_ids)
+        reply = self._unary("Ingest", request, timeout_s)
+        return IngestReply(entries=[_entry(e) for e in reply.entries],
+                           source_token_ids=torch.tensor(list(reply.source_token_ids), dtype=torch.int64),
+                           model=reply.model)
+
+    def put_source_kv(self, segment: KVSegment, kind: str = "prefix", ttl_s: float | None = None, pin: bool = False,
+                      session_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      timeout_s: float | None = None) -> Entry:
+        """Upload source KV computed here; the server stores it only once every chunk has arrived."""
+        kv = segment.kv.detach().cpu()
+        header = pb2.KVHeader(model=pb2.ModelRef(name=segment.model.name, config_hash=segment.model.config_hash),
+                              dtype=dtype_name(kv.dtype), num_layers=segment.num_layers,
+                              num_kv_heads=segment.num_kv_heads, head_dim=segment.head_dim,
+                              token_ids=segment.token_ids.tolist(), positions=segment.positions.tolist(),
+                              rotated=segment.rotated, kind=kind, session_id=session_id,
+                              options=pb2.StoreOptions(ttl_s=ttl_s or 0, pin=pin))
+
+        def messages():
+            yield pb2.PutSourceKVRequest(header=header)
+            for r, blob in iter_chunks(kv, chunk_bytes):
+                yield pb2.PutSourceKVRequest(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
+                                                               token_start=r.token_start, token_end=r.token_end,
+                                                               data=blob))
+
+        for attempt in range(self.retries + 1):
+            try:
+                reply = self._stub.PutSourceKV(messages(), timeout=timeout_s or self.timeout_s,
+                                               metadata=self._metadata)
+                return _entry(reply.entry)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    self._sleep(attempt)  # nothing was committed: the upload starts over
+                    continue
+                raise KVBridgeError(exc.code(), exc.details() or "", "PutSourceKV") from None
+        raise AssertionError("unreachable")
+
+    def lookup(self, text: str | None = None, token_ids=None, model: str = "", kind: str = "prefix",
+               timeout_s: float | None = None) -> LookupReply:
+        request = pb2.LookupRequest(model=model, kind=kind)
+        _set_input(request, text, token_ids)
+        r = self._unary("Lookup", request, timeout_s)
+        return LookupReply(key=r.key or None, num_tokens=r.num_tokens, query_tokens=r.query_tokens,
+                           tier=r.tier or None)
+
+    def fetch_projected(self, text: str | None = None, key: str | None = None, target_model: str = "",
+                        adapter: str = "", offset: int = 0, dtype: str = "", require_cached: bool = False,
+                        chunk_bytes: int = 0, timeout_s: float | None = None) -> FetchedCache:
+        """The server projects the source entry (by key, or by text: ingested if missing) into target_model."""
+        request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
+                                               dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes)
+        _set_key_or_text(request, key, text)
+        return self._fetch("GetProjectedCache", request, timeout_s)
+
+    def fetch_source(self, text: str | None = None, key: str | None = None, dtype: str = "",
+                     require_cached: bool = False, chunk_bytes: int = 0,
+                     timeout_s: float | None = None) -> FetchedCache:
+        request = pb2.GetSourceCacheRequest(dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes)
+        _set_key_or_text(request, key, text)
+        return self._fetch("GetSourceCache", request, timeout_s)
+
+    def projected_cache(self, target, text: str | None = None, key: str | None = None, adapter: str = "",
+                        **fetch_kwargs):
+        """(DynamicCache for `target` (a LoadedModel), target token ids [T]) projected on the server: continue
+        with `target.model.generate(input_ids=cat(target_ids, prompt), cache=cache, ...)`."""
+        fetched = self.fetch_projected(text=text, key=key, target_model=target.name, adapter=adapter,
+                                       **fetch_kwargs)
+        _check_model(fetched.segment.model, target.spec.identity)
+        return fetched.to_cache(target), fetched.segment.token_ids
+
+    def fetch_projected_locally(self, source, target, adapter, text: str | None = None, key: str | None = None,
+                                offset: int = 0, require_cached: bool = False,
+                                timeout_s: float | None = None) -> FetchedCache:
+        """Fetch the source KV (fewer bytes on the wire) and project it here with `adapter`. `source` needs the
+        source model's tokenizer, spec and rope (a LoadedModel); `target` likewise for the target."""
+        from kvbridge.adapters.adapter import project
+        from kvbridge.adapters.pairs import pair_text
+
+        fetched = self.fetch_source(text=text, key=key, require_cached=require_cached, timeout_s=timeout_s)
+        _check_model(fetched.segment.model, source.spec.identity)
+        known = text or fetched.text
+        if not known:
+            raise ValueError("the server did not send this entry's text (too long, or unknown): pass text=")
+        paired = pair_text(known, source.tokenizer, target.tokenizer)
+        if not torch.equal(paired.source_ids, fetched.segment.token_ids):
+            raise ValueError("the fetched entry's token ids are not the source tokenization of the text")
+        projected = project(adapter, fetched.segment, paired.alignment, paired.target_ids, source.rope, target.rope,
+                            offset=offset, dtype=getattr(torch, target.spec.dtype))
+        return FetchedCache(segment=projected, entry_key="", source_key=fetched.entry_key,
+                            adapter=f"{adapter.name}@{adapter.meta.version} (local)", text=known,
+                            exact_coverage=paired.alignment.exact_coverage, wire_bytes=fetched.wire_bytes,
+                            num_chunks=fetched.num_chunks)
+
+    def list_models(self) -> list[pb2.ModelInfo]:
+        return list(self._unary("ListModels", pb2.ListModelsRequest()).models)
+
+    def list_adapters(self) -> list[pb2.AdapterInfo]:
+        return list(self._unary("ListAdapters", pb2.ListAdaptersRequest()).adapters)
+
+    def load_adapter(self, name: str, make_default: bool = False) -> pb2.AdapterInfo:
+        return self._unary("LoadAdapter", pb2.LoadAdapterRequest(name=name, make_default=make_default))
+
+    def delete(self, key: str) -> int:
+        return self._unary("Delete", pb2.DeleteRequest(key=key)).deleted
+
+    def stats(self) -> pb2.StatsResponse:
+        return self._unary("Stats", pb2.StatsRequest())
+
+
+def _set_input(request, text, token_ids) -> None:
+    if (text is None) == (token_ids is None):
+        raise ValueError("give exactly one of text and token_ids")
+    if text is not None:
+        request.text = text
+    else:
+        request.token_ids.ids.extend(int(i) for i in torch.as_tensor(token_ids).reshape(-1).tolist())
+
+
+def _set_key_or_text(request, key, text) -> None:
+    if (key is None) == (text is None):
+        raise ValueError("give exactly one of key and text")
+    if key is not None:
+        request.key = key
+    else:
+        request.text = text
+
+
+def _check_model(got: ModelIdentity, expected: ModelIdentity) -> None:
+    if got != expected:
+        raise ValueError(f"the server sent KV of {got.key}, this model is {expected.key}")

@@ -1,0 +1,104 @@
+"""ServeConfig: everything `kvbridge serve` needs, from a TOML file and/or flags (flags win). Frozen once built.
+
+TOML keys are the field names below, at top level, e.g.
+
+    preset = "small"
+    listen = "127.0.0.1:50051"
+    adapters = "~/.cache/kvbridge/adapters"
+    store_capacity_mb = 2048
+    redis_url = "redis://127.0.0.1:6379/0"
+    token_file = "/etc/kvbridge/tokens"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    preset: str = "small"  # tiny | small | production
+    source: str | None = None  # production preset: source model folder / cached repo id
+    target: str | None = None  # production preset: target model folder / cached repo id
+    device: str = "auto"  # where the models run and adapters project
+    dtype: str = "float32"
+    adapters: str | None = None  # adapter folder; None: KVBRIDGE_HOME/adapters
+    default_adapter: str | None = None  # adapter name to load at start; None: the newest matching file
+    fit_adapter: bool = False  # fit a ridge adapter at start when the folder has none for the pair (about a minute)
+    store_device: str = "auto"
+    store_capacity_mb: float | None = None  # device pool; None: half the free memory
+    cpu_tier_mb: float = 0  # 0: no CPU tier under the device pool
+    block_size: int = 16
+    redis_url: str | None = None
+    default_ttl_s: float | None = None  # entry TTL when a request gives none
+    listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one
+    allow_remote_without_tokens: bool = False  # an open (token-less) server listens on loopback only, unless set
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key the server speaks TLS only
+    tls_key: str | None = None
+    token_file: str | None = None  # `tenant token` lines; None: open server (loopback only)
+    max_message_mb: float = 8  # largest gRPC message either way
+    chunk_kb: int = 1024  # default KV chunk size on the wire
+    workers: int = 8  # gRPC worker threads
+    metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
+    selfcheck: bool = True  # run the foundation self-checks on the models at start; refuse to serve on failure
+    grace_s: float = 10.0  # shutdown: how long in-flight calls and streams may take to finish
+    log_json: bool = False  # one JSON object per log line
+
+    def __post_init__(self):
+        from kvbridge.transfer.presets import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        for name in ("max_message_mb", "chunk_kb", "workers", "block_size", "grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
+            raise ValueError(f"chunk_kb {self.chunk_kb} does not fit in max_message_mb {self.max_message_mb} "
+                             "(leave 64 KB for the header)")
+        host, _ = split_address(self.listen, "listen")
+        if self.token_file is None and not is_loopback(host) and not self.allow_remote_without_tokens:
+            raise ValueError(f"listen {self.listen!r} is not a loopback address and there is no token_file: an open "
+                             "server would let anyone read and write caches. Give a token_file, listen on 127.0.0.1, "
+                             "or set allow_remote_without_tokens")
+        if self.metrics_listen is not None:
+            split_address(self.metrics_listen, "metrics_listen")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * (1 << 20))
+
+    @classmethod
+    def load(cls, toml_path: str | Path | None = None, **overrides) -> "ServeConfig":
+        """Defaults, then the TOML file, then overrides that are not None."""
+        values: dict = {}
+        if toml_path is not None:
+            data = tomllib.loads(Path(toml_path).read_text())
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ValueError(f"{toml_path}: unknown keys {unknown}; known: {sorted(known)}")
+            values.update(data)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def split_address(address: str, field: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{field} must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,74 @@
+"""Prometheus metrics of a server: requests by method and status, latencies, bytes streamed, and the store's
+hits, misses, evictions and bytes per tier (read from the store when scraped). Each server has its own registry."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class StoreCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        s = self.store.stats()
+        yield CounterMetricFamily("kvbridge_store_hits", "store lookups and gets that found KV", value=s.hits)
+        yield CounterMetricFamily("kvbridge_store_misses", "store lookups and gets that found nothing", value=s.misses)
+        ev = CounterMetricFamily("kvbridge_store_evictions", "blocks pushed down from a tier", labels=["tier"])
+        for tier, n in s.evictions.items():
+            ev.add_metric([tier], n)
+        yield ev
+        used = GaugeMetricFamily("kvbridge_store_bytes", "bytes of KV held per tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvbridge_store_capacity_bytes", "capacity per tier", labels=["tier"])
+        for tier in s.bytes_used:
+            used.add_metric([tier], s.bytes_used[tier])
+            cap.add_metric([tier], s.bytes_capacity[tier])
+        yield used
+        yield cap
+        yield GaugeMetricFamily("kvbridge_store_entries", "entries stored", value=s.entries)
+        if s.redis is not None:
+            yield GaugeMetricFamily("kvbridge_store_redis_up", "1 when the Redis tier answers",
+                                    value=1 if s.redis.get("available") else 0)
+
+
+class Metrics:
+    def __init__(self, store=None):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvbridge_requests", "RPCs by method and status code", ["method", "code"],
+                                registry=self.registry)
+        self.latency = Histogram("kvbridge_request_seconds", "RPC latency (streams: until the last message)",
+                                 ["method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.bytes_streamed = Counter("kvbridge_streamed_bytes", "KV bytes sent or received in chunks",
+                                      ["method", "direction"], registry=self.registry)
+        if store is not None:
+            self.registry.register(StoreCollector(store))
+        self._http = None
+
+    @contextmanager
+    def observe(self, method: str):
+        """Times a call; the body sets the status code on the yielded dict (default OK)."""
+        outcome = {"code": "OK"}
+        t0 = time.perf_counter()
+        try:
+            yield outcome
+        finally:
+            self.latency.labels(method).observe(time.perf_counter() - t0)
+            self.requests.labels(method, outcome["code"]).inc()
+
+    def serve_http(self, address: str, port: int) -> int:
+        """Expose /metrics over HTTP; returns the bound port (port 0: a free one)."""
+        server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,396 @@
+"""KVBridgeService: what the gRPC server does, as a library (no gRPC here; the servicer only converts messages).
+
+It holds the served models (one source, one or more targets; a model may be both), the paged store, and the
+adapter registry. Model forwards are serialised per model (a lock each); projection is pure tensor work on the
+adapter's device. Every method takes the caller's tenant, and every store call is made in that tenant's
+namespace. Errors: ValueError (bad input, the sentence names the field), NotFound, CapacityError,
+FailedPrecondition, Unimplemented; a failed call leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from kvbridge.adapters.adapter import Adapter, project
+from kvbridge.adapters.pairs import PairedText, pair_text
+from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.chunks import dtype_name
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import tokenize
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.store import EntryInfo, LookupResult, NotFound, PagedStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVBridgeService", "ServiceLimits", "FailedPrecondition", "Unimplemented", "NotFound", "CacheResult",
+           "IngestResult", "SourceUpload"]
+
+
+class FailedPrecondition(RuntimeError):
+    """The request is well formed but the server is not in a state to answer it (no adapter for a pair, ...)."""
+
+
+class Unimplemented(NotImplementedError):
+    """A request option this server does not provide yet."""
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_text_chars: int = 1_000_000  # longer texts are refused before tokenizing
+    max_upload_bytes: int = 1 << 30  # largest source KV one PutSourceKV may describe
+    chunk_bytes: int = 1 << 20  # default streamed chunk size
+    max_chunk_bytes: int = 3 << 20  # a client may ask for bigger chunks up to this (gRPC's default limit is 4 MiB)
+    text_memo_chars: int = 16_000_000  # texts remembered per entry key (for alignment when fetched by key)
+
+    def __post_init__(self):
+        for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "text_memo_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServiceLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.chunk_bytes > self.max_chunk_bytes:
+            raise ValueError(f"ServiceLimits.chunk_bytes {self.chunk_bytes} exceeds max_chunk_bytes "
+                             f"{self.max_chunk_bytes}")
+
+
+@dataclass
+class ServedModel:
+    lm: LoadedModel
+    roles: set[str]  # {"source"}, {"target"} or both
+    max_positions: int  # the model's max_position_embeddings
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one forward at a time per model
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    entries: list[tuple[EntryInfo, int]]  # (entry, start position)
+    source_ids: torch.Tensor  # [T] int64
+    model: str
+
+
+@dataclass(frozen=True)
+class SourceUpload:
+    """A PutSourceKV header, as library types (the KV itself arrives in chunks)."""
+
+    model: str
+    config_hash: str  # "" accepts the served model of that name
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor | None  # [T] int64; None: 0..T-1
+    rotated: bool
+    kind: str  # "prefix" or "segment"
+    ttl_s: float | None = None
+    pin: bool = False
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    segment: KVSegment  # what goes on the wire (rotated at its positions)
+    entry_key: str  # the entry it came from (projected entry for a projected cache)
+    source_key: str  # the source entry
+    adapter: str  # "name@version" for projected caches, "" for source caches
+    text: str | None  # the text, when the server knows it
+    exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
+
+
+def _max_positions(lm: LoadedModel) -> int:
+    config = lm.model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
+
+
+class KVBridgeService:
+    def __init__(self, source: LoadedModel, targets: list[LoadedModel], store: PagedStore,
+                 adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits()):
+        self.store = store
+        self.limits = limits
+        self.models: dict[str, ServedModel] = {}
+        for lm, role in [(source, "source")] + [(t, "target") for t in targets]:
+            served = self.models.get(lm.name)
+            if served is None:
+                self.models[lm.name] = ServedModel(lm=lm, roles={role}, max_positions=_max_positions(lm))
+            elif served.lm is not lm and served.lm.spec.identity != lm.spec.identity:
+                raise ValueError(f"two different models are both named {lm.name!r}")
+            else:
+                served.roles.add(role)
+        self.source_name = source.name
+        self.target_names = [t.name for t in targets]
+        if not targets:
+            raise ValueError("the service needs at least one target model")
+        self.adapters = adapters
+        self._lock = threading.Lock()  # guards the two maps below
+        self._texts: OrderedDict[str, str] = OrderedDict()  # entry key -> text it was made from (LRU, bounded)
+        self._text_chars = 0
+        self._derived: dict[str, set[str]] = {}  # source entry key -> projected entry keys made from it
+
+    # ------------------------------------------------------------------------------------------ models
+
+    def model(self, name: str, role: str) -> ServedModel:
+        name = name or (self.source_name if role == "source" else self.target_names[0])
+        served = self.models.get(name)
+        if served is None or role not in served.roles:
+            have = sorted(n for n, m in self.models.items() if role in m.roles)
+            raise ValueError(f"unknown {role} model {name!r}; this server serves {have}")
+        return served
+
+    def _source_ids(self, served: ServedModel, text: str | None, token_ids) -> torch.Tensor:
+        lm = served.lm
+        if text is not None:
+            self._check_text(text)
+            if lm.tokenizer is None:
+                raise ValueError(f"model {lm.name!r} has no tokenizer: send token_ids")
+            ids = torch.as_tensor(lm.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.int64)
+        elif token_ids is not None:
+            ids = torch.as_tensor(list(token_ids), dtype=torch.int64).reshape(-1)
+            if ids.numel() == 0:
+                raise ValueError("token_ids is empty: there is nothing to cache")
+            bad = (ids < 0) | (ids >= lm.spec.vocab_size)
+            if bool(bad.any()):
+                raise ValueError(f"token_ids[{int(bad.nonzero()[0, 0])}] = {int(ids[bad][0])} is outside the "
+                                 f"vocabulary of {lm.name!r} (0..{lm.spec.vocab_size - 1})")
+        else:
+            raise ValueError("give either text or token_ids")
+        if ids.numel() > served.max_positions:
+            raise ValueError(f"the text is {ids.numel()} tokens long, more than {lm.name!r} takes "
+                             f"({served.max_positions})")
+        return ids
+
+    def _check_text(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if len(text) > self.limits.max_text_chars:
+            raise ValueError(f"text is {len(text)} characters long, more than this server takes "
+                             f"({self.limits.max_text_chars})")
+        if not text.strip():
+            raise ValueError("text is empty: there is nothing to cache")
+
+    def _remember(self, key: str, text: str | None) -> None:
+        if text is None or len(text) > self.limits.text_memo_chars:
+            return
+        with self._lock:
+            old = self._texts.pop(key, None)
+            self._text_chars -= len(old) if old is not None else 0
+            self._texts[key] = text
+            self._text_chars += len(text)
+            while self._text_chars > self.limits.text_memo_chars:
+                _, dropped = self._texts.popitem(last=False)
+                self._text_chars -= len(dropped)
+
+    def _text_of(self, key: str) -> str | None:
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+            return text
+
+    # ------------------------------------------------------------------------------------------ RPCs
+
+    def ingest(self, tenant: str, text: str | None = None, token_ids=None, model: str = "", session_id: str = "",
+               detect_segments: bool = False, ttl_s: float | None = None, pin: bool = False) -> IngestResult:
+        """Run the source model on the text (or ids) and store its KV as one prefix entry."""
+        if detect_segments:
+            raise Unimplemented("Ingest option DETECT_SEGMENTS is not available yet (it comes with the suffix-reuse "
+                                "pipeline); use STORE_WHOLE")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"options.ttl_s must be > 0 (or 0 for the server default), got {ttl_s}")
+        served = self.model(model, "source")
+        lm = served.lm
+        ids = self._source_ids(served, text, token_ids)
+        found = self.store.lookup(ids, tenant, lm.spec.identity, lm.spec.dtype)
+        if found.key is not None:
+            try:
+                info = self.store.refresh(found.key, tenant, ttl_s=ttl_s, pin=pin)
+                self._remember(info.key, text)
+                return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
+            except NotFound:
+                pass  # expired or evicted in between: compute it again
+        with served.lock:
+            segment = kvcache.extract(lm.model, lm.spec, ids)
+        info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin)
+        self._remember(info.key, text)
+        log.info("ingest tenant=%s session=%s model=%s tokens=%d key=%s new_blocks=%d", tenant, session_id or "-",
+                 lm.name, ids.numel(), info.key[:16], info.new_blocks)
+        return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
+
+    def put_source(self, tenant: str, upload: SourceUpload, kv: torch.Tensor) -> tuple[EntryInfo, int]:
+        """Store uploaded source KV ([L, 2, H, T, D]); converted to the served model's dtype."""
+        served = self.models.get(upload.model)
+        if served is None:
+            raise ValueError(f"header.model.name: unknown model {upload.model!r}; this server serves "
+                             f"{sorted(self.models)}")
+        spec = served.lm.spec
+        if upload.config_hash and upload.config_hash != spec.identity.config_hash:
+            raise ValueError(f"header.model.config_hash {upload.config_hash[:16]}... is not the served "
+                             f"{spec.name!r} ({spec.identity.config_hash[:16]}...): KV of another configuration")
+        expect = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        got = (upload.num_layers, upload.num_kv_heads, upload.head_dim)
+        if got != expect:
+            raise ValueError(f"header (num_layers, num_kv_heads, head_dim) = {got} does not match {spec.name!r}: "
+                             f"expected {expect}")
+        if not upload.rotated:
+            raise ValueError("header.rotated must be true: upload keys as the model caches them (after RoPE)")
+        if upload.kind not in ("prefix", "segment"):
+            raise ValueError(f"header.kind must be 'prefix' or 'segment', got {upload.kind!r}")
+        ids = self._source_ids(served, None, upload.token_ids.tolist())
+        t = ids.numel()
+        positions = upload.positions if upload.positions is not None else torch.arange(t)
+        if positions.shape != (t,):
+            raise ValueError(f"header.positions has {positions.numel()} entries for {t} token_ids")
+        if t and (int(positions.min()) < 0 or int(positions.max()) >= served.max_positions):
+            raise ValueError(f"header.positions must lie in [0, {served.max_positions}) for {spec.name!r}")
+        if upload.kind == "prefix" and not torch.equal(positions, torch.arange(t)):
+            raise ValueError("header.positions of a prefix entry must be 0..T-1 (send kind 'segment' otherwise)")
+        if tuple(kv.shape) != (spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim):
+            raise ValueError(f"received KV of shape {tuple(kv.shape)}, expected "
+                             f"{(spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim)}")
+        if upload.ttl_s is not None and upload.ttl_s <= 0:
+            raise ValueError(f"header.options.ttl_s must be > 0, got {upload.ttl_s}")
+        segment = KVSegment(kv=kv.to(getattr(torch, spec.dtype)), token_ids=ids, positions=positions.clone(),
+                            model=spec.identity, rotated=True)
+        info = self.store.put(segment, tenant, kind=upload.kind, ttl_s=upload.ttl_s, pin=upload.pin)
+        log.info("put_source tenant=%s model=%s tokens=%d key=%s", tenant, spec.name, t, info.key[:16])
+        return info, int(positions[0]) if t else 0
+
+    def lookup(self, tenant: str, text: str | None = None, token_ids=None, model: str = "",
+               kind: str = "prefix") -> tuple[LookupResult, int]:
+        """(result, query token count)."""
+        if kind not in ("prefix", "segment"):
+            raise ValueError(f"kind must be 'prefix' or 'segment', got {kind!r}")
+        served = self.model(model, "source")
+        ids = self._source_ids(served, text, token_ids)
+        return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype, kind=kind), ids.numel()
+
+    def _source_entry(self, tenant: str, key: str | None, text: str | None, require_cached: bool
+                      ) -> tuple[str, KVSegment, str | None]:
+        """(key, segment, text) of a source entry named by key, or found (or ingested) by text."""
+        if key:
+            segment = self.store.get(key, tenant)
+            return key, segment, self._text_of(key)
+        if text is None:
+            raise ValueError("give either key or text")
+        served = self.model("", "source")
+        ids = self._source_ids(served, text, None)
+        found = self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype)
+        if found.key is not None:
+            try:
+                return found.key, self.store.get(found.key, tenant), text
+            except NotFound:
+                pass
+        if require_cached:
+            raise NotFound("no cached source entry for this text (require_cached is set)")
+        result = self.ingest(tenant, text=text)
+        key = result.entries[0][0].key
+        return key, self.store.get(key, tenant), text
+
+    def source_cache(self, tenant: str, key: str | None = None, text: str | None = None,
+                     require_cached: bool = False) -> CacheResult:
+        key, segment, known = self._source_entry(tenant, key, text, require_cached)
+        return CacheResult(segment=segment, entry_key=key, source_key=key, adapter="", text=known,
+                           exact_coverage=1.0)
+
+    def _paired(self, source: LoadedModel, target: LoadedModel, segment: KVSegment, text: str | None) -> PairedText:
+        if text is None:
+            # Fetched by key and the text is not remembered: recover it from the ids, if they round-trip.
+            text = source.tokenizer.decode(segment.token_ids.tolist(), skip_special_tokens=True)
+            again = tokenize(source.tokenizer, text, add_special_tokens=True).ids
+            if not torch.equal(again, segment.token_ids):
+                raise FailedPrecondition(
+                    "this entry's source token ids do not come back from their decoded text, so its target tokens "
+                    "cannot be aligned; fetch it by text instead")
+        paired = pair_text(text, source.tokenizer, target.tokenizer)
+        if not torch.equal(paired.source_ids, segment.token_ids):
+            raise FailedPrecondition("the entry's source token ids are not the source tokenization of its text "
+                                     "(uploaded with other ids?); fetch it by text, or upload the tokenizer's ids")
+        return paired
+
+    def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
+                        adapter: str = "", offset: int = 0, require_cached: bool = False) -> CacheResult:
+        """The source entry projected into the target's KV space, at target positions offset.. (cached in the
+        store at positions 0.. under the adapter's namespace, shifted by RoPE for other offsets)."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        target = self.model(target_model, "target")
+        source = self.models[self.source_name]
+        chosen: Adapter
+        label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec)
+        source_key, segment, known = self._source_entry(tenant, key, text, require_cached)
+        if segment.model != source.lm.spec.identity:
+            raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
+                                     f"from the source model {source.lm.name!r}")
+        if not segment.is_contiguous_from(0):
+            raise FailedPrecondition("only prefix entries (positions 0..T-1) can be projected: alignment needs the "
+                                     "text from its start")
+        tspec = target.lm.spec
+        paired = self._paired(source.lm, target.lm, segment, known)
+        t_t = paired.target_ids.numel()
+        if offset + t_t > target.max_positions:
+            raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
+                             f"{target.max_positions} positions")
+        namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
+        found = self.store.lookup(paired.target_ids, tenant, tspec.identity, tspec.dtype, adapter=namespace)
+        projected = None
+        if found.key is not None:
+            try:
+                projected, projected_key = self.store.get(found.key, tenant), found.key
+            except NotFound:
+                projected = None
+        if projected is None:
+            projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope,
+                                target.lm.rope, offset=0, dtype=getattr(torch, tspec.dtype))
+            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)
+            projected_key = info.key
+            with self._lock:
+                self._derived.setdefault(source_key, set()).add(projected_key)
+        if offset:
+            moved = torch.arange(offset, offset + t_t)
+            keys = target.lm.rope.shift_all(projected.keys.to(chosen.wk.device).float(), projected.positions, moved)
+            projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
+        return CacheResult(segment=projected, entry_key=projected_key, source_key=source_key, adapter=label,
+                           text=paired.text, exact_coverage=paired.alignment.exact_coverage)
+
+    def delete(self, tenant: str, key: str) -> int:
+        """Delete an entry and the projected entries derived from it; NotFound when there is none."""
+        if not key:
+            raise ValueError("key is empty")
+        if not self.store.delete(key, tenant):
+            raise NotFound(f"no entry {key!r}")
+        with self._lock:
+            derived = self._derived.pop(key, set())
+            dropped = self._texts.pop(key, None)
+            self._text_chars -= len(dropped) if dropped is not None else 0
+        return 1 + sum(self.store.delete(k, tenant) for k in derived)
+
+    def tenant_entries(self, tenant: str) -> int:
+        return len(self.store.keys(tenant))
+
+    def wire_dtype_for(self, segment: KVSegment, requested: str) -> torch.dtype:
+        if not requested:
+            return segment.dtype
+        from kvbridge.server.chunks import wire_dtype
+
+        return wire_dtype(requested, "dtype")
+
+    def describe_models(self) -> list[dict]:
+        out = []
+        for name, served in self.models.items():
+            spec = served.lm.spec
+            out.append({"name": name, "config_hash": spec.identity.config_hash,
+                        "role": ",".join(r for r in ("source", "target") if r in served.roles),
+                        "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                        "dtype": spec.dtype, "max_positions": served.max_positions,
+                        "device": str(served.lm.device)})
+        return out
+
+    def chunk_bytes(self, requested: int) -> int:
+        if requested < 0:
+            raise ValueError(f"chunk_bytes must be >= 0, got {requested}")
+        if requested == 0:
+            return self.limits.chunk_bytes
+        return min(max(requested, 4096), self.limits.max_chunk_bytes)
+
+

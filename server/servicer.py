@@ -1,0 +1,257 @@
+"""The gRPC servicer: converts kvbridge.v1 messages to library calls on KVBridgeService and back, maps errors to
+status codes, streams KV in bounded chunks, and counts requests, latencies and bytes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+import torch
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.auth import Authenticator
+from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
+from kvbridge.server.metrics import Metrics
+from kvbridge.server.service import CacheResult, FailedPrecondition, KVBridgeService, SourceUpload, Unimplemented
+from kvbridge.transfer.block_pool import CapacityError
+from kvbridge.transfer.store import NotFound
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_TEXT_CHARS = 200_000  # the text rides in the first message only when it is this short
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and sentence a library exception becomes on the wire."""
+    if isinstance(exc, (NotFound, FileNotFoundError)):
+        return grpc.StatusCode.NOT_FOUND, str(exc) or "not found"
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the store is full: {exc}"
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, Unimplemented):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    if isinstance(exc, (ValueError, ChunkError, OverflowError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"
+
+
+def _entry(info, start: int, model: str) -> pb2.Entry:
+    return pb2.Entry(key=info.key, kind=info.kind, num_tokens=info.num_tokens, start=start,
+                     new_blocks=info.new_blocks, tier=info.tier, model=model)
+
+
+class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
+    def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics):
+        self.service = service
+        self.auth = auth
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------------------------------ plumbing
+
+    def _tenant(self, context) -> str:
+        tenant = self.auth.tenant(context.invocation_metadata())
+        if tenant is None:  # the interceptor refuses these first; kept so no path runs without a tenant
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        return tenant
+
+    def _failure(self, outcome: dict, method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        code, message = status_of(exc)
+        outcome["code"] = code.name
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed", method, exc_info=exc)
+        else:
+            log.info("%s -> %s: %s", method, code.name, message)
+        return code, message
+
+    def _unary(self, method: str, context, body):
+        """Run body(tenant); library errors become a status (context.abort is called outside the try: it raises)."""
+        with self.metrics.observe(method) as outcome:
+            tenant = self._tenant(context)
+            try:
+                return body(tenant)
+            except Exception as exc:
+                code, message = self._failure(outcome, method, exc)
+            context.abort(code, message)
+
+    # ------------------------------------------------------------------------------------------ unary RPCs
+
+    def Ingest(self, request, context):
+        def body(tenant):
+            which = request.WhichOneof("input")
+            if which is None:
+                raise ValueError("give text or token_ids")
+            opts = request.options
+            result = self.service.ingest(
+                tenant, text=request.text if which == "text" else None,
+                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+                model=request.model, session_id=request.session_id,
+                detect_segments=request.mode == pb2.IngestRequest.DETECT_SEGMENTS,
+                ttl_s=opts.ttl_s if opts.ttl_s else None, pin=opts.pin)
+            return pb2.IngestResponse(entries=[_entry(info, start, result.model) for info, start in result.entries],
+                                      source_token_ids=result.source_ids.tolist(), model=result.model)
+        return self._unary("Ingest", context, body)
+
+    def Lookup(self, request, context):
+        def body(tenant):
+            which = request.WhichOneof("input")
+            if which is None:
+                raise ValueError("give text or token_ids")
+            found, n = self.service.lookup(tenant, text=request.text if which == "text" else None,
+                                           token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+                                           model=request.model, kind=request.kind or "prefix")
+            return pb2.LookupResponse(key=found.key or "", num_tokens=found.num_tokens, query_tokens=n,
+                                      tier=found.tier or "")
+        return self._unary("Lookup", context, body)
+
+    def ListModels(self, request, context):
+        return self._unary("ListModels", context, lambda tenant: pb2.ListModelsResponse(
+            models=[pb2.ModelInfo(**m) for m in self.service.describe_models()]))
+
+    def ListAdapters(self, request, context):
+        return self._unary("ListAdapters", context, lambda tenant: pb2.ListAdaptersResponse(
+            adapters=[_adapter_info(a) for a in self.service.adapters.available()]))
+
+    def LoadAdapter(self, request, context):
+        return self._unary("LoadAdapter", context, lambda tenant: _adapter_info(
+            self.service.adapters.load(request.name, make_default=request.make_default)))
+
+    def Delete(self, request, context):
+        return self._unary("Delete", context,
+                           lambda tenant: pb2.DeleteResponse(deleted=self.service.delete(tenant, request.key)))
+
+    def Stats(self, request, context):
+        def body(tenant):
+            s = self.service.store.stats()
+            tiers = [pb2.TierStats(tier=t, bytes_used=s.bytes_used[t], bytes_capacity=s.bytes_capacity[t],
+                                   evictions=s.evictions.get(t, 0), up=True) for t in ("device", "cpu")]
+            if s.redis is not None:
+                tiers.append(pb2.TierStats(tier="redis", up=bool(s.redis.get("available"))))
+            return pb2.StatsResponse(tenant_entries=self.service.tenant_entries(tenant), tiers=tiers, hits=s.hits,
+                                     misses=s.misses, entries=s.entries, device=str(self.service.store.device))
+        return self._unary("Stats", context, body)
+
+    # ------------------------------------------------------------------------------------------ upload
+
+    def PutSourceKV(self, request_iterator, context):
+        method = "PutSourceKV"
+        with self.metrics.observe(method) as outcome:
+            tenant = self._tenant(context)
+            try:
+                upload, kv = self._receive(method, request_iterator)
+                info, start = self.service.put_source(tenant, upload, kv)
+                return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
+            except grpc.RpcError:
+                outcome["code"] = "CANCELLED"  # the client went away mid-upload: nothing was stored
+                log.info("%s: stream broken by the client; nothing stored", method)
+                return None
+            except Exception as exc:
+                code, message = self._failure(outcome, method, exc)
+            context.abort(code, message)
+
+    def _receive(self, method: str, request_iterator) -> tuple[SourceUpload, torch.Tensor]:
+        """Header, then chunks into one preallocated tensor; complete or ValueError."""
+        upload, assembler = None, None
+        for message in request_iterator:
+            part = message.WhichOneof("part")
+            if part == "header":
+                if upload is not None:
+                    raise ValueError("header: sent twice (exactly one header, first)")
+                upload = _upload_of(message.header)
+                assembler = ChunkAssembler(upload.num_layers, upload.num_kv_heads, upload.token_ids.numel(),
+                                           upload.head_dim, upload.dtype,
+                                           max_bytes=self.service.limits.max_upload_bytes)
+            elif part == "chunk":
+                if assembler is None:
+                    raise ValueError("chunk: received before the header (send the header first)")
+                c = message.chunk
+                assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
+                self.metrics.bytes_streamed.labels(method, "in").inc(len(c.data))
+            else:
+                raise ValueError("a PutSourceKV message must hold a header or a chunk")
+        if upload is None:
+            raise ValueError("header: the stream ended without a header")
+        if not assembler.complete:
+            raise ValueError(f"the stream ended before all KV arrived: {assembler.missing()}")
+        return upload, assembler.kv
+
+    # ------------------------------------------------------------------------------------------ downloads
+
+    def GetProjectedCache(self, request, context):
+        def fetch(tenant) -> CacheResult:
+            which = request.WhichOneof("input")
+            if which is None:
+                raise ValueError("give key or text")
+            return self.service.projected_cache(
+                tenant, key=request.key if which == "key" else None, text=request.text if which == "text" else None,
+                target_model=request.target_model, adapter=request.adapter, offset=request.offset,
+                require_cached=request.require_cached)
+        yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes)
+
+    def GetSourceCache(self, request, context):
+        def fetch(tenant) -> CacheResult:
+            which = request.WhichOneof("input")
+            if which is None:
+                raise ValueError("give key or text")
+            return self.service.source_cache(tenant, key=request.key if which == "key" else None,
+                                             text=request.text if which == "text" else None,
+                                             require_cached=request.require_cached)
+        yield from self._stream("GetSourceCache", context, fetch, request.dtype, request.chunk_bytes)
+
+    def _stream(self, method: str, context, fetch, dtype: str, chunk_bytes: int):
+        with self.metrics.observe(method) as outcome:
+            tenant = self._tenant(context)
+            try:
+                out_dtype = wire_dtype(dtype, "dtype") if dtype else None
+                size = self.service.chunk_bytes(chunk_bytes)
+                result = fetch(tenant)
+                seg = result.segment
+                kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
+                n_layers, _, h, t, d = kv.shape
+                ranges = plan_chunks(n_layers, t, 2 * h * d * kv.element_size(), size)
+                failure = None
+            except Exception as exc:
+                failure = self._failure(outcome, method, exc)
+            if failure is not None:
+                context.abort(*failure)
+            header = pb2.CacheHeader(
+                model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
+                dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
+                token_ids=seg.token_ids.tolist(), positions=seg.positions.tolist(), rotated=seg.rotated,
+                entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
+                num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
+                text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
+                exact_coverage=result.exact_coverage)
+            sent = 0
+            for i, r in enumerate(ranges):
+                if not context.is_active():
+                    outcome["code"] = "CANCELLED"
+                    log.info("%s: client left after %d of %d chunks", method, i, len(ranges))
+                    return
+                blob = encode(kv, r)
+                message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
+                                                           token_start=r.token_start, token_end=r.token_end,
+                                                           data=blob))
+                if i == 0:
+                    message.header.CopyFrom(header)
+                sent += len(blob)
+                self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
+                yield message
+
+
+def _upload_of(h: pb2.KVHeader) -> SourceUpload:
+    if not h.HasField("model") or not h.model.name:
+        raise ValueError("header.model.name is empty")
+    return SourceUpload(model=h.model.name, config_hash=h.model.config_hash,
+                        dtype=wire_dtype(h.dtype, "header.dtype"), num_layers=h.num_layers,
+                        num_kv_heads=h.num_kv_heads, head_dim=h.head_dim,
+                        token_ids=torch.tensor(list(h.token_ids), dtype=torch.int64),
+                        positions=torch.tensor(list(h.positions), dtype=torch.int64) if len(h.positions) else None,
+                        rotated=h.rotated, kind=h.kind or "prefix",
+                        ttl_s=h.options.ttl_s if h.options.ttl_s else None, pin=h.options.pin)
+
+
+def _adapter_info(a) -> pb2.AdapterInfo:
+    return pb2.AdapterInfo(name=a.name, source_model=a.source_model, target_model=a.target_model, version=a.version,
+                           layer_map=a.layer_map, loaded=a.loaded, is_default=a.is_default,
+                           metrics_json=json.dumps(a.metrics, default=float, sort_keys=True))
