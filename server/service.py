@@ -18,7 +18,6 @@ import torch
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
-from kvbridge.server.chunks import dtype_name
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
@@ -217,8 +216,8 @@ class KVBridgeService:
                  lm.name, ids.numel(), info.key[:16], info.new_blocks)
         return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
 
-    def put_source(self, tenant: str, upload: SourceUpload, kv: torch.Tensor) -> tuple[EntryInfo, int]:
-        """Store uploaded source KV ([L, 2, H, T, D]); converted to the served model's dtype."""
+    def check_upload(self, upload: SourceUpload) -> tuple[ServedModel, torch.Tensor, torch.Tensor]:
+        """Validate a PutSourceKV header before any KV arrives: (served model, token ids, positions)."""
         served = self.models.get(upload.model)
         if served is None:
             raise ValueError(f"header.model.name: unknown model {upload.model!r}; this server serves "
@@ -236,25 +235,32 @@ class KVBridgeService:
             raise ValueError("header.rotated must be true: upload keys as the model caches them (after RoPE)")
         if upload.kind not in ("prefix", "segment"):
             raise ValueError(f"header.kind must be 'prefix' or 'segment', got {upload.kind!r}")
+        if upload.ttl_s is not None and upload.ttl_s <= 0:
+            raise ValueError(f"header.options.ttl_s must be > 0, got {upload.ttl_s}")
         ids = self._source_ids(served, None, upload.token_ids.tolist())
         t = ids.numel()
         positions = upload.positions if upload.positions is not None else torch.arange(t)
         if positions.shape != (t,):
             raise ValueError(f"header.positions has {positions.numel()} entries for {t} token_ids")
-        if t and (int(positions.min()) < 0 or int(positions.max()) >= served.max_positions):
+        if int(positions.min()) < 0 or int(positions.max()) >= served.max_positions:
             raise ValueError(f"header.positions must lie in [0, {served.max_positions}) for {spec.name!r}")
         if upload.kind == "prefix" and not torch.equal(positions, torch.arange(t)):
             raise ValueError("header.positions of a prefix entry must be 0..T-1 (send kind 'segment' otherwise)")
+        return served, ids, positions
+
+    def put_source(self, tenant: str, upload: SourceUpload, kv: torch.Tensor) -> tuple[EntryInfo, int]:
+        """Store uploaded source KV ([L, 2, H, T, D]); converted to the served model's dtype."""
+        served, ids, positions = self.check_upload(upload)
+        spec = served.lm.spec
+        t = ids.numel()
         if tuple(kv.shape) != (spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim):
             raise ValueError(f"received KV of shape {tuple(kv.shape)}, expected "
                              f"{(spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim)}")
-        if upload.ttl_s is not None and upload.ttl_s <= 0:
-            raise ValueError(f"header.options.ttl_s must be > 0, got {upload.ttl_s}")
         segment = KVSegment(kv=kv.to(getattr(torch, spec.dtype)), token_ids=ids, positions=positions.clone(),
                             model=spec.identity, rotated=True)
         info = self.store.put(segment, tenant, kind=upload.kind, ttl_s=upload.ttl_s, pin=upload.pin)
         log.info("put_source tenant=%s model=%s tokens=%d key=%s", tenant, spec.name, t, info.key[:16])
-        return info, int(positions[0]) if t else 0
+        return info, int(positions[0])
 
     def lookup(self, tenant: str, text: str | None = None, token_ids=None, model: str = "",
                kind: str = "prefix") -> tuple[LookupResult, int]:

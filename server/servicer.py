@@ -158,6 +158,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 if upload is not None:
                     raise ValueError("header: sent twice (exactly one header, first)")
                 upload = _upload_of(message.header)
+                self.service.check_upload(upload)  # refuse a bad header before any KV arrives
                 assembler = ChunkAssembler(upload.num_layers, upload.num_kv_heads, upload.token_ids.numel(),
                                            upload.head_dim, upload.dtype,
                                            max_bytes=self.service.limits.max_upload_bytes)
@@ -222,10 +223,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
-            sent = 0
+            outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
             for i, r in enumerate(ranges):
                 if not context.is_active():
-                    outcome["code"] = "CANCELLED"
                     log.info("%s: client left after %d of %d chunks", method, i, len(ranges))
                     return
                 blob = encode(kv, r)
@@ -234,9 +234,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                                                            data=blob))
                 if i == 0:
                     message.header.CopyFrom(header)
-                sent += len(blob)
                 self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
                 yield message
+            outcome["code"] = "OK"
 
 
 def _upload_of(h: pb2.KVHeader) -> SourceUpload:
