@@ -1,0 +1,114 @@
+"""`kvbridge serve` as a user runs it: a separate process, found through its ready file, stopped by SIGTERM; and the
+README's client snippet against the small preset."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "ci-token-0123456789abcdef"
+
+
+def _serve(tmp_path, *args, env=None):
+    ready = tmp_path / "ready.json"
+    cmd = [sys.executable, "-m", "kvbridge.server.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
+           str(ready), "--adapters", str(tmp_path / "adapters"), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 900  # the small preset's first start converts nothing here but fits an adapter
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"server did not start (rc {proc.returncode}):\n{out}\n{err[-4000:]}")
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())
+
+
+def _stop(proc) -> tuple[int, str, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_serve_tiny_with_tokens_fits_an_adapter_serves_and_stops_cleanly(tmp_path):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from kvbridge.server.client import KVBridgeClient, KVBridgeError
+
+    (tmp_path / "tokens").write_text(f"# tenant token\nci {TOKEN}\n")
+    proc, ready = _serve(tmp_path, "--preset", "tiny", "--fit-adapter", "--token-file", str(tmp_path / "tokens"),
+                         "--log-json", "--metrics-listen", "127.0.0.1:0", env={"KVBRIDGE_HOME": str(tmp_path)})
+    try:
+        address = ready["address"]
+        with KVBridgeClient(address, token=TOKEN) as client:
+            entry = client.ingest("Each record holds a name and a value; readers skip what they do not know.").entries[0]
+            fetched = client.fetch_projected(key=entry.key)
+            assert fetched.segment.model.name == "tiny-phi3" and fetched.adapter.startswith("tiny-qwen2--tiny-phi3")
+            assert [a.name for a in client.list_adapters()] == ["tiny-qwen2--tiny-phi3--proportional"]
+        with KVBridgeClient(address, retries=0) as anonymous:
+            with pytest.raises(KVBridgeError) as info:
+                anonymous.stats()
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        rc, out, err = _stop(proc)
+    assert rc == 0, err[-4000:]
+    assert "kvbridge serving on 127.0.0.1:" in out and "kvbridge server stopped" in out
+    logs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any("selfcheck tiny-phi3: 5 passed" in r["message"] for r in logs), err[-3000:]
+    assert any(r["message"].startswith("fitted adapter") for r in logs)
+    assert any(r["message"].startswith("signal 15: draining") for r in logs)
+
+
+def test_serve_refuses_an_open_server_on_a_public_address():
+    proc = subprocess.run([sys.executable, "-m", "kvbridge.server.cli", "serve", "--preset", "tiny", "--listen",
+                           "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "not a loopback address and there is no token_file" in proc.stderr
+
+
+def test_serve_refuses_models_that_fail_their_self_checks(monkeypatch, tiny_source, tiny_target):
+    from kvbridge.server import app
+    from kvbridge.server.config import ServeConfig
+    from kvbridge.transfer import selfcheck
+
+    def failing(lm, **kwargs):
+        return [selfcheck.CheckResult(lm.name, "inject", "0/16 greedy tokens equal (planted failure)", 16.0, False)]
+
+    monkeypatch.setattr(selfcheck, "run_selfcheck", failing)
+    with pytest.raises(RuntimeError, match="self-checks failed on 'tiny-qwen2', refusing to serve"):
+        app.build_service(ServeConfig(preset="tiny", listen="127.0.0.1:0"), source=tiny_source,
+                          targets=[tiny_target])
+
+
+@pytest.mark.slow
+def test_readme_client_snippet_runs_against_serve_small(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    assert ".venv/bin/kvbridge serve --preset small --fit-adapter" in readme
+    section = readme.split("## The service", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    proc, ready = _serve(tmp_path, "--preset", "small", "--fit-adapter", "--device", "cpu")
+    try:
+        run = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "KVBRIDGE_ADDRESS": ready["address"]})
+    finally:
+        rc, out, err = _stop(proc)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert re.fullmatch(r"\d+ source tokens -> \d+ projected target tokens", lines[0]), run.stdout
+    assert len(lines) >= 2 and lines[1].strip(), run.stdout  # SmolLM2 said something after the projected context
+    assert rc == 0, err[-4000:]

@@ -1,0 +1,125 @@
+"""KVBridgeService and the adapter registry as a library, without gRPC (the servicer only converts messages)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kvbridge.server.adapter_registry import AdapterRegistry, check_name
+from kvbridge.server.service import FailedPrecondition, KVBridgeService, ServiceLimits, Unimplemented
+from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+
+TEXT = "Readers skip the fields they do not understand, and writers keep the order of the fields they were given."
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_source, tiny_target):
+    from kvbridge.adapters.train import TrainConfig, train_adapter
+    from kvbridge.transfer.data import data_path
+
+    fitted, _ = train_adapter(tiny_source, tiny_target, [data_path("tiny_corpus.txt")],
+                              TrainConfig(max_tokens=1024, window_tokens=128), progress=False)
+    return fitted
+
+
+def _service(tiny_source, tiny_target, folder, adapter=None, clock=None, **limits):
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock or Clock())
+    registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
+    if adapter is not None:
+        registry.add("fitted", adapter, make_default=True)
+    return KVBridgeService(tiny_source, [tiny_target], store, registry, ServiceLimits(**limits))
+
+
+def test_adapter_names_never_become_paths(tmp_path, tiny_source, tiny_target):
+    for bad in ("", "../a", "a/b", "a\\b", ".hidden", "a..b", "/etc/passwd", "x" * 200, "a b", "é"):
+        with pytest.raises(ValueError, match="adapter name"):
+            check_name(bad)
+    assert check_name("tiny-pair") == check_name("tiny-pair.safetensors") == "tiny-pair"
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"x")
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    os.symlink(outside, folder / "escape.safetensors")
+    registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
+    with pytest.raises(ValueError, match="resolves outside the adapter folder"):
+        registry.load("escape")
+    with pytest.raises(FileNotFoundError, match="no adapter 'absent'"):
+        registry.load("absent")
+
+
+def test_registry_checks_pairs_lists_files_and_autoloads_the_newest(tmp_path, tiny_source, tiny_target, adapter):
+    from kvbridge.adapters.identity import identity_adapter
+    from kvbridge.adapters.io import save_adapter
+
+    save_adapter(adapter, tmp_path / "old.safetensors")
+    save_adapter(adapter, tmp_path / "new.safetensors")
+    os.utime(tmp_path / "old.safetensors", (1, 1))
+    save_adapter(identity_adapter(tiny_target), tmp_path / "other-pair.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
+    assert registry.autoload() == ["new"]
+    listed = {a.name: a for a in registry.available()}
+    assert set(listed) == {"old", "new", "other-pair"}  # junk is skipped
+    assert listed["new"].is_default and listed["new"].loaded and not listed["old"].loaded
+    with pytest.raises(ValueError, match="this server serves 'tiny-qwen2'"):
+        registry.load("other-pair")
+    assert registry.resolve("", tiny_source.spec, tiny_target.spec)[0] == "new@1"
+    assert registry.resolve("old", tiny_source.spec, tiny_target.spec)[0] == "old@1"  # loaded on first use
+    empty = AdapterRegistry(None, tiny_source.spec, [tiny_target.spec])
+    with pytest.raises(FailedPrecondition, match="no adapter is loaded for 'tiny-qwen2' -> 'tiny-phi3'"):
+        empty.resolve("", tiny_source.spec, tiny_target.spec)
+
+
+def test_ingest_is_idempotent_and_refreshes_the_ttl(tmp_path, tiny_source, tiny_target):
+    clock = Clock()
+    service = _service(tiny_source, tiny_target, tmp_path, clock=clock)
+    first = service.ingest("t", TEXT, ttl_s=10).entries[0][0]
+    assert first.new_blocks > 0
+    clock.now = 8
+    again = service.ingest("t", TEXT, ttl_s=10).entries[0][0]
+    assert again.key == first.key and again.new_blocks == 0 and again.expires_at == 18
+    clock.now = 15
+    assert service.lookup("t", TEXT)[0].key == first.key
+    clock.now = 19
+    assert service.lookup("t", TEXT)[0].key is None
+    with pytest.raises(Unimplemented, match="DETECT_SEGMENTS"):
+        service.ingest("t", TEXT, detect_segments=True)
+
+
+def test_projection_by_key_without_the_text_and_delete_of_what_derives_from_it(tmp_path, tiny_source, tiny_target,
+                                                                                adapter):
+    service = _service(tiny_source, tiny_target, tmp_path, adapter=adapter, text_memo_chars=10)  # remembers none
+    key = service.ingest("t", TEXT).entries[0][0].key
+    by_key = service.projected_cache("t", key=key)  # text recovered from the ids (they round-trip)
+    by_text = service.projected_cache("t", text=TEXT)
+    assert by_key.entry_key == by_text.entry_key and torch.equal(by_key.segment.kv, by_text.segment.kv)
+    assert by_key.adapter == "fitted@1" and by_key.source_key == key
+    assert len(service.store.keys("t")) == 2
+    with pytest.raises(NotFound):
+        service.projected_cache("other-tenant", key=key)
+    assert service.delete("t", key) == 2  # the source entry and its projection
+    assert service.store.keys("t") == [] and service.store.check() == []
+    with pytest.raises(NotFound):
+        service.delete("t", key)
+
+
+def test_failed_requests_leave_the_store_as_it_was(tmp_path, tiny_source, tiny_target, adapter):
+    service = _service(tiny_source, tiny_target, tmp_path)  # no adapter loaded
+    key = service.ingest("t", TEXT).entries[0][0].key
+    before = (service.store.keys("t"), service.store.stats().bytes_used)
+    with pytest.raises(FailedPrecondition, match="no adapter is loaded"):
+        service.projected_cache("t", key=key)
+    with pytest.raises(ValueError, match="more than this server takes"):
+        _service(tiny_source, tiny_target, tmp_path, max_text_chars=10).ingest("t", TEXT)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        service.projected_cache("t", key=key, offset=-3)
+    assert (service.store.keys("t"), service.store.stats().bytes_used) == before
