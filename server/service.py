@@ -30,6 +30,9 @@ __all__ = ["KVBridgeService", "ServiceLimits", "FailedPrecondition", "Unimplemen
            "IngestResult", "SourceUpload"]
 
 
+DERIVED_MEMO = 65_536  # source entries whose projections a Delete also removes
+
+
 class FailedPrecondition(RuntimeError):
     """The request is well formed but the server is not in a state to answer it (no adapter for a pair, ...)."""
 
@@ -125,7 +128,9 @@ class KVBridgeService:
         self._lock = threading.Lock()  # guards the two maps below
         self._texts: OrderedDict[str, str] = OrderedDict()  # entry key -> text it was made from (LRU, bounded)
         self._text_chars = 0
-        self._derived: dict[str, set[str]] = {}  # source entry key -> projected entry keys made from it
+        # source entry key -> projected entry keys made from it (LRU, bounded: a Delete of an entry older than the
+        # last DERIVED_MEMO projections leaves its projections to their TTL and the store's eviction)
+        self._derived: OrderedDict[str, set[str]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -352,6 +357,9 @@ class KVBridgeService:
             projected_key = info.key
             with self._lock:
                 self._derived.setdefault(source_key, set()).add(projected_key)
+                self._derived.move_to_end(source_key)
+                while len(self._derived) > DERIVED_MEMO:
+                    self._derived.popitem(last=False)
         if offset:
             moved = torch.arange(offset, offset + t_t)
             keys = target.lm.rope.shift_all(projected.keys.to(chosen.wk.device).float(), projected.positions, moved)
@@ -371,8 +379,16 @@ class KVBridgeService:
             self._text_chars -= len(dropped) if dropped is not None else 0
         return 1 + sum(self.store.delete(k, tenant) for k in derived)
 
-    def tenant_entries(self, tenant: str) -> int:
-        return len(self.store.keys(tenant))
+    def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """(entries, tokens) this tenant holds."""
+        keys = self.store.keys(tenant)
+        tokens = 0
+        for key in keys:
+            try:
+                tokens += self.store.info(key, tenant).num_tokens
+            except NotFound:  # expired in between
+                pass
+        return len(keys), tokens
 
     def wire_dtype_for(self, segment: KVSegment, requested: str) -> torch.dtype:
         if not requested:

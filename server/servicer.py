@@ -127,8 +127,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                                    evictions=s.evictions.get(t, 0), up=True) for t in ("device", "cpu")]
             if s.redis is not None:
                 tiers.append(pb2.TierStats(tier="redis", up=bool(s.redis.get("available"))))
-            return pb2.StatsResponse(tenant_entries=self.service.tenant_entries(tenant), tiers=tiers, hits=s.hits,
-                                     misses=s.misses, entries=s.entries, device=str(self.service.store.device))
+            entries, tokens = self.service.tenant_usage(tenant)
+            return pb2.StatsResponse(tenant_entries=entries, tenant_tokens=tokens, tiers=tiers,
+                                     device=str(self.service.store.device))
         return self._unary("Stats", context, body)
 
     # ------------------------------------------------------------------------------------------ upload

@@ -40,17 +40,6 @@ def random_adapter(source, target, seed=0, k=1, layer_map="proportional") -> Ada
                    start_kv=start_kv(target, start_token_id(target.tokenizer)))
 
 
-def identity_adapter(lm) -> Adapter:
-    spec = lm.spec
-    d = spec.num_kv_heads * spec.head_dim
-    eye = torch.eye(d).expand(spec.num_layers, d, d).clone()
-    zero = torch.zeros(spec.num_layers, d)
-    ones = torch.ones(spec.num_layers, 1)
-    return Adapter(meta=AdapterMeta(model_record(spec), model_record(spec), "identity", None),
-                   layer_map=torch.arange(spec.num_layers)[:, None], mix_k=ones, mix_v=ones.clone(),
-                   wk=eye, bk=zero, wv=eye.clone(), bv=zero.clone())
-
-
 # ---------------------------------------------------------------------------------------------------- layer maps
 
 
@@ -130,6 +119,8 @@ def test_identity_transfer_is_exact_through_a_position_shift(tiny_target):
     ids = check_tokens(lm, 80)
     context, tail = ids[:-3], ids[-3:]
     shifted = kvcache.extract(lm.model, lm.spec, context, start_position=37)
+    from kvbridge.adapters.identity import identity_adapter
+
     adapter = identity_adapter(lm)
     projected = project(adapter, shifted, identity_alignment(context.numel()), context, lm.rope, lm.rope)
     assert projected.positions.tolist() == list(range(context.numel()))

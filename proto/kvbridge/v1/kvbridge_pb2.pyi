@@ -335,17 +335,13 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., evictions: _Optional[int] = ..., up: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenant_entries", "tiers", "hits", "misses", "entries", "device")
+    __slots__ = ("tenant_entries", "tiers", "device", "tenant_tokens")
     TENANT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
-    MISSES_FIELD_NUMBER: _ClassVar[int]
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant_entries: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    hits: int
-    misses: int
-    entries: int
     device: str
-    def __init__(self, tenant_entries: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., entries: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    tenant_tokens: int
+    def __init__(self, tenant_entries: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., device: _Optional[str] = ..., tenant_tokens: _Optional[int] = ...) -> None: ...

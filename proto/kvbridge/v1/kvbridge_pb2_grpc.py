@@ -156,7 +156,7 @@ class KVBridgeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Store figures: this tenant's entries, and the store's capacity and use per tier.
+        """This tenant's entries, and the store's capacity and use per tier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
