@@ -112,3 +112,24 @@ def test_readme_client_snippet_runs_against_serve_small(tmp_path):
     assert re.fullmatch(r"\d+ source tokens -> \d+ projected target tokens", lines[0]), run.stdout
     assert len(lines) >= 2 and lines[1].strip(), run.stdout  # SmolLM2 said something after the projected context
     assert rc == 0, err[-4000:]
+
+
+def test_config_reads_toml_then_flags_and_names_bad_fields(tmp_path):
+    from kvbridge.server.config import ServeConfig
+
+    path = tmp_path / "serve.toml"
+    path.write_text('preset = "tiny"\nlisten = "127.0.0.1:7000"\nworkers = 3\nstore_capacity_mb = 64\n')
+    config = ServeConfig.load(path, workers=5, listen=None)
+    assert (config.preset, config.listen, config.workers, config.store_capacity_mb) == ("tiny", "127.0.0.1:7000", 5, 64)
+    path.write_text('preset = "tiny"\nlisen = "x"\n')
+    with pytest.raises(ValueError, match=r"unknown keys \['lisen'\]"):
+        ServeConfig.load(path)
+    for fields, message in [({"listen": "nowhere"}, "listen must be host:port"),
+                            ({"tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
+                            ({"chunk_kb": 8192, "max_message_mb": 4}, "does not fit in max_message_mb"),
+                            ({"listen": "10.0.0.5:50051"}, "not a loopback address"),
+                            ({"preset": "huge"}, "preset must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig(**fields)
+    assert ServeConfig(listen="10.0.0.5:50051", token_file="tokens").listen == "10.0.0.5:50051"
+    assert ServeConfig(listen="[::1]:0").listen == "[::1]:0"
