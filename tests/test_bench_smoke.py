@@ -1,5 +1,5 @@
-"""bench/bench_store.py --quick runs to the end and prints its four benchmarks. No timing is asserted (STYLE 9):
-the numbers belong to the machine that printed them."""
+"""bench/bench_store.py --quick and bench/bench_grpc.py --quick run to the end and print every benchmark. No timing
+is asserted (STYLE 9): the numbers belong to the machine that printed them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_store.py"
+BENCH_GRPC = BENCH.with_name("bench_grpc.py")
 # each benchmark's lines start with its tag; among them, its ratio and its goal
 BENCHMARKS = ("get", "lookup", "bytes", "redis")
 
@@ -35,4 +36,21 @@ def test_bench_store_quick_runs_and_prints_every_benchmark(tmp_path):
         assert any("ratio" in line for line in mine), f"no {tag!r} ratio line in:\n{out}"
         assert any("goal" in line for line in mine), f"no {tag!r} goal in:\n{out}"
     assert "skipped" not in out, out
+    assert lines[-1].startswith("done in "), out
+
+
+@pytest.mark.integration
+def test_bench_grpc_quick_runs_and_prints_every_benchmark():
+    # tiny random models and a real server on a loopback port 0: seconds of work
+    proc = subprocess.run([sys.executable, str(BENCH_GRPC), "--quick"], cwd=BENCH_GRPC.parents[1],
+                          capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = out.splitlines()
+    assert lines and lines[0].startswith("machine: "), out
+    assert "quick run" in lines[0], lines[0]
+    stream = [line for line in lines if line.split(" ", 1)[0] == "stream"]
+    assert any("ratio" in line and "goal" in line for line in stream), f"no stream ratio and goal in:\n{out}"
+    wire = [line for line in lines if line.split(" ", 1)[0] == "wire"]
+    assert any("measured" in line and "ratio" in line for line in wire), f"no measured wire ratio in:\n{out}"
     assert lines[-1].startswith("done in "), out

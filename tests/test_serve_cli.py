@@ -53,7 +53,7 @@ def test_serve_tiny_with_tokens_fits_an_adapter_serves_and_stops_cleanly(tmp_pat
     try:
         address = ready["address"]
         with KVBridgeClient(address, token=TOKEN) as client:
-            entry = client.ingest("Each record holds a name and a value; readers skip what they do not know.").entries[0]
+            entry = client.ingest("Each record holds a name and a value; readers skip unknown fields.").entries[0]
             fetched = client.fetch_projected(key=entry.key)
             assert fetched.segment.model.name == "tiny-phi3" and fetched.adapter.startswith("tiny-qwen2--tiny-phi3")
             assert [a.name for a in client.list_adapters()] == ["tiny-qwen2--tiny-phi3--proportional"]
