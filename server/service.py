@@ -101,6 +101,13 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
 
 
+@dataclass(frozen=True)
+class _Projection:
+    key: str  # the projected entry in the store (positions 0..T-1)
+    text: str
+    exact_coverage: float
+
+
 def _max_positions(lm: LoadedModel) -> int:
     config = lm.model.config.get_text_config(decoder=True)
     return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
@@ -128,9 +135,9 @@ class KVBridgeService:
         self._lock = threading.Lock()  # guards the two maps below
         self._texts: OrderedDict[str, str] = OrderedDict()  # entry key -> text it was made from (LRU, bounded)
         self._text_chars = 0
-        # source entry key -> projected entry keys made from it (LRU, bounded: a Delete of an entry older than the
-        # last DERIVED_MEMO projections leaves its projections to their TTL and the store's eviction)
-        self._derived: OrderedDict[str, set[str]] = OrderedDict()
+        # (tenant, source entry key) -> {(adapter label, target name): its projection}. LRU, bounded: a Delete of a
+        # source entry older than the last DERIVED_MEMO projected ones leaves its projections to TTL and eviction.
+        self._derived: OrderedDict[tuple[str, str], dict[tuple[str, str], _Projection]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -327,8 +334,12 @@ class KVBridgeService:
             raise ValueError(f"offset must be >= 0, got {offset}")
         target = self.model(target_model, "target")
         source = self.models[self.source_name]
-        chosen: Adapter
         label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec)
+        source_key = key or self._cached_source_key(tenant, text)
+        warm = self._cached_projection(tenant, source_key, label, target.lm.name) if source_key else None
+        if warm is not None:  # a projection made before: no source read, no alignment, no projection
+            record, projected = warm
+            return self._placed(target, chosen, record, projected, source_key, label, offset)
         source_key, segment, known = self._source_entry(tenant, key, text, require_cached)
         if segment.model != source.lm.spec.identity:
             raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
@@ -343,29 +354,48 @@ class KVBridgeService:
             raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
                              f"{target.max_positions} positions")
         namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
-        found = self.store.lookup(paired.target_ids, tenant, tspec.identity, tspec.dtype, adapter=namespace)
-        projected = None
-        if found.key is not None:
-            try:
-                projected, projected_key = self.store.get(found.key, tenant), found.key
-            except NotFound:
-                projected = None
-        if projected is None:
-            projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope,
-                                target.lm.rope, offset=0, dtype=getattr(torch, tspec.dtype))
-            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)
-            projected_key = info.key
-            with self._lock:
-                self._derived.setdefault(source_key, set()).add(projected_key)
-                self._derived.move_to_end(source_key)
-                while len(self._derived) > DERIVED_MEMO:
-                    self._derived.popitem(last=False)
+        projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope, target.lm.rope,
+                            offset=0, dtype=getattr(torch, tspec.dtype))
+        info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)  # a no-op when already there
+        record = _Projection(key=info.key, text=paired.text, exact_coverage=paired.alignment.exact_coverage)
+        with self._lock:
+            self._derived.setdefault((tenant, source_key), {})[(label, target.lm.name)] = record
+            self._derived.move_to_end((tenant, source_key))
+            while len(self._derived) > DERIVED_MEMO:
+                self._derived.popitem(last=False)
+        return self._placed(target, chosen, record, projected, source_key, label, offset)
+
+    def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
+        if text is None:
+            return None
+        served = self.model("", "source")
+        ids = self._source_ids(served, text, None)
+        return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype).key
+
+    def _cached_projection(self, tenant: str, source_key: str, label: str, target: str
+                           ) -> tuple[_Projection, KVSegment] | None:
+        with self._lock:
+            record = self._derived.get((tenant, source_key), {}).get((label, target))
+        if record is None:
+            return None
+        try:
+            return record, self.store.get(record.key, tenant)
+        except NotFound:  # evicted or expired: project again
+            return None
+
+    def _placed(self, target: ServedModel, adapter: Adapter, record: _Projection, projected: KVSegment,
+                source_key: str, label: str, offset: int) -> CacheResult:
+        """The projection at positions offset.. (keys shifted by the target's RoPE when offset > 0)."""
+        t_t = projected.num_tokens
+        if offset + t_t > target.max_positions:
+            raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {target.lm.name!r}'s "
+                             f"{target.max_positions} positions")
         if offset:
             moved = torch.arange(offset, offset + t_t)
-            keys = target.lm.rope.shift_all(projected.keys.to(chosen.wk.device).float(), projected.positions, moved)
+            keys = target.lm.rope.shift_all(projected.keys.to(adapter.wk.device).float(), projected.positions, moved)
             projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
-        return CacheResult(segment=projected, entry_key=projected_key, source_key=source_key, adapter=label,
-                           text=paired.text, exact_coverage=paired.alignment.exact_coverage)
+        return CacheResult(segment=projected, entry_key=record.key, source_key=source_key, adapter=label,
+                           text=record.text, exact_coverage=record.exact_coverage)
 
     def delete(self, tenant: str, key: str) -> int:
         """Delete an entry and the projected entries derived from it; NotFound when there is none."""
@@ -374,10 +404,10 @@ class KVBridgeService:
         if not self.store.delete(key, tenant):
             raise NotFound(f"no entry {key!r}")
         with self._lock:
-            derived = self._derived.pop(key, set())
+            derived = self._derived.pop((tenant, key), {})
             dropped = self._texts.pop(key, None)
             self._text_chars -= len(dropped) if dropped is not None else 0
-        return 1 + sum(self.store.delete(k, tenant) for k in derived)
+        return 1 + sum(self.store.delete(record.key, tenant) for record in derived.values())
 
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
         """(entries, tokens) this tenant holds."""
