@@ -1,0 +1,168 @@
+"""The target's segment cache: sessions isolated, session TTL and topic changes flush (injected clock), the value
+scorer routes segments by its thresholds and learns from hits; reuse at new positions: exact with the same
+prefix, measured deviation otherwise, and recompute lowers it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.reuse import deviation, place, recompute_first
+from kvbridge.transfer.store import PagedStore, StoreConfig
+from kvbridge.transfer.suffix_cache import ManagerConfig, SuffixCacheManager
+from kvbridge.transfer.value_score import FixedScorer, OnlineValueScorer, SegmentFeatures
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ids(lm, text: str) -> torch.Tensor:
+    return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture()
+def setup(tiny_target):
+    clock = Clock()
+    store = PagedStore(StoreConfig(capacity_bytes=16 << 20, device="cpu"), clock=clock)
+    return tiny_target, store, clock
+
+
+def _segment(lm, text: str, start: int = 0):
+    return kvcache.extract(lm.model, lm.spec, _ids(lm, text), start_position=start)
+
+
+def test_sessions_never_see_each_others_segments(setup):
+    lm, store, _ = setup
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.9))
+    seg = _segment(lm, "You are a careful assistant who answers briefly.")
+    offer = manager.offer("a", seg, torch.tensor([], dtype=torch.int64), role="system")
+    assert offer.decision == "keep" and offer.key is not None
+    assert manager.find("b", seg.token_ids) is None
+    found = manager.find("a", seg.token_ids)
+    assert found is not None and torch.equal(found.segment.kv, seg.kv) and found.prefix_hash == ""
+    # the same tokens offered by b: its own entry, its own key
+    assert manager.offer("b", seg, torch.tensor([], dtype=torch.int64)).key != offer.key
+
+
+def test_scores_route_segments_by_the_thresholds(setup):
+    lm, store, clock = setup
+    seg = _segment(lm, "Every record holds a name and a value.")
+    none = torch.tensor([], dtype=torch.int64)
+    for score, decision, ttl in ((0.9, "keep", None), (0.85, "keep", None), (0.7, "ttl", 1800.0),
+                                 (0.6, "ttl", 1800.0), (0.59, "skip", None)):
+        manager = SuffixCacheManager(store, tenant=f"t{score}", scorer=FixedScorer(score))
+        offer = manager.offer("s", seg, none)
+        assert offer.decision == decision, score
+        if decision == "skip":
+            assert offer.key is None and manager.find("s", seg.token_ids) is None
+        else:
+            info = store.info(offer.key, manager._namespace("s"))
+            assert info.expires_at == (None if ttl is None else clock.now + ttl)
+    # a mid-value segment is gone after its 30 minutes even while the session stays active
+    manager = SuffixCacheManager(store, tenant="mid", scorer=FixedScorer(0.7))
+    manager.offer("s", seg, none)
+    for _ in range(7):
+        clock.now += 299
+        manager.begin_turn("s", "Every record holds a name and a value, and more.")
+    assert manager.find("s", seg.token_ids) is None
+
+
+def test_session_ttl_flushes_with_an_injected_clock(setup):
+    lm, store, clock = setup
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.9), config=ManagerConfig(session_ttl_s=300))
+    seg = _segment(lm, "The configuration file is read once at start-up.")
+    manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
+    clock.now = 299
+    assert manager.find("s", seg.token_ids) is not None  # and the find keeps the session alive
+    clock.now = 598
+    assert manager.find("s", seg.token_ids) is not None
+    clock.now = 898
+    assert manager.find("s", seg.token_ids) is None
+    assert store.keys(manager._namespace("s")) == [] and store.check() == []
+
+
+def test_a_change_of_topic_drops_the_temperature_and_flushes(setup):
+    lm, store, _ = setup
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.9))
+    seg = _segment(lm, "Sockets connect a client to a server over the network.")
+    first = manager.begin_turn("s", "How do I open a socket connection to a server in Python?")
+    assert first.cosine is None and first.temperature == 0.8
+    manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
+    same = manager.begin_turn("s", "And how do I close the socket connection to the server?")
+    assert same.cosine >= 0.3 and same.temperature == 0.8 and same.flushed == 0
+    assert manager.find("s", seg.token_ids) is not None
+    other = manager.begin_turn("s", "Give me a recipe for banana bread with walnuts.")
+    assert other.cosine < 0.3 and other.temperature == 0.3 and other.flushed == 1
+    assert manager.find("s", seg.token_ids) is None
+    warmer = manager.begin_turn("s", "Is this banana bread recipe good with walnuts?")
+    assert warmer.temperature == pytest.approx(0.55)
+
+
+def test_the_online_scorer_learns_which_segments_get_hit():
+    scorer = OnlineValueScorer(prior=0.7)
+    system = SegmentFeatures(num_tokens=40, role="system", position=0, repeats=2, temperature=0.8)
+    turn = SegmentFeatures(num_tokens=25, role="turn", position=300, repeats=0, temperature=0.3)
+    assert scorer.score(system) == scorer.score(turn) == 0.7  # nothing learned yet
+    for _ in range(60):
+        scorer.observe(system, hit=True)
+        scorer.observe(turn, hit=False)
+    assert scorer.score(system) > 0.85 and scorer.score(turn) < 0.6
+
+
+def test_the_manager_feeds_hits_and_unused_expiries_to_its_scorer(setup):
+    lm, store, clock = setup
+    seen = []
+
+    class Recorder(FixedScorer):
+        def observe(self, features, hit):
+            seen.append((features.role, hit))
+
+    manager = SuffixCacheManager(store, scorer=Recorder(0.7), config=ManagerConfig(mid_ttl_s=100))
+    none = torch.tensor([], dtype=torch.int64)
+    used = _segment(lm, "Shared system prompt of this assistant.")
+    unused = _segment(lm, "A turn nobody will ask for again.", start=30)
+    manager.offer("s", used, none, role="system")
+    manager.offer("s", unused, used.token_ids, role="turn")
+    manager.find("s", used.token_ids)
+    clock.now = 150
+    manager.begin_turn("s", "next")
+    assert seen == [("system", True), ("turn", False)]
+
+
+# ------------------------------------------------------------------------------------------------ reuse
+
+
+def test_shifted_reuse_with_the_same_prefix_is_exact(tiny_target):
+    lm = tiny_target
+    ids = _ids(lm, "Readers skip the fields they do not understand. Writers keep the field order.")
+    cached = kvcache.extract(lm.model, lm.spec, ids)  # computed at positions 0..
+    for delta in (5, 200):
+        moved = place(cached, lm.rope, delta)
+        own = kvcache.extract(lm.model, lm.spec, ids, start_position=delta)
+        d = deviation(moved, own)
+        assert d.keys < 1e-5 and d.values < 1e-5, d.line()
+
+
+def test_reuse_after_another_prefix_reports_its_deviation_and_recompute_lowers_it(tiny_target):
+    lm = tiny_target
+    segment_ids = _ids(lm, "The parser returns a tree of nodes, one for each statement in the source file.")
+    old_prefix = _ids(lm, "Question about the json module:")
+    new_prefix = _ids(lm, "Here is a long and different introduction about compilers and their front ends:")
+    cached = kvcache.extract(lm.model, lm.spec, torch.cat((old_prefix, segment_ids))).slice(
+        old_prefix.numel(), old_prefix.numel() + segment_ids.numel())
+    context = kvcache.extract(lm.model, lm.spec, new_prefix)
+    exact = kvcache.extract(lm.model, lm.spec, torch.cat((new_prefix, segment_ids))).slice(
+        new_prefix.numel(), new_prefix.numel() + segment_ids.numel())
+    placed = place(cached, lm.rope, new_prefix.numel())
+    errors = []
+    for k in (0, 2, 4, 8, 16, segment_ids.numel()):
+        d = deviation(recompute_first(lm, context, placed, k), exact)
+        errors.append(d.keys + d.values)
+    assert errors[0] > 1e-3  # a different prefix: an approximation, and the deviation says how far
+    assert all(a >= b for a, b in zip(errors, errors[1:])), errors  # recompute lowers it, monotonically
+    assert errors[-1] < 1e-5  # recomputing every token is the model's own KV

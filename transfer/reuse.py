@@ -1,0 +1,82 @@
+"""Reusing a cached segment at a new place: RoPE shift (exact when everything before it is what it was computed
+after, shifted alike), recompute of its first k tokens given the real context, and the deviation from the KV
+the model would have computed itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.rope import ModelRope
+from kvbridge.transfer.segment import KVSegment
+
+
+def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
+    """The segment at positions start..start+T-1: keys rotated by the shift, values as they were."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if not segment.rotated:
+        raise ValueError("place expects rotated keys (as cached)")
+    moved = torch.arange(start, start + segment.num_tokens)
+    if torch.equal(moved, segment.positions):
+        return segment
+    keys = rope.shift_all(segment.keys.float(), segment.positions, moved)  # [L, H, T, D]
+    return segment.with_keys(keys.to(segment.dtype), moved, rotated=True)
+
+
+@torch.no_grad()
+def recompute_first(lm: LoadedModel, context: KVSegment | None, reused: KVSegment, k: int) -> KVSegment:
+    """`reused` (placed right after `context`) with the KV of its first k tokens recomputed by the model given the
+    real context: exact for those k tokens, the rest as reused. context: the cache before it (positions 0..), or
+    None when the segment starts the sequence."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    k = min(k, reused.num_tokens)
+    if k == 0:
+        return reused
+    start = context.num_tokens if context is not None else 0
+    if int(reused.positions[0]) != start:
+        raise ValueError(f"the reused segment starts at position {int(reused.positions[0])}, right after the "
+                         f"context is {start}: place it first")
+    cache = kvcache.to_cache(context, lm.model, lm.spec) if context is not None else None
+    device = lm.device
+    ids = reused.token_ids[:k]
+    if cache is None:
+        fresh = kvcache.extract(lm.model, lm.spec, ids, start_position=start)
+    else:
+        windows = [layer.sliding_window for layer in lm.spec.layers if layer.sliding_window]
+        if windows and k >= min(windows):
+            raise ValueError(f"k={k} tokens would not all stay in a sliding-window cache of {min(windows)}")
+        lm.model(input_ids=ids[None].to(device), position_ids=torch.arange(start, start + k)[None].to(device),
+                 cache=cache, use_cache=True, logits_to_keep=1)
+        # the k new tokens are the last k of every cache layer (sliding layers keep their last window - 1)
+        kv = torch.stack([torch.stack((layer.keys[0, :, -k:], layer.values[0, :, -k:])) for layer in cache.layers])
+        fresh = KVSegment(kv=kv, token_ids=ids.clone(), positions=torch.arange(start, start + k),
+                          model=reused.model, rotated=True)
+    kv = torch.cat((fresh.kv.to(reused.kv), reused.kv[:, :, :, k:]), dim=3)
+    return KVSegment(kv=kv, token_ids=reused.token_ids.clone(), positions=reused.positions.clone(),
+                     model=reused.model, rotated=True)
+
+
+@dataclass(frozen=True)
+class Deviation:
+    keys: float  # ||K_reused - K_exact|| / ||K_exact|| over all layers
+    values: float
+    worst_layer_keys: float  # the largest per-layer relative key error
+
+    def line(self) -> str:
+        return f"K {self.keys:.4f} (worst layer {self.worst_layer_keys:.4f}), V {self.values:.4f}"
+
+
+def deviation(reused: KVSegment, exact: KVSegment) -> Deviation:
+    """How far reused KV is from the KV the model computes for the same tokens at the same positions."""
+    if reused.kv.shape != exact.kv.shape or not torch.equal(reused.positions, exact.positions):
+        raise ValueError("compare segments of the same tokens at the same positions")
+    dk = (reused.keys.float() - exact.keys.float())
+    dv = (reused.values.float() - exact.values.float())
+    per_layer = dk.flatten(1).norm(dim=1) / exact.keys.float().flatten(1).norm(dim=1).clamp(min=1e-12)
+    return Deviation(keys=float(dk.norm() / exact.keys.float().norm()),
+                     values=float(dv.norm() / exact.values.float().norm()),
+                     worst_layer_keys=float(per_layer.max()))
