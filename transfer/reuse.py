@@ -11,6 +11,7 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
+from transformers import DynamicCache
 
 
 def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
@@ -27,6 +28,29 @@ def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
 
 
 @torch.no_grad()
+def prefill_after(lm: LoadedModel, context: KVSegment | None, token_ids: torch.Tensor) -> KVSegment:
+    """The model's KV of token_ids ([T]) read after `context` (rotated KV at positions 0..C-1, or None): one
+    forward of the new tokens over a cache of the context. Returns the new tokens' KV at positions C..C+T-1."""
+    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
+    if ids.numel() == 0:
+        raise ValueError("token_ids is empty")
+    if context is None:
+        return kvcache.extract(lm.model, lm.spec, ids)
+    kvcache.check_compatible(context, lm.spec)
+    if not context.is_contiguous_from(0) or not context.rotated:
+        raise ValueError("the context must be rotated KV at positions 0..C-1")
+    start, t = context.num_tokens, ids.numel()
+    param = next(lm.model.parameters())
+    kv = context.kv.to(device=param.device, dtype=param.dtype)
+    # no config: every layer keeps every token (the model still masks sliding layers by position)
+    cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(lm.spec.num_layers)])
+    lm.model(input_ids=ids[None].to(param.device), position_ids=torch.arange(start, start + t)[None].to(param.device),
+             cache=cache, use_cache=True, logits_to_keep=1)
+    new = torch.stack([torch.stack((layer.keys[0, :, start:], layer.values[0, :, start:])) for layer in cache.layers])
+    return KVSegment(kv=new, token_ids=ids, positions=torch.arange(start, start + t), model=lm.spec.identity,
+                     rotated=True)
+
+
 def recompute_first(lm: LoadedModel, context: KVSegment | None, reused: KVSegment, k: int) -> KVSegment:
     """`reused` (placed right after `context`) with the KV of its first k tokens recomputed by the model given the
     real context: exact for those k tokens, the rest as reused. context: the cache before it (positions 0..), or
@@ -40,21 +64,7 @@ def recompute_first(lm: LoadedModel, context: KVSegment | None, reused: KVSegmen
     if int(reused.positions[0]) != start:
         raise ValueError(f"the reused segment starts at position {int(reused.positions[0])}, right after the "
                          f"context is {start}: place it first")
-    cache = kvcache.to_cache(context, lm.model, lm.spec) if context is not None else None
-    device = lm.device
-    ids = reused.token_ids[:k]
-    if cache is None:
-        fresh = kvcache.extract(lm.model, lm.spec, ids, start_position=start)
-    else:
-        windows = [layer.sliding_window for layer in lm.spec.layers if layer.sliding_window]
-        if windows and k >= min(windows):
-            raise ValueError(f"k={k} tokens would not all stay in a sliding-window cache of {min(windows)}")
-        lm.model(input_ids=ids[None].to(device), position_ids=torch.arange(start, start + k)[None].to(device),
-                 cache=cache, use_cache=True, logits_to_keep=1)
-        # the k new tokens are the last k of every cache layer (sliding layers keep their last window - 1)
-        kv = torch.stack([torch.stack((layer.keys[0, :, -k:], layer.values[0, :, -k:])) for layer in cache.layers])
-        fresh = KVSegment(kv=kv, token_ids=ids.clone(), positions=torch.arange(start, start + k),
-                          model=reused.model, rotated=True)
+    fresh = prefill_after(lm, context, reused.token_ids[:k])
     kv = torch.cat((fresh.kv.to(reused.kv), reused.kv[:, :, :, k:]), dim=3)
     return KVSegment(kv=kv, token_ids=reused.token_ids.clone(), positions=reused.positions.clone(),
                      model=reused.model, rotated=True)

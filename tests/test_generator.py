@@ -1,0 +1,75 @@
+"""SuffixReuseGenerator: exact reuse gives the tokens of no reuse; projected parts come from a context source;
+shifted reuse is reported and recompute is counted; metrics add up."""
+
+from __future__ import annotations
+
+import torch
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.generator import Part, SuffixReuseGenerator
+from kvbridge.transfer.store import PagedStore, StoreConfig
+from kvbridge.transfer.suffix_cache import SuffixCacheManager
+from kvbridge.transfer.value_score import FixedScorer
+
+SYSTEM = "You answer questions about the Python standard library in one short sentence."
+Q1 = "What does the json module do?"
+A1 = "It encodes and decodes JSON text."
+Q2 = "How does the json module read a JSON file?"
+
+
+def _manager():
+    return SuffixCacheManager(PagedStore(StoreConfig(capacity_bytes=16 << 20, device="cpu")), scorer=FixedScorer(0.9))
+
+
+def _plain(gen: SuffixReuseGenerator, texts: list[str], n: int) -> torch.Tensor:
+    ids = torch.cat([torch.tensor([gen.start_token])] + [gen.tokens(t) for t in texts])
+    return kvcache.generate_plain(gen.lm.model, gen.lm.spec, ids, max_new_tokens=n)
+
+
+def test_exact_reuse_across_turns_gives_the_tokens_of_no_reuse(tiny_target):
+    gen = SuffixReuseGenerator(tiny_target, _manager())
+    first, m1 = gen.generate("s", [Part(SYSTEM, "system"), Part(Q1)], max_new_tokens=8)
+    assert m1.parts == ["prefilled", "prefilled"] and m1.tokens_reused_local == 0
+    request = [Part(SYSTEM, "system"), Part(Q1), Part(A1), Part(Q2)]
+    second, m2 = gen.generate("s", request, max_new_tokens=8)
+    assert m2.parts == ["exact", "prefilled", "prefilled", "prefilled"]
+    assert m2.tokens_reused_exact == gen.tokens(SYSTEM).numel() == m2.tokens_reused_local
+    assert m2.tokens_prefilled + m2.tokens_reused_local == m2.tokens_total
+    third, m3 = gen.generate("s", request, max_new_tokens=8)  # the same request again: all context reused
+    assert m3.parts == ["exact", "exact", "exact", "prefilled"] and m3.ttft_s > 0
+    plain = _plain(gen, [SYSTEM, Q1, A1, Q2], 8)
+    assert torch.equal(second, plain) and torch.equal(third, plain)
+    assert torch.equal(first, _plain(gen, [SYSTEM, Q1], 8))
+    other, m4 = gen.generate("t", request, max_new_tokens=8)  # another session reuses nothing of s
+    assert m4.tokens_reused_local == 0 and torch.equal(other, plain)
+
+
+def test_projected_parts_come_from_the_context_source(tiny_target):
+    lm = tiny_target
+
+    class OwnKV:  # the target's own KV as the "projection": exact, so the tokens must match no reuse
+        calls = []
+
+        def projected_segment(self, text, offset):
+            self.calls.append(offset)
+            ids = torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return kvcache.extract(lm.model, lm.spec, torch.cat((torch.tensor([gen.start_token]), ids))).slice(
+                1, 1 + ids.numel()) if offset == 1 else None
+
+    gen = SuffixReuseGenerator(lm, _manager(), context_source=OwnKV())
+    doc = "The json module encodes Python objects as JSON text and decodes JSON text into Python objects."
+    out, m = gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=8)
+    assert OwnKV.calls == [1] and m.parts == ["projected", "prefilled"]
+    assert m.tokens_projected == gen.tokens(doc).numel() and m.tokens_prefilled == 1 + gen.tokens(Q1).numel()
+    assert torch.equal(out, _plain(gen, [doc, Q1], 8))
+
+
+def test_shifted_reuse_is_reported_and_recompute_counted(tiny_target):
+    gen = SuffixReuseGenerator(tiny_target, _manager(), recompute_k=3)
+    gen.generate("s", [Part(SYSTEM, "system"), Part(Q1)], max_new_tokens=4)
+    gen.generate("s", [Part(Q1), Part(SYSTEM, "system"), Part(Q2)], max_new_tokens=4)
+    _, m = gen.generate("s", [Part(A1), Part(SYSTEM, "system"), Part(Q2)], max_new_tokens=4)
+    # SYSTEM was computed at position 1 (after the start token); here it follows A1: shifted, 3 tokens recomputed
+    assert m.parts == ["prefilled", "shifted", "prefilled"]
+    n = gen.tokens(SYSTEM).numel()
+    assert m.tokens_reused_local == n - 3 and m.tokens_reused_exact == 0
+    assert m.tokens_prefilled == 1 + gen.tokens(A1).numel() + 3 + gen.tokens(Q2).numel()
