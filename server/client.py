@@ -24,7 +24,7 @@ from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, dtype_na
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
-__all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply"]
+__all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply", "ProjectedContext"]
 
 
 class KVBridgeError(Exception):
@@ -313,3 +313,28 @@ def _set_key_or_text(request, key, text) -> None:
 def _check_model(got: ModelIdentity, expected: ModelIdentity) -> None:
     if got != expected:
         raise ValueError(f"the server sent KV of {got.key}, this model is {expected.key}")
+
+
+class ProjectedContext:
+    """A context source for kvbridge.transfer.generator.SuffixReuseGenerator over the gRPC client: the server
+    projects a text's source KV into `target`'s space at the request's position.
+
+    The server's projection starts with the target's start token (the adapter's convention); the generator has its
+    own at position 0, so the text's tokens are fetched one position earlier and the start token is dropped.
+    """
+
+    def __init__(self, client: KVBridgeClient, target, adapter: str = "", dtype: str = ""):
+        self.client = client
+        self.target = target
+        self.adapter = adapter
+        self.dtype = dtype
+        self.fetched: list[FetchedCache] = []  # what each call moved (for metrics)
+
+    def projected_segment(self, text: str, offset: int) -> KVSegment:
+        if offset < 1:
+            raise ValueError("a projected part needs the generator's start token before it (offset >= 1)")
+        fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
+                                              offset=offset - 1, dtype=self.dtype)
+        _check_model(fetched.segment.model, self.target.spec.identity)
+        self.fetched.append(fetched)
+        return fetched.segment.slice(1, fetched.segment.num_tokens)

@@ -481,3 +481,20 @@ def test_tls_with_a_self_signed_pair(tmp_path, tiny_source, tiny_target, adapter
             assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         running.stop(1)
+
+
+def test_the_generator_takes_projected_context_through_the_service(identity_server, tiny_target):
+    from kvbridge.server.client import ProjectedContext
+    from kvbridge.transfer.generator import Part, SuffixReuseGenerator
+
+    doc = _text(9)
+    with KVBridgeClient(identity_server.address) as client:
+        source = ProjectedContext(client, tiny_target)
+        gen = SuffixReuseGenerator(tiny_target, context_source=source)
+        out, metrics = gen.generate("s", [Part(doc, "document", projected=True), Part(" In short,")],
+                                    max_new_tokens=12)
+    ids = torch.cat((torch.tensor([gen.start_token]), gen.tokens(doc), gen.tokens(" In short,")))
+    # identity adapter: the projected document is the target's own KV, so the tokens are those of its own prefill
+    assert torch.equal(out, kvcache.generate_plain(tiny_target.model, tiny_target.spec, ids, max_new_tokens=12))
+    assert metrics.parts == ["projected", "prefilled"] and metrics.tokens_projected == gen.tokens(doc).numel()
+    assert len(source.fetched) == 1 and source.fetched[0].segment.positions[0] == 0
