@@ -1,13 +1,17 @@
-"""gRPC streaming benchmarks: a real kvbridge server started in-process on loopback, a real KVBridgeClient, and a
-baseline measured in the same run on the machine named in the header (STYLE rule 9). The two sides of a ratio are
-interleaved over several rounds (the order alternates) and each reported time is a median.
+"""gRPC streaming benchmarks: a real kvbridge server, by default in its own process as deployed (`kvbridge serve` on
+loopback port 0), a real KVBridgeClient in this process, and a baseline measured in the same run on the machine named
+in the header (STYLE rule 9). The two sides of a ratio are interleaved over several rounds (the order alternates) and
+each reported time is a median.
 
     .venv/bin/python bench/bench_grpc.py [--quick] [--preset small|tiny] [--tokens 2048] [--dtype float32|bfloat16]
-                                         [--chunk-kb 1024] [--adapter FILE] [--rounds 9] [--threads 1]
+                                         [--chunk-kb 1024] [--adapter FILE] [--rounds 9] [--threads 1] [--in-process]
 
 1. stream: a warm GetProjectedCache of a ~2048-target-token entry (projected entry already in the server's store),
    timed on the client from the call to the assembled tensor, vs a raw loopback TCP socket moving the same bytes in
-   the same chunk sizes (MB/s; goal grpc/raw >= 0.7). The cold first fetch (projection included) as information.
+   the same chunk sizes (MB/s; goal grpc/raw >= 0.7). Both sides have the same process layout: the sender (the
+   kvbridge server, or the raw socket's sender) is a separate process and the receiver is this one; with
+   --in-process both senders are threads of this process instead. The cold first fetch (projection included) as
+   information.
 2. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
    and the production pair's ratio computed from DESIGN.md's model numbers (not measured).
 """
@@ -15,12 +19,16 @@ interleaved over several rounds (the order alternates) and each reported time is
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import logging
 import os
 import platform
+import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,17 +38,18 @@ from pathlib import Path
 
 import grpc
 import torch
-from kvbridge.adapters.io import load_adapter
+from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.train import TrainConfig, train_adapter
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.chunks import encode, plan_chunks
 from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
 from kvbridge.transfer.data import data_path
-from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.presets import load_pair
 
 LENGTH = struct.Struct("!Q")  # the raw baseline's per-chunk length prefix
+ADAPTER_NAME = "bench-adapter"  # the adapter's name in the server's adapter folder
+READY_TIMEOUT_S = 600.0  # the server process's start: model load (and, on a fresh machine, the models' conversion)
 # DESIGN.md, "Numbers to keep in mind": KV bytes per token in bf16, (source, target) of each pair
 PRODUCTION_PAIR = (("Qwen2-7B", 57_344), ("Phi-3-mini-4k", 393_216))
 SMALL_PAIR = (("Gemma-3-270M", 18_432), ("SmolLM2-135M", 23_040))
@@ -94,12 +103,88 @@ def cut_text(tokenizer, text: str, num_tokens: int) -> str:
     return text[: offsets[num_tokens - 1][1]]
 
 
+def target_tokenizer(preset: str):
+    """The preset's target tokenizer without its model: all this process needs to cut the text (the server process
+    loads the models). The same tokenizer transfer/presets.py gives the target."""
+    if preset == "tiny":
+        from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+
+        return build_tiny_tokenizer("sentencepiece")
+    from kvbridge.transfer.models import prepare_gguf
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(prepare_gguf("smollm2-135m-instruct-q4_1"), local_files_only=True)
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"(could not read {path}: {exc})"
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """This process's environment with torch's intra-op thread count (OpenMP/MKL read these at start)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+# ---------------------------------------------------------------------------------------------------- server process
+
+
+class ServerProcess:
+    """`kvbridge serve` as a deployment runs it: its own process, found through its ready file, stopped by SIGTERM.
+    Its output goes to files in `folder` (a pipe nobody reads would stall its logging)."""
+
+    def __init__(self, args: list[str], folder: Path, threads: int):
+        self.ready = folder / "ready.json"
+        self.stdout, self.stderr = folder / "server.out", folder / "server.err"
+        cmd = [sys.executable, "-m", "kvbridge.server.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
+               str(self.ready), *args]
+        t0 = time.perf_counter()
+        with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                         env=child_env(threads))
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not self.ready.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server process exited with {self.proc.returncode} before it was "
+                                       f"ready; its stderr:\n{tail(self.stderr)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server process was not ready after {READY_TIMEOUT_S:.0f} s; its "
+                                       f"stderr:\n{tail(self.stderr)}")
+                time.sleep(0.05)
+            # the server writes the file in one call; a reader may still catch it empty for an instant
+            for _ in range(100):
+                text = self.ready.read_text()
+                if text:
+                    break
+                time.sleep(0.05)
+            self.address = json.loads(text)["address"]
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+
+    def stop(self) -> int:
+        """SIGTERM (the server drains and exits), then SIGKILL if it has not exited within a minute."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
 # ---------------------------------------------------------------------------------------------------- raw baseline
 
 
 class RawServer:
-    """A plain TCP server thread on loopback: for every request byte it sends the payloads, each after an 8-byte
-    length. No encoding, no checks: what moving these bytes through the kernel costs from Python."""
+    """A plain TCP server thread on loopback (the --in-process layout): for every request byte it sends the
+    payloads, each after an 8-byte length. No encoding, no checks: what moving these bytes through the kernel costs
+    from Python."""
 
     def __init__(self, payloads: list[bytes]):
         self.payloads = payloads
@@ -120,6 +205,63 @@ class RawServer:
     def close(self) -> None:
         self.listener.close()
         self.thread.join(timeout=10)
+
+
+# The raw sender's process: the same loop as RawServer._serve. It reads the length-prefixed payloads from the file
+# named by argv[1] before it listens, prints its port, and exits when the client closes the connection.
+RAW_SENDER = r"""
+import socket, struct, sys
+LENGTH = struct.Struct("!Q")
+data = memoryview(open(sys.argv[1], "rb").read())
+payloads, pos = [], 0
+while pos < len(data):
+    (size,) = LENGTH.unpack_from(data, pos)
+    payloads.append(bytes(data[pos + LENGTH.size:pos + LENGTH.size + size]))
+    pos += LENGTH.size + size
+del data
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+listener.close()
+with conn:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while conn.recv(1):
+        for p in payloads:
+            conn.sendall(LENGTH.pack(len(p)))
+            conn.sendall(p)
+"""
+
+
+class RawSenderProcess:
+    """The raw baseline's sender in its own process (the default layout, like the server process): a short Python
+    script, no torch, that sends the payloads it read from a temporary file before the timed part."""
+
+    def __init__(self, payloads: list[bytes]):
+        self.folder = tempfile.TemporaryDirectory(prefix="kvbridge-bench-raw-")
+        blobs = Path(self.folder.name) / "payloads.bin"
+        with open(blobs, "wb") as f:
+            for p in payloads:
+                f.write(LENGTH.pack(len(p)))
+                f.write(p)
+        self.stderr = Path(self.folder.name) / "sender.err"
+        with open(self.stderr, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(blobs)], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=err)
+        line = self.proc.stdout.readline()  # "" when the process died first
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"the raw sender process did not start (exit {self.proc.returncode}); its "
+                               f"stderr:\n{tail(self.stderr)}")
+        self.port = int(line)
+
+    def close(self) -> None:
+        try:
+            self.proc.wait(timeout=10)  # it exits once the client has closed the connection
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.folder.cleanup()
 
 
 class RawClient:
@@ -168,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-kb", type=int, default=1024, help="chunk size asked of the server (KiB)")
     parser.add_argument("--adapter", help="a trained adapter file (default: fit a ridge adapter on 2048 tokens)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: the server, the client and the raw baseline share "
-                             "the machine's cores; see bench/README.md)")
+                        help="torch intra-op threads of this process and of the server process (default 1: they "
+                             "share the machine's cores; see bench/README.md)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the server (and the raw baseline's sender) as threads of this process instead of "
+                             "separate processes: one GIL for both ends")
     args = parser.parse_args(argv)
     preset = args.preset or ("tiny" if args.quick else "small")
     num_tokens = args.tokens or (512 if args.quick else 2048)
@@ -183,42 +328,84 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvbridge.server").setLevel(logging.ERROR)
 
     started = time.perf_counter()
-    source, target = load_pair(preset)
-    print(machine_line(target.device, "quick" if args.quick else "full"), flush=True)
-
-    # Throughput does not depend on the adapter's quality, only on its shapes; a real ridge fit on a small corpus
-    # slice keeps the server's path the one users get, at about a second (tiny) to about 25 s (small).
-    t0 = time.perf_counter()
+    run = "quick" if args.quick else "full"
     corpus = str(data_path("pydoc_corpus_sample.txt"))
-    if args.adapter:
-        adapter, how = load_adapter(args.adapter, target.device), f"loaded from {args.adapter}"
-    else:
-        adapter, _ = train_adapter(source, target, [corpus], TrainConfig(max_tokens=2048), progress=False)
-        how = "ridge, fitted on 2048 corpus tokens"
-    adapter_s = time.perf_counter() - t0
-    text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
     chunk_bytes = args.chunk_kb * 1024
     message_mb = max(8.0, chunk_bytes / (1 << 20) + 1)  # a chunk and its message framing fit in one message
-
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
-        config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
-                             store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb)
-        service = build_service(config, source=source, targets=[target])
-        service.adapters.add("bench-adapter", adapter, make_default=True)
-        running = start_server(service, config)
-        client = KVBridgeClient(running.address, timeout_s=600, max_message_mb=message_mb)
-        try:
-            bench_stream_and_wire(client, source, target, text, args.dtype, chunk_bytes, rounds,
-                                  f"adapter {how} in {adapter_s:.1f} s")
-        finally:
-            client.close()
-            running.stop(grace_s=1)
+    common = dict(dtype=args.dtype, chunk_bytes=chunk_bytes, rounds=rounds)
+    if args.in_process:
+        source, target = load_pair(preset)
+        print(machine_line(target.device, run), flush=True)
+        adapter, adapter_note = get_adapter(args.adapter, source, target, corpus)
+        text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
+        with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
+            config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
+                                 store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb)
+            service = build_service(config, source=source, targets=[target])
+            service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
+            running = start_server(service, config)
+            client = KVBridgeClient(running.address, timeout_s=600, max_message_mb=message_mb)
+            try:
+                bench_stream_and_wire(client, text, layout="server in this process", raw_sender=RawServer,
+                                      note=adapter_note, **common)
+            finally:
+                client.close()
+                running.stop(grace_s=1)
+    else:
+        # The server process runs the models on the CPU (--device cpu); this process loads models only to fit an
+        # adapter, and frees them before the server starts.
+        print(machine_line(torch.device("cpu"), run), flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
+            folder = Path(folder)
+            (folder / "adapters").mkdir()
+            if args.adapter:
+                adapter, adapter_note = get_adapter(args.adapter, None, None, corpus)
+            else:
+                source, target = load_pair(preset, device="cpu")
+                adapter, adapter_note = get_adapter(None, source, target, corpus)
+                del source, target
+            save_adapter(adapter, folder / "adapters" / f"{ADAPTER_NAME}.safetensors")
+            del adapter
+            gc.collect()
+            text = cut_text(target_tokenizer(preset), Path(corpus).read_text(encoding="utf-8"), num_tokens)
+            server = ServerProcess(
+                ["--preset", preset, "--adapters", str(folder / "adapters"), "--default-adapter", ADAPTER_NAME,
+                 "--no-selfcheck", "--device", "cpu", "--store-capacity-mb", "1024", "--chunk-kb",
+                 str(args.chunk_kb), "--max-message-mb", str(message_mb)], folder, args.threads)
+            try:
+                client = KVBridgeClient(server.address, timeout_s=600, max_message_mb=message_mb)
+                try:
+                    bench_stream_and_wire(client, text, layout="server in its own process",
+                                          raw_sender=RawSenderProcess,
+                                          note=f"{adapter_note}; server process ready in {server.start_s:.1f} s",
+                                          **common)
+                finally:
+                    client.close()
+            finally:
+                rc = server.stop()
+            if rc != 0:
+                raise RuntimeError(f"the server process exited with {rc} after SIGTERM; its stderr:\n"
+                                   f"{tail(server.stderr)}")
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 
 
-def bench_stream_and_wire(client: KVBridgeClient, source: LoadedModel, target: LoadedModel, text: str, dtype: str,
-                          chunk_bytes: int, rounds: int, adapter_note: str) -> None:
+def get_adapter(path: str | None, source, target, corpus: str):
+    """(adapter, note): loaded from `path`, else a ridge fit on a small corpus slice. Throughput does not depend on
+    the adapter's quality, only on its shapes; a real fit keeps the server's path the one users get, at about a
+    second (tiny) to about 25 s (small)."""
+    t0 = time.perf_counter()
+    if path:
+        adapter, how = load_adapter(path), f"loaded from {path}"
+    else:
+        adapter, _ = train_adapter(source, target, [corpus], TrainConfig(max_tokens=2048), progress=False)
+        how = "ridge, fitted on 2048 corpus tokens"
+    return adapter, f"adapter {how} in {time.perf_counter() - t0:.1f} s"
+
+
+def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_bytes: int, rounds: int,
+                          layout: str, raw_sender: Callable[[list[bytes]], RawServer | RawSenderProcess],
+                          note: str) -> None:
     t0 = time.perf_counter()
     entry = client.ingest(text=text).entries[0]
     ingest_s = time.perf_counter() - t0
@@ -241,34 +428,37 @@ def bench_stream_and_wire(client: KVBridgeClient, source: LoadedModel, target: L
     if (total, len(payloads)) != (cold.wire_bytes, cold.num_chunks):
         raise AssertionError(f"raw payloads ({len(payloads)} chunks, {total} B) do not match the gRPC fetch "
                              f"({cold.num_chunks} chunks, {cold.wire_bytes} B)")
-    raw_server = RawServer(payloads)
-    raw = RawClient(raw_server.port, len(payloads), total)
+    sender = raw_sender(payloads)
     try:
-        if bytes(raw.fetch()) != b"".join(payloads):
-            raise AssertionError("the raw socket round trip changed the bytes")
-        times = interleaved({"grpc": fetch_projected, "raw": raw.fetch}, rounds)
+        raw = RawClient(sender.port, len(payloads), total)
+        try:
+            if bytes(raw.fetch()) != b"".join(payloads):
+                raise AssertionError("the raw socket round trip changed the bytes")
+            times = interleaved({"grpc": fetch_projected, "raw": raw.fetch}, rounds)
+        finally:
+            raw.close()
     finally:
-        raw.close()
-        raw_server.close()
+        sender.close()
 
     mbs = {name: total / s / 1e6 for name, s in times.items()}
     ratio = mbs["grpc"] / mbs["raw"]
     biggest = max(len(p) for p in payloads)
-    print(f"stream  warm GetProjectedCache {source.name} -> {target.name}, {t} target tokens, {dtype} on the "
-          f"wire ({total / 1e6:.1f} MB in {len(payloads)} chunks of <= {biggest / 1024:.0f} KiB), loopback: "
-          f"gRPC fetch to the assembled tensor {mbs['grpc']:,.0f} MB/s ({times['grpc'] * 1e3:.0f} ms), raw TCP "
-          f"socket same chunks {mbs['raw']:,.0f} MB/s ({times['raw'] * 1e3:.0f} ms) -> ratio grpc/raw {ratio:.2f} "
-          f"(goal >= 0.7, {verdict(ratio >= 0.7)}; medians of {rounds} interleaved rounds)", flush=True)
+    source_name, target_name = entry.model, cold.segment.model.name
+    print(f"stream  warm GetProjectedCache {source_name} -> {target_name}, {t} target tokens, {dtype} on the "
+          f"wire ({total / 1e6:.1f} MB in {len(payloads)} chunks of <= {biggest / 1024:.0f} KiB), loopback, "
+          f"{layout}: gRPC fetch to the assembled tensor {mbs['grpc']:,.0f} MB/s ({times['grpc'] * 1e3:.0f} ms), "
+          f"raw TCP socket same chunks {mbs['raw']:,.0f} MB/s ({times['raw'] * 1e3:.0f} ms) -> ratio grpc/raw "
+          f"{ratio:.2f} (goal >= 0.7, {verdict(ratio >= 0.7)}; medians of {rounds} interleaved rounds)", flush=True)
     print(f"stream  cold first fetch (projection + store put + stream) {cold_s * 1e3:,.0f} ms = "
           f"{cold_s / times['grpc']:.1f}x the warm fetch; before it, Ingest (source prefill of {entry.num_tokens} "
-          f"tokens) {ingest_s * 1e3:,.0f} ms; {adapter_note} (information, no goal)", flush=True)
+          f"tokens) {ingest_s * 1e3:,.0f} ms; {note} (information, no goal)", flush=True)
 
     src = client.fetch_source(key=entry.key, dtype=dtype, chunk_bytes=chunk_bytes)
     t_s = src.segment.num_tokens
     per_t, per_s = cold.wire_bytes / t, src.wire_bytes / t_s
-    print(f"wire    measured, {dtype}: projected fetch {cold.wire_bytes:,} B ({target.name}, {t} target tokens, "
-          f"{per_t:,.0f} B/token) vs source fetch {src.wire_bytes:,} B ({source.name}, {t_s} source tokens, "
-          f"{per_s:,.0f} B/token) -> ratio projected/source {cold.wire_bytes / src.wire_bytes:.2f} "
+    print(f"wire    measured, {dtype}: projected fetch {cold.wire_bytes:,} B ({target_name}, {t} target tokens, "
+          f"{per_t:,.0f} B/token) vs source fetch {src.wire_bytes:,} B ({src.segment.model.name}, {t_s} source "
+          f"tokens, {per_s:,.0f} B/token) -> ratio projected/source {cold.wire_bytes / src.wire_bytes:.2f} "
           f"({per_t / per_s:.2f} per token; information, no goal)", flush=True)
     (ps, pb), (pt, pb_t) = PRODUCTION_PAIR
     (ss, sb), (st, sb_t) = SMALL_PAIR

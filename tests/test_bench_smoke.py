@@ -41,7 +41,7 @@ def test_bench_store_quick_runs_and_prints_every_benchmark(tmp_path):
 
 @pytest.mark.integration
 def test_bench_grpc_quick_runs_and_prints_every_benchmark():
-    # tiny random models and a real server on a loopback port 0: seconds of work
+    # tiny random models and a real `kvbridge serve` process on a loopback port 0: seconds of work
     proc = subprocess.run([sys.executable, str(BENCH_GRPC), "--quick"], cwd=BENCH_GRPC.parents[1],
                           capture_output=True, text=True, timeout=600, check=False)
     out = proc.stdout
@@ -51,6 +51,25 @@ def test_bench_grpc_quick_runs_and_prints_every_benchmark():
     assert "quick run" in lines[0], lines[0]
     stream = [line for line in lines if line.split(" ", 1)[0] == "stream"]
     assert any("ratio" in line and "goal" in line for line in stream), f"no stream ratio and goal in:\n{out}"
+    assert any("server in its own process" in line for line in stream), f"not the deployed layout:\n{out}"
     wire = [line for line in lines if line.split(" ", 1)[0] == "wire"]
     assert any("measured" in line and "ratio" in line for line in wire), f"no measured wire ratio in:\n{out}"
+    assert lines[-1].startswith("done in "), out
+
+
+@pytest.mark.integration
+def test_bench_suffix_quick_runs_and_prints_every_line():
+    # tiny random models, a real server on a loopback port 0, 4 turns: seconds of work
+    bench = BENCH.with_name("bench_suffix.py")
+    proc = subprocess.run([sys.executable, str(bench), "--quick"], cwd=bench.parents[1], capture_output=True,
+                          text=True, timeout=600, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = out.splitlines()
+    assert lines and lines[0].startswith("machine:"), out
+    for tag in ("prefill", "ttft"):
+        mine = [line for line in lines if line.split(" ", 1)[0] == tag]
+        assert mine and all("ratio" in line for line in mine), f"no {tag!r} ratio line in:\n{out}"
+    for tag in ("reuse", "answers"):
+        assert any(line.split(" ", 1)[0] == tag for line in lines), f"no {tag!r} line in:\n{out}"
     assert lines[-1].startswith("done in "), out
