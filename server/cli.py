@@ -83,8 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
-        "token_file", "max_message_mb", "chunk_kb", "workers", "metrics_listen", "grace_s")}
-    for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json"):
+        "token_file", "max_message_mb", "chunk_kb", "workers", "metrics_listen", "grace_s", "detector_layers")}
+    for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
     config = ServeConfig.load(args.config, **overrides)
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="gRPC worker threads (default 8)")
     p.add_argument("--metrics-listen", help="host:port of a Prometheus /metrics endpoint (default: off)")
     p.add_argument("--grace-s", type=float, default=None, help="shutdown drain time (default 10)")
+    p.add_argument("--detector-layers", type=int, nargs="+", default=None,
+                   help="layers whose attention entropy Ingest's DETECT_SEGMENTS uses (default: all)")
+    p.add_argument("--detector-strict", action="store_true", help="5 positions below 0.75 nats (default 3 below 0.8)")
     p.add_argument("--no-selfcheck", action="store_true", help="skip the start-up self-checks (not for production)")
     p.add_argument("--log-json", action="store_true", help="structured logs: one JSON object per line")
     p.add_argument("--ready-file", help="write the bound address as JSON here once serving (for scripts)")

@@ -4,7 +4,7 @@ It holds the served models (one source, one or more targets; a model may be both
 adapter registry. Model forwards are serialised per model (a lock each); projection is pure tensor work on the
 adapter's device. Every method takes the caller's tenant, and every store call is made in that tenant's
 namespace. Errors: ValueError (bad input, the sentence names the field), NotFound, CapacityError,
-FailedPrecondition, Unimplemented; a failed call leaves the store as it was.
+FailedPrecondition; a failed call leaves the store as it was.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import tokenize
+from kvbridge.transfer.align import align_tokens, tokenize
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo, LookupResult, NotFound, PagedStore
+from kvbridge.transfer.suffix_detect import SuffixDetector
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVBridgeService", "ServiceLimits", "FailedPrecondition", "Unimplemented", "NotFound", "CacheResult",
+__all__ = ["KVBridgeService", "ServiceLimits", "FailedPrecondition", "NotFound", "CacheResult",
            "IngestResult", "SourceUpload"]
 
 
@@ -35,10 +36,6 @@ DERIVED_MEMO = 65_536  # source entries whose projections a Delete also removes
 
 class FailedPrecondition(RuntimeError):
     """The request is well formed but the server is not in a state to answer it (no adapter for a pair, ...)."""
-
-
-class Unimplemented(NotImplementedError):
-    """A request option this server does not provide yet."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +112,10 @@ def _max_positions(lm: LoadedModel) -> int:
 
 class KVBridgeService:
     def __init__(self, source: LoadedModel, targets: list[LoadedModel], store: PagedStore,
-                 adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits()):
+                 adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits(),
+                 detector: SuffixDetector | None = None):
         self.store = store
+        self.detector = detector or SuffixDetector()  # Ingest's DETECT_SEGMENTS option
         self.limits = limits
         self.models: dict[str, ServedModel] = {}
         for lm, role in [(source, "source")] + [(t, "target") for t in targets]:
@@ -203,17 +202,19 @@ class KVBridgeService:
 
     def ingest(self, tenant: str, text: str | None = None, token_ids=None, model: str = "", session_id: str = "",
                detect_segments: bool = False, ttl_s: float | None = None, pin: bool = False) -> IngestResult:
-        """Run the source model on the text (or ids) and store its KV as one prefix entry."""
-        if detect_segments:
-            raise Unimplemented("Ingest option DETECT_SEGMENTS is not available yet (it comes with the suffix-reuse "
-                                "pipeline); use STORE_WHOLE")
+        """Run the source model on the text (or ids) and store its KV as one prefix entry; with detect_segments
+        (text only) also store each segment the detector finds as its own content-keyed "segment" entry, so
+        targets can fetch a segment by its text."""
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"options.ttl_s must be > 0 (or 0 for the server default), got {ttl_s}")
         served = self.model(model, "source")
+        if detect_segments and text is None:
+            raise ValueError("DETECT_SEGMENTS needs text (segments are fetched by their text)")
         lm = served.lm
         ids = self._source_ids(served, text, token_ids)
         found = self.store.lookup(ids, tenant, lm.spec.identity, lm.spec.dtype)
-        if found.key is not None:
+        segment = None
+        if found.key is not None and not detect_segments:
             try:
                 info = self.store.refresh(found.key, tenant, ttl_s=ttl_s, pin=pin)
                 self._remember(info.key, text)
@@ -222,11 +223,42 @@ class KVBridgeService:
                 pass  # expired or evicted in between: compute it again
         with served.lock:
             segment = kvcache.extract(lm.model, lm.spec, ids)
+            spans = self.detector.segments(lm.model, lm.spec, ids) if detect_segments else []
         info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin)
         self._remember(info.key, text)
-        log.info("ingest tenant=%s session=%s model=%s tokens=%d key=%s new_blocks=%d", tenant, session_id or "-",
-                 lm.name, ids.numel(), info.key[:16], info.new_blocks)
-        return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
+        entries = [(info, 0)]
+        if len(spans) > 1:
+            entries += self._store_segments(tenant, lm, text, ids, segment, spans, ttl_s)
+        log.info("ingest tenant=%s session=%s model=%s tokens=%d key=%s new_blocks=%d segments=%d", tenant,
+                 session_id or "-", lm.name, ids.numel(), info.key[:16], info.new_blocks, len(entries) - 1)
+        return IngestResult(entries=entries, source_ids=ids, model=lm.name)
+
+    def _store_segments(self, tenant: str, lm: LoadedModel, text: str, ids: torch.Tensor, segment: KVSegment,
+                        spans: list[tuple[int, int]], ttl_s: float | None) -> list[tuple[EntryInfo, int]]:
+        """Each detected span whose text tokenizes back to its own tokens, as a "segment" entry (KV at its
+        positions in the text). A failure removes the ones stored before it."""
+        tokenized = tokenize(lm.tokenizer, text, add_special_tokens=True)
+        stored: list[tuple[EntryInfo, int]] = []
+        try:
+            for start, end in spans:
+                text_tokens = (~tokenized.special[start:end]).nonzero()[:, 0] + start
+                if text_tokens.numel() == 0:
+                    continue
+                a, b = int(text_tokens[0]), int(text_tokens[-1]) + 1  # structural specials stay out
+                piece = text[int(tokenized.offsets[a, 0]):int(tokenized.offsets[b - 1, 1])]
+                alone = tokenize(lm.tokenizer, piece, add_special_tokens=False).ids
+                if not piece.strip() or not torch.equal(alone, ids[a:b]):
+                    log.info("segment [%d, %d) does not tokenize back to itself alone: not stored", a, b)
+                    continue
+                info = self.store.put(segment.slice(a, b), tenant, kind="segment", ttl_s=ttl_s)
+                self._remember(info.key, piece)
+                stored.append((info, a))
+        except Exception:
+            for info, _ in stored:
+                if info.new_blocks:
+                    self.store.delete(info.key, tenant)
+            raise
+        return stored
 
     def check_upload(self, upload: SourceUpload) -> tuple[ServedModel, torch.Tensor, torch.Tensor]:
         """Validate a PutSourceKV header before any KV arrives: (served model, token ids, positions)."""
@@ -291,12 +323,10 @@ class KVBridgeService:
             return key, segment, self._text_of(key)
         if text is None:
             raise ValueError("give either key or text")
-        served = self.model("", "source")
-        ids = self._source_ids(served, text, None)
-        found = self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype)
-        if found.key is not None:
+        found = self._cached_source_key(tenant, text)
+        if found is not None:
             try:
-                return found.key, self.store.get(found.key, tenant), text
+                return found, self.store.get(found, tenant), text
             except NotFound:
                 pass
         if require_cached:
@@ -326,6 +356,19 @@ class KVBridgeService:
                                      "(uploaded with other ids?); fetch it by text, or upload the tokenizer's ids")
         return paired
 
+    def _paired_segment(self, source: LoadedModel, target: LoadedModel, segment: KVSegment, text: str | None
+                        ) -> PairedText:
+        """A segment entry (a piece of a text, at its positions there) as both models cut its text: no start token,
+        the target's tokens aligned to the segment's source tokens."""
+        if text is None:
+            raise FailedPrecondition("this segment's text is not known to the server any more: ingest the text again")
+        src = tokenize(source.tokenizer, text, add_special_tokens=False)
+        if not torch.equal(src.ids, segment.token_ids):
+            raise FailedPrecondition("the segment's tokens are not the source tokenization of its text")
+        tgt = tokenize(target.tokenizer, text, add_special_tokens=False)
+        return PairedText(text=text, source_ids=src.ids, target_ids=tgt.ids, alignment=align_tokens(src, tgt),
+                          target_offsets=tgt.offsets)
+
     def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, require_cached: bool = False) -> CacheResult:
         """The source entry projected into the target's KV space, at target positions offset.. (cached in the
@@ -344,11 +387,11 @@ class KVBridgeService:
         if segment.model != source.lm.spec.identity:
             raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
                                      f"from the source model {source.lm.name!r}")
-        if not segment.is_contiguous_from(0):
-            raise FailedPrecondition("only prefix entries (positions 0..T-1) can be projected: alignment needs the "
-                                     "text from its start")
         tspec = target.lm.spec
-        paired = self._paired(source.lm, target.lm, segment, known)
+        if self.store.info(source_key, tenant).kind == "prefix":
+            paired = self._paired(source.lm, target.lm, segment, known)
+        else:  # a piece of a text, at its positions there
+            paired = self._paired_segment(source.lm, target.lm, segment, known)
         t_t = paired.target_ids.numel()
         if offset + t_t > target.max_positions:
             raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
@@ -366,11 +409,18 @@ class KVBridgeService:
         return self._placed(target, chosen, record, projected, source_key, label, offset)
 
     def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
+        """The source entry of this text: the prefix entry of its tokenization, else a segment entry of it."""
         if text is None:
             return None
         served = self.model("", "source")
+        spec = served.lm.spec
         ids = self._source_ids(served, text, None)
-        return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype).key
+        key = self.store.lookup(ids, tenant, spec.identity, spec.dtype).key
+        if key is None:
+            alone = tokenize(served.lm.tokenizer, text, add_special_tokens=False).ids
+            if alone.numel():
+                key = self.store.lookup(alone, tenant, spec.identity, spec.dtype, kind="segment").key
+        return key
 
     def _cached_projection(self, tenant: str, source_key: str, label: str, target: str
                            ) -> tuple[_Projection, KVSegment] | None:

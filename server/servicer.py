@@ -12,7 +12,7 @@ from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.auth import Authenticator
 from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
 from kvbridge.server.metrics import Metrics
-from kvbridge.server.service import CacheResult, FailedPrecondition, KVBridgeService, SourceUpload, Unimplemented
+from kvbridge.server.service import CacheResult, FailedPrecondition, KVBridgeService, SourceUpload
 from kvbridge.transfer.block_pool import CapacityError
 from kvbridge.transfer.store import NotFound
 
@@ -29,8 +29,6 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the store is full: {exc}"
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, Unimplemented):
-        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, (ValueError, ChunkError, OverflowError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"

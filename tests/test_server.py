@@ -360,7 +360,7 @@ def test_bad_requests_get_the_right_code_and_leave_the_store_alone(server, alice
         (lambda: alice.ingest(" \n "), inv, "text is empty"),
         (lambda: alice.ingest(TEXT, model="nope"), inv, "unknown source model 'nope'"),
         (lambda: alice.ingest(TEXT, ttl_s=-1), inv, "ttl_s must be > 0"),
-        (lambda: alice.ingest(TEXT, detect_segments=True), grpc.StatusCode.UNIMPLEMENTED, "DETECT_SEGMENTS"),
+        (lambda: alice.ingest(token_ids=[5, 6, 7], detect_segments=True), inv, "DETECT_SEGMENTS needs text"),
         (lambda: alice.fetch_projected(key=key, offset=-1), inv, "offset must be >= 0"),
         (lambda: alice.fetch_projected(key=key, offset=4090), inv, "exceeds 'tiny-phi3'"),
         (lambda: alice.fetch_projected(key=key, dtype="int8"), inv, "dtype must be one of"),

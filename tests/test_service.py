@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from kvbridge.server.adapter_registry import AdapterRegistry, check_name
-from kvbridge.server.service import FailedPrecondition, KVBridgeService, ServiceLimits, Unimplemented
+from kvbridge.server.service import FailedPrecondition, KVBridgeService, ServiceLimits
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 
 TEXT = "Readers skip the fields they do not understand, and writers keep the order of the fields they were given."
@@ -91,8 +91,6 @@ def test_ingest_is_idempotent_and_refreshes_the_ttl(tmp_path, tiny_source, tiny_
     assert service.lookup("t", TEXT)[0].key == first.key
     clock.now = 19
     assert service.lookup("t", TEXT)[0].key is None
-    with pytest.raises(Unimplemented, match="DETECT_SEGMENTS"):
-        service.ingest("t", TEXT, detect_segments=True)
 
 
 def test_projection_by_key_without_the_text_and_delete_of_what_derives_from_it(tmp_path, tiny_source, tiny_target,
@@ -123,3 +121,37 @@ def test_failed_requests_leave_the_store_as_it_was(tmp_path, tiny_source, tiny_t
     with pytest.raises(ValueError, match="offset must be >= 0"):
         service.projected_cache("t", key=key, offset=-3)
     assert (service.store.keys("t"), service.store.stats().bytes_used) == before
+
+
+def test_ingest_detects_segments_that_targets_fetch_by_their_text(tmp_path, tiny_source, tiny_target, adapter):
+    from kvbridge.adapters.adapter import project
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.align import align_tokens, tokenize
+    from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector, segment_starts
+
+    text = " ".join(open(__import__("kvbridge.transfer.data", fromlist=["x"]).data_path("tiny_corpus.txt"))
+                    .read().split()[:120])
+    detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))  # cuts this text in 5 (random model)
+    service = _service(tiny_source, tiny_target, tmp_path, adapter=adapter)
+    service.detector = detector
+    result = service.ingest("t", text, detect_segments=True)
+    prefix, *segments = result.entries
+    assert prefix[0].kind == "prefix" and prefix[1] == 0
+    starts = segment_starts(detector.profile(tiny_source.model, tiny_source.spec, result.source_ids), detector.config)
+    assert len(starts) >= 3, "the planted config should cut this text"
+    assert segments and all(info.kind == "segment" for info, _ in segments)
+    full = kvcache.extract(tiny_source.model, tiny_source.spec, result.source_ids)
+    for info, start in segments:
+        assert start in starts or start - 1 in starts  # a span starts there (after a leading special token)
+        piece = service._text_of(info.key)
+        source = service.source_cache("t", text=piece, require_cached=True)  # found by its text alone
+        assert source.entry_key == info.key and int(source.segment.positions[0]) == start
+        assert torch.equal(source.segment.kv, full.kv[:, :, :, start:start + info.num_tokens])
+        projected = service.projected_cache("t", text=piece, offset=3, require_cached=True)
+        src = tokenize(tiny_source.tokenizer, piece, add_special_tokens=False)
+        tgt = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False)
+        expected = project(adapter, source.segment, align_tokens(src, tgt), tgt.ids, tiny_source.rope,
+                           tiny_target.rope, offset=3)
+        assert torch.equal(projected.segment.token_ids, tgt.ids)
+        torch.testing.assert_close(projected.segment.kv, expected.kv, atol=5e-5, rtol=1e-5)
+    assert service.store.check() == []
