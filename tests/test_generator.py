@@ -73,3 +73,14 @@ def test_shifted_reuse_is_reported_and_recompute_counted(tiny_target):
     n = gen.tokens(SYSTEM).numel()
     assert m.tokens_reused_local == n - 3 and m.tokens_reused_exact == 0
     assert m.tokens_prefilled == 1 + gen.tokens(A1).numel() + 3 + gen.tokens(Q2).numel()
+
+
+def test_shifted_segments_can_recompute_their_most_deviating_tokens(tiny_target):
+    gen = SuffixReuseGenerator(tiny_target, _manager(), recompute_k=2, recompute_fraction=0.5)
+    gen.generate("s", [Part(SYSTEM, "system"), Part(Q1)], max_new_tokens=4)
+    _, m = gen.generate("s", [Part(A1), Part(SYSTEM, "system"), Part(Q2)], max_new_tokens=4)
+    n = gen.tokens(SYSTEM).numel()
+    assert m.parts == ["prefilled", "shifted", "prefilled"]
+    redone = n - m.tokens_reused_local
+    assert round(0.5 * n) <= redone <= 2 + round(0.5 * n)  # the first 2 and half of the tokens, overlapping or not
+    assert m.tokens_prefilled + m.tokens_reused_local == m.tokens_total

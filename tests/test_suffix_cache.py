@@ -166,3 +166,31 @@ def test_reuse_after_another_prefix_reports_its_deviation_and_recompute_lowers_i
     assert errors[0] > 1e-3  # a different prefix: an approximation, and the deviation says how far
     assert all(a >= b for a, b in zip(errors, errors[1:])), errors  # recompute lowers it, monotonically
     assert errors[-1] < 1e-5  # recomputing every token is the model's own KV
+
+
+def test_recompute_of_the_most_deviating_tokens_lowers_the_deviation(tiny_target):
+    from kvbridge.transfer.reuse import checked_layer_deviation, recompute_most_deviating, recompute_selected
+
+    lm = tiny_target
+    segment_ids = _ids(lm, "The parser returns a tree of nodes, one for each statement in the source file.")
+    old_prefix = _ids(lm, "Question about the json module:")
+    new_prefix = _ids(lm, "Here is a long and different introduction about compilers and their front ends:")
+    n = segment_ids.numel()
+    cached = kvcache.extract(lm.model, lm.spec, torch.cat((old_prefix, segment_ids))).slice(
+        old_prefix.numel(), old_prefix.numel() + n)
+    context = kvcache.extract(lm.model, lm.spec, new_prefix)
+    exact = kvcache.extract(lm.model, lm.spec, torch.cat((new_prefix, segment_ids))).slice(
+        new_prefix.numel(), new_prefix.numel() + n)
+    placed = place(cached, lm.rope, new_prefix.numel())
+    scores = checked_layer_deviation(lm, context, placed, layer=1)
+    assert scores.shape == (n,) and float(scores.min()) > 0
+    assert float(checked_layer_deviation(lm, context, placed, layer=0).max()) < 1e-5  # layer 0 sees no context
+    errors = []
+    for fraction in (0.0, 0.1, 0.25, 0.5, 1.0):
+        fixed, chosen = recompute_most_deviating(lm, context, placed, fraction)
+        assert chosen.numel() == round(fraction * n)
+        d = deviation(fixed, exact)
+        errors.append(d.keys + d.values)
+    assert all(a >= b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 1e-5  # every token recomputed with the custom mask: the model's own KV
+    assert torch.equal(recompute_selected(lm, context, placed, torch.tensor([], dtype=torch.int64)).kv, placed.kv)

@@ -6,7 +6,7 @@ A request is a list of parts. Every part but the last is context: a `projected` 
 source (the gRPC client, or anything with `projected_segment`); another part is reused from the session's
 segments when the manager has its tokens — exact when it was computed after the same tokens at the same
 positions, otherwise placed by RoPE shift (an approximation: its KV saw another prefix) with its first
-`recompute_k` tokens recomputed — else prefilled after the context so far and offered to the manager. The last
+`recompute_k` tokens and its `recompute_fraction` most deviating tokens (at a checked layer) recomputed — else prefilled after the context so far and offered to the manager. The last
 part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole request and
 the mask is the model's causal one, as for a plain prefill.
 """
@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.reuse import place, prefill_after, recompute_first
+from kvbridge.transfer.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix_cache import SuffixCacheManager, token_hash
 
@@ -68,13 +68,15 @@ class _FirstToken:
 
 class SuffixReuseGenerator:
     def __init__(self, lm: LoadedModel, manager: SuffixCacheManager | None = None,
-                 context_source: ContextSource | None = None, recompute_k: int = 0, start_token: int | None = None):
+                 context_source: ContextSource | None = None, recompute_k: int = 0, recompute_fraction: float = 0.0,
+                 start_token: int | None = None):
         if lm.tokenizer is None:
             raise ValueError(f"{lm.name!r} has no tokenizer")
         self.lm = lm
         self.manager = manager
         self.context_source = context_source
-        self.recompute_k = recompute_k
+        self.recompute_k = recompute_k  # shifted segments: recompute their first k tokens
+        self.recompute_fraction = recompute_fraction  # and this fraction of their most deviating tokens
         if start_token is None:
             from_tok = lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else \
                 lm.tokenizer.eos_token_id
@@ -138,10 +140,15 @@ class SuffixReuseGenerator:
                 return cached
             placed = place(cached.to(device=context.device, dtype=context.dtype), self.lm.rope, offset)
             k = min(self.recompute_k, ids.numel())
-            metrics.tokens_reused_local += ids.numel() - k
-            metrics.tokens_prefilled += k
+            fixed = recompute_first(self.lm, context, placed, k)
+            chosen = torch.zeros(0, dtype=torch.int64)
+            if self.recompute_fraction:
+                fixed, chosen = recompute_most_deviating(self.lm, context, fixed, self.recompute_fraction)
+            redone = len(set(range(k)) | set(chosen.tolist()))
+            metrics.tokens_reused_local += ids.numel() - redone
+            metrics.tokens_prefilled += redone
             metrics.parts.append("shifted")
-            return recompute_first(self.lm, context, placed, k)
+            return fixed
         seg = prefill_after(self.lm, context, ids)
         metrics.tokens_prefilled += ids.numel()
         metrics.parts.append("prefilled")

@@ -90,3 +90,96 @@ def deviation(reused: KVSegment, exact: KVSegment) -> Deviation:
     return Deviation(keys=float(dk.norm() / exact.keys.float().norm()),
                      values=float(dv.norm() / exact.values.float().norm()),
                      worst_layer_keys=float(per_layer.max()))
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def checked_layer_deviation(lm: LoadedModel, context: KVSegment, placed: KVSegment, layer: int = 1) -> torch.Tensor:
+    """[T] per token of `placed`: ||K_placed - K_exact|| / ||K_exact|| at one layer, the exact keys coming from a
+    forward of the placed tokens after `context` through layers 0..layer only (layer 0's keys see no context,
+    so layer 1 is the first that shows a changed prefix)."""
+    if not 0 <= layer < lm.spec.num_layers:
+        raise ValueError(f"layer must be in [0, {lm.spec.num_layers}), got {layer}")
+    start, t = context.num_tokens, placed.num_tokens
+    param = next(lm.model.parameters())
+    kv = context.kv.to(device=param.device, dtype=param.dtype)
+    cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(lm.spec.num_layers)])
+    blocks = lm.model.model.layers
+
+    def stop(module, args, output):
+        raise _Stop
+
+    handle = blocks[layer].self_attn.register_forward_hook(stop)
+    try:
+        lm.model(input_ids=placed.token_ids[None].to(param.device),
+                 position_ids=torch.arange(start, start + t)[None].to(param.device), cache=cache, use_cache=True)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    exact = cache.layers[layer].keys[0, :, start:].float().cpu()  # [H, T, D]
+    got = placed.kv[layer, 0].float().cpu()
+    return (got - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2)).clamp(min=1e-12)
+
+
+@torch.no_grad()
+def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, selected: torch.Tensor) -> KVSegment:
+    """`placed` (right after `context`) with the KV of the `selected` token indices recomputed by the model in one
+    forward: each selected token attends to the context, to the reused KV of the unselected tokens before it and
+    to the recomputed selected tokens up to itself (a custom causal mask), as CacheBlend does. Exact for the
+    selected tokens at layer 0; deeper, they see the reused KV of the others."""
+    selected = torch.as_tensor(selected, dtype=torch.int64).unique()  # sorted
+    if selected.numel() == 0:
+        return placed
+    t = placed.num_tokens
+    if int(selected[0]) < 0 or int(selected[-1]) >= t:
+        raise ValueError(f"selected indices must lie in [0, {t})")
+    if lm.model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"selective recompute needs sdpa or eager attention, not "
+                         f"{lm.model.config._attn_implementation!r} (it passes a custom mask)")
+    c = context.num_tokens
+    if int(placed.positions[0]) != c:
+        raise ValueError("place the segment right after the context first")
+    param = next(lm.model.parameters())
+    both = torch.cat((context.kv, placed.kv.to(context.kv)), dim=3).to(device=param.device, dtype=param.dtype)
+    cache = DynamicCache(ddp_cache_data=[(both[i, 0][None], both[i, 1][None]) for i in range(lm.spec.num_layers)])
+    n = c + t
+    q_pos = c + selected  # [S] positions of the queries
+    key_pos = torch.arange(n)  # [n] positions of the cached keys
+    stale = torch.zeros(n, dtype=torch.bool)
+    stale[c + selected] = True  # the selected tokens' reused KV: replaced, never attended
+    mask = torch.cat(((key_pos[None, :] < q_pos[:, None]) & ~stale[None, :],  # [S, n]
+                      selected[None, :] <= selected[:, None]), dim=1)  # [S, n + S]
+    windows = {layer.sliding_window for layer in lm.spec.layers if layer.sliding_window}
+    all_pos = torch.cat((key_pos, q_pos))
+    masks = {"full_attention": mask}
+    for w in windows:  # sliding layers also drop keys w or more positions back
+        masks["sliding_attention"] = mask & (q_pos[:, None] - all_pos[None, :] < w)
+    if lm.model.config._attn_implementation == "eager":
+        masks = {k: torch.where(m, 0.0, torch.finfo(param.dtype).min).to(param.dtype) for k, m in masks.items()}
+    masks = {k: m[None, None].to(param.device) for k, m in masks.items()}
+    attention_mask = masks if windows else masks["full_attention"]
+    lm.model(input_ids=placed.token_ids[selected][None].to(param.device), position_ids=q_pos[None].to(param.device),
+             attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
+    new = torch.stack([torch.stack((layer.keys[0, :, n:], layer.values[0, :, n:])) for layer in cache.layers])
+    kv = placed.kv.clone()
+    kv[:, :, :, selected.to(kv.device)] = new.to(kv)
+    return KVSegment(kv=kv, token_ids=placed.token_ids.clone(), positions=placed.positions.clone(),
+                     model=placed.model, rotated=True)
+
+
+def recompute_most_deviating(lm: LoadedModel, context: KVSegment, placed: KVSegment, fraction: float,
+                             layer: int = 1) -> tuple[KVSegment, torch.Tensor]:
+    """Recompute the `fraction` of tokens whose keys deviate most at the checked layer; returns the segment and
+    the recomputed indices."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    count = round(fraction * placed.num_tokens)
+    if count == 0:
+        return placed, torch.zeros(0, dtype=torch.int64)
+    scores = checked_layer_deviation(lm, context, placed, layer)
+    selected = scores.topk(count).indices.sort().values
+    return recompute_selected(lm, context, placed, selected), selected
