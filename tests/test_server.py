@@ -498,3 +498,23 @@ def test_the_generator_takes_projected_context_through_the_service(identity_serv
     assert torch.equal(out, kvcache.generate_plain(tiny_target.model, tiny_target.spec, ids, max_new_tokens=12))
     assert metrics.parts == ["projected", "prefilled"] and metrics.tokens_projected == gen.tokens(doc).numel()
     assert len(source.fetched) == 1 and source.fetched[0].segment.positions[0] == 0
+
+
+def test_ingest_with_segment_detection_over_the_wire(server, alice):
+    from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector
+
+    previous = server.service.detector
+    server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
+    try:
+        text = " ".join(_text(i) for i in range(10, 14))
+        reply = alice.ingest(text, detect_segments=True)
+    finally:
+        server.service.detector = previous
+    prefix, *segments = reply.entries
+    assert prefix.kind == "prefix" and prefix.num_tokens == reply.source_token_ids.numel()
+    assert segments and all(e.kind == "segment" and e.start > 0 for e in segments[1:])
+    starts = [e.start for e in segments]
+    assert starts == sorted(starts) and starts[-1] + segments[-1].num_tokens <= prefix.num_tokens
+    back = alice.fetch_source(key=segments[-1].key)
+    assert int(back.segment.positions[0]) == segments[-1].start and back.text
+    assert alice.fetch_source(text=back.text, require_cached=True).entry_key == segments[-1].key
