@@ -23,7 +23,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -46,6 +45,8 @@ from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.presets import load_pair
+from machine import device_label
+from machine import machine_line as _machine_line
 
 LENGTH = struct.Struct("!Q")  # the raw baseline's per-chunk length prefix
 ADAPTER_NAME = "bench-adapter"  # the adapter's name in the server's adapter folder
@@ -58,24 +59,8 @@ SMALL_PAIR = (("Gemma-3-270M", 18_432), ("SmolLM2-135M", 23_040))
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine_line(device: torch.device, mode: str) -> str:
-    dev = str(device)
-    if device.type == "cuda":
-        dev += f" ({torch.cuda.get_device_name(device)})"
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"machine: {platform.node()} | CPU {cpu_model()} x {os.cpu_count()} cores | torch {torch.__version__} "
-            f"(intra-op threads: {torch.get_num_threads()}) | grpcio {grpc.__version__} | models on {dev} | "
-            f"python {platform.python_version()} | load average {load} at start | {mode} run")
+    return _machine_line(mode, f"grpcio {grpc.__version__}", f"models on {device_label(device)}")
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import random
 import statistics
 import sys
@@ -34,6 +32,8 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity, config_hash
 from kvbridge.transfer.store import PagedStore, StoreConfig
 from kvbridge.transfer.tiers import RedisTier
+from machine import device_label
+from machine import machine_line as _machine_line
 
 TENANT = "bench"
 BLOCK_SIZE = 16  # StoreConfig's default
@@ -71,24 +71,8 @@ REDIS_BATCH = 64
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine_line(device: torch.device, mode: str) -> str:
-    dev = str(device)
-    if device.type == "cuda":
-        dev += f" ({torch.cuda.get_device_name(device)})"
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"machine: {platform.node()} | CPU {cpu_model()} x {os.cpu_count()} cores | torch {torch.__version__} "
-            f"(intra-op threads: {torch.get_num_threads()}) | device {dev} | python {platform.python_version()} | "
-            f"load average {load} at start | {mode} run")
+    return _machine_line(mode, f"device {device_label(device)}")
 
 
 def sync(device: torch.device) -> None:

@@ -2,13 +2,16 @@
 cached segments, projected segments for designated context (documents, system prompts) and fresh prefill of the
 rest, then generates; with per-request metrics.
 
-A request is a list of parts. Every part but the last is context: a `projected` part's KV comes from the context
-source (the gRPC client, or anything with `projected_segment`); another part is reused from the session's
-segments when the manager has its tokens — exact when it was computed after the same tokens at the same
-positions, otherwise placed by RoPE shift (an approximation: its KV saw another prefix) with its first
-`recompute_k` tokens and its `recompute_fraction` most deviating tokens (at a checked layer) recomputed — else prefilled after the context so far and offered to the manager. The last
-part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole request and
-the mask is the model's causal one, as for a plain prefill.
+A request is a list of parts. Every part but the last is context:
+- a `projected` part's KV comes from the context source (the gRPC client, or anything with `projected_segment`);
+- another part is reused from the session's segments when the manager has its tokens: exact when it was
+  computed after the same tokens at the same positions, otherwise placed by RoPE shift (an approximation: its
+  KV saw another prefix) with its first `recompute_k` tokens and its `recompute_fraction` most deviating tokens
+  (at a checked layer) recomputed;
+- else it is prefilled after the context so far (consecutive such parts in one forward) and offered to the
+  manager.
+The last part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole
+request and the mask is the model's causal one, as for a plain prefill.
 """
 
 from __future__ import annotations
@@ -89,69 +92,105 @@ class SuffixReuseGenerator:
     @torch.no_grad()
     def generate(self, session: str, parts: list[Part], max_new_tokens: int = 32, **generate_kwargs
                  ) -> tuple[torch.Tensor, RequestMetrics]:
-        """New token ids ([N]) and the request's metrics."""
+        """New token ids ([N]) and the request's metrics.
+
+        The context's KV is written into one preallocated [L, 2, H, T, D] buffer, part by part; runs of parts
+        that must be computed are prefilled in one forward each (without a manager, the whole context is one
+        forward: a plain prefill)."""
         if not parts:
             raise ValueError("a request needs at least one part (the new turn)")
         t0 = time.perf_counter()
         metrics = RequestMetrics()
         if self.manager is not None:
             self.manager.begin_turn(session, parts[-1].text)
-        lm = self.lm
-        context = kvcache.extract(lm.model, lm.spec, torch.tensor([self.start_token]))
-        metrics.tokens_prefilled += 1
-        for part in parts[:-1]:
-            offset = context.num_tokens
-            if part.projected:
-                if self.context_source is None:
-                    raise ValueError("a projected part needs a context source")
-                seg = self.context_source.projected_segment(part.text, offset)
-                if int(seg.positions[0]) != offset or seg.model != lm.spec.identity:
-                    raise ValueError(f"the context source returned KV of {seg.model.name!r} at position "
-                                     f"{int(seg.positions[0])}, expected {lm.name!r} at {offset}")
-                metrics.tokens_projected += seg.num_tokens
-                metrics.parts.append("projected")
-            else:
-                seg = self._local(session, part, context, metrics)
-            context = KVSegment.concat([context, seg.to(device=context.device, dtype=context.dtype)])
+        lm, spec = self.lm, self.lm.spec
+        pieces = [torch.tensor([self.start_token])] + [self.tokens(part.text) for part in parts[:-1]]
         tail = self.tokens(parts[-1].text)
         if tail.numel() == 0:
             raise ValueError("the last part (the new turn) has no tokens")
+        ids = torch.cat(pieces)  # [T_ctx]: the start token and every context part
+        bounds = torch.tensor([0] + [p.numel() for p in pieces]).cumsum(0).tolist()
+        param = next(lm.model.parameters())
+        buf = torch.empty(spec.num_layers, 2, spec.num_kv_heads, ids.numel(), spec.head_dim, dtype=param.dtype,
+                          device=param.device)  # [L, 2, H, T_ctx, D]
+
+        def context(end: int) -> KVSegment | None:  # the KV written so far, as a segment (a view of buf)
+            return KVSegment(kv=buf[:, :, :, :end], token_ids=ids[:end], positions=torch.arange(end),
+                             model=spec.identity, rotated=True) if end else None
+
+        pending: list[int] = [0]  # part indices (0 = the start token) waiting to be prefilled together
+
+        def flush() -> None:
+            if not pending:
+                return
+            start, end = bounds[pending[0]], bounds[pending[-1] + 1]
+            seg = prefill_after(lm, context(start), ids[start:end])
+            buf[:, :, :, start:end] = seg.kv.to(buf)
+            metrics.tokens_prefilled += end - start
+            for index in pending:
+                if index == 0 or self.manager is None:
+                    continue
+                a, b = bounds[index], bounds[index + 1]
+                part_kv = KVSegment(kv=buf[:, :, :, a:b], token_ids=ids[a:b], positions=torch.arange(a, b),
+                                    model=spec.identity, rotated=True)
+                self.manager.offer(session, part_kv, ids[:a], role=parts[index - 1].role)
+            pending.clear()
+
+        for index, part in enumerate(parts[:-1], start=1):
+            a, b = bounds[index], bounds[index + 1]
+            if b == a:
+                metrics.parts.append("empty")
+                continue
+            if part.projected:
+                if self.context_source is None:
+                    raise ValueError("a projected part needs a context source")
+                flush()
+                seg = self.context_source.projected_segment(part.text, a)
+                if (seg.num_tokens != b - a or int(seg.positions[0]) != a or seg.model != spec.identity
+                        or not torch.equal(seg.token_ids, ids[a:b])):
+                    raise ValueError(f"the context source returned KV of {seg.model.name!r} for "
+                                     f"{seg.num_tokens} tokens at position {int(seg.positions[0])}, expected "
+                                     f"{lm.name!r}'s {b - a} tokens of the part at {a}")
+                buf[:, :, :, a:b] = seg.kv.to(buf)
+                metrics.tokens_projected += b - a
+                metrics.parts.append("projected")
+                continue
+            found = self.manager.find(session, ids[a:b]) if self.manager is not None else None
+            if found is None:
+                pending.append(index)
+                metrics.parts.append("prefilled")
+                continue
+            flush()
+            buf[:, :, :, a:b] = self._reuse(found, context(a), metrics).kv.to(buf)
+        flush()
         streamer = _FirstToken()
         generate_kwargs.setdefault("do_sample", False)
-        new = kvcache.generate(lm.model, lm.spec, context, tail, max_new_tokens=max_new_tokens, streamer=streamer,
-                               **generate_kwargs)
+        new = kvcache.generate(lm.model, spec, context(ids.numel()), tail, max_new_tokens=max_new_tokens,
+                               streamer=streamer, **generate_kwargs)
         metrics.tokens_prefilled += tail.numel()
-        metrics.tokens_total = context.num_tokens + tail.numel()
+        metrics.tokens_total = ids.numel() + tail.numel()
         metrics.ttft_s = (streamer.at or time.perf_counter()) - t0
         metrics.parts.append("prefilled")
         return new, metrics
 
-    def _local(self, session: str, part: Part, context: KVSegment, metrics: RequestMetrics) -> KVSegment:
-        ids = self.tokens(part.text)
-        offset = context.num_tokens
-        found = self.manager.find(session, ids) if self.manager is not None else None
-        if found is not None:
-            cached = found.segment
-            same_place = int(cached.positions[0]) == offset and found.prefix_hash == token_hash(context.token_ids)
-            if same_place:
-                metrics.tokens_reused_local += ids.numel()
-                metrics.tokens_reused_exact += ids.numel()
-                metrics.parts.append("exact")
-                return cached
-            placed = place(cached.to(device=context.device, dtype=context.dtype), self.lm.rope, offset)
-            k = min(self.recompute_k, ids.numel())
-            fixed = recompute_first(self.lm, context, placed, k)
-            chosen = torch.zeros(0, dtype=torch.int64)
-            if self.recompute_fraction:
-                fixed, chosen = recompute_most_deviating(self.lm, context, fixed, self.recompute_fraction)
-            redone = len(set(range(k)) | set(chosen.tolist()))
-            metrics.tokens_reused_local += ids.numel() - redone
-            metrics.tokens_prefilled += redone
-            metrics.parts.append("shifted")
-            return fixed
-        seg = prefill_after(self.lm, context, ids)
-        metrics.tokens_prefilled += ids.numel()
-        metrics.parts.append("prefilled")
-        if self.manager is not None:
-            self.manager.offer(session, seg, context.token_ids, role=part.role)
-        return seg
+    def _reuse(self, found, context: KVSegment, metrics: RequestMetrics) -> KVSegment:
+        """A cached segment at the end of `context`: as it is when it was computed there after the same tokens,
+        else shifted, with its first recompute_k and its recompute_fraction most deviating tokens recomputed."""
+        cached = found.segment
+        n, offset = cached.num_tokens, context.num_tokens
+        if int(cached.positions[0]) == offset and found.prefix_hash == token_hash(context.token_ids):
+            metrics.tokens_reused_local += n
+            metrics.tokens_reused_exact += n
+            metrics.parts.append("exact")
+            return cached
+        placed = place(cached.to(device=context.device, dtype=context.dtype), self.lm.rope, offset)
+        k = min(self.recompute_k, n)
+        fixed = recompute_first(self.lm, context, placed, k)
+        chosen = torch.zeros(0, dtype=torch.int64)
+        if self.recompute_fraction:
+            fixed, chosen = recompute_most_deviating(self.lm, context, fixed, self.recompute_fraction)
+        redone = len(set(range(k)) | set(chosen.tolist()))
+        metrics.tokens_reused_local += n - redone
+        metrics.tokens_prefilled += redone
+        metrics.parts.append("shifted")
+        return fixed
