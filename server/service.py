@@ -470,13 +470,6 @@ class KVBridgeService:
                 pass
         return len(keys), tokens
 
-    def wire_dtype_for(self, segment: KVSegment, requested: str) -> torch.dtype:
-        if not requested:
-            return segment.dtype
-        from kvbridge.server.chunks import wire_dtype
-
-        return wire_dtype(requested, "dtype")
-
     def describe_models(self) -> list[dict]:
         out = []
         for name, served in self.models.items():
