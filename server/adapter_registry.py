@@ -71,7 +71,10 @@ class AdapterRegistry:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
-            return json.loads(header["kvbridge_adapter"])
+            meta = json.loads(header["kvbridge_adapter"])
+            if not isinstance(meta, dict):
+                raise ValueError("its kvbridge_adapter metadata is not a JSON object")
+            return meta
         except Exception as exc:  # not an adapter, or unreadable: listed by nobody
             log.warning("skipping %s: not a readable kvbridge adapter (%s)", path.name, exc)
             return None
@@ -128,7 +131,12 @@ class AdapterRegistry:
         path = self.path(name)
         if not path.is_file():
             raise FileNotFoundError(f"no adapter {check_name(name)!r} in the adapter folder")
-        return self.add(path.stem, load_adapter(path), make_default=make_default)
+        try:
+            adapter = load_adapter(path)
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise ValueError(f"adapter {path.stem!r}: its kvbridge_adapter metadata has the wrong shape ({exc})"
+                             ) from None
+        return self.add(path.stem, adapter, make_default=make_default)
 
     def autoload(self, preferred: str | None = None) -> list[str]:
         """Load a default adapter for each served pair: `preferred` if given, else the newest matching file."""
@@ -165,7 +173,7 @@ class AdapterRegistry:
                 adapter = self._loaded.get(bare)
             if adapter is None:
                 try:
-                    self.load(bare)
+                    bare = self.load(name).name
                 except FileNotFoundError:
                     raise ValueError(f"adapter: unknown adapter {bare!r} (not loaded, not in the adapter folder)"
                                      ) from None

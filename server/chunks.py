@@ -108,7 +108,7 @@ class ChunkAssembler:
             raise ChunkError(f"{where}: token range outside [0, {t})")
         try:
             tensors = st_load(bytes(data))
-        except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
+        except (SafetensorError, ValueError, RuntimeError, OverflowError, KeyError) as exc:
             raise ChunkError(f"{where}: data is not a valid safetensors blob ({exc})") from None
         if set(tensors) != {"kv"}:
             raise ChunkError(f"{where}: the blob must hold exactly one tensor named 'kv', got {sorted(tensors)}")

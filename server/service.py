@@ -10,6 +10,7 @@ FailedPrecondition; a failed call leaves the store as it was.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -205,8 +206,8 @@ class KVBridgeService:
         """Run the source model on the text (or ids) and store its KV as one prefix entry; with detect_segments
         (text only) also store each segment the detector finds as its own content-keyed "segment" entry, so
         targets can fetch a segment by its text."""
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"options.ttl_s must be > 0 (or 0 for the server default), got {ttl_s}")
+        if ttl_s is not None and not 0 < ttl_s < math.inf:
+            raise ValueError(f"options.ttl_s must be > 0 and finite (or 0 for the server default), got {ttl_s}")
         served = self.model(model, "source")
         if detect_segments and text is None:
             raise ValueError("DETECT_SEGMENTS needs text (segments are fetched by their text)")
@@ -279,8 +280,8 @@ class KVBridgeService:
             raise ValueError("header.rotated must be true: upload keys as the model caches them (after RoPE)")
         if upload.kind not in ("prefix", "segment"):
             raise ValueError(f"header.kind must be 'prefix' or 'segment', got {upload.kind!r}")
-        if upload.ttl_s is not None and upload.ttl_s <= 0:
-            raise ValueError(f"header.options.ttl_s must be > 0, got {upload.ttl_s}")
+        if upload.ttl_s is not None and not 0 < upload.ttl_s < math.inf:
+            raise ValueError(f"header.options.ttl_s must be > 0 and finite, got {upload.ttl_s}")
         ids = self._source_ids(served, None, upload.token_ids.tolist())
         t = ids.numel()
         positions = upload.positions if upload.positions is not None else torch.arange(t)
@@ -383,30 +384,36 @@ class KVBridgeService:
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             record, projected = warm
             return self._placed(target, chosen, record, projected, source_key, label, offset)
+        fresh = not key and source_key is None
         source_key, segment, known = self._source_entry(tenant, key, text, require_cached)
-        if segment.model != source.lm.spec.identity:
-            raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
-                                     f"from the source model {source.lm.name!r}")
-        tspec = target.lm.spec
-        if self.store.info(source_key, tenant).kind == "prefix":
-            paired = self._paired(source.lm, target.lm, segment, known)
-        else:  # a piece of a text, at its positions there
-            paired = self._paired_segment(source.lm, target.lm, segment, known)
-        t_t = paired.target_ids.numel()
-        if offset + t_t > target.max_positions:
-            raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
-                             f"{target.max_positions} positions")
-        namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
-        projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope, target.lm.rope,
-                            offset=0, dtype=getattr(torch, tspec.dtype))
-        info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)  # a no-op when already there
-        record = _Projection(key=info.key, text=paired.text, exact_coverage=paired.alignment.exact_coverage)
-        with self._lock:
-            self._derived.setdefault((tenant, source_key), {})[(label, target.lm.name)] = record
-            self._derived.move_to_end((tenant, source_key))
-            while len(self._derived) > DERIVED_MEMO:
-                self._derived.popitem(last=False)
-        return self._placed(target, chosen, record, projected, source_key, label, offset)
+        try:
+            if segment.model != source.lm.spec.identity:
+                raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
+                                         f"from the source model {source.lm.name!r}")
+            tspec = target.lm.spec
+            if self.store.info(source_key, tenant).kind == "prefix":
+                paired = self._paired(source.lm, target.lm, segment, known)
+            else:  # a piece of a text, at its positions there
+                paired = self._paired_segment(source.lm, target.lm, segment, known)
+            t_t = paired.target_ids.numel()
+            if offset + t_t > target.max_positions:
+                raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
+                                 f"{target.max_positions} positions")
+            namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
+            projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope, target.lm.rope,
+                                offset=0, dtype=getattr(torch, tspec.dtype))
+            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)  # a no-op when already there
+            record = _Projection(key=info.key, text=paired.text, exact_coverage=paired.alignment.exact_coverage)
+            with self._lock:
+                self._derived.setdefault((tenant, source_key), {})[(label, target.lm.name)] = record
+                self._derived.move_to_end((tenant, source_key))
+                while len(self._derived) > DERIVED_MEMO:
+                    self._derived.popitem(last=False)
+            return self._placed(target, chosen, record, projected, source_key, label, offset)
+        except Exception:
+            if fresh:
+                self.store.delete(source_key, tenant)
+            raise
 
     def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
         """The source entry of this text: the prefix entry of its tokenization, else a segment entry of it."""
