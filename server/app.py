@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.proto import pb2
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
@@ -147,6 +147,60 @@ class RunningServer:
         self.metrics.close()
 
 
+class _Undecodable:
+    """What a request that is no valid protobuf message deserializes to (grpc would answer INTERNAL)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserialize):
+    def run(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # protobuf's DecodeError, invalid UTF-8 in a string field, ...
+            return _Undecodable(exc)
+    return run
+
+
+def _refusing(behavior, request_streaming: bool):
+    """The servicer method, refusing undecodable requests with INVALID_ARGUMENT."""
+    message = "the request is not a valid kvbridge.v1 message ({})"
+
+    if request_streaming:
+        def run(request_iterator, context):
+            def checked():
+                for request in request_iterator:
+                    if isinstance(request, _Undecodable):
+                        raise ValueError(message.format(request.error))
+                    yield request
+            return behavior(checked(), context)
+        return run
+
+    def run(request, context):
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.format(request.error))
+        return behavior(request, context)
+    return run
+
+
+def kvbridge_handler(servicer: KVBridgeServicer) -> grpc.GenericRpcHandler:
+    """The generated stubs' method handlers, with deserializers that let the servicer refuse bad bytes."""
+    handlers = {}
+    for method in pb2.DESCRIPTOR.services_by_name["KVBridge"].methods:
+        request_type = getattr(pb2, method.input_type.name)
+        response_type = getattr(pb2, method.output_type.name)
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming,
+                                                                       method.server_streaming)]
+        handlers[method.name] = kind(_refusing(getattr(servicer, method.name), method.client_streaming),
+                                     request_deserializer=_tolerant(request_type.FromString),
+                                     response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str, str] | None = None
                  ) -> RunningServer:
     """Bind and start (non-blocking). Tokens: given, or read from config.token_file, else an open server."""
@@ -164,7 +218,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-rpc"),
                          interceptors=[AuthInterceptor(auth)], options=options)
-    pb2_grpc.add_KVBridgeServicer_to_server(KVBridgeServicer(service, auth, metrics), server)
+    server.add_generic_rpc_handlers((kvbridge_handler(KVBridgeServicer(service, auth, metrics)),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
