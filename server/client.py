@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import torch
 from kvbridge.proto import pb2, pb2_grpc
-from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, dtype_name, iter_chunks, wire_dtype
+from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, ChunkError, dtype_name, iter_chunks, wire_dtype
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
@@ -155,7 +155,12 @@ class KVBridgeClient:
                     if assembler is None:
                         raise KVBridgeError(grpc.StatusCode.INTERNAL, "a chunk arrived before the header", method)
                     c = message.chunk
-                    assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
+                    try:
+                        assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
+                    except ChunkError as exc:
+                        stream.cancel()
+                        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, f"a bad chunk from the server: {exc}",
+                                            method) from None
                     wire += len(c.data)
                 if header is None or not assembler.complete:
                     raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "

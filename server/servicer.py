@@ -140,11 +140,12 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 upload, kv = self._receive(method, request_iterator)
                 info, start = self.service.put_source(tenant, upload, kv)
                 return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
-            except grpc.RpcError:
-                outcome["code"] = "CANCELLED"  # the client went away mid-upload: nothing was stored
-                log.info("%s: stream broken by the client; nothing stored", method)
-                return None
             except Exception as exc:
+                if isinstance(exc, grpc.RpcError) or not context.is_active():
+                    # the client went away mid-upload (grpc may end its iterator like a normal half-close)
+                    outcome["code"] = "CANCELLED"
+                    log.info("%s: stream broken by the client; nothing stored", method)
+                    return None
                 code, message = self._failure(outcome, method, exc)
             context.abort(code, message)
 
