@@ -84,7 +84,7 @@ class AdapterRegistry:
         out = {}
         if self.folder is not None and self.folder.is_dir():
             for path in sorted(self.folder.glob(f"*{SUFFIX}")):
-                if not NAME.fullmatch(path.stem):
+                if not _file_name_ok(path):
                     continue
                 meta = self._read_meta(path)
                 if meta is not None:
@@ -148,7 +148,7 @@ class AdapterRegistry:
         files = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
         for target_hash in self.targets:
             for path in files:
-                meta = self._read_meta(path) if NAME.fullmatch(path.stem) else None
+                meta = self._read_meta(path) if _file_name_ok(path) else None
                 if (meta and meta.get("source", {}).get("config_hash") == self.source.identity.config_hash
                         and meta.get("target", {}).get("config_hash") == target_hash):
                     try:
@@ -189,6 +189,11 @@ class AdapterRegistry:
         if adapter.meta.target["config_hash"] != target.identity.config_hash:
             raise ValueError(f"adapter {bare!r} maps to {adapter.meta.target['name']!r}, not to {target.name!r}")
         return f"{bare}@{adapter.meta.version}", adapter
+
+
+def _file_name_ok(path: Path) -> bool:
+    """A file whose stem is a loadable bare name (x.safetensors.safetensors is not: its name would strip to x)."""
+    return bool(NAME.fullmatch(path.stem)) and not path.stem.endswith(SUFFIX)
 
 
 def _meta_dict(adapter: Adapter) -> dict:

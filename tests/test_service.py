@@ -65,6 +65,8 @@ def test_registry_checks_pairs_lists_files_and_autoloads_the_newest(tmp_path, ti
     os.utime(tmp_path / "old.safetensors", (1, 1))
     save_adapter(identity_adapter(tiny_target), tmp_path / "other-pair.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    save_adapter(adapter, tmp_path / "doubled.safetensors.safetensors")  # ignored: its name would strip twice
+    os.utime(tmp_path / "doubled.safetensors.safetensors", (2e9, 2e9))  # the newest file
     registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
     assert registry.autoload() == ["new"]
     listed = {a.name: a for a in registry.available()}
