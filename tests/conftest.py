@@ -23,6 +23,26 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
+def tiny_adapter_file(tmp_path_factory, tiny_source, tiny_target):
+    """A ridge adapter tiny-qwen2 -> tiny-phi3 fitted once on the packaged tiny corpus; tests copy the file into
+    the adapter folders they serve from."""
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.adapters.train import TrainConfig, train_adapter
+    from kvbridge.transfer.data import data_path
+
+    fitted, _ = train_adapter(tiny_source, tiny_target, [data_path("tiny_corpus.txt")],
+                              TrainConfig(max_tokens=1024, window_tokens=128), progress=False)
+    return save_adapter(fitted, tmp_path_factory.mktemp("fitted") / "tiny-pair.safetensors")
+
+
+@pytest.fixture(scope="session")
+def adapter(tiny_adapter_file):
+    from kvbridge.adapters.io import load_adapter
+
+    return load_adapter(tiny_adapter_file)
+
+
+@pytest.fixture(scope="session")
 def gemma():
     from kvbridge.transfer.models import load_packaged
 

@@ -239,18 +239,11 @@ def bad_blob(data, good: bytes, part: torch.Tensor) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def adapters_dir(tmp_path_factory, tiny_source, tiny_target):
+def adapters_dir(tmp_path_factory, tiny_adapter_file):
     """The fitted tiny-pair adapter, a copy of it, and files that are not adapters."""
-    from kvbridge.adapters.io import save_adapter
-    from kvbridge.adapters.train import TrainConfig, train_adapter
-    from kvbridge.transfer.selfcheck import sample_text
 
-    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    corpus.write_text(sample_text())
     folder = tmp_path_factory.mktemp("adapters")
-    adapter, _ = train_adapter(tiny_source, tiny_target, [corpus], TrainConfig(max_tokens=1024, window_tokens=128),
-                               progress=False)
-    save_adapter(adapter, folder / "tiny-pair.safetensors")
+    shutil.copy(tiny_adapter_file, folder / "tiny-pair.safetensors")
     shutil.copy(folder / "tiny-pair.safetensors", folder / "tiny-copy.safetensors")
     (folder / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     (folder / "bare.safetensors").write_bytes(st_save({"w": torch.zeros(2)}))

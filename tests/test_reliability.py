@@ -58,25 +58,12 @@ def _text(n: int, words: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def adapters_dir(tmp_path_factory, tiny_source, tiny_target):
-    from kvbridge.adapters.io import save_adapter
-    from kvbridge.adapters.train import TrainConfig, train_adapter
-    from kvbridge.transfer.selfcheck import sample_text
+def adapters_dir(tmp_path_factory, tiny_adapter_file):
+    import shutil
 
-    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    corpus.write_text(sample_text())
     folder = tmp_path_factory.mktemp("adapters")
-    adapter, _ = train_adapter(tiny_source, tiny_target, [corpus], TrainConfig(max_tokens=1024, window_tokens=128),
-                               progress=False)
-    save_adapter(adapter, folder / "tiny-pair.safetensors")
+    shutil.copy(tiny_adapter_file, folder / "tiny-pair.safetensors")
     return folder
-
-
-@pytest.fixture(scope="module")
-def adapter(adapters_dir):
-    from kvbridge.adapters.io import load_adapter
-
-    return load_adapter(adapters_dir / "tiny-pair.safetensors")
 
 
 def _start(source, targets, adapters_dir, store=None, **overrides):

@@ -21,16 +21,6 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_source, tiny_target):
-    from kvbridge.adapters.train import TrainConfig, train_adapter
-    from kvbridge.transfer.data import data_path
-
-    fitted, _ = train_adapter(tiny_source, tiny_target, [data_path("tiny_corpus.txt")],
-                              TrainConfig(max_tokens=1024, window_tokens=128), progress=False)
-    return fitted
-
-
 def _service(tiny_source, tiny_target, folder, adapter=None, clock=None, **limits):
     store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock or Clock())
     registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
