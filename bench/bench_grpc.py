@@ -284,7 +284,8 @@ class RawClient:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> dict:
+    """The stream and wire benchmarks, as on the command line; returns their numbers (the printed lines' figures)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny random models, fewer tokens and rounds: a smoke run in seconds")
@@ -313,14 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvbridge.server").setLevel(logging.ERROR)
 
     started = time.perf_counter()
-    run = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "full"
     corpus = str(data_path("pydoc_corpus_sample.txt"))
     chunk_bytes = args.chunk_kb * 1024
     message_mb = max(8.0, chunk_bytes / (1 << 20) + 1)  # a chunk and its message framing fit in one message
     common = dict(dtype=args.dtype, chunk_bytes=chunk_bytes, rounds=rounds)
     if args.in_process:
         source, target = load_pair(preset)
-        print(machine_line(target.device, run), flush=True)
+        machine = machine_line(target.device, mode)
+        print(machine, flush=True)
         adapter, adapter_note = get_adapter(args.adapter, source, target, corpus)
         text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
@@ -331,15 +333,16 @@ def main(argv: list[str] | None = None) -> int:
             running = start_server(service, config)
             client = KVBridgeClient(running.address, timeout_s=600, max_message_mb=message_mb)
             try:
-                bench_stream_and_wire(client, text, layout="server in this process", raw_sender=RawServer,
-                                      note=adapter_note, **common)
+                result = bench_stream_and_wire(client, text, layout="server in this process", raw_sender=RawServer,
+                                               note=adapter_note, **common)
             finally:
                 client.close()
                 running.stop(grace_s=1)
     else:
         # The server process runs the models on the CPU (--device cpu); this process loads models only to fit an
         # adapter, and frees them before the server starts.
-        print(machine_line(torch.device("cpu"), run), flush=True)
+        machine = machine_line(torch.device("cpu"), mode)
+        print(machine, flush=True)
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
             folder = Path(folder)
             (folder / "adapters").mkdir()
@@ -360,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 client = KVBridgeClient(server.address, timeout_s=600, max_message_mb=message_mb)
                 try:
-                    bench_stream_and_wire(client, text, layout="server in its own process",
-                                          raw_sender=RawSenderProcess,
-                                          note=f"{adapter_note}; server process ready in {server.start_s:.1f} s",
-                                          **common)
+                    result = bench_stream_and_wire(
+                        client, text, layout="server in its own process", raw_sender=RawSenderProcess,
+                        note=f"{adapter_note}; server process ready in {server.start_s:.1f} s", **common)
+                    result["server_start_s"] = server.start_s
                 finally:
                     client.close()
             finally:
@@ -371,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
             if rc != 0:
                 raise RuntimeError(f"the server process exited with {rc} after SIGTERM; its stderr:\n"
                                    f"{tail(server.stderr)}")
-    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    wall_s = time.perf_counter() - started
+    print(f"done in {wall_s:.0f} s", flush=True)
+    return {"machine": machine, "preset": preset, **result, "wall_s": wall_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
     return 0
 
 
@@ -390,7 +399,9 @@ def get_adapter(path: str | None, source, target, corpus: str):
 
 def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_bytes: int, rounds: int,
                           layout: str, raw_sender: Callable[[list[bytes]], RawServer | RawSenderProcess],
-                          note: str) -> None:
+                          note: str) -> dict:
+    """Prints the `stream` and `wire` lines and returns their numbers: warm projected fetch vs raw socket (medians
+    of interleaved rounds), the cold first fetch and the Ingest before it, and the bytes on the wire."""
     t0 = time.perf_counter()
     entry = client.ingest(text=text).entries[0]
     ingest_s = time.perf_counter() - t0
@@ -451,6 +462,12 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
           f"{pb_t:,} B/token projected vs {ps} {pb:,} B/token source -> ratio projected/source {pb_t / pb:.1f}x "
           f"per token (fetching source KV and projecting locally moves that many times fewer bytes); small pair "
           f"{st} {sb_t:,} vs {ss} {sb:,} -> {sb_t / sb:.2f}x per token", flush=True)
+    return {"pair": f"{source_name} -> {target_name}", "target_tokens": t, "dtype": dtype, "layout": layout,
+            "rounds": rounds, "stream_bytes": total, "chunks": len(payloads), "grpc_s": times["grpc"],
+            "raw_s": times["raw"], "grpc_mbs": mbs["grpc"], "raw_mbs": mbs["raw"], "ratio_grpc_over_raw": ratio,
+            "cold_fetch_s": cold_s, "ingest_s": ingest_s, "projected_wire_bytes": cold.wire_bytes,
+            "source_wire_bytes": src.wire_bytes,
+            "ratio_projected_over_source_wire": cold.wire_bytes / src.wire_bytes}
 
 
 if __name__ == "__main__":

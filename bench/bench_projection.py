@@ -31,53 +31,46 @@ def machine_line(device: torch.device) -> str:
             f"({torch.get_num_threads()} threads) | load average {os.getloadavg()[0]:.2f} at start")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", choices=["small", "tiny"])
-    p.add_argument("--tokens", type=int, default=512, help="context length in target tokens (about)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--adapter", help="a trained adapter file (default: random weights of the right shapes)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = p.parse_args(argv)
+def random_adapter(source, target, device: torch.device):
+    """Random maps of the pair's shapes: the projection's cost does not depend on the values."""
+    from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record
+    from kvbridge.adapters.layer_map import build_layer_map
+    from kvbridge.adapters.pairs import start_kv, start_token_id
 
+    s, t = source.spec, target.spec
+    d_s, d_t = s.num_kv_heads * s.head_dim, t.num_kv_heads * t.head_dim
+    gen = torch.Generator().manual_seed(0)
+    ones = torch.ones(t.num_layers, 1)
+    start = start_token_id(target.tokenizer)
+    return Adapter(meta=AdapterMeta(model_record(s), model_record(t), "proportional", start),
+                   layer_map=torch.tensor(build_layer_map("proportional", s.num_layers, t.num_layers)),
+                   mix_k=ones, mix_v=ones.clone(),
+                   wk=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
+                   bk=torch.zeros(t.num_layers, d_t),
+                   wv=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
+                   bv=torch.zeros(t.num_layers, d_t), start_kv=start_kv(target, start)).to(device)
+
+
+def measure(source, target, adapter, num_tokens: int, rounds: int, dtype: str) -> dict:
+    """Median seconds of producing the target's cache of about num_tokens target tokens of the packaged sample
+    text by projection of the source's (already computed) KV vs by the target's prefill, interleaved over `rounds`
+    rounds; prints the `projection` line and returns its numbers."""
     from kvbridge.adapters.adapter import project
-    from kvbridge.adapters.io import load_adapter
-    from kvbridge.adapters.pairs import pair_text, start_kv, start_token_id
+    from kvbridge.adapters.pairs import pair_text
     from kvbridge.transfer import kvcache
-    from kvbridge.transfer.presets import load_pair
     from kvbridge.transfer.selfcheck import sample_text
 
-    source, target = load_pair(args.preset, dtype=args.dtype, device=args.device)
     device = target.device
-    print(machine_line(device))
     text = sample_text()
     enc = target.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    text = text[: enc[min(args.tokens, len(enc)) - 1][1]]
+    text = text[: enc[min(num_tokens, len(enc)) - 1][1]]
     paired = pair_text(text, source.tokenizer, target.tokenizer)
-    if args.adapter:
-        adapter = load_adapter(args.adapter, device)
-    else:
-        from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record
-        from kvbridge.adapters.layer_map import build_layer_map
-
-        s, t = source.spec, target.spec
-        d_s, d_t = s.num_kv_heads * s.head_dim, t.num_kv_heads * t.head_dim
-        gen = torch.Generator().manual_seed(0)
-        ones = torch.ones(t.num_layers, 1)
-        start = start_token_id(target.tokenizer)
-        adapter = Adapter(meta=AdapterMeta(model_record(s), model_record(t), "proportional", start),
-                          layer_map=torch.tensor(build_layer_map("proportional", s.num_layers, t.num_layers)),
-                          mix_k=ones, mix_v=ones.clone(),
-                          wk=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
-                          bk=torch.zeros(t.num_layers, d_t),
-                          wv=torch.randn(t.num_layers, d_s, d_t, generator=gen) * 0.05,
-                          bv=torch.zeros(t.num_layers, d_t), start_kv=start_kv(target, start)).to(device)
     source_kv = kvcache.extract(source.model, source.spec, paired.source_ids)  # cached by the service already
-    dtype = next(target.model.parameters()).dtype
+    model_dtype = next(target.model.parameters()).dtype
 
     def by_projection():
-        return project(adapter, source_kv, paired.alignment, paired.target_ids, source.rope, target.rope, dtype=dtype)
+        return project(adapter, source_kv, paired.alignment, paired.target_ids, source.rope, target.rope,
+                       dtype=model_dtype)
 
     def by_prefill():
         return kvcache.extract(target.model, target.spec, paired.target_ids)
@@ -89,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     by_projection(), by_prefill()  # warm up
     times = {"projection": [], "prefill": []}
     with torch.no_grad():
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, fn in (("projection", by_projection), ("prefill", by_prefill)):
                 sync()
                 t0 = time.perf_counter()
@@ -99,10 +92,40 @@ def main(argv: list[str] | None = None) -> int:
     n = paired.target_ids.numel()
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: n / v for k, v in med.items()}
+    ratio = med["prefill"] / med["projection"]
     print(f"projection {source.name} -> {target.name}, {n} target tokens ({paired.source_ids.numel()} source), "
-          f"{args.dtype} on {device}: projection {tps['projection']:,.0f} tokens/s, target prefill "
-          f"{tps['prefill']:,.0f} tokens/s -> ratio projection/prefill {med['prefill'] / med['projection']:.1f}x "
-          f"(FLOP ceiling ~45x for the small pair; medians of {args.rounds} interleaved rounds)")
+          f"{dtype} on {device}: projection {tps['projection']:,.0f} tokens/s, target prefill "
+          f"{tps['prefill']:,.0f} tokens/s -> ratio projection/prefill {ratio:.1f}x "
+          f"(FLOP ceiling ~45x for the small pair; medians of {rounds} interleaved rounds)", flush=True)
+    return {"pair": f"{source.name} -> {target.name}", "target_tokens": n, "source_tokens": paired.source_ids.numel(),
+            "dtype": dtype, "device": str(device), "rounds": rounds, "projection_s": med["projection"],
+            "prefill_s": med["prefill"], "projection_tokens_per_s": tps["projection"],
+            "prefill_tokens_per_s": tps["prefill"], "ratio_projection_over_prefill": ratio}
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Parse the command line, load the pair and the adapter, and `measure`; returns its numbers."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", choices=["small", "tiny"])
+    p.add_argument("--tokens", type=int, default=512, help="context length in target tokens (about)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--adapter", help="a trained adapter file (default: random weights of the right shapes)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+
+    from kvbridge.adapters.io import load_adapter
+    from kvbridge.transfer.presets import load_pair
+
+    source, target = load_pair(args.preset, dtype=args.dtype, device=args.device)
+    device = target.device
+    print(machine_line(device))
+    adapter = load_adapter(args.adapter, device) if args.adapter else random_adapter(source, target, device)
+    return measure(source, target, adapter, args.tokens, args.rounds, args.dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
     return 0
 
 

@@ -154,7 +154,7 @@ def pool_layout(layout: KVLayout) -> PoolLayout:
 # ---------------------------------------------------------------------------------------------------- 1. get
 
 
-def bench_get(layout: KVLayout, num_tokens: int, sizes: Sizes, device: torch.device) -> None:
+def bench_get(layout: KVLayout, num_tokens: int, sizes: Sizes, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(num_tokens)
     kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim, generator=gen).to(DTYPE)
     tokens = torch.randint(0, 200_000, (num_tokens,), generator=gen)
@@ -178,12 +178,14 @@ def bench_get(layout: KVLayout, num_tokens: int, sizes: Sizes, device: torch.dev
           f"get into a buffer {gbs['get']:.2f} GB/s, copy_ {gbs['copy']:.2f} GB/s -> ratio get/copy {ratio:.2f} "
           f"(goal >= 0.8, {verdict(ratio >= 0.8)}); into a fresh tensor: get {gbs['get fresh']:.2f} GB/s, "
           f"clone {gbs['clone']:.2f} GB/s -> ratio {fresh:.2f}", flush=True)
+    return {"model": layout.identity.name, "role": layout.role, "tokens": num_tokens, "bytes": nbytes,
+            "gbs": gbs, "ratio_get_over_copy": ratio, "ratio_fresh_get_over_clone": fresh}
 
 
 # ---------------------------------------------------------------------------------------------------- 2. lookup
 
 
-def bench_lookup(sizes: Sizes, device: torch.device) -> None:
+def bench_lookup(sizes: Sizes, device: torch.device) -> dict:
     # A tiny layout so a million blocks stay small: one block is 1 x 2 x 1 x 16 x 2 float16 = 128 bytes.
     model = ModelIdentity("bench-tiny", "0" * 64)
     layout = PoolLayout(model=model.key, dtype="float16", num_layers=1, num_kv_heads=1, head_dim=2,
@@ -235,12 +237,14 @@ def bench_lookup(sizes: Sizes, device: torch.device) -> None:
     share = times["hash_chain"] / times["prefix"]
     print(f"lookup  hashing share: hash_chain alone {us['hash_chain']:.2f} us/block -> ratio hash_chain/lookup "
           f"{share:.2f} (no goal: the rest is index probes and the content-key hash)", flush=True)
+    return {"blocks_indexed": indexed, "blocks_per_query": per_entry, "fill_s": fill_s, "stats_s": stats_s,
+            "us_per_block": us, "ratio_hash_chain_over_lookup": share}
 
 
 # ---------------------------------------------------------------------------------------------------- 3. bytes
 
 
-def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
+def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[dict]:
     rng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
     bpt = layout.bytes_per_token
@@ -266,6 +270,8 @@ def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
           flush=True)
     del st, kv
     gc.collect()
+    results = [{"case": "no shared prefixes", "tokens": tokens, "ratio_held_over_exact": held,
+                "ratio_expected": expected}]
 
     # shared prefixes: every entry starts with the same 1024 tokens (64 full blocks, stored once)
     shared = 1024
@@ -290,12 +296,15 @@ def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
           f"held/all-stored {used / (stored_tokens * bpt):.4f})", flush=True)
     del st, kv
     gc.collect()
+    results.append({"case": f"shared {shared}-token prefix", "tokens": distinct, "ratio_held_over_exact": held,
+                    "ratio_expected": expected})
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------- 4. redis
 
 
-def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
+def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[dict]:
     import redis
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -304,7 +313,7 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
     if not redis_available():
         print("redis   skipped: no redis-server (or valkey-server) on PATH; install it (apt-get install redis-server)",
               flush=True)
-        return
+        return []
     n = sizes.redis_blocks
     gen = torch.Generator().manual_seed(4)
     pl = pool_layout(layout)
@@ -355,6 +364,7 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
         finally:
             server.stop()
     total = n * pl.block_bytes
+    results = []
     for op, t in (("put", put_t), ("get", get_t)):
         tier_mbs, raw_mbs = total / t["tier"] / 1e6, total / t["raw"] / 1e6
         raw_op = "pipelined SET ex=" if op == "put" else "MGET"
@@ -362,12 +372,16 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> None:
               f"{REDIS_BATCH}, redis-server {version} on loopback: RedisTier.{op}_many {tier_mbs:.0f} MB/s, raw "
               f"{raw_op} {raw_mbs:.0f} MB/s -> ratio tier/raw {tier_mbs / raw_mbs:.2f} (goal: near 1, the "
               f"cost of encoding and checksums)", flush=True)
+        results.append({"op": op, "blocks": n, "tier_mbs": tier_mbs, "raw_mbs": raw_mbs,
+                        "ratio_tier_over_raw": tier_mbs / raw_mbs})
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> dict:
+    """Every benchmark, as on the command line; returns their numbers (the printed lines' figures)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run in well under a minute")
     parser.add_argument("--threads", type=int, default=1,
@@ -380,21 +394,26 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     device = resolve_device("auto")
     started = time.perf_counter()
-    print(machine_line(device, "quick" if args.quick else "full"), flush=True)
+    machine = machine_line(device, "quick" if args.quick else "full")
+    print(machine, flush=True)
     source = small_layout("source", SMALL_SOURCE)
     target = small_layout("target", SMALL_TARGET)
     print(f"layouts: {source.describe()}, {source.bytes_per_token} B/token; {target.describe()}, "
           f"{target.bytes_per_token} B/token; blocks of {BLOCK_SIZE} tokens; times are medians of interleaved rounds",
           flush=True)
-    for layout in (source, target):
-        for num_tokens in (2048, 2047):
-            bench_get(layout, num_tokens, sizes, device)
+    get = [bench_get(layout, num_tokens, sizes, device) for layout in (source, target) for num_tokens in (2048, 2047)]
     gc.collect()
-    bench_lookup(sizes, device)
+    lookup = bench_lookup(sizes, device)
     gc.collect()  # the million-block store
-    bench_bytes(source, sizes, device)
-    bench_redis(source, sizes, device)
-    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    held = bench_bytes(source, sizes, device)
+    redis = bench_redis(source, sizes, device)
+    wall_s = time.perf_counter() - started
+    print(f"done in {wall_s:.0f} s", flush=True)
+    return {"machine": machine, "get": get, "lookup": lookup, "bytes": held, "redis": redis, "wall_s": wall_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
     return 0
 
 

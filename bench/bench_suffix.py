@@ -154,7 +154,8 @@ def ms(seconds: float) -> str:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> dict:
+    """Both conversations, as on the command line; returns the printed lines' figures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny random models, 4 turns, a short document: a smoke run in seconds")
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     preset = "tiny" if args.quick else "small"
     source, target = load_pair(preset, device="cpu")
-    print(machine_line(target.device, "quick" if args.quick else "full"), flush=True)
+    machine = machine_line(target.device, "quick" if args.quick else "full")
+    print(machine, flush=True)
     adapter, adapter_note = get_adapter(args.adapter, source, target)
     document = load_document(target.tokenizer, QUICK_DOCUMENT_TOKENS if args.quick else None)
 
@@ -250,7 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"answers same answer in both conversations at {same} of {turns} turns (information: the projected "
           f"document is an approximation of the target's own KV, and each conversation continues from its own "
           f"answers)", flush=True)
-    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    wall_s = time.perf_counter() - started
+    print(f"done in {wall_s:.0f} s", flush=True)
+    return {"machine": machine, "preset": preset, "pair": f"{source.name} -> {target.name}", "turns": turns,
+            "document_tokens": doc_tokens, "ingest_s": ingest_s, "prefilled_with": prefill_w,
+            "prefilled_without": prefill_o, "ratio_prefill_without_over_with": prefill_o / prefill_w,
+            "ttft_median_with_s": med_w, "ttft_median_without_s": med_o,
+            "ratio_ttft_median_without_over_with": med_o / med_w, "ttft_sum_with_s": sum(ttft_w),
+            "ttft_sum_without_s": sum(ttft_o), "ratio_ttft_sum_without_over_with": sum(ttft_o) / sum(ttft_w),
+            "same_answers": same, "wall_s": wall_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
     return 0
 
 

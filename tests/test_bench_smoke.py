@@ -1,8 +1,10 @@
-"""bench/bench_store.py --quick and bench/bench_grpc.py --quick run to the end and print every benchmark. No timing
+"""bench/bench_store.py --quick, bench/bench_grpc.py --quick, bench/bench_suffix.py --quick and
+bench/bench_all.py --quick run to the end and print every benchmark; `kvbridge bench` forwards to bench_all. No timing
 is asserted (STYLE 9): the numbers belong to the machine that printed them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,18 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_store.py"
 BENCH_GRPC = BENCH.with_name("bench_grpc.py")
+BENCH_ALL = BENCH.with_name("bench_all.py")
+TABLE_HEADER = "| measurement | ratio | goal | detail |"
+# bench_all --quick's table: one row per ratio (TTFT at its quick context lengths, 256 and 512 tokens)
+ALL_QUICK_ROWS = (
+    "TTFT replace/full @256 (warm)", "TTFT replace/full @256 (cold)", "TTFT replace/full @512 (warm)",
+    "TTFT replace/full @512 (cold)", "projection/prefill speed @", "store get/copy source @2048",
+    "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
+    "store lookup per block", "store hash_chain/lookup", "store held/exact (no shared prefixes)",
+    "store held/exact (shared 1024-token prefix)", "redis tier/raw put", "redis tier/raw get", "gRPC stream grpc/raw",
+    "gRPC wire projected/source", "suffix prefilled tokens without/with", "suffix TTFT median without/with",
+    "suffix TTFT sum without/with",
+)
 # each benchmark's lines start with its tag; among them, its ratio and its goal
 BENCHMARKS = ("get", "lookup", "bytes", "redis")
 
@@ -73,3 +87,59 @@ def test_bench_suffix_quick_runs_and_prints_every_line():
     for tag in ("reuse", "answers"):
         assert any(line.split(" ", 1)[0] == tag for line in lines), f"no {tag!r} line in:\n{out}"
     assert lines[-1].startswith("done in "), out
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_all_quick_prints_one_row_per_ratio(tmp_path):
+    from redisproc import redis_available
+
+    if not redis_available():
+        pytest.fail("no redis-server (or valkey-server) on PATH: the store piece's Redis rows need a real one. "
+                    "Install it with apt-get install redis-server.")
+    # about 2 minutes on a 2-core VM (the small pair's load and adapter fit included); the bound leaves room for
+    # converting the packaged models on a fresh machine
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH_ALL), "--quick", "--json", str(out_json)],
+                          cwd=BENCH_ALL.parents[1], capture_output=True, text=True, timeout=900, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = out.splitlines()
+    assert lines and lines[0].startswith("machine: ") and "quick run" in lines[0], out
+    assert TABLE_HEADER in lines, f"no summary table in:\n{out}"
+    table = lines[lines.index(TABLE_HEADER) + 2:]  # after the header and its |---| line
+    rows_at_end = all(line.startswith("| ") and line.endswith(" |") for line in table)
+    assert table and rows_at_end, f"the output does not end with the table:\n{out}"
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    names = [row[0] for row in cells]
+    for expected in ALL_QUICK_ROWS:
+        assert sum(name.startswith(expected) for name in names) == 1, f"no single row {expected!r} in:\n{out}"
+    assert len(names) == len(ALL_QUICK_ROWS), f"unexpected rows {names}"
+    for row in cells:
+        assert len(row) == 4 and row[1] not in ("FAILED", "skipped"), row
+    report = json.loads(out_json.read_text())
+    assert report["machine"] == lines[0] and report["errors"] == {}, report["errors"]
+    assert [row["measurement"] for row in report["rows"]] == names
+    assert all(isinstance(row["value"], float) for row in report["rows"]), report["rows"]
+
+
+def test_kvbridge_bench_forwards_its_options_to_bench_all(capsys):
+    from kvbridge.server import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--quick", "--help"])  # options reach bench_all's parser, which prints its help
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvbridge bench") and "--json" in out and "--full" in out, out
+
+
+def test_kvbridge_bench_without_the_repository_says_so(monkeypatch, tmp_path, capsys):
+    import kvbridge.server
+    from kvbridge.server import cli
+
+    # as in an installed wheel: the package lies in site-packages, with no bench folder beside it
+    monkeypatch.setattr(kvbridge.server, "__file__", str(tmp_path / "site-packages" / "kvbridge" / "server" /
+                                                         "__init__.py"))
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "kvbridge bench: error:" in err and "bench_all.py" in err and "source checkout" in err, err

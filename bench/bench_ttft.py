@@ -1,0 +1,263 @@
+"""Time to first token with the context's KV replaced by the server's projection vs the target's own full prefill,
+measured in one run on the machine named in the header (STYLE rule 9).
+
+A context of about N SmolLM2 tokens (the start of the packaged pydoc corpus) is ingested once into a kvbridge server
+running in this process (loopback port 0). Then, over several rounds (the order alternates, each time a median):
+
+- full: the target (SmolLM2-135M-Instruct) prefills its start token + the context + a short fixed question, and
+  picks its first token (greedy argmax of the last logits);
+- replace, warm: the client fetches the context's projected KV from the server by key (the projected entry is
+  already in the server's store), turns it into a cache, and the target prefills only the question over it;
+- replace, cold: the same after the projected entry was deleted from the server's store (untimed), so the server
+  aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed).
+
+    .venv/bin/python bench/bench_ttft.py [--quick] [--tokens 256 1024 2048] [--rounds 5] [--adapter FILE]
+                                         [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from bench_suffix import get_adapter
+from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.pairs import start_token_id
+from kvbridge.server.app import build_service, start_server
+from kvbridge.server.client import KVBridgeClient
+from kvbridge.server.config import ServeConfig
+from kvbridge.transfer.data import data_path
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.presets import load_pair
+from machine import device_label
+from machine import machine_line as _machine_line
+
+PRESET = "small"  # Gemma-3-270M -> SmolLM2-135M-Instruct
+QUESTION = "\nQuestion: what is this about?\nAnswer:"
+FULL_TOKENS = (256, 1024, 2048)
+QUICK_TOKENS = (256, 512)
+FULL_ROUNDS = 5
+QUICK_ROUNDS = 3
+ADAPTER_NAME = "bench-adapter"
+GOAL = 1 / 20  # the issue's goal on the CPU: TTFT(replace) <= TTFT(full) / 20 at 2k tokens of context
+GOAL_TOKENS = 2048
+
+
+def machine_line(device: torch.device, mode: str) -> str:
+    return _machine_line(mode, f"grpcio {grpc.__version__}", f"models on {device_label(device)}")
+
+
+def cut_text(tokenizer, text: str, num_tokens: int) -> str:
+    """The longest start of `text` that the tokenizer reads as at most num_tokens tokens (no special tokens)."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) < num_tokens:
+        raise ValueError(f"the corpus has only {len(offsets)} target tokens, fewer than the {num_tokens} asked for")
+    return text[: offsets[num_tokens - 1][1]]
+
+
+@dataclass(frozen=True)
+class TTFTResult:
+    """One context length's medians (seconds) and what they are made of."""
+
+    context_tokens: int  # target tokens of the context, without the start token
+    question_tokens: int
+    rounds: int
+    ingest_s: float  # the source's prefill of the context, once, before the rounds (information)
+    first_fetch_s: float  # the very first replace (cold, first-call costs included; information)
+    full_s: float  # start + context + question prefilled by the target, to the first token
+    warm_s: float  # replace with the projected entry already in the server's store
+    cold_s: float  # replace after the projected entry was deleted: the server projects again
+    warm_fetch_s: float  # of warm_s: the gRPC fetch of the projected KV to the assembled tensor
+    warm_cache_s: float  # of warm_s: FetchedCache.to_cache
+    warm_prefill_s: float  # of warm_s: the question's prefill over the cache, to the first token
+    wire_bytes: int  # chunk bytes of one projected fetch
+    same_first_token: bool  # replace (warm) and full picked the same first token
+
+    @property
+    def ratio_warm(self) -> float:
+        return self.warm_s / self.full_s
+
+    @property
+    def ratio_cold(self) -> float:
+        return self.cold_s / self.full_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_cold_over_full": self.ratio_cold}
+
+
+def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int) -> TTFTResult:
+    """Ingest `context`, check that the server projects exactly the target's tokens of it, then time full prefill,
+    warm replace and cold replace to the first token, interleaved over `rounds` rounds (the order alternates)."""
+    tokenizer, model = target.tokenizer, target.model
+    device = next(model.parameters()).device
+    start = torch.tensor([start_token_id(tokenizer)])
+
+    def tokens(text: str) -> torch.Tensor:  # [T]
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+
+    context_ids, question_ids = tokens(context), tokens(QUESTION)
+    t0 = time.perf_counter()
+    entry = client.ingest(text=context).entries[0]
+    ingest_s = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def full() -> tuple[int, dict[str, float]]:
+        ids = torch.cat((start, tokens(context), tokens(QUESTION)))  # [1 + T + Q]
+        logits = model(input_ids=ids[None].to(device), use_cache=True, logits_to_keep=1).logits  # [1, 1, V]
+        return int(logits[0, -1].argmax()), {}
+
+    wire_bytes = 0
+
+    @torch.no_grad()
+    def replace() -> tuple[int, dict[str, float]]:
+        nonlocal wire_bytes
+        t0 = time.perf_counter()
+        fetched = client.fetch_projected(key=entry.key, target_model=target.name)
+        t1 = time.perf_counter()
+        cache = fetched.to_cache(target)
+        t2 = time.perf_counter()
+        q = tokens(QUESTION)  # [Q]
+        t = fetched.segment.num_tokens  # the start token and the context
+        logits = model(input_ids=q[None].to(device), position_ids=torch.arange(t, t + q.numel())[None].to(device),
+                       cache=cache, use_cache=True, logits_to_keep=1).logits  # [1, 1, V]
+        token = int(logits[0, -1].argmax())
+        wire_bytes = fetched.wire_bytes
+        return token, {"fetch": t1 - t0, "cache": t2 - t1, "prefill": time.perf_counter() - t2}
+
+    # the first fetch projects; check it before timing anything
+    t0 = time.perf_counter()
+    client.fetch_projected(key=entry.key, target_model=target.name)  # aligns, projects and stores
+    first_fetch_s = time.perf_counter() - t0
+    fetched = client.fetch_projected(key=entry.key, target_model=target.name)
+    if fetched.segment.model != target.spec.identity:
+        raise AssertionError(f"the server sent KV of {fetched.segment.model.key}, expected {target.spec.identity.key}")
+    if not torch.equal(fetched.segment.token_ids, torch.cat((start, context_ids))):
+        raise AssertionError(f"the server projected {fetched.segment.num_tokens} tokens that are not the start token "
+                             f"and the context's {context_ids.numel()} target tokens")
+    projected_key = fetched.entry_key
+
+    def forget_projection() -> None:
+        if client.delete(projected_key) < 1:
+            raise AssertionError(f"the server did not delete the projected entry {projected_key[:16]}...")
+
+    full_token, _ = full()  # warm-up: first-call costs of this length
+    warm_token, _ = replace()
+    steps: dict[str, tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]] = {
+        "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace)}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            prepare, fn = steps[name]
+            if prepare is not None:
+                prepare()
+            t0 = time.perf_counter()
+            _, split = fn()
+            samples[name].append(time.perf_counter() - t0)
+            if name == "warm":
+                for part, seconds in split.items():
+                    parts[part].append(seconds)
+    med = {name: statistics.median(s) for name, s in samples.items()}
+    return TTFTResult(context_tokens=context_ids.numel(), question_tokens=question_ids.numel(), rounds=rounds,
+                      ingest_s=ingest_s, first_fetch_s=first_fetch_s, full_s=med["full"], warm_s=med["warm"],
+                      cold_s=med["cold"], warm_fetch_s=statistics.median(parts["fetch"]),
+                      warm_cache_s=statistics.median(parts["cache"]),
+                      warm_prefill_s=statistics.median(parts["prefill"]), wire_bytes=wire_bytes,
+                      same_first_token=full_token == warm_token)
+
+
+def print_result(r: TTFTResult, pair: str) -> None:
+    goal = (f"goal <= {GOAL:.2f} at {GOAL_TOKENS}, {'meets goal' if r.ratio_warm <= GOAL else 'BELOW GOAL'}"
+            if r.context_tokens == GOAL_TOKENS else "no goal at this length")
+    print(f"ttft    {pair}, {r.context_tokens} context tokens + {r.question_tokens} question tokens: full prefill "
+          f"{r.full_s:.3f} s; replace warm {r.warm_s:.3f} s (fetch {r.warm_fetch_s:.3f} s of "
+          f"{r.wire_bytes / 1e6:.1f} MB, to_cache {r.warm_cache_s:.3f} s, question prefill {r.warm_prefill_s:.3f} s), "
+          f"cold {r.cold_s:.3f} s -> ratio replace/full warm {r.ratio_warm:.3f}, cold {r.ratio_cold:.3f} ({goal}); "
+          f"same first token {'yes' if r.same_first_token else 'no'}; Ingest {r.ingest_s:.1f} s, first fetch "
+          f"{r.first_fetch_s:.2f} s (information); medians of {r.rounds} interleaved rounds", flush=True)
+
+
+def run_ttft(source: LoadedModel, target: LoadedModel, adapter: Adapter, token_counts: list[int],
+             rounds: int) -> list[TTFTResult]:
+    """Start a server in this process over the loaded pair and `measure_ttft` at each context length."""
+    corpus = Path(data_path("pydoc_corpus_sample.txt")).read_text(encoding="utf-8")
+    # The servicer logs an open (token-less) server at WARNING; it is expected here.
+    logging.getLogger("kvbridge.server").setLevel(logging.ERROR)
+    pair = f"{source.name} -> {target.name}"
+    # a warm-up of the target's first-call costs, before any timing
+    with torch.no_grad():
+        target.model(input_ids=torch.tensor([[start_token_id(target.tokenizer)] * 8]).to(target.device),
+                     use_cache=True, logits_to_keep=1)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-ttft-") as folder:
+        config = ServeConfig(preset=PRESET, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
+                             store_capacity_mb=2048, store_device="cpu")
+        service = build_service(config, source=source, targets=[target])
+        service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
+        running = start_server(service, config)
+        client = KVBridgeClient(running.address, timeout_s=600)
+        try:
+            for n in token_counts:
+                result = measure_ttft(client, target, cut_text(target.tokenizer, corpus, n), rounds)
+                print_result(result, pair)
+                results.append(result)
+        finally:
+            client.close()
+            running.stop(grace_s=1)
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"context lengths {' '.join(map(str, QUICK_TOKENS))}, {QUICK_ROUNDS} rounds")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help=f"context lengths in target tokens (default {' '.join(map(str, FULL_TOKENS))})")
+    parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL_ROUNDS}; {QUICK_ROUNDS} "
+                                                   "with --quick)")
+    parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: fit a ridge adapter)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads, for both sides (default 1: see bench/README.md)")
+    args = parser.parse_args(argv)
+    args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else FULL_ROUNDS)
+    for name, value, low in (("--rounds", args.rounds, 1), ("--threads", args.threads, 1),
+                             ("--tokens", min(args.tokens), 16)):
+        if value < low:
+            parser.error(f"{name} must be >= {low}, got {value}")
+    return args
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Load the small pair and the adapter and measure every context length; returns the numbers."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    source, target = load_pair(PRESET, device="cpu")
+    machine = machine_line(target.device, "quick" if args.quick else "full")
+    print(machine, flush=True)
+    adapter, note = get_adapter(args.adapter, source, target)
+    print(f"setup   {source.name} -> {target.name}, question {QUESTION!r}; {note}", flush=True)
+    results = run_ttft(source, target, adapter, args.tokens, args.rounds)
+    wall_s = time.perf_counter() - started
+    print(f"done in {wall_s:.0f} s", flush=True)
+    return {"machine": machine, "adapter": note, "results": [r.as_dict() for r in results], "wall_s": wall_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

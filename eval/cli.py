@@ -1,0 +1,67 @@
+"""The `kvbridge eval rouge` and `kvbridge demo` subcommands (wired into kvbridge.server.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvbridge.eval.summaries import DEFAULT_MODES, EvalConfig
+
+
+def add_parsers(sub) -> None:
+    from kvbridge.transfer.presets import PRESETS
+
+    ev = sub.add_parser("eval", help="evaluate transfer quality and cost end to end")
+    esub = ev.add_subparsers(dest="eval_command", required=True)
+    p = esub.add_parser("rouge", help="summaries under each transfer mode: ROUGE, NLL recovery, FLOPs, TTFT, bytes")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl", help="records with id, document and summary")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--adapter", metavar="FILE", help="adapter file (default: the adapter folder's default)")
+    p.add_argument("--fit-adapter", action="store_true", help="fit a ridge adapter into the folder if it has none")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated (default {DEFAULT_MODES})")
+    p.add_argument("--limit", type=int, help="evaluate only the first N records")
+    p.add_argument("--exclude", metavar="FILE.jsonl", help="skip records whose id is in this file")
+    p.add_argument("--out", default="eval-out", metavar="DIR", help="where results.json, table.md and the plot go")
+    p.add_argument("--server", metavar="HOST:PORT", help="use a running kvbridge server (default: serve in-process)")
+    p.add_argument("--token", help="bearer token for --server")
+    p.add_argument("--max-doc-tokens", type=int, default=EvalConfig.max_doc_tokens,
+                   help="cut documents to this many target tokens")
+    p.add_argument("--continuation-tokens", type=int, default=EvalConfig.continuation_tokens,
+                   help="held-out tokens after the cut, for NLL recovery")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens, help="summary length (greedy)")
+    p.add_argument("--fuse-steps", type=int, default=EvalConfig.fuse_steps, help="Adam steps fitting fuse's gates")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_rouge)
+
+    p = sub.add_parser("demo", help="the README's main job: a server, a projected document, summaries side by side")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--doc", metavar="ID", help="a record of the shipped sample (default: its first)")
+    p.add_argument("--max-doc-tokens", type=int, default=384, help="cut the document to this many target tokens")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens)
+    p.add_argument("--adapters", metavar="DIR", help="adapter folder (default KVBRIDGE_HOME/adapters)")
+    p.add_argument("--no-selfcheck", action="store_true", help="start the server without its self-checks")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_eval_rouge(args: argparse.Namespace) -> int:
+    from kvbridge.eval.run import RunOptions, evaluate
+
+    config = EvalConfig(max_doc_tokens=args.max_doc_tokens, continuation_tokens=args.continuation_tokens,
+                        max_new_tokens=args.max_new_tokens, fuse_steps=args.fuse_steps)
+    options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
+                         fit_adapter=args.fit_adapter, limit=args.limit, exclude=args.exclude, out=args.out,
+                         server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
+                         progress=not args.no_progress)
+    result = evaluate(options, config=config)
+    print(result["paths"]["markdown"].read_text())
+    for name, path in result["paths"].items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvbridge.eval.demo import run_demo
+
+    return run_demo(preset=args.preset, doc_id=args.doc, max_doc_tokens=args.max_doc_tokens,
+                    max_new_tokens=args.max_new_tokens, adapters=args.adapters, selfcheck=not args.no_selfcheck)

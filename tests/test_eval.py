@@ -1,0 +1,190 @@
+"""kvbridge eval rouge and kvbridge demo on the tiny preset: the harness end to end through a real server, the
+table's structure, `full` against identity-adapter `replace` (exactly the same summaries), determinism, and the
+demo as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from kvbridge.eval.flops import FlopModel
+from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, rouge
+from kvbridge.eval.run import RunOptions, evaluate
+from kvbridge.eval.summaries import EvalConfig, parse_modes, read_records
+from kvbridge.transfer.data import data_path
+from rouge_score import rouge_scorer
+
+SAMPLE = data_path("pydoc_summaries_sample.jsonl")
+ALL_MODES = "full,none,replace,recompute:0.1,tail:0.1,recompute:0.25,tail:0.25,fuse"
+TINY = EvalConfig(max_doc_tokens=96, continuation_tokens=16, max_new_tokens=10, fuse_steps=3)
+
+
+def test_modes_parse_and_bad_modes_are_named():
+    modes = parse_modes("full, none,replace,recompute:0.10,tail:0.1,fuse")
+    assert [m.name for m in modes] == ["full", "none", "replace", "recompute:0.1", "tail:0.1", "fuse"]
+    assert modes[3].kind == "recompute" and modes[3].fraction == pytest.approx(0.1)
+    for bad, words in (("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
+                       ("tail:1.5", "(0, 1]"), ("blend", "unknown mode 'blend'"), ("full,full", "twice"),
+                       (" , ", "no modes")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
+            parse_modes(bad)
+
+
+def test_records_are_checked(tmp_path):
+    records = read_records(SAMPLE)
+    assert len(records) == 12 and all(r.document and r.summary for r in records)
+    bad = tmp_path / "bad.jsonl"
+    for text, words in (('{"id": "a", "document": "x"}', "field 'summary'"), ("[1]", "JSON object"),
+                        ("{not json", "not JSON"), ('{"id": "a", "document": " ", "summary": "y"}', "'document'")):
+        bad.write_text(text + "\n")
+        with pytest.raises(ValueError, match=words):
+            read_records(bad)
+    a, b = '{"id": "a", "document": "x", "summary": "y"}', '{"id": "a", "document": "z", "summary": "w"}'
+    bad.write_text("\n".join((a, b, a, b)) + "\n")  # repeats dropped, another record under a taken id renamed
+    assert [(r.id, r.document) for r in read_records(bad)] == [("a", "x"), ("a#2", "z")]
+    rest = read_records(SAMPLE, exclude=SAMPLE.parent / "pydoc_heldout.jsonl")
+    assert len(rest) < len(records) and not {r.id for r in rest} & {r.id for r in read_records(
+        SAMPLE.parent / "pydoc_heldout.jsonl")}
+
+
+def test_rouge_is_the_librarys_and_the_bootstrap_brackets_the_mean():
+    ref, pred = "Unix filename pattern matching", "The fnmatch module matches Unix filenames against patterns."
+    lib = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True).score(ref, pred)
+    assert rouge(ref, pred) == {k: lib[k].fmeasure for k in ROUGE_TYPES}
+    assert rouge(ref, pred)["rouge1"] > 0  # stemming: filenames ~ filename, patterns ~ pattern
+    mean, lo, hi = bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0)
+    assert lo <= mean <= hi and mean == pytest.approx(0.375)
+    assert bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0) == (mean, lo, hi)  # seeded
+
+
+def test_prefill_flops_add_up(tiny_target):
+    f = FlopModel.from_config(tiny_target.model.config)
+    head = 2 * f.hidden * f.vocab  # one position's logits per forward
+    assert f.prefill(100, 0) + f.prefill(30, 100) - head == f.prefill(130, 0)
+    assert f.prefill(0, 50) == 0
+    assert f.prefill(10, 1000) > f.prefill(10, 0)  # attention to the cache costs
+    with pytest.raises(ValueError, match="new=-1"):
+        f.prefill(-1)
+
+
+@pytest.fixture(scope="module")
+def identity_run(tiny_target, tmp_path_factory):
+    from kvbridge.adapters.identity import identity_adapter
+
+    out = tmp_path_factory.mktemp("eval-identity")
+    options = RunOptions(data=str(SAMPLE), preset="tiny", modes=ALL_MODES, limit=3, out=str(out), progress=False,
+                         bootstrap=200)
+    return evaluate(options, source=tiny_target, target=tiny_target, adapter=identity_adapter(tiny_target),
+                    config=TINY)
+
+
+def test_eval_writes_the_table_json_and_plot(identity_run):
+    paths, summary = identity_run["paths"], identity_run["summary"]
+    table = paths["markdown"].read_text().splitlines()
+    header = next(line for line in table if line.startswith("| mode"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "mode", "ROUGE-1", "ROUGE-2", "ROUGE-L", "NLL recovery", "prefill FLOPs saved", "TTFT median (× full)",
+        "KV bytes moved"]
+    rows = [line.split("|")[1].strip() for line in table if line.startswith("| ") and not line.startswith("| mode")]
+    assert rows == [m.name for m in parse_modes(ALL_MODES)]
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(paths["json"].read_text())
+    assert data["summary"]["documents"] == 3 and len(data["documents"]) == 3
+    assert set(data["documents"][0]["modes"]) == set(rows)
+    modes = summary["modes"]
+    for name, e in modes.items():
+        for kind in ROUGE_TYPES:
+            assert e[kind]["low"] <= e[kind]["mean"] <= e[kind]["high"], (name, kind)
+    assert modes["full"]["flops_saved_vs_full"] == 0 and modes["full"]["kv_bytes_mean"] == 0
+    # replace prefills only the instruction; recompute adds its share of the document; fuse prefills everything
+    assert modes["replace"]["flops_saved_vs_full"] > modes["recompute:0.1"]["flops_saved_vs_full"] > \
+        modes["recompute:0.25"]["flops_saved_vs_full"] > 0
+    assert modes["fuse"]["flops_saved_vs_full"] == 0 and modes["replace"]["kv_bytes_mean"] > 0
+    assert modes["none"]["nll_recovery"]["value"] == 0 and modes["full"]["nll_recovery"]["value"] == 1
+    assert identity_run["meta"]["gates"]["windows"] == 8
+
+
+def test_full_and_identity_replace_agree_exactly(identity_run):
+    """The identity adapter hands the target its own KV through the service: every mode built on the projected
+    cache gives the summaries of the target's own prefill, token for token, and the same NLL to float tolerance."""
+    for doc in identity_run["results"]:
+        full = doc.modes["full"]
+        for name in ("replace", "recompute:0.1", "recompute:0.25", "fuse"):
+            got = doc.modes[name]
+            assert got.summary_ids == full.summary_ids, (doc.id, name)
+            assert got.rouge == full.rouge
+            assert got.nll == pytest.approx(full.nll, rel=1e-4, abs=1e-4)
+        assert doc.modes["tail:0.1"].prefill_tokens < doc.modes["tail:0.25"].prefill_tokens < full.prefill_tokens
+    modes = identity_run["summary"]["modes"]
+    for kind in ROUGE_TYPES:
+        assert modes["replace"][kind] == modes["full"][kind]
+    assert modes["replace"]["nll_recovery"]["value"] == pytest.approx(1, abs=1e-3)
+
+
+def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
+    from kvbridge.adapters.identity import identity_adapter
+
+    options = RunOptions(data=str(SAMPLE), preset="tiny", modes=ALL_MODES, limit=3, out=str(tmp_path),
+                         progress=False, bootstrap=200)
+    again = evaluate(options, source=tiny_target, target=tiny_target, adapter=identity_adapter(tiny_target),
+                     config=TINY)
+    for a, b in zip(identity_run["results"], again["results"]):
+        for name in a.modes:
+            assert (a.modes[name].summary_ids, a.modes[name].nll) == (b.modes[name].summary_ids, b.modes[name].nll)
+    for name, e in identity_run["summary"]["modes"].items():
+        f = again["summary"]["modes"][name]
+        assert [e[k] for k in ROUGE_TYPES] == [f[k] for k in ROUGE_TYPES]
+        assert e.get("nll_recovery") == f.get("nll_recovery")
+
+
+def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys):
+    """The CLI with a fitted (not identity) adapter: a projection is an approximation, so replace differs from
+    full, and recompute of every token is exact again."""
+    from kvbridge.server.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["eval", "rouge", "--data", str(SAMPLE), "--preset", "tiny", "--adapter", str(tiny_adapter_file),
+               "--modes", "full,none,replace,recompute:1", "--limit", "2", "--max-doc-tokens", "64",
+               "--continuation-tokens", "8", "--max-new-tokens", "6", "--out", str(out), "--no-progress",
+               "--bootstrap", "100"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| recompute:1 |" in printed and str(out / "table.md") in printed
+    docs = json.loads((out / "results.json").read_text())["documents"]
+    for doc in docs:
+        m = doc["modes"]
+        assert m["replace"]["nll"] != pytest.approx(m["full"]["nll"], rel=1e-3)
+        assert m["recompute:1"]["nll"] == pytest.approx(m["full"]["nll"], rel=1e-4)
+    assert main(["eval", "rouge", "--data", str(tmp_path / "missing.jsonl"), "--preset", "tiny"]) == 2
+    assert "missing.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_demo_runs_with_a_background_server(tmp_path):
+    """`kvbridge demo --preset tiny`: fits an adapter into an empty folder, serves in the background, prints the
+    side-by-side table, and the server stops cleanly; a second run uses the cached adapter."""
+    env = {**os.environ, "KVBRIDGE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "kvbridge.server.cli", "demo", "--preset", "tiny", "--adapters",
+           str(tmp_path / "adapters"), "--max-doc-tokens", "64", "--max-new-tokens", "8"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L", "recompute:0.1", "reference:",
+                  "server: stopped cleanly (exit 0)"):
+        assert words in first.stdout, words
+    assert any((tmp_path / "adapters").glob("*.safetensors"))
+    second = subprocess.run(cmd + ["--no-selfcheck"], capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "(cached in" in second.stdout and "fitting" not in second.stdout
+    table = [line for line in second.stdout.splitlines() if line.startswith(("full ", "replace ", "none "))]
+    assert len(table) == 3
+
+
+def test_eval_needs_an_adapter(tiny_source, tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_HOME", str(tmp_path))
+    options = RunOptions(data=str(SAMPLE), preset="tiny", modes="full,replace", limit=1, out=str(tmp_path / "o"),
+                         progress=False)
+    with pytest.raises(FileNotFoundError, match="--fit-adapter"):
+        evaluate(options, source=tiny_source, target=tiny_target, config=TINY)
+    assert not (tmp_path / "o").exists()
