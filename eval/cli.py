@@ -36,8 +36,8 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("demo", help="the README's main job: a server, a projected document, summaries side by side")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--doc", metavar="ID", help="a record of the shipped sample (default: its first)")
-    p.add_argument("--max-doc-tokens", type=int, default=384, help="cut the document to this many target tokens")
+    p.add_argument("--doc", metavar="ID", help="a record of the shipped sample (default pydoc:sndhdr)")
+    p.add_argument("--max-doc-tokens", type=int, default=512, help="cut the document to this many target tokens")
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens)
     p.add_argument("--adapters", metavar="DIR", help="adapter folder (default KVBRIDGE_HOME/adapters)")
     p.add_argument("--no-selfcheck", action="store_true", help="start the server without its self-checks")

@@ -22,6 +22,7 @@ from kvbridge.eval.report import rouge
 from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, parse_modes, prepare, read_records
 
 DEMO_MODES = "full,replace,recompute:0.1,none"
+DEMO_DOC = "pydoc:sndhdr"  # one where SmolLM2's own summary is on topic, so the modes' differences show
 SAMPLE = "pydoc_summaries_sample.jsonl"
 
 
@@ -97,7 +98,7 @@ def _format_table(doc, result, reference: str) -> str:
     return "\n".join(lines)
 
 
-def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: int = 384,
+def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: int = 512,
              max_new_tokens: int = EvalConfig.max_new_tokens, adapters: str | None = None,
              selfcheck: bool = True) -> int:
     from kvbridge.server.client import KVBridgeClient
@@ -107,7 +108,8 @@ def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: i
 
     t_start = time.perf_counter()
     records = read_records(data_path(SAMPLE))
-    record = records[0] if doc_id is None else next((r for r in records if r.id == doc_id), None)
+    doc_id = doc_id or DEMO_DOC
+    record = next((r for r in records if r.id == doc_id), None)
     if record is None:
         raise ValueError(f"no record {doc_id!r} in the shipped sample; ids: {', '.join(r.id for r in records)}")
     _say(f"kvbridge demo: preset {preset}, document {record.id} of the shipped sample ({SAMPLE})")
