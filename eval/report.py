@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,14 @@ from rouge_score import rouge_scorer
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
+@cache
+def _scorer() -> rouge_scorer.RougeScorer:
+    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+
+
 def rouge(reference: str, prediction: str) -> dict[str, float]:
     """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming)."""
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    scores = scorer.score(reference, prediction)
+    scores = _scorer().score(reference, prediction)
     return {name: scores[name].fmeasure for name in ROUGE_TYPES}
 
 
