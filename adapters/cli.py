@@ -113,6 +113,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_parsers(sub) -> None:
+    """`kvbridge train-adapter ARGS`: the same as the train-adapter command."""
+    # prefix_chars="+": no options of its own, so "--corpus" or "--help" land in `rest` (with "-" as a prefix,
+    # argparse refuses a REMAINDER that starts with an option, bpo-17050)
+    p = sub.add_parser("train-adapter", help="fit a projection adapter (same as the train-adapter command)",
+                       add_help=False, prefix_chars="+")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: main(args.rest, prog="kvbridge train-adapter"))
+
+
 def main(argv: list[str] | None = None, prog: str = "train-adapter") -> int:
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

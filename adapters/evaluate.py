@@ -14,9 +14,9 @@ bootstrap 95% interval over documents.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, project
@@ -95,6 +95,21 @@ def _score_plain(target: LoadedModel, prefix: torch.Tensor, continuation: torch.
     return _nll(logits[:-1], continuation[1:])
 
 
+def bootstrap_recovery(none: list[float], full: list[float], mode: list[float], samples: int, seed: int
+                       ) -> tuple[float, float, float]:
+    """Recovery (NLL_none − NLL_mode) / (NLL_none − NLL_full) over summed NLLs, with a document bootstrap."""
+    n, f, m = (np.asarray(v, dtype=np.float64) for v in (none, full, mode))
+
+    def ratio(idx):
+        gap = n[idx].sum(-1) - f[idx].sum(-1)
+        return (n[idx].sum(-1) - m[idx].sum(-1)) / np.where(gap == 0, np.nan, gap)
+
+    rng = np.random.default_rng(seed)
+    boot = ratio(rng.integers(0, len(n), size=(samples, len(n))))
+    value = float(ratio(np.arange(len(n))[None])[0])
+    return value, float(np.nanpercentile(boot, 2.5)), float(np.nanpercentile(boot, 97.5))
+
+
 def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter, docs: list[EvalDocument],
                       seed: int = 0, progress: bool = True, wrong: bool = True) -> RecoveryResult:
     if len(docs) < 2:
@@ -118,14 +133,9 @@ def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter
     conditions = list(per_doc[0])
     result = RecoveryResult(documents=len(docs), scored_tokens=n_tok, per_document=per_doc)
     result.nll = {c: sum(r[c] for r in per_doc) / n_tok for c in conditions}
-
-    def recovery(rows, cond):
-        none, full = sum(r["none"] for r in rows), sum(r["full"] for r in rows)
-        return (none - sum(r[cond] for r in rows)) / (none - full) if none != full else float("nan")
-
-    rng = random.Random(seed)
+    column = {c: [r[c] for r in per_doc] for c in conditions}
     for cond in [c for c in conditions if c not in ("full", "none")]:
-        result.recovery[cond] = recovery(per_doc, cond)
-        samples = sorted(recovery([rng.choice(per_doc) for _ in per_doc], cond) for _ in range(1000))
-        result.interval[cond] = (samples[25], samples[974])
+        value, lo, hi = bootstrap_recovery(column["none"], column["full"], column[cond], samples=1000, seed=seed)
+        result.recovery[cond] = value
+        result.interval[cond] = (lo, hi)
     return result

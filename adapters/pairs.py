@@ -13,16 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import AlignKind, Alignment, align_tokens, tokenize
+from kvbridge.transfer.align import AlignKind, Alignment, align_tokens, start_token_id, tokenize
 from kvbridge.transfer.models import LoadedModel
 
-
-def start_token_id(tokenizer) -> int:
-    """The target's start token: its BOS, else its EOS (which causal LMs are trained to read as a boundary)."""
-    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return int(tid)
-    raise ValueError(f"{type(tokenizer).__name__} has neither a BOS nor an EOS token to start a context with")
+__all__ = ["PairedText", "pair_text", "with_start_token", "kv_pairs", "start_kv", "start_token_id", "flatten_heads"]
 
 
 @dataclass(frozen=True)

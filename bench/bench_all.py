@@ -7,7 +7,7 @@ the machine named in the first line (STYLE rule 9).
 1. ttft (bench_ttft.py): TTFT with the context's KV replaced by the server's projection vs the target's full
    prefill, at 256, 1024 and 2048 context tokens on the small pair (warm and cold fetch).
 2. projection (bench_projection.py): projection throughput vs the target's prefill, on the same loaded pair.
-3. store (bench_store.py): PagedStore.get vs a torch copy, lookup per block, bytes held, the Redis tier.
+3. store (bench_store.py): PagedStore.get vs a torch copy, lookup per block, tokens a pool holds, the Redis tier.
 4. grpc (bench_grpc.py): a warm projected fetch over gRPC vs a raw loopback socket, bytes on the wire.
 5. suffix (bench_suffix.py): multi-turn suffix reuse, prefilled tokens and TTFT without/with the pipeline (its quick
    settings unless --full is given).
@@ -100,10 +100,10 @@ def store_rows(r: dict) -> list[Row]:
     rows.append(Row("store hash_chain/lookup", f"{lookup['ratio_hash_chain_over_lookup']:.2f}", "-",
                     f"{us['hash_chain']:.2f} vs {us['prefix']:.2f} us/block",
                     lookup["ratio_hash_chain_over_lookup"]))
-    for b in r["bytes"]:
-        rows.append(Row(f"store held/exact ({b['case']})", f"{b['ratio_held_over_exact']:.4f}",
-                        f"= {b['ratio_expected']:.4f}", f"{b['tokens']:,} tokens; expected from partial tail blocks",
-                        b["ratio_held_over_exact"]))
+    for c in r["capacity"]:
+        rows.append(Row(f"store tokens/pool ({c['case']})", f"{c['ratio_tokens_over_pool']:.3f}", "-",
+                        f"{c['tokens']:,} tokens in {c['entries']:,} entries held by a {c['pool_tokens']:,}-token "
+                        "pool before its first eviction", c["ratio_tokens_over_pool"]))
     if not r["redis"]:
         rows.append(Row("redis tier/raw", "skipped", "near 1", "no redis-server (or valkey-server) on PATH"))
     for x in r["redis"]:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     torch.set_num_threads(args.threads)
     mode = "quick" if args.quick else "full"
     started = time.perf_counter()
-    from kvbridge.transfer.models import resolve_device
+    from kvbridge.transfer.devices import resolve_device
 
     machine = machine_line(mode, f"grpcio {grpc.__version__}", f"models on {device_label(torch.device('cpu'))}",
                            f"store on {device_label(resolve_device('auto'))}")

@@ -14,6 +14,9 @@ each reported time is a median.
    information.
 2. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
    and the production pair's ratio computed from DESIGN.md's model numbers (not measured).
+
+(One file of ~470 lines: the server process, the raw-socket baseline that must move the same chunks, and
+the interleaved rounds are one measurement; split, the two sides of the ratio could drift apart.)
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def target_tokenizer(preset: str):
     """The preset's target tokenizer without its model: all this process needs to cut the text (the server process
     loads the models). The same tokenizer transfer/presets.py gives the target."""
     if preset == "tiny":
-        from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+        from kvbridge.transfer.tiny_pair import build_tiny_tokenizer
 
         return build_tiny_tokenizer("sentencepiece")
     from kvbridge.transfer.models import prepare_gguf
@@ -123,7 +126,7 @@ class ServerProcess:
     def __init__(self, args: list[str], folder: Path, threads: int):
         self.ready = folder / "ready.json"
         self.stdout, self.stderr = folder / "server.out", folder / "server.err"
-        cmd = [sys.executable, "-m", "kvbridge.server.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
+        cmd = [sys.executable, "-m", "kvbridge.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
                str(self.ready), *args]
         t0 = time.perf_counter()
         with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:

@@ -10,25 +10,12 @@ Ceiling from FLOPs (DESIGN.md): about 45x for Gemma-3-270M -> SmolLM2-135M.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
-
-
-def machine_line(device: torch.device) -> str:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    return (f"machine: {platform.node()} | {cpu} x {os.cpu_count()} cores{gpu} | torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads) | load average {os.getloadavg()[0]:.2f} at start")
+from machine import device_label, machine_line
 
 
 def random_adapter(source, target, device: torch.device):
@@ -119,7 +106,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     source, target = load_pair(args.preset, dtype=args.dtype, device=args.device)
     device = target.device
-    print(machine_line(device))
+    print(machine_line("full", f"device {device_label(device)}", f"dtype {args.dtype}"))
     adapter = load_adapter(args.adapter, device) if args.adapter else random_adapter(source, target, device)
     return measure(source, target, adapter, args.tokens, args.rounds, args.dtype)
 

@@ -7,8 +7,10 @@ time is a median, because other processes share the machine.
 1. get: `PagedStore.get` of one entry vs `dst.copy_(src)` of the same bytes (GB/s), real small-preset layouts.
 2. lookup: `PagedStore.lookup` of a long cached prefix with >= 1M blocks indexed (us per block), and the share
    of it spent in `hash_chain`.
-3. bytes: device bytes held per stored token vs the exact KV size, without and with shared prefixes.
+3. capacity: tokens a fixed pool holds before its first eviction, by prefix-sharing pattern.
 4. redis: `RedisTier.put_many` / `get_many` vs raw redis-py pipelined SET / MGET of the same sizes (MB/s).
+
+(One file of ~430 lines: four benchmarks of one store that share its layouts, sizes and machine line.)
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvbridge.transfer.block_pool import PoolLayout
-from kvbridge.transfer.kv_blocks import Namespace, chain_root, hash_chain
-from kvbridge.transfer.models import prepare_gguf, resolve_device
+from kvbridge.transfer.devices import resolve_device
+from kvbridge.transfer.models import prepare_gguf
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity, config_hash
 from kvbridge.transfer.store import PagedStore, StoreConfig
-from kvbridge.transfer.tiers import RedisTier
+from kvbridge.transfer.store.block_pool import PoolLayout
+from kvbridge.transfer.store.kv_blocks import Namespace, chain_root, hash_chain
+from kvbridge.transfer.store.tiers import RedisTier
 from machine import device_label
 from machine import machine_line as _machine_line
 
@@ -51,19 +54,18 @@ class Sizes:
     lookup_entries: int
     lookup_blocks_per_entry: int
     lookup_rounds: int
-    bytes_entries: int
+    pool_blocks: int  # capacity: the fixed pool's size
     bytes_max_tokens: int
-    shared_entries: int
     shared_max_suffix: int
     redis_blocks: int
     redis_rounds: int
 
 
 FULL = Sizes(get_rounds=15, get_inner=3, lookup_entries=250, lookup_blocks_per_entry=4096, lookup_rounds=15,
-             bytes_entries=200, bytes_max_tokens=3000, shared_entries=100, shared_max_suffix=2000,
+             pool_blocks=2048, bytes_max_tokens=3000, shared_max_suffix=2000,
              redis_blocks=512, redis_rounds=7)
 QUICK = Sizes(get_rounds=5, get_inner=2, lookup_entries=16, lookup_blocks_per_entry=1024, lookup_rounds=5,
-              bytes_entries=24, bytes_max_tokens=1000, shared_entries=12, shared_max_suffix=500,
+              pool_blocks=256, bytes_max_tokens=1000, shared_max_suffix=500,
               redis_blocks=128, redis_rounds=2)
 REDIS_BATCH = 64
 
@@ -241,63 +243,68 @@ def bench_lookup(sizes: Sizes, device: torch.device) -> dict:
             "us_per_block": us, "ratio_hash_chain_over_lookup": share}
 
 
-# ---------------------------------------------------------------------------------------------------- 3. bytes
+# ---------------------------------------------------------------------------------------------------- 3. capacity
 
 
-def bench_bytes(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[dict]:
+def fill_until_eviction(st: PagedStore, entries) -> tuple[int, int]:
+    """Put entries (KVSegments) until one makes the pool evict; returns (entries held, tokens held) before it."""
+    held_entries = held_tokens = 0
+    for seg in entries:
+        st.put(seg, TENANT)
+        if st.stats().evictions["device"]:
+            break
+        held_entries += 1
+        held_tokens += seg.num_tokens
+    else:
+        raise AssertionError("the pattern ran out before the pool filled: give it more entries")
+    return held_entries, held_tokens
+
+
+def bench_capacity(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[dict]:
+    """Tokens a fixed pool holds before its first eviction, by prefix-sharing pattern. The ratio is tokens held over
+    the pool's size in tokens: below 1 from partial tail blocks, above 1 where entries share full blocks."""
     rng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
-    bpt = layout.bytes_per_token
+    pool_tokens = sizes.pool_blocks * BLOCK_SIZE
+    longest = pool_tokens + 1024
+    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, longest, layout.head_dim, generator=gen).to(DTYPE)
+
+    def random_ids(n: int) -> torch.Tensor:
+        return torch.randint(0, 200_000, (n,), generator=gen)
+
+    def distinct():  # random tokens of random lengths: no two entries share a block
+        while True:
+            n = rng.randint(1, sizes.bytes_max_tokens)
+            yield segment(layout, kv[:, :, :, :n], random_ids(n))
+
+    head = random_ids(1024)
+
+    def shared_prefix():  # one 1024-token system prompt, then a distinct suffix each
+        while True:
+            n = rng.randint(1, sizes.shared_max_suffix)
+            yield segment(layout, kv[:, :, :, :1024 + n], torch.cat((head, random_ids(n))))
+
+    def conversation():  # one growing chat: each request is the whole conversation so far
+        ids = random_ids(rng.randint(32, 256))
+        while ids.numel() <= longest:
+            yield segment(layout, kv[:, :, :, :ids.numel()], ids)
+            ids = torch.cat((ids, random_ids(rng.randint(32, 128))))
+
+    results = []
     block_bytes = pool_layout(layout).block_bytes
-
-    # no shared prefixes: random tokens, so no two entries share a first block
-    lengths = [rng.randint(1, sizes.bytes_max_tokens) for _ in range(sizes.bytes_entries)]
-    blocks = sum(-(-n // BLOCK_SIZE) for n in lengths)
-    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, max(lengths), layout.head_dim,
-                     generator=gen).to(DTYPE)
-    st = store_for(blocks, block_bytes, device)
-    for n in lengths:
-        info = st.put(segment(layout, kv[:, :, :, :n], torch.randint(0, 200_000, (n,), generator=gen)), TENANT)
-        if info.new_blocks != info.num_blocks:
-            raise AssertionError("random entries unexpectedly shared a block")
-    stats = st.stats()
-    tokens = sum(lengths)
-    held = stats.bytes_used["device"] / (tokens * bpt)
-    expected = blocks * BLOCK_SIZE / tokens
-    print(f"bytes   no shared prefixes: {len(lengths)} entries of 1-{sizes.bytes_max_tokens} tokens, {tokens:,} tokens "
-          f"of {layout.describe()} ({tokens * bpt / 1e9:.2f} GB exact KV): ratio held/exact {held:.4f}, "
-          f"expected from partial tail blocks {expected:.4f} (goal: equal, {verdict(abs(held - expected) < 1e-9)})",
-          flush=True)
-    del st, kv
-    gc.collect()
-    results = [{"case": "no shared prefixes", "tokens": tokens, "ratio_held_over_exact": held,
-                "ratio_expected": expected}]
-
-    # shared prefixes: every entry starts with the same 1024 tokens (64 full blocks, stored once)
-    shared = 1024
-    suffixes = [rng.randint(1, sizes.shared_max_suffix) for _ in range(sizes.shared_entries)]
-    blocks = shared // BLOCK_SIZE + sum(-(-n // BLOCK_SIZE) for n in suffixes)
-    head = torch.randint(0, 200_000, (shared,), generator=gen)
-    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, shared + max(suffixes), layout.head_dim,
-                     generator=gen).to(DTYPE)
-    st = store_for(blocks, block_bytes, device)
-    stored_tokens = 0
-    for n in suffixes:
-        ids = torch.cat([head, torch.randint(0, 200_000, (n,), generator=gen)])
-        st.put(segment(layout, kv[:, :, :, :shared + n], ids), TENANT)
-        stored_tokens += shared + n
-    distinct = shared + sum(suffixes)
-    used = st.stats().bytes_used["device"]
-    held = used / (distinct * bpt)
-    expected = blocks * BLOCK_SIZE / distinct
-    print(f"bytes   shared {shared}-token prefix: {len(suffixes)} entries + 1-{sizes.shared_max_suffix} tokens each, "
-          f"{stored_tokens:,} tokens stored, {distinct:,} distinct: ratio held/exact-distinct {held:.4f}, expected "
-          f"from partial tail blocks {expected:.4f} (goal: equal, {verdict(abs(held - expected) < 1e-9)}; "
-          f"held/all-stored {used / (stored_tokens * bpt):.4f})", flush=True)
-    del st, kv
-    gc.collect()
-    results.append({"case": f"shared {shared}-token prefix", "tokens": distinct, "ratio_held_over_exact": held,
-                    "ratio_expected": expected})
+    for case, entries in (("distinct entries", distinct()), ("shared 1024-token prefix", shared_prefix()),
+                          ("growing conversation", conversation())):
+        st = store_for(sizes.pool_blocks, block_bytes, device)
+        count, tokens = fill_until_eviction(st, entries)
+        assert st.check() == [], st.check()
+        ratio = tokens / pool_tokens
+        print(f"capacity {case}: a pool of {sizes.pool_blocks:,} blocks ({pool_tokens:,} tokens of "
+              f"{layout.describe()}) held {count:,} entries, {tokens:,} tokens before its first eviction: ratio "
+              f"tokens held/pool tokens {ratio:.3f} (no goal: what sharing full blocks buys)", flush=True)
+        results.append({"case": case, "pool_tokens": pool_tokens, "entries": count, "tokens": tokens,
+                        "ratio_tokens_over_pool": ratio})
+        del st
+        gc.collect()
     return results
 
 
@@ -405,11 +412,11 @@ def run(argv: list[str] | None = None) -> dict:
     gc.collect()
     lookup = bench_lookup(sizes, device)
     gc.collect()  # the million-block store
-    held = bench_bytes(source, sizes, device)
+    capacity = bench_capacity(source, sizes, device)
     redis = bench_redis(source, sizes, device)
     wall_s = time.perf_counter() - started
     print(f"done in {wall_s:.0f} s", flush=True)
-    return {"machine": machine, "get": get, "lookup": lookup, "bytes": held, "redis": redis, "wall_s": wall_s}
+    return {"machine": machine, "get": get, "lookup": lookup, "capacity": capacity, "redis": redis, "wall_s": wall_s}
 
 
 def main(argv: list[str] | None = None) -> int:

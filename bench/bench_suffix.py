@@ -35,11 +35,11 @@ from kvbridge.server.client import KVBridgeClient, ProjectedContext
 from kvbridge.server.config import ServeConfig
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
-from kvbridge.transfer.generator import Part, RequestMetrics, SuffixReuseGenerator
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.presets import load_pair
 from kvbridge.transfer.store import PagedStore, StoreConfig
-from kvbridge.transfer.suffix_cache import SuffixCacheManager
+from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager
+from kvbridge.transfer.suffix.generator import Part, RequestMetrics, SuffixReuseGenerator
 from machine import device_label
 from machine import machine_line as _machine_line
 

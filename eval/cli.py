@@ -1,4 +1,4 @@
-"""The `kvbridge eval rouge` and `kvbridge demo` subcommands (wired into kvbridge.server.cli)."""
+"""The `kvbridge eval rouge` and `kvbridge demo` subcommands (assembled into `kvbridge` by kvbridge.cli)."""
 
 from __future__ import annotations
 

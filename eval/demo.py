@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbridge.eval.report import rouge
+from kvbridge.eval.report import repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, parse_modes, prepare, read_records
 
 DEMO_MODES = "full,replace,recompute:0.1,none"
@@ -38,7 +38,7 @@ class BackgroundServer:
         ready = workdir / "ready.json"
         setpriv = shutil.which("setpriv")  # the server dies with the demo, however the demo ends
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-        cmd = [*prefix, sys.executable, "-m", "kvbridge.server.cli", "serve", *args, "--listen", "127.0.0.1:0",
+        cmd = [*prefix, sys.executable, "-m", "kvbridge.cli", "serve", *args, "--listen", "127.0.0.1:0",
                "--ready-file", str(ready)]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
@@ -85,13 +85,17 @@ def _ensure_adapter(source, target, folder: Path) -> str:
 
 
 def _format_table(doc, result, reference: str) -> str:
-    rows = [("mode", "TTFT", "target prefill", "FLOPs saved", "KV bytes in", "ROUGE-L")]
+    rows = [("mode", "TTFT", "target prefill", "FLOPs saved", "KV bytes in", "ROUGE-L vs ref", "fidelity vs full",
+             "top-1 = full", "repeated 3-grams")]
     full = result.modes.get("full")
     for name, m in result.modes.items():
         saved = f"{1 - m.prefill_flops / full.prefill_flops:.0%}" if full else "-"
         kv = f"{m.kv_bytes / 1e6:.1f} MB" if m.kv_bytes else "0"
+        fidelity = f"{rouge(full.summary, m.summary)['rougeL']:.3f}" if full else "-"
+        agree = top1_agreement(m.continuation_top1, full.continuation_top1) if full else None
         rows.append((name, f"{m.ttft_s:.2f} s", f"{m.prefill_tokens} tok", saved, kv,
-                     f"{rouge(reference, m.summary)['rougeL']:.3f}"))
+                     f"{rouge(reference, m.summary)['rougeL']:.3f}", fidelity,
+                     f"{agree:.0%}" if agree is not None else "-", f"{repeated_ngram_share(m.summary_ids):.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

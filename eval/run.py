@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from kvbridge.eval.cost import PairCost
 from kvbridge.eval.report import summarise, write_report
 from kvbridge.eval.summaries import (
     DEFAULT_MODES,
@@ -87,12 +88,15 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         from kvbridge.transfer.presets import load_pair
 
         source, target = load_pair(options.preset)
-    running = None
+    running, cost = None, None
     if options.server is None:
         running = start_local_server(source, target, options.preset, options.adapter, options.fit_adapter, adapter)
         address = running.address
+        if source is not None:
+            _, served = running.service.adapters.resolve("", source.spec, target.spec)
+            cost = PairCost.of(source.model.config, target.model.config, served)
     else:
-        address = options.server
+        address = options.server  # the server's adapter is not known here: no system cost
     try:
         with KVBridgeClient(address, token=options.token, timeout_s=600) as client:
             projected = ProjectedSource(client, target)
@@ -116,7 +120,7 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
     finally:
         if running is not None:
             running.stop(1)
-    summary = summarise(results, options.bootstrap, options.seed)
+    summary = summarise(results, options.bootstrap, options.seed, cost)
     meta = {"data": str(options.data), "exclude": options.exclude, "preset": options.preset,
             "source": source.name if source is not None else "(server)", "target": target.name,
             "adapter": adapter_label, "modes": [m.name for m in modes], "config": asdict(config),

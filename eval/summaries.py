@@ -13,7 +13,8 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
   fuse          the target prefills start + document and the projected KV is blended in with per-layer gates
                 ((1 - g) · own + g · projected, fitted by eval.gates)
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
-first token is the input after the context in every mode, NLL is summed over the others.
+first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
+prediction at each of those positions is kept (its agreement with `full`'s is reported).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from kvbridge.eval.flops import FlopModel
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.reuse import prefill_after
 from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.reuse import prefill_after
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +216,19 @@ def greedy(target: LoadedModel, context: KVSegment, prompt: torch.Tensor, max_ne
 
 
 @torch.no_grad()
-def continuation_nll(target: LoadedModel, context: KVSegment, continuation: torch.Tensor) -> float:
-    """Summed NLL (nats) of continuation[1:] after `context` with continuation[0] as the first input."""
+def continuation_scores(target: LoadedModel, context: KVSegment, continuation: torch.Tensor
+                        ) -> tuple[float, list[int]]:
+    """(summed NLL (nats) of continuation[1:] after `context` with continuation[0] as the first input, the target's
+    top-1 token at each of those positions)."""
     cache = kvcache.to_cache(context, target.model, target.spec)
     t = context.num_tokens
     device = target.device
     logits = target.model(input_ids=continuation[None].to(device),
                           position_ids=torch.arange(t, t + continuation.numel(), device=device)[None],
                           cache=cache, use_cache=True).logits[0]
-    return float(F.cross_entropy(logits[:-1].float(), continuation[1:].to(device), reduction="sum"))
+    scored = logits[:-1].float()  # [N - 1, V] predicting continuation[1:]
+    nll = float(F.cross_entropy(scored, continuation[1:].to(device), reduction="sum"))
+    return nll, scored.argmax(-1).tolist()
 
 
 def blend(own: KVSegment, projected: KVSegment, gates: torch.Tensor) -> KVSegment:
@@ -247,6 +252,7 @@ class ModeResult:
     kv_bytes: int  # KV bytes received from the service for this request
     nll: float | None  # summed NLL of the continuation (None: no continuation)
     nll_tokens: int
+    continuation_top1: list[int] | None = None  # the target's argmax at each scored continuation position
     rouge: dict[str, float] | None = None  # F1 by type, filled in by eval.report.summarise
 
 
@@ -258,6 +264,7 @@ class DocumentResult:
     modes: dict[str, ModeResult] = field(default_factory=dict)
     fetch_s: float = 0.0
     exact_coverage: float | None = None
+    source_tokens: int | None = None  # tokens the source read for the projected modes (None: none projected)
 
 
 class ProjectedSource:
@@ -267,10 +274,11 @@ class ProjectedSource:
         self.client, self.target, self.adapter = client, target, adapter
 
     def fetch(self, text: str):
-        key = self.client.ingest(text=text).entries[0].key  # the source reads the document once; not in TTFT
+        """(the projected cache, seconds the fetch took, source tokens the server read)."""
+        entry = self.client.ingest(text=text).entries[0]  # the source reads the document once; not in TTFT
         t0 = time.perf_counter()
-        fetched = self.client.fetch_projected(key=key, target_model=self.target.name, adapter=self.adapter)
-        return fetched, time.perf_counter() - t0
+        fetched = self.client.fetch_projected(key=entry.key, target_model=self.target.name, adapter=self.adapter)
+        return fetched, time.perf_counter() - t0, entry.num_tokens
 
 
 class SummaryEvaluator:
@@ -298,7 +306,7 @@ class SummaryEvaluator:
         result = DocumentResult(doc.record.id, doc.record.summary, doc.doc_tokens)
         projected, fetch_s, wire = None, 0.0, 0
         if any(m.kind in NEEDS_PROJECTION for m in self.modes):
-            fetched, fetch_s = self.source.fetch(doc.text)
+            fetched, fetch_s, result.source_tokens = self.source.fetch(doc.text)
             projected, wire = fetched.segment, fetched.wire_bytes
             if not torch.equal(projected.token_ids, doc.target_ids):
                 raise RuntimeError(f"{doc.record.id}: the service projected other target tokens than the target's "
@@ -312,12 +320,13 @@ class SummaryEvaluator:
             ids, first_s = greedy(self.target, context, self.prompt, self.config.max_new_tokens, self.stop,
                                   one_line=True)
             prefills.append((self.prompt.numel(), context.num_tokens))
-            nll = continuation_nll(self.target, context, doc.continuation) if doc.continuation.numel() >= 2 else None
+            nll, top1 = (continuation_scores(self.target, context, doc.continuation)
+                         if doc.continuation.numel() >= 2 else (None, None))
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
                 ttft_s=base_s + first_s, prefill_tokens=sum(n for n, _ in prefills),
                 prefill_flops=sum(self.flops.prefill(n, past) for n, past in prefills), kv_bytes=kv_bytes,
-                nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0))
+                nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1)
         return result
 
     def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from kvbridge.adapters.adapter import Adapter
 from kvbridge.adapters.io import load_adapter
+from kvbridge.server.errors import FailedPrecondition
 from kvbridge.transfer.spec import ModelSpec
 from safetensors import safe_open
 
@@ -165,8 +166,6 @@ class AdapterRegistry:
     def resolve(self, name: str, source: ModelSpec, target: ModelSpec) -> tuple[str, Adapter]:
         """(label "name@version", adapter) for a request: the named one (loaded from the folder on first use) or
         the pair's default."""
-        from kvbridge.server.service import FailedPrecondition
-
         if name:
             bare = check_name(name)
             with self._lock:

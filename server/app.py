@@ -122,7 +122,7 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
                     [t.name for t in targets], folder)
     limits = ServiceLimits(chunk_bytes=config.chunk_kb * 1024,
                            max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536))
-    from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
     layers = tuple(config.detector_layers) if config.detector_layers is not None else None
     detector = SuffixDetector(DetectorConfig.strict(layers=layers) if config.detector_strict

@@ -321,7 +321,7 @@ def _check_model(got: ModelIdentity, expected: ModelIdentity) -> None:
 
 
 class ProjectedContext:
-    """A context source for kvbridge.transfer.generator.SuffixReuseGenerator over the gRPC client: the server
+    """A context source for kvbridge.transfer.suffix.generator.SuffixReuseGenerator over the gRPC client: the server
     projects a text's source KV into `target`'s space at the request's position.
 
     The server's projection starts with the target's start token (the adapter's convention); the generator has its

@@ -5,6 +5,8 @@ adapter registry. Model forwards are serialised per model (a lock each); project
 adapter's device. Every method takes the caller's tenant, and every store call is made in that tenant's
 namespace. Errors: ValueError (bad input, the sentence names the field), NotFound, CapacityError,
 FailedPrecondition; a failed call leaves the store as it was.
+
+(One class of ~450 lines: every RPC's library side, sharing the tenant and error rules stated here.)
 """
 
 from __future__ import annotations
@@ -12,31 +14,25 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.errors import FailedPrecondition
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import align_tokens, tokenize
+from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.store import EntryInfo, LookupResult, NotFound, PagedStore
-from kvbridge.transfer.suffix_detect import SuffixDetector
+from kvbridge.transfer.store import EntryInfo, LookupResult, PagedStore
+from kvbridge.transfer.suffix.detector import SuffixDetector
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVBridgeService", "ServiceLimits", "FailedPrecondition", "NotFound", "CacheResult",
-           "IngestResult", "SourceUpload"]
+__all__ = ["KVBridgeService", "ServiceLimits", "CacheResult", "IngestResult", "SourceUpload"]
 
-
-DERIVED_MEMO = 65_536  # source entries whose projections a Delete also removes
-
-
-class FailedPrecondition(RuntimeError):
-    """The request is well formed but the server is not in a state to answer it (no adapter for a pair, ...)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +41,7 @@ class ServiceLimits:
     max_upload_bytes: int = 1 << 30  # largest source KV one PutSourceKV may describe
     chunk_bytes: int = 1 << 20  # default streamed chunk size
     max_chunk_bytes: int = 3 << 20  # a client may ask for bigger chunks up to this (gRPC's default limit is 4 MiB)
-    text_memo_chars: int = 16_000_000  # texts remembered per entry key (for alignment when fetched by key)
+    text_memo_chars: int = 16_000_000  # longest text kept with its entry (aligned again when fetched by key)
 
     def __post_init__(self):
         for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "text_memo_chars"):
@@ -99,13 +95,6 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
 
 
-@dataclass(frozen=True)
-class _Projection:
-    key: str  # the projected entry in the store (positions 0..T-1)
-    text: str
-    exact_coverage: float
-
-
 def _max_positions(lm: LoadedModel) -> int:
     config = lm.model.config.get_text_config(decoder=True)
     return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
@@ -132,12 +121,6 @@ class KVBridgeService:
         if not targets:
             raise ValueError("the service needs at least one target model")
         self.adapters = adapters
-        self._lock = threading.Lock()  # guards the two maps below
-        self._texts: OrderedDict[str, str] = OrderedDict()  # entry key -> text it was made from (LRU, bounded)
-        self._text_chars = 0
-        # (tenant, source entry key) -> {(adapter label, target name): its projection}. LRU, bounded: a Delete of a
-        # source entry older than the last DERIVED_MEMO projected ones leaves its projections to TTL and eviction.
-        self._derived: OrderedDict[tuple[str, str], dict[tuple[str, str], _Projection]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -180,24 +163,9 @@ class KVBridgeService:
         if not text.strip():
             raise ValueError("text is empty: there is nothing to cache")
 
-    def _remember(self, key: str, text: str | None) -> None:
-        if text is None or len(text) > self.limits.text_memo_chars:
-            return
-        with self._lock:
-            old = self._texts.pop(key, None)
-            self._text_chars -= len(old) if old is not None else 0
-            self._texts[key] = text
-            self._text_chars += len(text)
-            while self._text_chars > self.limits.text_memo_chars:
-                _, dropped = self._texts.popitem(last=False)
-                self._text_chars -= len(dropped)
-
-    def _text_of(self, key: str) -> str | None:
-        with self._lock:
-            text = self._texts.get(key)
-            if text is not None:
-                self._texts.move_to_end(key)
-            return text
+    def _kept(self, text: str | None) -> str | None:
+        """The text to keep with an entry (for aligning it again when it is fetched by key): None when too long."""
+        return text if text is not None and len(text) <= self.limits.text_memo_chars else None
 
     # ------------------------------------------------------------------------------------------ RPCs
 
@@ -217,16 +185,14 @@ class KVBridgeService:
         segment = None
         if found.key is not None and not detect_segments:
             try:
-                info = self.store.refresh(found.key, tenant, ttl_s=ttl_s, pin=pin)
-                self._remember(info.key, text)
+                info = self.store.refresh(found.key, tenant, ttl_s=ttl_s, pin=pin, text=self._kept(text))
                 return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
             except NotFound:
                 pass  # expired or evicted in between: compute it again
         with served.lock:
             segment = kvcache.extract(lm.model, lm.spec, ids)
             spans = self.detector.segments(lm.model, lm.spec, ids) if detect_segments else []
-        info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin)
-        self._remember(info.key, text)
+        info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin, text=self._kept(text))
         entries = [(info, 0)]
         if len(spans) > 1:
             entries += self._store_segments(tenant, lm, text, ids, segment, spans, ttl_s)
@@ -251,8 +217,7 @@ class KVBridgeService:
                 if not piece.strip() or not torch.equal(alone, ids[a:b]):
                     log.info("segment [%d, %d) does not tokenize back to itself alone: not stored", a, b)
                     continue
-                info = self.store.put(segment.slice(a, b), tenant, kind="segment", ttl_s=ttl_s)
-                self._remember(info.key, piece)
+                info = self.store.put(segment.slice(a, b), tenant, kind="segment", ttl_s=ttl_s, text=self._kept(piece))
                 stored.append((info, a))
         except Exception:
             for info, _ in stored:
@@ -321,7 +286,7 @@ class KVBridgeService:
         """(key, segment, text) of a source entry named by key, or found (or ingested) by text."""
         if key:
             segment = self.store.get(key, tenant)
-            return key, segment, self._text_of(key)
+            return key, segment, self.store.info(key, tenant).text
         if text is None:
             raise ValueError("give either key or text")
         found = self._cached_source_key(tenant, text)
@@ -380,10 +345,10 @@ class KVBridgeService:
         source = self.models[self.source_name]
         label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec)
         source_key = key or self._cached_source_key(tenant, text)
-        warm = self._cached_projection(tenant, source_key, label, target.lm.name) if source_key else None
+        warm = self._cached_projection(tenant, source_key, label, target) if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
-            record, projected = warm
-            return self._placed(target, chosen, record, projected, source_key, label, offset)
+            info, projected = warm
+            return self._placed(target, chosen, info, projected, source_key, label, offset)
         fresh = not key and source_key is None
         source_key, segment, known = self._source_entry(tenant, key, text, require_cached)
         try:
@@ -402,14 +367,11 @@ class KVBridgeService:
             namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
             projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope, target.lm.rope,
                                 offset=0, dtype=getattr(torch, tspec.dtype))
-            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace)  # a no-op when already there
-            record = _Projection(key=info.key, text=paired.text, exact_coverage=paired.alignment.exact_coverage)
-            with self._lock:
-                self._derived.setdefault((tenant, source_key), {})[(label, target.lm.name)] = record
-                self._derived.move_to_end((tenant, source_key))
-                while len(self._derived) > DERIVED_MEMO:
-                    self._derived.popitem(last=False)
-            return self._placed(target, chosen, record, projected, source_key, label, offset)
+            # linked to its source entry (a Delete of that removes it too); a no-op when already there
+            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
+                                  source_key=source_key,
+                                  annotations={"exact_coverage": paired.alignment.exact_coverage})
+            return self._placed(target, chosen, info, projected, source_key, label, offset)
         except Exception:
             if fresh:
                 self.store.delete(source_key, tenant)
@@ -429,18 +391,19 @@ class KVBridgeService:
                 key = self.store.lookup(alone, tenant, spec.identity, spec.dtype, kind="segment").key
         return key
 
-    def _cached_projection(self, tenant: str, source_key: str, label: str, target: str
-                           ) -> tuple[_Projection, KVSegment] | None:
-        with self._lock:
-            record = self._derived.get((tenant, source_key), {}).get((label, target))
-        if record is None:
-            return None
-        try:
-            return record, self.store.get(record.key, tenant)
-        except NotFound:  # evicted or expired: project again
-            return None
+    def _cached_projection(self, tenant: str, source_key: str, label: str, target: ServedModel
+                           ) -> tuple[EntryInfo, KVSegment] | None:
+        """The projection of this source entry through this adapter into this target, when the store has it."""
+        namespace, model = f"{label}#{source_key}", target.lm.spec.identity.key
+        for info in self.store.derived(source_key, tenant):
+            if info.adapter == namespace and info.model == model:
+                try:
+                    return info, self.store.get(info.key, tenant)
+                except NotFound:  # evicted or expired in between: project again
+                    return None
+        return None
 
-    def _placed(self, target: ServedModel, adapter: Adapter, record: _Projection, projected: KVSegment,
+    def _placed(self, target: ServedModel, adapter: Adapter, info: EntryInfo, projected: KVSegment,
                 source_key: str, label: str, offset: int) -> CacheResult:
         """The projection at positions offset.. (keys shifted by the target's RoPE when offset > 0)."""
         t_t = projected.num_tokens
@@ -451,20 +414,17 @@ class KVBridgeService:
             moved = torch.arange(offset, offset + t_t)
             keys = target.lm.rope.shift_all(projected.keys.to(adapter.wk.device).float(), projected.positions, moved)
             projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
-        return CacheResult(segment=projected, entry_key=record.key, source_key=source_key, adapter=label,
-                           text=record.text, exact_coverage=record.exact_coverage)
+        return CacheResult(segment=projected, entry_key=info.key, source_key=source_key, adapter=label,
+                           text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)))
 
     def delete(self, tenant: str, key: str) -> int:
         """Delete an entry and the projected entries derived from it; NotFound when there is none."""
         if not key:
             raise ValueError("key is empty")
-        if not self.store.delete(key, tenant):
+        removed = self.store.delete(key, tenant)  # the store deletes what derives from it too
+        if not removed:
             raise NotFound(f"no entry {key!r}")
-        with self._lock:
-            derived = self._derived.pop((tenant, key), {})
-            dropped = self._texts.pop(key, None)
-            self._text_chars -= len(dropped) if dropped is not None else 0
-        return 1 + sum(self.store.delete(record.key, tenant) for record in derived.values())
+        return removed
 
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
         """(entries, tokens) this tenant holds."""

@@ -11,10 +11,10 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.auth import Authenticator
 from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
+from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.metrics import Metrics
-from kvbridge.server.service import CacheResult, FailedPrecondition, KVBridgeService, SourceUpload
-from kvbridge.transfer.block_pool import CapacityError
-from kvbridge.transfer.store import NotFound
+from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
+from kvbridge.transfer.errors import CapacityError, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 @pytest.fixture(scope="session")
 def tiny_source():
-    from kvbridge.transfer.presets import tiny_source
+    from kvbridge.transfer.tiny_pair import tiny_source
 
     return tiny_source(device="cpu")
 
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    from kvbridge.transfer.presets import tiny_target
+    from kvbridge.transfer.tiny_pair import tiny_target
 
     return tiny_target(device="cpu")
 

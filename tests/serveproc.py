@@ -28,7 +28,7 @@ def _die_with_parent() -> list[str]:
 
 
 class ServeProcess:
-    """`python -m kvbridge.server.cli serve ARGS --listen 127.0.0.1:PORT --ready-file F`; port 0 on the first start,
+    """`python -m kvbridge.cli serve ARGS --listen 127.0.0.1:PORT --ready-file F`; port 0 on the first start,
     the port it bound on every later one."""
 
     def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None,
@@ -63,7 +63,7 @@ class ServeProcess:
         self.starts += 1
         ready = self.workdir / f"ready-{self.starts}.json"
         listen = f"127.0.0.1:{self.port or 0}"
-        cmd = [*_die_with_parent(), sys.executable, "-m", "kvbridge.server.cli", "serve", *self.args,
+        cmd = [*_die_with_parent(), sys.executable, "-m", "kvbridge.cli", "serve", *self.args,
                "--listen", listen, "--ready-file", str(ready)]
         with open(self.logfile, "ab") as log:
             log.write(f"\n--- start {self.starts}: {' '.join(cmd)}\n".encode())

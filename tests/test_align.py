@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvbridge.transfer.align import AlignKind, Alignment, TokenizedText, align_text, align_tokens, tokenize
 from kvbridge.transfer.data import data_path
-from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+from kvbridge.transfer.tiny_pair import build_tiny_tokenizer
 from tokenizers import Tokenizer, normalizers
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 

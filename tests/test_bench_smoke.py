@@ -20,13 +20,14 @@ ALL_QUICK_ROWS = (
     "TTFT replace/full @256 (warm)", "TTFT replace/full @256 (cold)", "TTFT replace/full @512 (warm)",
     "TTFT replace/full @512 (cold)", "projection/prefill speed @", "store get/copy source @2048",
     "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
-    "store lookup per block", "store hash_chain/lookup", "store held/exact (no shared prefixes)",
-    "store held/exact (shared 1024-token prefix)", "redis tier/raw put", "redis tier/raw get", "gRPC stream grpc/raw",
+    "store lookup per block", "store hash_chain/lookup", "store tokens/pool (distinct entries)",
+    "store tokens/pool (shared 1024-token prefix)", "store tokens/pool (growing conversation)", "redis tier/raw put",
+    "redis tier/raw get", "gRPC stream grpc/raw",
     "gRPC wire projected/source", "suffix prefilled tokens without/with", "suffix TTFT median without/with",
     "suffix TTFT sum without/with",
 )
 # each benchmark's lines start with its tag; among them, its ratio and its goal
-BENCHMARKS = ("get", "lookup", "bytes", "redis")
+BENCHMARKS = ("get", "lookup", "capacity", "redis")
 
 
 @pytest.mark.integration
@@ -124,7 +125,7 @@ def test_bench_all_quick_prints_one_row_per_ratio(tmp_path):
 
 
 def test_kvbridge_bench_forwards_its_options_to_bench_all(capsys):
-    from kvbridge.server import cli
+    import kvbridge.cli as cli
 
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--quick", "--help"])  # options reach bench_all's parser, which prints its help
@@ -134,12 +135,10 @@ def test_kvbridge_bench_forwards_its_options_to_bench_all(capsys):
 
 
 def test_kvbridge_bench_without_the_repository_says_so(monkeypatch, tmp_path, capsys):
-    import kvbridge.server
-    from kvbridge.server import cli
+    import kvbridge.cli as cli
 
     # as in an installed wheel: the package lies in site-packages, with no bench folder beside it
-    monkeypatch.setattr(kvbridge.server, "__file__", str(tmp_path / "site-packages" / "kvbridge" / "server" /
-                                                         "__init__.py"))
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "kvbridge" / "cli" / "__init__.py"))
     assert cli.main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "kvbridge bench: error:" in err and "bench_all.py" in err and "source checkout" in err, err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import zoo
-from kvbridge.server.cli import main
+from kvbridge.cli import main
 
 KVBRIDGE = Path(sys.executable).parent / "kvbridge"
 
@@ -70,7 +70,7 @@ def test_models_info_small(capsys):
 
 def test_kvbridge_train_adapter_passes_its_options_through(capsys):
     """`kvbridge train-adapter --help` reaches train-adapter's own parser (argparse refused options there once)."""
-    from kvbridge.server.cli import main
+    from kvbridge.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["train-adapter", "--help"])

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 from kvbridge.eval.flops import FlopModel
-from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, rouge
+from kvbridge.eval.cost import PairCost
+from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.run import RunOptions, evaluate
 from kvbridge.eval.summaries import EvalConfig, parse_modes, read_records
 from kvbridge.transfer.data import data_path
@@ -60,6 +61,31 @@ def test_rouge_is_the_librarys_and_the_bootstrap_brackets_the_mean():
     assert bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0) == (mean, lo, hi)  # seeded
 
 
+def test_repetition_and_agreement_are_counted():
+    assert repeated_ngram_share([1, 2, 3, 1, 2, 3]) == pytest.approx(1 / 4)  # (1,2,3) twice among 4 trigrams
+    assert repeated_ngram_share([5, 5, 5, 5, 5]) == pytest.approx(2 / 3)
+    assert repeated_ngram_share([1, 2, 3, 4]) == repeated_ngram_share([1, 2]) == 0.0
+    assert top1_agreement([1, 2, 3, 4], [1, 0, 3, 0]) == 0.5
+    assert top1_agreement(None, [1]) is None and top1_agreement([1, 2], [1]) is None
+
+
+def test_system_cost_amortises_the_source_and_the_projection(tiny_source, tiny_target, tiny_adapter_file):
+    from kvbridge.adapters.io import load_adapter
+
+    adapter = load_adapter(tiny_adapter_file)
+    cost = PairCost.of(tiny_source.model.config, tiny_target.model.config, adapter)
+    d_s = tiny_source.spec.num_kv_heads * tiny_source.spec.head_dim
+    d_t = tiny_target.spec.num_kv_heads * tiny_target.spec.head_dim
+    k = adapter.layer_map.shape[1]
+    assert cost.projection(10) == 10 * tiny_target.spec.num_layers * 4 * (k * d_s + d_s * d_t)
+    assert cost.ceiling(100) == cost.target.prefill(100) / cost.projection(100)
+    once = cost.source.prefill(101) + cost.projection(100)
+    assert cost.system(5_000, 101, 100, 1) == 5_000 + once
+    assert cost.system(5_000, 101, 100, 10) == pytest.approx(5_000 + once / 10)
+    with pytest.raises(ValueError, match="uses must be >= 1"):
+        cost.system(1, 1, 1, 0)
+
+
 def test_prefill_flops_add_up(tiny_target):
     f = FlopModel.from_config(tiny_target.model.config)
     head = 2 * f.hidden * f.vocab  # one position's logits per forward
@@ -83,13 +109,17 @@ def identity_run(tiny_target, tmp_path_factory):
 
 def test_eval_writes_the_table_json_and_plot(identity_run):
     paths, summary = identity_run["paths"], identity_run["summary"]
-    table = paths["markdown"].read_text().splitlines()
-    header = next(line for line in table if line.startswith("| mode"))
-    assert [c.strip() for c in header.strip("|").split("|")] == [
-        "mode", "ROUGE-1", "ROUGE-2", "ROUGE-L", "NLL recovery", "prefill FLOPs saved", "TTFT median (× full)",
-        "KV bytes moved"]
-    rows = [line.split("|")[1].strip() for line in table if line.startswith("| ") and not line.startswith("| mode")]
-    assert rows == [m.name for m in parse_modes(ALL_MODES)]
+    table = paths["markdown"].read_text().split("\n\n")
+    quality, cost = [t.splitlines() for t in table[1:3]]
+    assert [c.strip() for c in quality[0].strip("|").split("|")] == [
+        "mode", "ROUGE-L vs reference", "NLL recovery", "fidelity ROUGE-L vs full", "top-1 agreement with full",
+        "repeated 3-grams"]
+    assert [c.strip() for c in cost[0].strip("|").split("|")] == [
+        "mode", "ROUGE-1", "ROUGE-2", "prefill FLOPs saved", "system FLOPs × full (N=1)",
+        "system FLOPs × full (N=10)", "TTFT median (× full)", "KV bytes moved"]
+    rows = [line.split("|")[1].strip() for line in quality[2:]]
+    assert rows == [m.name for m in parse_modes(ALL_MODES)] == [line.split("|")[1].strip() for line in cost[2:]]
+    assert "FLOP ceiling of this pair and adapter" in table[3]
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(paths["json"].read_text())
     assert data["summary"]["documents"] == 3 and len(data["documents"]) == 3
@@ -105,6 +135,12 @@ def test_eval_writes_the_table_json_and_plot(identity_run):
     assert modes["fuse"]["flops_saved_vs_full"] == 0 and modes["replace"]["kv_bytes_mean"] > 0
     assert modes["none"]["nll_recovery"]["value"] == 0 and modes["full"]["nll_recovery"]["value"] == 1
     assert identity_run["meta"]["gates"]["windows"] == 8
+    # the whole system's cost: full is itself; a projected mode pays the source and the projection, less of them the
+    # more requests share one projected context
+    system = {name: {n: e["system_flops"][n]["vs_full"] for n in ("1", "10")} for name, e in modes.items()}
+    assert system["full"] == {"1": 1, "10": 1} and system["none"]["1"] == system["none"]["10"] < 1
+    assert system["replace"]["1"] > system["replace"]["10"] > 1 - modes["replace"]["flops_saved_vs_full"]
+    assert summary["flop_ceiling"]["target_prefill_over_projection"] > 1
 
 
 def test_full_and_identity_replace_agree_exactly(identity_run):
@@ -122,6 +158,9 @@ def test_full_and_identity_replace_agree_exactly(identity_run):
     for kind in ROUGE_TYPES:
         assert modes["replace"][kind] == modes["full"][kind]
     assert modes["replace"]["nll_recovery"]["value"] == pytest.approx(1, abs=1e-3)
+    for name in ("full", "replace", "recompute:0.1", "fuse"):  # measured against full's own output
+        assert modes[name]["fidelity_rougeL"]["mean"] == modes[name]["top1_agreement"]["mean"] == 1, name
+        assert modes[name]["repeated_3gram_share"] == modes["full"]["repeated_3gram_share"]
 
 
 def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
@@ -143,7 +182,7 @@ def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
 def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys):
     """The CLI with a fitted (not identity) adapter: a projection is an approximation, so replace differs from
     full, and recompute of every token is exact again."""
-    from kvbridge.server.cli import main
+    from kvbridge.cli import main
 
     out = tmp_path / "out"
     rc = main(["eval", "rouge", "--data", str(SAMPLE), "--preset", "tiny", "--adapter", str(tiny_adapter_file),
@@ -166,11 +205,12 @@ def test_demo_runs_with_a_background_server(tmp_path):
     """`kvbridge demo --preset tiny`: fits an adapter into an empty folder, serves in the background, prints the
     side-by-side table, and the server stops cleanly; a second run uses the cached adapter."""
     env = {**os.environ, "KVBRIDGE_HOME": str(tmp_path / "home")}
-    cmd = [sys.executable, "-m", "kvbridge.server.cli", "demo", "--preset", "tiny", "--adapters",
+    cmd = [sys.executable, "-m", "kvbridge.cli", "demo", "--preset", "tiny", "--adapters",
            str(tmp_path / "adapters"), "--max-doc-tokens", "64", "--max-new-tokens", "8"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
-    for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L", "recompute:0.1", "reference:",
+    for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L vs ref", "fidelity vs full", "repeated 3-grams",
+                  "recompute:0.1", "reference:",
                   "server: stopped cleanly (exit 0)"):
         assert words in first.stdout, words
     assert any((tmp_path / "adapters").glob("*.safetensors"))

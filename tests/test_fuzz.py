@@ -2,7 +2,10 @@
 one server (the tiny pair, a fitted adapter, a token file, 2 MB messages). Every call must end within its deadline
 with a code a client can act on (never INTERNAL or UNKNOWN) and a sentence when it fails; the server stays up, the
 store stays consistent, and a failed call (or a read) stores nothing. The chunk decoder and the alignment the server
-relies on are fuzzed directly as well."""
+relies on are fuzzed directly as well.
+
+(One file of ~800 lines: the strategies, the one shared server and the per-RPC properties belong together.)
+"""
 
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.generator import Part, SuffixReuseGenerator
 from kvbridge.transfer.store import PagedStore, StoreConfig
-from kvbridge.transfer.suffix_cache import SuffixCacheManager
-from kvbridge.transfer.value_score import FixedScorer
+from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager
+from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
+from kvbridge.transfer.suffix.value_score import FixedScorer
 
 SYSTEM = "You answer questions about the Python standard library in one short sentence."
 Q1 = "What does the json module do?"

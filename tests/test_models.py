@@ -8,6 +8,7 @@ import pytest
 import torch
 import zoo
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.models import (
     PACKAGED,
     attention_implementation,
@@ -17,10 +18,9 @@ from kvbridge.transfer.models import (
     model_from_config_file,
     prepare_gguf,
     random_model,
-    resolve_device,
-    resolve_dtype,
 )
-from kvbridge.transfer.presets import load_pair, tiny_source
+from kvbridge.transfer.presets import load_pair
+from kvbridge.transfer.tiny_pair import tiny_source
 
 
 def test_load_model_from_a_saved_folder_round_trips(tmp_path, tiny_target):

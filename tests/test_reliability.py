@@ -7,6 +7,8 @@ The load test runs for 8 s with 64 clients by default; for the full run (figures
     KVBRIDGE_LOAD_SECONDS=60 .venv/bin/python -m pytest tests/test_reliability.py -k load -s
 
 KVBRIDGE_LOAD_CLIENTS changes the number of clients (default 64).
+
+(One file of ~830 lines: the scenarios share their server, Redis and client fixtures and helpers.)
 """
 
 from __future__ import annotations
@@ -697,7 +699,7 @@ def test_redis_killed_and_restarted_while_clients_run(tiny_source, tiny_target, 
 
 def _block_keys(store, lm, tenant: str, token_ids: torch.Tensor) -> list[bytes]:
     """The Redis keys of a source prefix entry's blocks: `kvbridge:blk:<block hash hex>` (transfer/tiers.py)."""
-    from kvbridge.transfer.kv_blocks import Namespace, chain_root, hash_chain
+    from kvbridge.transfer.store.kv_blocks import Namespace, chain_root, hash_chain
 
     ns = Namespace(tenant=tenant, model=lm.spec.identity.key, dtype=lm.spec.dtype, adapter="")
     digest = ns.digest()

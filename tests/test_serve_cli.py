@@ -22,7 +22,7 @@ TOKEN = "ci-token-0123456789abcdef"
 
 def _serve(tmp_path, *args, env=None):
     ready = tmp_path / "ready.json"
-    cmd = [sys.executable, "-m", "kvbridge.server.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
+    cmd = [sys.executable, "-m", "kvbridge.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file",
            str(ready), "--adapters", str(tmp_path / "adapters"), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
@@ -75,7 +75,7 @@ def test_serve_tiny_with_tokens_fits_an_adapter_serves_and_stops_cleanly(tmp_pat
 
 
 def test_serve_refuses_an_open_server_on_a_public_address():
-    proc = subprocess.run([sys.executable, "-m", "kvbridge.server.cli", "serve", "--preset", "tiny", "--listen",
+    proc = subprocess.run([sys.executable, "-m", "kvbridge.cli", "serve", "--preset", "tiny", "--listen",
                            "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "not a loopback address and there is no token_file" in proc.stderr

@@ -1,5 +1,8 @@
 """The service end to end: a real gRPC server on a loopback port (port 0), real clients, the tiny pair
-(tiny-qwen2 -> tiny-phi3) with a fitted adapter, and an identity server (tiny-phi3 -> itself) for exactness."""
+(tiny-qwen2 -> tiny-phi3) with a fitted adapter, and an identity server (tiny-phi3 -> itself) for exactness.
+
+(One file of ~500 lines: every scenario runs against the same two module-scoped servers.)
+"""
 
 from __future__ import annotations
 
@@ -470,7 +473,7 @@ def test_tls_with_a_self_signed_pair(tmp_path, tiny_source, tiny_target, adapter
 
 def test_the_generator_takes_projected_context_through_the_service(identity_server, tiny_target):
     from kvbridge.server.client import ProjectedContext
-    from kvbridge.transfer.generator import Part, SuffixReuseGenerator
+    from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
 
     doc = _text(9)
     with KVBridgeClient(identity_server.address) as client:
@@ -486,7 +489,7 @@ def test_the_generator_takes_projected_context_through_the_service(identity_serv
 
 
 def test_ingest_with_segment_detection_over_the_wire(server, alice):
-    from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
     previous = server.service.detector
     server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 from kvbridge.server.adapter_registry import AdapterRegistry, check_name
-from kvbridge.server.service import FailedPrecondition, KVBridgeService, ServiceLimits
+from kvbridge.server.errors import FailedPrecondition
+from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 
 TEXT = "Readers skip the fields they do not understand, and writers keep the order of the fields they were given."
@@ -119,7 +120,7 @@ def test_ingest_detects_segments_that_targets_fetch_by_their_text(tmp_path, tiny
     from kvbridge.adapters.adapter import project
     from kvbridge.transfer import kvcache
     from kvbridge.transfer.align import align_tokens, tokenize
-    from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector, segment_starts
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector, segment_starts
 
     text = " ".join(open(__import__("kvbridge.transfer.data", fromlist=["x"]).data_path("tiny_corpus.txt"))
                     .read().split()[:120])
@@ -135,7 +136,7 @@ def test_ingest_detects_segments_that_targets_fetch_by_their_text(tmp_path, tiny
     full = kvcache.extract(tiny_source.model, tiny_source.spec, result.source_ids)
     for info, start in segments:
         assert start in starts or start - 1 in starts  # a span starts there (after a leading special token)
-        piece = service._text_of(info.key)
+        piece = service.store.info(info.key, "t").text
         source = service.source_cache("t", text=piece, require_cached=True)  # found by its text alone
         assert source.entry_key == info.key and int(source.segment.positions[0]) == start
         assert torch.equal(source.segment.kv, full.kv[:, :, :, start:start + info.num_tokens])

@@ -1,5 +1,8 @@
 """PagedStore: sharing, eviction order, TTL, pins, capacity, tiers (CPU and a real Redis), tenants, threads,
-bad input. Every scenario ends with check() == []."""
+bad input. Every scenario ends with check() == [].
+
+(One file of ~490 lines: the store's scenarios share their segment builders and the Redis fixture.)
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ import threading
 
 import pytest
 import torch
-from kvbridge.transfer.block_pool import CapacityError
-from kvbridge.transfer.kv_blocks import Block, FreeBlockQueue, Namespace, chain_root, hash_block, hash_chain
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+from kvbridge.transfer.store.block_pool import CapacityError
+from kvbridge.transfer.store.kv_blocks import Block, FreeBlockQueue, Namespace, chain_root, hash_block, hash_chain
 
 M = ModelIdentity("model-a", "a" * 64)
 OTHER = ModelIdentity("model-b", "b" * 64)
@@ -35,9 +38,10 @@ def seg(tokens, model=M, dtype=torch.float32, start=0, seed=None, heads=H):
     return KVSegment(kv=kv, token_ids=t, positions=torch.arange(start, start + len(t)), model=model, rotated=True)
 
 
-def store(blocks=32, cpu_blocks=0, redis_url=None, clock=None, **kw):
-    cfg = StoreConfig(capacity_bytes=blocks * BLOCK_BYTES, max_layouts=1, cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES,
-                      redis_url=redis_url, device="cpu", **kw)
+def store(blocks=32, cpu_blocks=0, redis_url=None, clock=None, max_layouts=1, **kw):
+    # each layout's pool holds `blocks` blocks
+    cfg = StoreConfig(capacity_bytes=blocks * BLOCK_BYTES * max_layouts, max_layouts=max_layouts,
+                      cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES, redis_url=redis_url, device="cpu", **kw)
     return PagedStore(cfg, clock=clock or Clock())
 
 
@@ -179,14 +183,14 @@ def test_eviction_is_lru_and_takes_chain_tails_first():
     a = st.put(seg(range(48)), "t")  # 3 blocks
     b = st.put(seg(range(100, 148)), "t")  # 3 blocks, more recent
     pool = next(iter(st.pools.values()))
-    a_hashes = st._entries[a.key].hashes
+    a_hashes = st.registry.entries[a.key].hashes
     st.put(seg(range(200, 232)), "t")  # 2 blocks: 2 unused blocks remain, no eviction yet
     assert st.stats().evictions["device"] == 0
     st.put(seg(range(300, 332)), "t")  # 2 more: evicts the two least recent blocks, A's tail first
     on_device = [pool.lookup(h) is not None for h in a_hashes]
     assert on_device == [True, False, False], "A's chain lost its tail blocks, kept its head"
     assert all(h in st.cpu for h in a_hashes[1:])
-    assert all(pool.lookup(h) is not None for h in st._entries[b.key].hashes)
+    assert all(pool.lookup(h) is not None for h in st.registry.entries[b.key].hashes)
     assert st.stats().evictions["device"] == 2
     ok(st)
     # reading A promotes its blocks back, bit-exact; the now least recent blocks (B's tail) go down
@@ -284,7 +288,7 @@ def test_tenants_never_see_each_other_even_for_identical_tokens():
     with pytest.raises(NotFound) as exc:
         st.get(a.key, "bob")
     assert "alice" not in str(exc.value)
-    assert st.delete(a.key, "bob") is False and st.get(a.key, "alice") is not None
+    assert st.delete(a.key, "bob") == 0 and st.get(a.key, "alice") is not None
     assert st.lookup(torch.arange(40), "carol", M, torch.float32).num_tokens == 0
     with pytest.raises(NotFound):
         st.pin(a.key, "bob")

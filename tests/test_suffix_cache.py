@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.reuse import deviation, place, recompute_first
 from kvbridge.transfer.store import PagedStore, StoreConfig
-from kvbridge.transfer.suffix_cache import ManagerConfig, SuffixCacheManager
-from kvbridge.transfer.value_score import FixedScorer, OnlineValueScorer, SegmentFeatures
+from kvbridge.transfer.suffix.cache_manager import ManagerConfig, SuffixCacheManager
+from kvbridge.transfer.suffix.reuse import deviation, place, recompute_first
+from kvbridge.transfer.suffix.value_score import FixedScorer, OnlineValueScorer, SegmentFeatures
 
 
 class Clock:
@@ -169,7 +169,7 @@ def test_reuse_after_another_prefix_reports_its_deviation_and_recompute_lowers_i
 
 
 def test_recompute_of_the_most_deviating_tokens_lowers_the_deviation(tiny_target):
-    from kvbridge.transfer.reuse import checked_layer_deviation, recompute_most_deviating, recompute_selected
+    from kvbridge.transfer.suffix.reuse import checked_layer_deviation, recompute_most_deviating, recompute_selected
 
     lm = tiny_target
     segment_ids = _ids(lm, "The parser returns a tree of nodes, one for each statement in the source file.")
@@ -194,3 +194,31 @@ def test_recompute_of_the_most_deviating_tokens_lowers_the_deviation(tiny_target
     assert all(a >= b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 1e-5  # every token recomputed with the custom mask: the model's own KV
     assert torch.equal(recompute_selected(lm, context, placed, torch.tensor([], dtype=torch.int64)).kv, placed.kv)
+
+
+def test_store_evictions_teach_the_online_scorer_until_the_keep_route_fires(tiny_target):
+    """Segments the store evicts unused are misses, found ones hits: with both outcomes arriving, the learned score
+    of the segments that keep being hit climbs past 0.85 and they are kept without TTL."""
+    lm = tiny_target
+    system = _segment(lm, "You are the assistant of the documentation team. Answer briefly.")
+    layout_block = lm.spec.num_layers * 2 * lm.spec.num_kv_heads * 16 * lm.spec.head_dim * 4
+    # room for 6 blocks of this model's KV: every new turn pushes the oldest unused turn out (no tier below)
+    store = PagedStore(StoreConfig(capacity_bytes=6 * layout_block, max_layouts=1, device="cpu"), clock=Clock())
+    scorer = OnlineValueScorer(prior=0.7)
+    manager = SuffixCacheManager(store, scorer=scorer)
+    none = torch.tensor([], dtype=torch.int64)
+    decisions, turns = [], []
+    for turn in range(80):
+        decisions.append(manager.offer("s", system, none, role="system").decision)
+        assert manager.find("s", system.token_ids) is not None
+        words = " ".join(f"w{turn}x{i}" for i in range(6))
+        turns.append(manager.offer("s", _segment(lm, f"Turn {turn}: {words}.", start=system.num_tokens),
+                                   system.token_ids, role="turn").decision)
+    lost = store.stats().lost_entries
+    assert lost >= 5, "the small store should have evicted unused turns"
+    assert decisions[0] == "ttl" and decisions[-10:] == ["keep"] * 10, decisions
+    # unused turns are mostly no longer cached (the few still tried are how the scorer keeps learning)
+    assert turns[0] == "ttl" and turns[-40:].count("skip") >= 30, turns
+    manager.stats()  # drains the last evictions
+    assert scorer.observations == 80 + lost  # every hit and every eviction reached the scorer
+    assert store.check() == []

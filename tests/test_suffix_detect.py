@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvbridge.transfer.suffix_detect import DetectorConfig, SuffixDetector, attention_entropy, segment_starts
-from kvbridge.transfer.suffix_labels import CLOSINGS, boundary_accuracy, labelled_set
+from kvbridge.eval.suffix_labels import CLOSINGS, boundary_accuracy, labelled_set
+from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector, attention_entropy, segment_starts
 
 
 def _reference_entropy(lm, ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_detector_segments_cover_the_sequence(tiny_target):
 
 @pytest.mark.slow
 def test_detector_finds_planted_boundaries_on_smollm2(smollm2):
-    from kvbridge.transfer.suffix_labels import calibrate_layers
+    from kvbridge.eval.suffix_labels import calibrate_layers
 
     result = calibrate_layers(smollm2, DetectorConfig(), texts=24)
     print(f"layers {result.layers}; fit: {result.fit.line()}; held-out: {result.heldout.line()}")

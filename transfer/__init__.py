@@ -1,8 +1,16 @@
-"""kvbridge.transfer: the exact KV foundation.
+"""kvbridge.transfer: the exact KV foundation — models and presets, ModelSpec, KVSegment, RoPE, cache conversion,
+alignment, self-checks — with the paged store (`.store`) and the target's suffix-reuse pipeline (`.suffix`) below."""
 
-Model loading and presets (`models`, `presets`), what a model's cache looks like (`spec`), the canonical KV form
-(`segment`), RoPE on cached keys (`rope`), conversion to and from transformers caches (`kvcache`), cross-tokenizer
-alignment (`align`), the self-checks (`selfcheck`), and the paged KV store (`kv_blocks` hashing and the free
-queue, `block_pool` one layout's blocks, `tiers` CPU and Redis, `store` entries and tenants). Never imports
-`kvbridge.adapters` or `kvbridge.server`.
-"""
+from kvbridge.transfer.exports import lazy_exports
+
+__all__, __getattr__ = lazy_exports(__name__, {
+    "kvbridge.transfer.models": ["LoadedModel", "load_model", "load_packaged", "random_model", "kvbridge_home"],
+    "kvbridge.transfer.presets": ["load_pair", "PRESETS"],
+    "kvbridge.transfer.spec": ["ModelSpec", "ModelIdentity", "read_spec"],
+    "kvbridge.transfer.segment": ["KVSegment"],
+    "kvbridge.transfer.rope": ["ModelRope"],
+    "kvbridge.transfer.align": ["Alignment", "TokenizedText", "align_tokens", "tokenize", "start_token_id"],
+    "kvbridge.transfer.devices": ["resolve_device", "resolve_dtype"],
+    "kvbridge.transfer.errors": ["NotFound", "CapacityError"],
+    "kvbridge.transfer.selfcheck": ["run_selfcheck"],
+})

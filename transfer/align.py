@@ -348,3 +348,12 @@ def _source_specials_by_role(source: TokenizedText) -> dict[str, list[int]]:
     for j in source.special.nonzero().flatten().tolist():
         by_role.setdefault(source.roles[j], []).append(j)
     return by_role
+
+
+def start_token_id(tokenizer) -> int:
+    """The token a model's context starts with: its BOS, else its EOS (which causal LMs are trained to read as a
+    boundary). Every condition that compares contexts (own prefill, projected, none) starts with it."""
+    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    raise ValueError(f"{type(tokenizer).__name__} has neither a BOS nor an EOS token to start a context with")

@@ -1,4 +1,5 @@
-"""The one place that converts between KVSegment and transformers caches: extract, to_cache, and generation.
+"""The one place that converts between KVSegment and transformers caches: extract, to_cache, and generation; every
+transformers cache is built by `build_cache`, and forwards stopped after a layer run through `forward_through`.
 
 Facts this rests on (transformers 5.x): the forward argument is `cache`; keys are cached after RoPE (and after
 Gemma3's k_norm); `cache.layers[i].keys` is `[B, H_kv, T, D]`; a `DynamicCache` built with the model's config
@@ -36,6 +37,54 @@ def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def build_cache(kv: torch.Tensor | None = None, config=None) -> DynamicCache:
+    """A transformers DynamicCache holding kv ([L, 2, B, H_kv, T, D]; None: empty).
+
+    config None: every layer keeps every token, sliding-window layers too (the model still masks them by position):
+    what extraction and recompute over long contexts need. With the model's config the cache is the one generation
+    uses: sliding layers keep their last window - 1 tokens.
+    """
+    if kv is None:
+        return DynamicCache(config=config) if config is not None else DynamicCache()
+    if kv.ndim != 6 or kv.shape[1] != 2:
+        raise ValueError(f"build_cache takes kv [L, 2, B, H_kv, T, D], got shape {tuple(kv.shape)}")
+    return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], config=config)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (model.model.layers)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers at model.model.layers (not a transformers "
+                         "causal LM)")
+    return layers
+
+
+class _Stop(Exception):
+    """Raised after the last layer a forward_through needs: the rest of the forward is skipped."""
+
+
+def forward_through(model: nn.Module, layer: int, **forward_kwargs) -> None:
+    """Run `model(**forward_kwargs)` only as far as decoder layer `layer`'s attention: the cache given in
+    forward_kwargs then holds the K/V of layers 0..layer (≈ (layer + 1) / L of a prefill). Forward hooks registered
+    before this call on that attention module still run."""
+    blocks = decoder_layers(model)
+    if not 0 <= layer < len(blocks):
+        raise ValueError(f"layer must be in [0, {len(blocks)}), got {layer}")
+
+    def stop(module, args, output):
+        raise _Stop
+
+    handle = blocks[layer].self_attn.register_forward_hook(stop)
+    try:
+        model(**forward_kwargs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+
+
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -52,7 +101,7 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
         raise ValueError(f"start_position must be >= 0, got {start_position}")
     device = _model_device(model)
     positions = torch.arange(start_position, start_position + ids.numel(), dtype=torch.int64)
-    cache = DynamicCache()  # no config: every layer keeps every token
+    cache = build_cache()  # no config: every layer keeps every token
     model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, use_cache=True,
           logits_to_keep=1)
     return from_cache(cache, spec, ids, positions)
@@ -143,9 +192,9 @@ def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: 
                 "0..T-1: shift its keys to the positions it will occupy"
             )
     param = next(model.parameters())
-    kv = torch.stack([seg.kv for seg in segments]).to(device=param.device, dtype=param.dtype)  # [B, L, 2, H, T, D]
-    cache = DynamicCache(ddp_cache_data=[(kv[:, i, 0], kv[:, i, 1]) for i in range(spec.num_layers)],
-                         config=model.config)
+    # [L, 2, B, H, T, D]
+    kv = torch.stack([seg.kv for seg in segments], dim=2).to(device=param.device, dtype=param.dtype)
+    cache = build_cache(kv, config=model.config)
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
             # update() counted the T tokens it was given; keep that true even if a later transformers changes it

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.spec import ModelSpec, read_spec
 from torch import nn
@@ -27,30 +28,12 @@ from transformers.utils import logging as hf_logging
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONVERTED_MARKER = "kvbridge-converted.json"
 
 
 def kvbridge_home() -> Path:
     """Where converted models and other caches live: $KVBRIDGE_HOME, else ~/.cache/kvbridge."""
     return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge")
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available on this machine")
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 def attention_implementation(device: torch.device) -> str:

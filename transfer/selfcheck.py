@@ -9,7 +9,7 @@ import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import rotate, unrotate
-from kvbridge.transfer.tiny_tokenizers import tiny_corpus_text
+from kvbridge.transfer.tiny_pair import tiny_corpus_text
 
 # Relative error allowed when two prefills that are equal in exact arithmetic are compared, by parameter dtype.
 PREFILL_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}

@@ -16,22 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.spec import ModelSpec
 from torch import nn
-from transformers import DynamicCache
-
-
-class _Stop(Exception):
-    """Raised by the hook of the deepest requested layer: the rest of the forward is not needed."""
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers at model.model.layers; attention entropy needs "
-                         "a transformers causal LM")
-    return layers
 
 
 @torch.no_grad()
@@ -49,7 +36,7 @@ def attention_entropy(model: nn.Module, spec: ModelSpec, token_ids, layers: list
     layers = sorted(set(range(spec.num_layers) if layers is None else layers))
     if not layers or layers[0] < 0 or layers[-1] >= spec.num_layers:
         raise ValueError(f"layers must be indices in [0, {spec.num_layers}) of {spec.name!r}, got {layers}")
-    blocks = _decoder_layers(model)
+    blocks = kvcache.decoder_layers(model)
     device = next(model.parameters()).device
     rows = {layer: row for row, layer in enumerate(layers)}
     total = torch.zeros(len(layers), t, dtype=torch.float32)  # [n_layers, T]
@@ -63,24 +50,19 @@ def attention_entropy(model: nn.Module, spec: ModelSpec, token_ids, layers: list
             p = probs[0].float()
             entropy = -torch.special.xlogy(p, p).sum(-1).mean(0)  # [q]
             total[rows[index], span["start"]:span["end"]] = entropy.cpu()
-            if index == layers[-1]:
-                raise _Stop
         return hook
 
     previous = model.config._attn_implementation
     handles = [blocks[i].self_attn.register_forward_hook(hook_for(i)) for i in layers]
     try:
         model.set_attn_implementation("eager")
-        cache = DynamicCache()  # no config: every layer keeps every token (sliding layers too)
+        cache = kvcache.build_cache()  # no config: every layer keeps every token (sliding layers too)
         for start in range(0, t, chunk_tokens):
             end = min(start + chunk_tokens, t)
             span.update(start=start, end=end)
-            try:
-                model(input_ids=ids[start:end][None].to(device),
-                      position_ids=torch.arange(start, end)[None].to(device), cache=cache, use_cache=True,
-                      logits_to_keep=1)
-            except _Stop:
-                pass
+            kvcache.forward_through(model, layers[-1], input_ids=ids[start:end][None].to(device),
+                                    position_ids=torch.arange(start, end)[None].to(device), cache=cache,
+                                    use_cache=True, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()

@@ -22,10 +22,11 @@ from typing import Protocol
 
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import start_token_id
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.suffix_cache import SuffixCacheManager, token_hash
+from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager, token_hash
+from kvbridge.transfer.suffix.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 
 __all__ = ["Part", "RequestMetrics", "SuffixReuseGenerator", "ContextSource"]
 
@@ -80,11 +81,8 @@ class SuffixReuseGenerator:
         self.context_source = context_source
         self.recompute_k = recompute_k  # shifted segments: recompute their first k tokens
         self.recompute_fraction = recompute_fraction  # and this fraction of their most deviating tokens
-        if start_token is None:
-            from_tok = lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else \
-                lm.tokenizer.eos_token_id
-            start_token = from_tok
-        self.start_token = start_token  # every request starts with it (SmolLM2's tokenizer adds no BOS itself)
+        # every request starts with it (SmolLM2's tokenizer adds no BOS itself)
+        self.start_token = start_token if start_token is not None else start_token_id(lm.tokenizer)
 
     def tokens(self, text: str) -> torch.Tensor:
         return torch.tensor(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)

@@ -11,7 +11,6 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
-from transformers import DynamicCache
 
 
 def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
@@ -42,8 +41,7 @@ def prefill_after(lm: LoadedModel, context: KVSegment | None, token_ids: torch.T
     start, t = context.num_tokens, ids.numel()
     param = next(lm.model.parameters())
     kv = context.kv.to(device=param.device, dtype=param.dtype)
-    # no config: every layer keeps every token (the model still masks sliding layers by position)
-    cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(lm.spec.num_layers)])
+    cache = kvcache.build_cache(kv[:, :, None])  # no config: every layer keeps every token
     lm.model(input_ids=ids[None].to(param.device), position_ids=torch.arange(start, start + t)[None].to(param.device),
              cache=cache, use_cache=True, logits_to_keep=1)
     new = torch.stack([torch.stack((layer.keys[0, :, start:], layer.values[0, :, start:])) for layer in cache.layers])
@@ -92,10 +90,6 @@ def deviation(reused: KVSegment, exact: KVSegment) -> Deviation:
                      worst_layer_keys=float(per_layer.max()))
 
 
-class _Stop(Exception):
-    pass
-
-
 @torch.no_grad()
 def checked_layer_deviation(lm: LoadedModel, context: KVSegment, placed: KVSegment, layer: int = 1) -> torch.Tensor:
     """[T] per token of `placed`: ||K_placed - K_exact|| / ||K_exact|| at one layer, the exact keys coming from a
@@ -106,20 +100,10 @@ def checked_layer_deviation(lm: LoadedModel, context: KVSegment, placed: KVSegme
     start, t = context.num_tokens, placed.num_tokens
     param = next(lm.model.parameters())
     kv = context.kv.to(device=param.device, dtype=param.dtype)
-    cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(lm.spec.num_layers)])
-    blocks = lm.model.model.layers
-
-    def stop(module, args, output):
-        raise _Stop
-
-    handle = blocks[layer].self_attn.register_forward_hook(stop)
-    try:
-        lm.model(input_ids=placed.token_ids[None].to(param.device),
-                 position_ids=torch.arange(start, start + t)[None].to(param.device), cache=cache, use_cache=True)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
+    cache = kvcache.build_cache(kv[:, :, None])
+    kvcache.forward_through(lm.model, layer, input_ids=placed.token_ids[None].to(param.device),
+                            position_ids=torch.arange(start, start + t)[None].to(param.device), cache=cache,
+                            use_cache=True)
     exact = cache.layers[layer].keys[0, :, start:].float().cpu()  # [H, T, D]
     got = placed.kv[layer, 0].float().cpu()
     return (got - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2)).clamp(min=1e-12)
@@ -145,7 +129,7 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
         raise ValueError("place the segment right after the context first")
     param = next(lm.model.parameters())
     both = torch.cat((context.kv, placed.kv.to(context.kv)), dim=3).to(device=param.device, dtype=param.dtype)
-    cache = DynamicCache(ddp_cache_data=[(both[i, 0][None], both[i, 1][None]) for i in range(lm.spec.num_layers)])
+    cache = kvcache.build_cache(both[:, :, None])
     n = c + t
     q_pos = c + selected  # [S] positions of the queries
     key_pos = torch.arange(n)  # [n] positions of the cached keys

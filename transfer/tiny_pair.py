@@ -1,4 +1,5 @@
-"""Deterministic tiny tokenizers for the `tiny` model preset, trained at call time on a shipped corpus.
+"""The `tiny` preset's pair: random-init Qwen2 -> Phi3 models in miniature (`tiny_source`, `tiny_target`) and their
+deterministic tiny tokenizers, trained at call time on a shipped corpus.
 
 Two kinds, each imitating the tokenization family of one production model so that the tiny Qwen2 -> Phi3 pair
 exercises cross-tokenizer alignment the way Qwen2-7B -> Phi-3-mini does:
@@ -21,9 +22,11 @@ different hash seeds and trainer thread counts.
 import functools
 import json
 
+import torch
 from kvbridge.transfer.data import data_path
+from kvbridge.transfer.models import LoadedModel, random_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import Phi3Config, PreTrainedTokenizerFast, Qwen2Config
 
 TINY_TOKENIZER_KINDS = ("byte_bpe", "sentencepiece")
 
@@ -138,3 +141,38 @@ def _train_sentencepiece(paragraphs: list[str]) -> Tokenizer:
     )
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return tokenizer
+
+
+TINY_SEED = 0
+
+
+def tiny_source_config(vocab_size: int) -> Qwen2Config:
+    # Qwen2 like Qwen2-7B in miniature: GQA (4 q / 2 kv heads), rope base 1e6, no tied embeddings.
+    # initializer_range 0.2 (not 0.02): random logits spread enough that greedy decoding has no near-ties.
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                       initializer_range=0.2, tie_word_embeddings=False)
+
+
+def tiny_target_config(vocab_size: int, bos: int, eos: int, pad: int) -> Phi3Config:
+    # Phi3 like Phi-3-mini in miniature: MHA (kv heads = q heads), rope base 1e4, more and narrower layers than
+    # the source (6 vs 4), so layer maps are one-to-many as in production (28 -> 32).
+    return Phi3Config(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=6,
+                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=4096,
+                      original_max_position_embeddings=4096,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                      initializer_range=0.2, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                      tie_word_embeddings=False)
+
+
+def tiny_source(device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
+    tok = build_tiny_tokenizer("byte_bpe")
+    return random_model(tiny_source_config(len(tok)), "tiny-qwen2", seed=TINY_SEED, tokenizer=tok, dtype=dtype,
+                        device=device)
+
+
+def tiny_target(device: str | torch.device = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
+    tok = build_tiny_tokenizer("sentencepiece")
+    cfg = tiny_target_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id or tok.eos_token_id)
+    return random_model(cfg, "tiny-phi3", seed=TINY_SEED + 1, tokenizer=tok, dtype=dtype, device=device)

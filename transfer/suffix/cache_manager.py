@@ -7,20 +7,22 @@ never sees another's segments. Around the store the manager keeps, per session:
 - a semantic temperature: 0.8 to start; when the TF-IDF cosine (scikit-learn) between a new turn and the
   session's previous turns falls below 0.3 it drops to 0.3 and the session's segments are flushed (the topic
   changed: they will not be reused). Each later on-topic turn warms it by 0.25, up to 0.8;
-- a value scorer (default: learned online from the hits observed here) that routes each offered segment:
-  score >= 0.85 kept without TTL, 0.6-0.85 kept for 30 minutes, < 0.6 not cached.
+- a value scorer (default: learned online) that routes each offered segment: score >= 0.85 kept without TTL,
+  0.6-0.85 kept for 30 minutes, < 0.6 not cached. It learns from every outcome: a find is a hit; a segment that
+  leaves unused — expired, flushed, or evicted by the store (the store tells the manager) — is a miss.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import NotFound, PagedStore
-from kvbridge.transfer.value_score import OnlineValueScorer, SegmentFeatures, ValueScorer
+from kvbridge.transfer.suffix.value_score import OnlineValueScorer, SegmentFeatures, ValueScorer
 
 __all__ = ["SuffixCacheManager", "ManagerConfig", "Offer", "TurnInfo", "Reusable"]
 
@@ -104,6 +106,12 @@ class SuffixCacheManager:
         self._segments: dict[str, _Segment] = {}  # store key -> metadata
         self._by_hash: dict[tuple[str, str], str] = {}  # (session, token hash) -> store key
         self._lock = threading.RLock()
+        # keys of entries the store removed by itself (expired, lost): appended under the store's lock, drained
+        # under ours (a deque append needs no lock, so the two locks are never held in both orders)
+        self._gone: deque[str] = deque()
+        prefix = self._namespace("x")[:-1]
+        store.add_listener(lambda key, tenant, reason: self._gone.append(key)
+                           if reason != "deleted" and tenant.startswith(prefix) else None)
 
     def _namespace(self, session: str) -> str:
         if not isinstance(session, str) or not session:
@@ -121,6 +129,10 @@ class SuffixCacheManager:
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def _expire(self) -> None:
+        while self._gone:
+            key = self._gone.popleft()
+            if key in self._segments:
+                self._forget(key)
         now = self.clock()
         for name in [n for n, s in self._sessions.items() if now - s.last_active >= self.config.session_ttl_s]:
             self._flush(name)
@@ -128,15 +140,20 @@ class SuffixCacheManager:
         for key in [k for k, seg in self._segments.items() if seg.expires_at is not None and seg.expires_at <= now]:
             self._drop(key)
 
-    def _drop(self, key: str) -> None:
+    def _forget(self, key: str) -> _Segment:
+        """Drop a segment's metadata; one that was never hit is a miss for the scorer."""
         seg = self._segments.pop(key)
         self._by_hash.pop((seg.session, seg.token_hash), None)
         if seg.hits == 0:
             self.scorer.observe(seg.features, hit=False)  # it left the cache unused
-        self.store.delete(key, self._namespace(seg.session))
         session = self._sessions.get(seg.session)
         if session is not None:
             session.keys.discard(key)
+        return seg
+
+    def _drop(self, key: str) -> None:
+        seg = self._forget(key)
+        self.store.delete(key, self._namespace(seg.session))
 
     def _flush(self, session: str) -> int:
         s = self._sessions.get(session)

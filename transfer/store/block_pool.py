@@ -13,11 +13,10 @@ import gc
 from dataclasses import dataclass
 
 import torch
-from kvbridge.transfer.kv_blocks import Block, BlockHash, FreeBlockQueue
+from kvbridge.transfer.errors import CapacityError
+from kvbridge.transfer.store.kv_blocks import Block, BlockHash, FreeBlockQueue
 
-
-class CapacityError(RuntimeError):
-    """Not enough evictable blocks for a request (everything else is pinned or in use)."""
+__all__ = ["BlockPool", "PoolLayout", "CapacityError", "layout_key"]
 
 
 def layout_key(model: str, dtype: str) -> str:

@@ -9,11 +9,11 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvbridge.transfer.tiny_tokenizers import TINY_TOKENIZER_KINDS, build_tiny_tokenizer, tiny_corpus_text
+from kvbridge.transfer.tiny_pair import TINY_TOKENIZER_KINDS, build_tiny_tokenizer, tiny_corpus_text
 
 HASH_SCRIPT = """
 import hashlib, json
-from kvbridge.transfer.tiny_tokenizers import build_tiny_tokenizer
+from kvbridge.transfer.tiny_pair import build_tiny_tokenizer
 print(json.dumps({kind: hashlib.sha256(build_tiny_tokenizer(kind).backend_tokenizer.to_str().encode()).hexdigest()
                   for kind in ("byte_bpe", "sentencepiece")}))
 """

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from kvbridge.transfer.kv_blocks import BlockHash
+from kvbridge.transfer.store.kv_blocks import BlockHash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 

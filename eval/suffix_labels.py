@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer.data import data_path
+from kvbridge.transfer.suffix.detector import attention_entropy, segment_starts
 
 # Boilerplate closings of the kinds that end real pages and messages (written for this set).
 CLOSINGS = (
@@ -103,8 +104,6 @@ def choose_layers(per_layer: list[torch.Tensor], labelled: list[LabelledText], c
     """
     from itertools import combinations
 
-    from kvbridge.transfer.suffix_detect import segment_starts
-
     num_layers = per_layer[0].shape[0]
 
     def score(layers: tuple[int, ...]) -> BoundaryAccuracy:
@@ -131,8 +130,6 @@ class Calibration:
 def calibrate_layers(lm, config, texts: int = 24, tolerance: int = 3, max_layers: int = 2) -> Calibration:
     """Choose the detector's layers for a model on the even-numbered texts of the labelled set; report the accuracy
     on the odd-numbered ones (never seen by the choice)."""
-    from kvbridge.transfer.suffix_detect import attention_entropy, segment_starts
-
     items = labelled_set(lm.tokenizer, texts)
     per_layer = [attention_entropy(lm.model, lm.spec, it.token_ids, chunk_tokens=config.chunk_tokens,
                                    per_layer=True) for it in items]

@@ -1,0 +1,65 @@
+"""The store's configuration and the plain results its methods return."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    capacity_bytes: int | None = None  # device pool budget over all layouts; None: capacity_fraction of free memory
+    capacity_fraction: float = 0.5  # of free CUDA memory (or of RAM on a CPU-only store) when capacity_bytes is None
+    block_size: int = 16  # tokens per block (vLLM's default)
+    max_layouts: int = 4  # each layout's pool is capacity_bytes / max_layouts (source + a few projected models)
+    cpu_capacity_bytes: int = 0  # 0: no CPU tier
+    redis_url: str | None = None  # None: no Redis tier
+    redis_ttl_s: int = 3600
+    redis_retry_s: float = 2.0
+    default_ttl_s: float | None = None  # entry TTL when put() gives none; None: until evicted or deleted
+    device: str = "auto"
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if not 0 < self.capacity_fraction <= 1:
+            raise ValueError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction}")
+        if self.max_layouts < 1:
+            raise ValueError(f"max_layouts must be >= 1, got {self.max_layouts}")
+        if self.cpu_capacity_bytes < 0:
+            raise ValueError(f"cpu_capacity_bytes must be >= 0, got {self.cpu_capacity_bytes}")
+        if self.default_ttl_s is not None and self.default_ttl_s <= 0:
+            raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    key: str | None  # the entry holding exactly these tokens, if any
+    num_tokens: int  # tokens of the query found cached (exact entry: all; else the longest full-block prefix)
+    tier: str | None  # lowest tier the match touches ("device" < "cpu" < "redis"); None on a miss
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    puts: int = 0
+    entries: int = 0
+    evictions: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})  # blocks pushed down from each tier
+    bytes_used: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})
+    bytes_capacity: dict = field(default_factory=lambda: {"device": 0, "cpu": 0})
+    lost_entries: int = 0  # entries dropped because a block left the last tier
+    expired_entries: int = 0
+    redis: dict | None = None  # RedisStats as a dict, None without a Redis tier
+
+
+def default_capacity(device: torch.device, fraction: float) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * fraction)

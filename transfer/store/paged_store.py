@@ -1,0 +1,455 @@
+"""PagedStore, the facade callers use: KV segments of many models and tenants in paged block pools, with CPU and
+Redis tiers below.
+
+Entries are KVSegments stored as lists of block hashes (their page tables). Two kinds:
+- "prefix": KV of tokens at positions 0..T-1. Block hashes chain from a per-namespace root, so entries that share
+  a prefix share its full blocks, and `lookup` finds the longest cached prefix of any token sequence.
+- "segment": KV of a run of tokens anywhere (position-independent reuse). Keyed by the tokens alone; its chain
+  starts at its own key, so it shares no blocks (its KV depends on context the store never saw).
+
+An entry may carry the text it was made from, and a derived entry (a projection) the key of its source entry:
+deleting an entry deletes what was derived from it.
+
+Where a block lives and how it moves between tiers: `residency`. What is stored, TTL, pins and links: `registry`.
+The invariants `check` verifies: `checker`. One lock serialises every public method (the gRPC server calls in from
+many threads).
+
+(About 450 lines: the facade's public methods and their locking in one place; the parts they call live in
+kv_blocks, block_pool, tiers, residency, registry and checker.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from kvbridge.transfer.devices import resolve_device
+from kvbridge.transfer.errors import CapacityError, NotFound
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
+from kvbridge.transfer.store.checker import check_store
+from kvbridge.transfer.store.config import LookupResult, StoreConfig, StoreStats, default_capacity
+from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
+from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
+from kvbridge.transfer.store.residency import Residency, lowest
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "CapacityError", "NotFound"]
+
+
+DEFAULT_CONFIG = StoreConfig()
+
+
+class PagedStore:
+    def __init__(self, config: StoreConfig = DEFAULT_CONFIG, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        self.capacity_bytes = config.capacity_bytes or default_capacity(self.device, config.capacity_fraction)
+        self.layout_bytes = self.capacity_bytes // config.max_layouts
+        self.pools: dict[str, BlockPool] = {}
+        self.registry = EntryRegistry()
+        self._stats = StoreStats()
+        cpu = CpuTier(config.cpu_capacity_bytes, pin_memory=self.device.type == "cuda") \
+            if config.cpu_capacity_bytes else None
+        redis = RedisTier(config.redis_url, ttl_s=config.redis_ttl_s, retry_s=config.redis_retry_s,
+                          clock=clock) if config.redis_url else None
+        self.residency = Residency(self.registry, cpu, redis, self._stats.evictions)
+        self._listeners: list[Callable[[str, str, str], None]] = []
+        self._lock = threading.RLock()
+
+    def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        """Call listener(key, tenant, reason) whenever an entry leaves the store; reason is "deleted", "expired" or
+        "lost" (a block left the last tier). It runs under the store's lock: it must be quick and must not call
+        the store (queue the event and act on it later)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    @property
+    def cpu(self) -> CpuTier | None:
+        return self.residency.cpu
+
+    @property
+    def redis(self) -> RedisTier | None:
+        return self.residency.redis
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _layout_of(self, segment: KVSegment) -> PoolLayout:
+        return PoolLayout(model=segment.model.key, dtype=str(segment.dtype).removeprefix("torch."),
+                          num_layers=segment.num_layers, num_kv_heads=segment.num_kv_heads,
+                          head_dim=segment.head_dim, block_size=self.config.block_size)
+
+    def _pool_for(self, layout: PoolLayout, create: bool) -> BlockPool | None:
+        pool = self.pools.get(layout.key)
+        if pool is not None:
+            if pool.layout != layout:
+                raise ValueError(
+                    f"layout mismatch for {layout.key}: the store holds [L={pool.layout.num_layers}, "
+                    f"H_kv={pool.layout.num_kv_heads}, D={pool.layout.head_dim}, block {pool.layout.block_size}], "
+                    f"got [L={layout.num_layers}, H_kv={layout.num_kv_heads}, D={layout.head_dim}, "
+                    f"block {layout.block_size}]"
+                )
+            return pool
+        if not create:
+            return None
+        if len(self.pools) >= self.config.max_layouts:
+            raise CapacityError(f"the store already holds {len(self.pools)} layouts (max_layouts); "
+                                f"cannot add {layout.key}")
+        num_blocks = self.layout_bytes // layout.block_bytes
+        if num_blocks < 1:
+            raise CapacityError(f"{layout.key}: one block needs {layout.block_bytes} bytes, the layout's share of the "
+                                f"store is {self.layout_bytes} bytes")
+        pool = BlockPool(layout, num_blocks, self.device)
+        self.pools[layout.key] = pool
+        log.info("pool %s: %d blocks of %d tokens (%d bytes) on %s", layout.key, num_blocks, layout.block_size,
+                 num_blocks * layout.block_bytes, self.device)
+        return pool
+
+    def _pool_of(self, ns: Namespace) -> BlockPool | None:
+        """The pool holding this namespace's model and dtype."""
+        return self.pools.get(layout_key(ns.model, ns.dtype))
+
+    @staticmethod
+    def _namespace(tenant: str, model: ModelIdentity, dtype: torch.dtype | str, adapter: str) -> Namespace:
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("tenant must be a non-empty string")
+        return Namespace(tenant=tenant, model=model.key, dtype=str(dtype).removeprefix("torch."), adapter=adapter)
+
+    def _chain(self, ns: Namespace, kind: str, key: str, tokens: torch.Tensor) -> list[BlockHash]:
+        digest = ns.digest()
+        root = chain_root(digest, kind, key.encode() if kind == "segment" else b"")
+        return hash_chain(tokens, self.config.block_size, root, digest)
+
+    def _remove_entry(self, entry: Entry, reason: str) -> None:
+        """Forget an entry; blocks no other entry uses are dropped from the local tiers, and from Redis too unless
+        the entry was lost (then Redis has the data or not)."""
+        pool = self.pools.get(entry.layout.key)
+        if entry.pinned and pool is not None:
+            pool.unref([pool.lookup(h) for h in entry.hashes])
+        self.residency.drop(pool, self.registry.discard(entry), drop_remote=reason != "lost")
+        for listener in self._listeners:
+            listener(entry.key, entry.namespace.tenant, reason)
+
+    def _lose(self, hashes: list[BlockHash]) -> None:
+        """Blocks that left the last tier: the entries using them cannot be served any more."""
+        for h in hashes:
+            for key in list(self.registry.users.get(h, ())):
+                entry = self.registry.get(key)
+                if entry is not None:
+                    self._stats.lost_entries += 1
+                    self._remove_entry(entry, "lost")
+
+    def _allocate(self, pool: BlockPool, n: int):
+        blocks, evicted = pool.allocate(n)
+        self._lose(self.residency.demote(pool, evicted))
+        return blocks
+
+    def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool):
+        return self.residency.make_resident(pool, hashes, keep_ref, self._allocate)
+
+    def _expire(self) -> None:
+        for entry in self.registry.due(self.clock()):
+            if self.registry.get(entry.key) is entry:  # not lost meanwhile
+                self._stats.expired_entries += 1
+                self._remove_entry(entry, "expired")
+
+    def _info(self, entry: Entry, new_blocks: int) -> EntryInfo:
+        pool = self.pools.get(entry.layout.key)
+        tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
+        return info_of(entry, new_blocks, tiers.pop() if len(tiers) == 1 else "mixed")
+
+    # ------------------------------------------------------------------------------------------------ API
+
+    def put(self, segment: KVSegment, tenant: str, kind: str = "prefix", adapter: str = "",
+            ttl_s: float | None = None, pin: bool = False, text: str | None = None,
+            source_key: str | None = None, annotations: dict | None = None) -> EntryInfo:
+        """Store a segment (a copy: the caller keeps its tensor). Idempotent per (tenant, model, dtype, adapter,
+        kind, tokens): a second put refreshes TTL and pin and writes nothing. Prefix entries must sit at 0..T-1.
+        `text`: what the tokens were made from, kept with the entry; `source_key`: the tenant's entry this one
+        is derived from (deleting that deletes this; NotFound when there is no such entry); `annotations`: small
+        JSON-able facts kept with it. Raises ValueError for bad input and CapacityError when it cannot fit; the
+        store is unchanged then."""
+        if not isinstance(segment, KVSegment):
+            raise ValueError(f"put takes a KVSegment, got {type(segment).__name__}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if segment.num_tokens == 0:
+            raise ValueError("cannot store an empty segment")
+        if kind == "prefix" and not segment.is_contiguous_from(0):
+            raise ValueError(f"a prefix entry must hold positions 0..T-1; this one starts at "
+                             f"{int(segment.positions[0])} (store it as kind='segment')")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"text must be a str or None, got {type(text).__name__}")
+        ns = self._namespace(tenant, segment.model, segment.dtype, adapter)
+        layout = self._layout_of(segment)
+        with self._lock:
+            self._expire()
+            if source_key is not None:
+                self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
+            pool = self._pool_for(layout, create=True)
+            bs = layout.block_size
+            n_blocks = -(-segment.num_tokens // bs)
+            if n_blocks > pool.num_blocks:
+                raise CapacityError(f"{layout.key}: the entry needs {n_blocks} blocks of {bs} tokens, the pool has "
+                                    f"{pool.num_blocks} in all")
+            key = content_key(ns.digest(), kind, segment.token_ids)
+            ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
+            now = self.clock()
+            expires_at = now + ttl if ttl is not None else None
+            existing = self.registry.get(key)
+            if existing is not None:
+                try:
+                    blocks = self._make_resident(pool, existing.hashes, keep_ref=False)
+                except NotFound:
+                    self._remove_entry(existing, "lost")
+                else:
+                    pool.touch(blocks)
+                    if pin and not existing.pinned:
+                        pool.ref(blocks)
+                        existing.pinned = True
+                    existing.expires_at = expires_at
+                    existing.last_access = now
+                    if text is not None:
+                        existing.text = text
+                    if annotations:
+                        existing.annotations.update(annotations)
+                    self.registry.schedule(existing)
+                    self._stats.puts += 1
+                    return self._info(existing, new_blocks=0)
+            hashes = self._chain(ns, kind, key, segment.token_ids)
+            # Claim the hashes first: evictions below may lose other entries, and must not orphan (and drop)
+            # blocks this entry is about to use.
+            self.registry.claim(key, hashes)
+            present = [pool.lookup(h) for h in hashes]
+            held = [b for b in present if b is not None]
+            pool.ref(held)
+            try:
+                missing = [i for i, b in enumerate(present) if b is None]
+                new_blocks = self._allocate(pool, len(missing))
+            except CapacityError:
+                pool.unref(held)
+                self.residency.drop(pool, self.registry.release(key, hashes), drop_remote=False)
+                raise
+            # one scatter of the new blocks: segment kv [L, 2, H, T, D] -> [n, L, 2, H, bs, D]
+            kv = segment.kv
+            pad = n_blocks * bs - segment.num_tokens
+            if pad:
+                kv = torch.nn.functional.pad(kv, (0, 0, 0, pad))
+            blocks_view = kv.reshape(layout.num_layers, 2, layout.num_kv_heads, n_blocks, bs, layout.head_dim)
+            if missing:
+                idx = torch.tensor(missing, device=kv.device)
+                data = blocks_view.index_select(3, idx).permute(3, 0, 1, 2, 4, 5)
+                pool.write(torch.tensor([b.block_id for b in new_blocks]), data)
+            for i, block in zip(missing, new_blocks):
+                if self.cpu is not None:
+                    self.cpu.pop(hashes[i])  # now on the device: one local copy only
+                pool.set_hash(block, hashes[i])
+                present[i] = block
+            if source_key is not None and self.registry.get(source_key) is None:
+                source_key = None  # the source was lost to the evictions above: nothing left to cascade from
+            entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=segment.model,
+                          token_ids=segment.token_ids.clone(), positions=segment.positions.clone(),
+                          rotated=segment.rotated, hashes=hashes, expires_at=expires_at, pinned=pin,
+                          last_access=now, text=text, source_key=source_key, annotations=dict(annotations or {}))
+            self.registry.add(entry)
+            # every block of the chain holds one ref from above (held or fresh); a pin keeps it
+            if not pin:
+                pool.unref(present)
+            self._stats.puts += 1
+            return self._info(entry, new_blocks=len(missing))
+
+    def get(self, key: str, tenant: str, out: torch.Tensor | None = None) -> KVSegment:
+        """The stored segment (a contiguous copy on the store's device, or written into `out`, a contiguous
+        [L, 2, H_kv, T, D] tensor of the entry's dtype on that device). Raises NotFound."""
+        with self._lock:
+            self._expire()
+            entry = self.registry.for_tenant(key, tenant)
+            pool = self.pools[entry.layout.key]
+            try:
+                blocks = self._make_resident(pool, entry.hashes, keep_ref=True)
+            except NotFound:
+                self._stats.misses += 1
+                self._stats.lost_entries += 1
+                self._remove_entry(entry, "lost")
+                raise NotFound(f"no entry {key!r}") from None
+            try:
+                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), entry.token_ids.numel(), out=out)
+            finally:
+                pool.unref(blocks)
+            entry.last_access = self.clock()
+            self._stats.hits += 1
+            self._stats.hit_tokens += entry.token_ids.numel()
+            return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
+                             model=entry.model, rotated=entry.rotated)
+
+    def lookup(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
+               adapter: str = "", kind: str = "prefix") -> LookupResult:
+        """The entry holding exactly these tokens, else (prefix kind) the longest cached full-block prefix."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().reshape(-1)
+        ns = self._namespace(tenant, model, dtype, adapter)
+        with self._lock:
+            self._expire()
+            key = content_key(ns.digest(), kind, token_ids)
+            entry = self.registry.get(key)
+            pool = self._pool_of(ns)
+            if entry is not None:
+                tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
+                self._stats.hits += 1
+                self._stats.hit_tokens += token_ids.numel()
+                return LookupResult(key, token_ids.numel(), lowest(tiers))
+            if kind == "segment" or token_ids.numel() < self.config.block_size:
+                self._stats.misses += 1
+                return LookupResult(None, 0, None)
+            digest = ns.digest()
+            hashes = hash_chain(token_ids, self.config.block_size, chain_root(digest, "prefix"), digest,
+                                full_only=True)
+            found, tiers = 0, set()
+            on_device = pool.hash_to_block if pool is not None else {}
+            cpu = self.cpu
+            for h in hashes:  # the hot loop: a dict probe per block, the CPU tier only on a device miss
+                if h in on_device:
+                    tiers.add("device")
+                elif cpu is not None and h in cpu:
+                    tiers.add("cpu")
+                else:
+                    break
+                found += 1
+            if found < len(hashes) and self.redis is not None:
+                in_redis = self.redis.exists_many(hashes[found:])
+                for ok in in_redis:
+                    if not ok:
+                        break
+                    tiers.add("redis")
+                    found += 1
+            if found == 0:
+                self._stats.misses += 1
+                return LookupResult(None, 0, None)
+            self._stats.hits += 1
+            self._stats.hit_tokens += found * self.config.block_size
+            return LookupResult(None, found * self.config.block_size, lowest(tiers))
+
+    def get_prefix(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
+                   num_tokens: int, adapter: str = "") -> KVSegment:
+        """KV of the first num_tokens (a multiple of block_size, as `lookup` reports) of a cached prefix."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().reshape(-1)
+        bs = self.config.block_size
+        if num_tokens <= 0 or num_tokens % bs or num_tokens > token_ids.numel():
+            raise ValueError(f"num_tokens must be a positive multiple of {bs} and at most {token_ids.numel()}, "
+                             f"got {num_tokens}")
+        ns = self._namespace(tenant, model, dtype, adapter)
+        with self._lock:
+            pool = self._pool_of(ns)
+            if pool is None:
+                raise NotFound(f"nothing stored for {ns.model} in {ns.dtype}")
+            digest = ns.digest()
+            hashes = hash_chain(token_ids[:num_tokens], bs, chain_root(digest, "prefix"), digest)
+            blocks = self._make_resident(pool, hashes, keep_ref=True)
+            try:
+                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), num_tokens)
+            finally:
+                pool.unref(blocks)
+            self._stats.hits += 1
+            self._stats.hit_tokens += num_tokens
+            return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),
+                             positions=torch.arange(num_tokens, dtype=torch.int64), model=model, rotated=True)
+
+    def delete(self, key: str, tenant: str) -> int:
+        """Remove an entry, the entries derived from it (transitively), and every block only they used, from every
+        tier. Returns how many entries went: 0 if there was no such entry."""
+        with self._lock:
+            try:
+                entry = self.registry.for_tenant(key, tenant)
+            except NotFound:
+                return 0
+            doomed, removed = [entry], 0
+            while doomed:
+                entry = doomed.pop()
+                if self.registry.get(entry.key) is not entry:
+                    continue
+                doomed += self.registry.derived_from(entry.key, tenant)
+                self._remove_entry(entry, "deleted")
+                removed += 1
+            return removed
+
+    def pin(self, key: str, tenant: str, pinned: bool = True) -> EntryInfo:
+        """Pinned entries stay on the device (never evicted) until unpinned, deleted or expired."""
+        with self._lock:
+            self._expire()
+            entry = self.registry.for_tenant(key, tenant)
+            pool = self.pools[entry.layout.key]
+            if pinned and not entry.pinned:
+                self._make_resident(pool, entry.hashes, keep_ref=True)
+                entry.pinned = True
+            elif not pinned and entry.pinned:
+                pool.unref([pool.lookup(h) for h in entry.hashes])
+                entry.pinned = False
+            return self._info(entry, new_blocks=0)
+
+    def refresh(self, key: str, tenant: str, ttl_s: float | None = None, pin: bool = False,
+                text: str | None = None) -> EntryInfo:
+        """What a second put of the same entry does, without its tensor: restart the TTL (ttl_s, else the
+        default), pin it if asked (never unpins), keep `text` with it if given. Raises NotFound."""
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        with self._lock:
+            self._expire()
+            entry = self.registry.for_tenant(key, tenant)
+            ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
+            now = self.clock()
+            entry.expires_at = now + ttl if ttl is not None else None
+            entry.last_access = now
+            if text is not None:
+                entry.text = text
+            self.registry.schedule(entry)
+            if pin:
+                return self.pin(key, tenant)
+            return self._info(entry, new_blocks=0)
+
+    def info(self, key: str, tenant: str) -> EntryInfo:
+        with self._lock:
+            self._expire()
+            return self._info(self.registry.for_tenant(key, tenant), new_blocks=0)
+
+    def derived(self, key: str, tenant: str) -> list[EntryInfo]:
+        """The tenant's entries derived from entry `key` (projections of it), whether or not it is still stored."""
+        with self._lock:
+            self._expire()
+            return [self._info(e, new_blocks=0) for e in self.registry.derived_from(key, tenant)]
+
+    def keys(self, tenant: str) -> list[str]:
+        with self._lock:
+            self._expire()
+            return self.registry.keys(tenant)
+
+    def purge_expired(self) -> None:
+        with self._lock:
+            self._expire()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = self._stats
+            out = StoreStats(hits=s.hits, misses=s.misses, hit_tokens=s.hit_tokens, puts=s.puts,
+                             entries=len(self.registry), evictions=dict(s.evictions),
+                             lost_entries=s.lost_entries, expired_entries=s.expired_entries)
+            out.bytes_used = {"device": sum(p.bytes_used for p in self.pools.values()),
+                              "cpu": self.cpu.bytes_used if self.cpu else 0}
+            out.bytes_capacity = {"device": self.capacity_bytes, "cpu": self.config.cpu_capacity_bytes}
+            if self.redis is not None:
+                out.redis = dict(vars(self.redis.stats))
+            return out
+
+    def check(self) -> list[str]:
+        """Every violated invariant, in words; [] when the store is consistent."""
+        with self._lock:
+            return check_store(self.pools, self.registry, self.residency, self.layout_bytes)

@@ -1,0 +1,163 @@
+"""The entry registry: what the store holds, as metadata only (no KV tensors, no locking: the store's lock covers it).
+
+An entry is a stored KVSegment's page table (one block hash per block) plus its tenant namespace, kind, TTL and pin,
+and what the caller knows about it: the text its tokens were made from, and — for a derived entry such as a
+projection — the key of the entry it was derived from. Three indexes are kept with the entries:
+- `users[h]`: the keys of the entries whose page tables hold block hash h (a block no entry uses is dropped);
+- `derived[k]`: the keys of the entries derived from entry k (a delete of k removes them too);
+- the expiry heap of (expires_at, key); items made stale by a refresh or a removal are skipped when popped.
+Invariants (`check`): `users` and `derived` are exactly what the entries' page tables and links say.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from kvbridge.transfer.errors import NotFound
+from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.store.block_pool import PoolLayout
+from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace
+
+KINDS = ("prefix", "segment")
+
+
+@dataclass(slots=True)
+class Entry:
+    key: str  # content key (hex)
+    namespace: Namespace  # tenant, model, dtype, adapter
+    kind: str  # "prefix" | "segment"
+    layout: PoolLayout
+    model: ModelIdentity
+    token_ids: torch.Tensor  # [T] int64, CPU
+    positions: torch.Tensor  # [T] int64, CPU
+    rotated: bool
+    hashes: list[BlockHash]  # page table: one hash per block, the tail block last
+    expires_at: float | None
+    pinned: bool
+    last_access: float
+    text: str | None = None  # the text the tokens were made from, when the caller gave it
+    source_key: str | None = None  # a derived entry (a projection): the entry it was made from
+    annotations: dict = field(default_factory=dict)  # small JSON-able facts the caller keeps with it
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    key: str
+    kind: str
+    num_tokens: int
+    num_blocks: int
+    new_blocks: int  # blocks written by this put (the rest were shared or already there)
+    pinned: bool
+    expires_at: float | None
+    tier: str  # where its blocks are: "device", "cpu", "redis" or "mixed"
+    model: str = ""  # ModelIdentity.key of the KV
+    adapter: str = ""  # the namespace's adapter field ("" for source KV)
+    source_key: str | None = None  # the entry this one was derived from
+    text: str | None = None  # the text it was made from, when known
+    annotations: dict = field(default_factory=dict)
+
+
+class EntryRegistry:
+    def __init__(self):
+        self.entries: dict[str, Entry] = {}
+        self.users: dict[BlockHash, set[str]] = {}  # block hash -> keys of the entries using it
+        self.derived: dict[str, set[str]] = {}  # source key -> keys of the entries derived from it
+        self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, key); stale items skipped
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: str) -> Entry | None:
+        return self.entries.get(key)
+
+    def for_tenant(self, key: str, tenant: str) -> Entry:
+        """The tenant's entry of this key; NotFound when there is none (or it is another tenant's)."""
+        entry = self.entries.get(key) if isinstance(key, str) else None
+        if entry is None or entry.namespace.tenant != tenant:
+            raise NotFound(f"no entry {key!r}")
+        return entry
+
+    def keys(self, tenant: str) -> list[str]:
+        return [k for k, e in self.entries.items() if e.namespace.tenant == tenant]
+
+    def derived_from(self, key: str, tenant: str) -> list[Entry]:
+        """The tenant's entries derived from entry `key` (which may be gone by now: links outlive their source
+        until the derived entries go)."""
+        keys = sorted(self.derived.get(key, ()))
+        return [self.entries[k] for k in keys if self.entries[k].namespace.tenant == tenant]
+
+    def claim(self, key: str, hashes: list[BlockHash]) -> None:
+        """Mark the blocks as used by `key` before they are written (so evictions meanwhile cannot drop them)."""
+        for h in hashes:
+            self.users.setdefault(h, set()).add(key)
+
+    def release(self, key: str, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Undo `claim`; returns the hashes no entry uses any more (the caller drops their blocks)."""
+        orphans = []
+        for h in hashes:
+            users = self.users.get(h)
+            if users is None:
+                continue
+            users.discard(key)
+            if not users:
+                del self.users[h]
+                orphans.append(h)
+        return orphans
+
+    def add(self, entry: Entry) -> None:
+        """Register an entry whose hashes were claimed."""
+        self.entries[entry.key] = entry
+        if entry.source_key is not None:
+            self.derived.setdefault(entry.source_key, set()).add(entry.key)
+        self.schedule(entry)
+
+    def schedule(self, entry: Entry) -> None:
+        """(Re)start the entry's TTL at its expires_at (None: no expiry)."""
+        if entry.expires_at is not None:
+            heapq.heappush(self._expiry, (entry.expires_at, entry.key))
+
+    def discard(self, entry: Entry) -> list[BlockHash]:
+        """Forget an entry; returns the block hashes no other entry uses."""
+        self.entries.pop(entry.key, None)
+        if entry.source_key is not None:
+            siblings = self.derived.get(entry.source_key)
+            if siblings is not None:
+                siblings.discard(entry.key)
+                if not siblings:
+                    del self.derived[entry.source_key]
+        return self.release(entry.key, entry.hashes)
+
+    def due(self, now: float) -> list[Entry]:
+        """Entries whose TTL ran out by `now` (popped from the heap; the caller removes them)."""
+        out: dict[str, Entry] = {}
+        while self._expiry and self._expiry[0][0] <= now:
+            _, key = heapq.heappop(self._expiry)
+            entry = self.entries.get(key)
+            if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
+                out[key] = entry
+        return list(out.values())
+
+    def check(self) -> list[str]:
+        problems = []
+        users: dict[BlockHash, set[str]] = {}
+        derived: dict[str, set[str]] = {}
+        for entry in self.entries.values():
+            for h in entry.hashes:
+                users.setdefault(h, set()).add(entry.key)
+            if entry.source_key is not None:
+                derived.setdefault(entry.source_key, set()).add(entry.key)
+        if users != self.users:
+            problems.append("the hash -> entries index disagrees with the entries' page tables")
+        if derived != self.derived:
+            problems.append("the derived-entries index disagrees with the entries' source links")
+        return problems
+
+
+def info_of(entry: Entry, new_blocks: int, tier: str) -> EntryInfo:
+    return EntryInfo(key=entry.key, kind=entry.kind, num_tokens=entry.token_ids.numel(),
+                     num_blocks=len(entry.hashes), new_blocks=new_blocks, pinned=entry.pinned,
+                     expires_at=entry.expires_at, tier=tier, model=entry.model.key,
+                     adapter=entry.namespace.adapter, source_key=entry.source_key, text=entry.text,
+                     annotations=dict(entry.annotations))

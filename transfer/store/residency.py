@@ -1,0 +1,145 @@
+"""Where a block lives and how it moves: device pool, then the CPU tier, then Redis/Valkey.
+
+Eviction from a device pool demotes the evicted blocks (still intact in the pool) down a tier before they are
+overwritten; eviction from the CPU tier pushes down to Redis; a block that leaves the last local tier with no Redis
+to take it is lost (the caller then drops the entries that use it). Reads promote blocks back onto the device.
+Only blocks some entry uses (`registry.users`) are ever moved. No locking: the store's lock covers every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from kvbridge.transfer.errors import CapacityError, NotFound
+from kvbridge.transfer.store.block_pool import BlockPool
+from kvbridge.transfer.store.kv_blocks import Block, BlockHash
+from kvbridge.transfer.store.registry import EntryRegistry
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier
+
+TIER_ORDER = ("device", "cpu", "redis")  # fastest first
+
+
+def lowest(tiers: set) -> str | None:
+    """The slowest tier of a set (what a read touching all of them waits for)."""
+    for tier in reversed(TIER_ORDER):
+        if tier in tiers:
+            return tier
+    return None
+
+
+class Residency:
+    def __init__(self, registry: EntryRegistry, cpu: CpuTier | None, redis: RedisTier | None, evictions: dict):
+        self.registry = registry
+        self.cpu = cpu
+        self.redis = redis
+        self.evictions = evictions  # the store's counters: blocks pushed down from each tier
+
+    def tier_of(self, pool: BlockPool | None, h: BlockHash) -> str | None:
+        """"device" or "cpu" where the block is held locally, else None (in Redis, or gone)."""
+        if pool is not None and pool.lookup(h) is not None:
+            return "device"
+        if self.cpu is not None and h in self.cpu:
+            return "cpu"
+        return None
+
+    def drop(self, pool: BlockPool | None, orphans: list[BlockHash], drop_remote: bool) -> None:
+        """Drop blocks no entry uses from the local tiers, and from Redis too when drop_remote (deletes and expiry:
+        the data must be gone; not for losses, where Redis has it or not)."""
+        for h in orphans:
+            block = pool.lookup(h) if pool is not None else None
+            if block is not None:
+                pool.drop(block)
+            if self.cpu is not None:
+                self.cpu.pop(h)
+        if orphans and drop_remote and self.redis is not None:
+            self.redis.delete_many(orphans)
+
+    def demote(self, pool: BlockPool, evicted: list[tuple[BlockHash, int]]) -> list[BlockHash]:
+        """Move evicted device blocks down a tier; returns the hashes of the blocks that left the last tier."""
+        if not evicted:
+            return []
+        self.evictions["device"] += len(evicted)
+        users = self.registry.users
+        live = [(h, i) for h, i in evicted if h in users]
+        if not live:
+            return []
+        data = pool.read_blocks(torch.tensor([i for _, i in live])).to("cpu")
+        below: list[tuple[BlockHash, str, torch.Tensor]] = []
+        if self.cpu is not None:
+            for (h, _), block in zip(live, data):
+                below += self.cpu.put(h, pool.layout.key, block)
+            self.evictions["cpu"] += len(below)
+        else:
+            below = [(h, pool.layout.key, block) for (h, _), block in zip(live, data)]
+        below = [item for item in below if item[0] in users]
+        if not below:
+            return []
+        if self.redis is not None and self.redis.put_many(below):
+            return []  # Redis expires blocks itself (TTL); its own evictions are not seen from here
+        return [h for h, _, _ in below]
+
+    def make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
+                      allocate: Callable[[BlockPool, int], list[Block]]) -> list[Block]:
+        """Bring every block of a chain onto the device (promoting from CPU / Redis). Returns the device blocks,
+        each holding one extra ref (released here unless keep_ref). Raises NotFound if a block is gone.
+        `allocate(pool, n)` takes n blocks, demoting what it evicts."""
+        present, missing = [], []
+        for i, h in enumerate(hashes):
+            block = pool.lookup(h)
+            if block is not None:
+                present.append(block)
+            else:
+                missing.append(i)
+        pool.ref(present)  # protect them while promotion allocates
+        try:
+            if missing:
+                self._promote(pool, hashes, missing, allocate)
+        except Exception:
+            pool.unref(present)
+            raise
+        blocks = [pool.lookup(h) for h in hashes]
+        # present ones hold our ref; new ones hold the allocation ref: one extra ref each, as documented
+        if not keep_ref:
+            pool.unref(blocks)
+        return blocks
+
+    def _promote(self, pool: BlockPool, hashes: list[BlockHash], missing: list[int],
+                 allocate: Callable[[BlockPool, int], list[Block]]) -> None:
+        layout_key = pool.layout.key
+        # Blocks leave the CPU tier before allocation can demote into it (so they cannot be evicted meanwhile);
+        # on failure exactly those go back, into the room they left.
+        data: dict[int, torch.Tensor] = {}
+        from_cpu: list[int] = []
+        redis_wanted = []
+        for i in missing:
+            item = self.cpu.pop(hashes[i]) if self.cpu is not None else None
+            if item is not None:
+                data[i] = item[1]
+                from_cpu.append(i)
+            else:
+                redis_wanted.append(i)
+
+        def restore() -> None:
+            for i in from_cpu:
+                evicted = self.cpu.put(hashes[i], layout_key, data[i])
+                assert not evicted, "restoring popped blocks cannot overflow the CPU tier"
+
+        if redis_wanted and self.redis is not None:
+            found = self.redis.get_many([hashes[i] for i in redis_wanted], layout_key)
+            for i in redis_wanted:
+                if hashes[i] in found:
+                    data[i] = found[hashes[i]]
+        absent = [i for i in missing if i not in data]
+        if absent:
+            restore()
+            raise NotFound(f"{len(absent)} of {len(hashes)} blocks are no longer stored")
+        try:
+            new_blocks = allocate(pool, len(missing))
+        except CapacityError:  # raised before any eviction: the CPU tier is as we left it
+            restore()
+            raise
+        ids = torch.tensor([b.block_id for b in new_blocks])
+        pool.write(ids, torch.stack([data[i] for i in missing]))
+        for i, block in zip(missing, new_blocks):
+            pool.set_hash(block, hashes[i])
