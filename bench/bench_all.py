@@ -76,6 +76,9 @@ def ttft_rows(results: list[dict], goal: float, goal_tokens: int) -> list[Row]:
         rows.append(Row(f"TTFT replace/full @{n} (cold)", f"{r['ratio_cold_over_full']:.3f}", target,
                         f"{r['cold_s']:.2f} s vs {r['full_s']:.2f} s (the server projects again)",
                         r["ratio_cold_over_full"]))
+        rows.append(Row(f"TTFT blend:0.1/full @{n} (warm)", f"{r['ratio_blend_over_full']:.3f}", "-",
+                        f"{r['blend_s']:.2f} s vs {r['full_s']:.2f} s (replace + first layer over the context + 10% "
+                        "recomputed)", r["ratio_blend_over_full"]))
     return rows
 
 

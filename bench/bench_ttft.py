@@ -9,7 +9,9 @@ running in this process (loopback port 0). Then, over several rounds (the order 
 - replace, warm: the client fetches the context's projected KV from the server by key (the projected entry is
   already in the server's store), turns it into a cache, and the target prefills only the question over it;
 - replace, cold: the same after the projected entry was deleted from the server's store (untimed), so the server
-  aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed).
+  aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed);
+- blend:0.1, warm: replace, then CacheBlend (`transfer.suffix.blend`): the target's first layer over the context
+  and 10% of its tokens recomputed through every layer in one forward, then the question.
 
     .venv/bin/python bench/bench_ttft.py [--quick] [--tokens 256 1024 2048] [--rounds 5] [--adapter FILE]
                                          [--threads 1]
@@ -35,9 +37,12 @@ from kvbridge.adapters.pairs import start_token_id
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.presets import load_pair
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.blend import BlendConfig, blend
 from machine import device_label
 from machine import machine_line as _machine_line
 
@@ -48,6 +53,7 @@ QUICK_TOKENS = (256, 512)
 FULL_ROUNDS = 5
 QUICK_ROUNDS = 3
 ADAPTER_NAME = "bench-adapter"
+BLEND_FRACTION = 0.1  # blend:0.1, the CacheBlend mode the eval compares at this share
 GOAL = 1 / 20  # the goal on the CPU: TTFT(replace) <= TTFT(full) / 20 at 2k tokens of context
 GOAL_TOKENS = 2048
 
@@ -79,6 +85,7 @@ class TTFTResult:
     warm_fetch_s: float  # of warm_s: the gRPC fetch of the projected KV to the assembled tensor
     warm_cache_s: float  # of warm_s: FetchedCache.to_cache
     warm_prefill_s: float  # of warm_s: the question's prefill over the cache, to the first token
+    blend_s: float  # blend:0.1 (warm): replace, plus the selection pass and the recompute of 10% of the context
     wire_bytes: int  # chunk bytes of one projected fetch
     same_first_token: bool  # replace (warm) and full picked the same first token
 
@@ -90,8 +97,13 @@ class TTFTResult:
     def ratio_cold(self) -> float:
         return self.cold_s / self.full_s
 
+    @property
+    def ratio_blend(self) -> float:
+        return self.blend_s / self.full_s
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_cold_over_full": self.ratio_cold}
+        return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_cold_over_full": self.ratio_cold,
+                "ratio_blend_over_full": self.ratio_blend}
 
 
 def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int) -> TTFTResult:
@@ -133,6 +145,19 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         wire_bytes = fetched.wire_bytes
         return token, {"fetch": t1 - t0, "cache": t2 - t1, "prefill": time.perf_counter() - t2}
 
+    @torch.no_grad()
+    def blended() -> tuple[int, dict[str, float]]:
+        seg = client.fetch_projected(key=entry.key, target_model=target.name).segment  # start + context
+        seg = seg.to(device=device, dtype=next(model.parameters()).dtype)
+        head = seg.slice(0, 1)  # the start token: exact
+        mixed = blend(target, head, seg.slice(1, seg.num_tokens), BlendConfig(fraction=BLEND_FRACTION)).segment
+        cache = kvcache.to_cache(KVSegment.concat([head, mixed]), model, target.spec)
+        q = tokens(QUESTION)
+        t = seg.num_tokens
+        logits = model(input_ids=q[None].to(device), position_ids=torch.arange(t, t + q.numel())[None].to(device),
+                       cache=cache, use_cache=True, logits_to_keep=1).logits
+        return int(logits[0, -1].argmax()), {}
+
     # the first fetch projects; check it before timing anything
     t0 = time.perf_counter()
     client.fetch_projected(key=entry.key, target_model=target.name)  # aligns, projects and stores
@@ -152,7 +177,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
     full_token, _ = full()  # warm-up: first-call costs of this length
     warm_token, _ = replace()
     steps: dict[str, tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]] = {
-        "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace)}
+        "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace), "blend": (None, blended)}
     samples: dict[str, list[float]] = {name: [] for name in steps}
     parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
     names = list(steps)
@@ -172,7 +197,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
                       ingest_s=ingest_s, first_fetch_s=first_fetch_s, full_s=med["full"], warm_s=med["warm"],
                       cold_s=med["cold"], warm_fetch_s=statistics.median(parts["fetch"]),
                       warm_cache_s=statistics.median(parts["cache"]),
-                      warm_prefill_s=statistics.median(parts["prefill"]), wire_bytes=wire_bytes,
+                      warm_prefill_s=statistics.median(parts["prefill"]), blend_s=med["blend"], wire_bytes=wire_bytes,
                       same_first_token=full_token == warm_token)
 
 
@@ -182,7 +207,8 @@ def print_result(r: TTFTResult, pair: str) -> None:
     print(f"ttft    {pair}, {r.context_tokens} context tokens + {r.question_tokens} question tokens: full prefill "
           f"{r.full_s:.3f} s; replace warm {r.warm_s:.3f} s (fetch {r.warm_fetch_s:.3f} s of "
           f"{r.wire_bytes / 1e6:.1f} MB, to_cache {r.warm_cache_s:.3f} s, question prefill {r.warm_prefill_s:.3f} s), "
-          f"cold {r.cold_s:.3f} s -> ratio replace/full warm {r.ratio_warm:.3f}, cold {r.ratio_cold:.3f} ({goal}); "
+          f"cold {r.cold_s:.3f} s, blend:{BLEND_FRACTION:g} warm {r.blend_s:.3f} s -> ratio replace/full warm "
+          f"{r.ratio_warm:.3f}, cold {r.ratio_cold:.3f} ({goal}), ratio blend/full {r.ratio_blend:.3f}; "
           f"same first token {'yes' if r.same_first_token else 'no'}; Ingest {r.ingest_s:.1f} s, first fetch "
           f"{r.first_fetch_s:.2f} s (information); medians of {r.rounds} interleaved rounds", flush=True)
 

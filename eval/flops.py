@@ -35,13 +35,17 @@ class FlopModel:
         mlp = 3 * self.hidden * self.intermediate  # gate, up and down (gated MLPs: Llama, Phi-3, Qwen2, Gemma)
         return qo + kv + mlp
 
-    def prefill(self, new: int, past: int = 0) -> int:
-        """FLOPs of one forward of `new` tokens after `past` cached ones, ending in one position's logits."""
+    def prefill(self, new: int, past: int = 0, layers: int | None = None) -> int:
+        """FLOPs of one forward of `new` tokens after `past` cached ones, ending in one position's logits; with
+        `layers`, a forward stopped after that many layers (no logits: a selection pass)."""
         if new < 0 or past < 0:
             raise ValueError(f"token counts must be >= 0, got new={new}, past={past}")
+        if layers is not None and not 0 < layers <= self.layers:
+            raise ValueError(f"layers must be in [1, {self.layers}], got {layers}")
         if new == 0:
             return 0
-        linear = 2 * new * self.layers * self.matmul_params_per_layer
+        depth = self.layers if layers is None else layers
+        linear = 2 * new * depth * self.matmul_params_per_layer
         keys_seen = new * past + new * (new + 1) // 2  # summed over the new queries
-        attention = 4 * self.layers * self.q_heads * self.head_dim * keys_seen
-        return linear + attention + 2 * self.hidden * self.vocab
+        attention = 4 * depth * self.q_heads * self.head_dim * keys_seen
+        return linear + attention + (2 * self.hidden * self.vocab if layers is None else 0)

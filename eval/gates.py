@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from kvbridge.adapters.pairs import start_token_id
-from kvbridge.eval.summaries import ProjectedSource, blend
+from kvbridge.eval.summaries import ProjectedSource, fuse_gated
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.data import data_path
@@ -62,7 +62,7 @@ def fit_gates(target: LoadedModel, source: ProjectedSource, count: int = 8, step
     def loss_of(gates: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(())
         for own, projected, cont in data:
-            cache = kvcache.to_cache(blend(own, projected, gates), target.model, target.spec)
+            cache = kvcache.to_cache(fuse_gated(own, projected, gates), target.model, target.spec)
             t = own.num_tokens
             logits = target.model(input_ids=cont[None].to(device),
                                   position_ids=torch.arange(t, t + cont.numel(), device=device)[None],

@@ -160,7 +160,8 @@ def markdown_table(summary: dict) -> str:
 
 def plot(summary: dict, path: Path, title: str) -> Path | None:
     """ROUGE-L and NLL recovery against the fraction of document tokens the target prefills itself: recompute:r
-    (projected head, r recomputed; 0 = replace, 1 = full) against tail:r (only those r tokens; 0 = none)."""
+    (projected head, the last r recomputed; 0 = replace, 1 = full), blend:r (r chosen by deviation, sinks and
+    tail) and tail:r (only the last r tokens; 0 = none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +171,8 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in ((axes[0], "rougeL", "ROUGE-L F1"), (axes[1], "nll_recovery", "NLL recovery")):
         key = "value" if metric == "nll_recovery" else "mean"
-        for kind, anchor, style in (("recompute", "replace", "o-"), ("tail", "none", "s--")):
+        curves = (("recompute", "replace", "o-"), ("tail", "none", "s--"), ("blend", "replace", "^-"))
+        for kind, anchor, style in curves:
             points = [(0.0, modes[anchor].get(metric))] if anchor in modes else []
             points += [(float(n.split(":")[1]), e.get(metric)) for n, e in modes.items() if n.startswith(kind + ":")]
             if "full" in modes:

@@ -12,6 +12,11 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 the matched baseline recompute has to beat
   fuse          the target prefills start + document and the projected KV is blended in with per-layer gates
                 ((1 - g) · own + g · projected, fitted by eval.gates)
+  blend:r       replace, then CacheBlend (transfer.suffix.blend): the target runs its first layer over the document
+                (that layer's KV becomes exact), and recomputes r of the document's tokens through every layer in one
+                forward over the projected KV: the first 4 (sinks), the last 4, and the most deviating at that layer.
+                blend-dev:r, blend-last:r and blend-random:r choose by deviation alone, the last r, or at random
+                (a control)
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
 first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
 prediction at each of those positions is kept (its agreement with `full`'s is reported).
@@ -33,18 +38,21 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.blend import BlendConfig, blend
 from kvbridge.transfer.suffix.reuse import prefill_after
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,recompute:0.25,tail:0.25,fuse"
-NEEDS_PROJECTION = ("replace", "recompute", "fuse")
+DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", "blend", "blend-dev", "blend-last", "blend-random")
+BLEND_RULES = {"blend": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last", "blend-random": "random"}
+FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse
+    kind: str  # full | none | replace | recompute | tail | fuse | blend[-dev|-last|-random]
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
 
 
@@ -59,7 +67,7 @@ def parse_modes(spec: str) -> list[Mode]:
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
             mode = Mode(raw, kind)
-        elif kind in ("recompute", "tail"):
+        elif kind in FRACTION_KINDS:
             try:
                 fraction = float(arg)
             except ValueError:
@@ -68,7 +76,8 @@ def parse_modes(spec: str) -> list[Mode]:
                 raise ValueError(f"mode {raw!r}: the fraction must be in (0, 1]")
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
-            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse")
+            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, "
+                             "blend:R, blend-dev:R, blend-last:R, blend-random:R")
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)
@@ -231,7 +240,7 @@ def continuation_scores(target: LoadedModel, context: KVSegment, continuation: t
     return nll, scored.argmax(-1).tolist()
 
 
-def blend(own: KVSegment, projected: KVSegment, gates: torch.Tensor) -> KVSegment:
+def fuse_gated(own: KVSegment, projected: KVSegment, gates: torch.Tensor) -> KVSegment:
     """fuse: (1 - g) · own + g · projected per layer, K and V apart (gates [L, 2] in [0, 1]); the start token
     (index 0) keeps the target's own KV."""
     if own.kv.shape != projected.kv.shape or not torch.equal(own.token_ids, projected.token_ids):
@@ -319,20 +328,20 @@ class SummaryEvaluator:
             context, base_s, prefills, kv_bytes = self._context(mode, doc, own, own_s, projected, fetch_s, wire)
             ids, first_s = greedy(self.target, context, self.prompt, self.config.max_new_tokens, self.stop,
                                   one_line=True)
-            prefills.append((self.prompt.numel(), context.num_tokens))
+            prefills.append((self.prompt.numel(), context.num_tokens))  # (new, past[, layers of a partial pass])
             nll, top1 = (continuation_scores(self.target, context, doc.continuation)
                          if doc.continuation.numel() >= 2 else (None, None))
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
-                ttft_s=base_s + first_s, prefill_tokens=sum(n for n, _ in prefills),
-                prefill_flops=sum(self.flops.prefill(n, past) for n, past in prefills), kv_bytes=kv_bytes,
+                ttft_s=base_s + first_s, prefill_tokens=sum(f[0] for f in prefills if len(f) == 2),
+                prefill_flops=sum(self.flops.prefill(*f) for f in prefills), kv_bytes=kv_bytes,
                 nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1)
         return result
 
     def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire):
         """(context KV at 0..C-1, seconds spent building it, [(prefilled, past)] target forwards, KV bytes)."""
         d = doc.doc_tokens
-        k = max(1, round(mode.fraction * d)) if mode.kind in ("recompute", "tail") else 0
+        k = max(1, round(mode.fraction * d)) if mode.kind in FRACTION_KINDS else 0
         if mode.kind == "full":
             return own, own_s, [(d + 1, 0)], 0
         if mode.kind == "none":
@@ -349,8 +358,16 @@ class SummaryEvaluator:
         if mode.kind == "tail":
             seg, s = self._own(torch.cat((doc.target_ids[:1], doc.target_ids[d + 1 - k:])))
             return seg, s, [(k + 1, 0)], 0
+        if mode.kind in BLEND_RULES:
+            t0 = time.perf_counter()
+            config = BlendConfig(fraction=k / d, rule=BLEND_RULES[mode.kind])
+            blended = blend(self.target, projected.slice(0, 1), projected.slice(1, d + 1), config)
+            seg = KVSegment.concat([projected.slice(0, 1), blended.segment])
+            # the selection pass (first layer over the document), then the selected tokens through every layer
+            forwards = [(d, 1, config.layers), (blended.selected.numel(), d + 1 - blended.selected.numel())]
+            return seg, fetch_s + time.perf_counter() - t0, forwards, wire
         if mode.kind == "fuse":
             t0 = time.perf_counter()
-            seg = blend(own, projected, self.gates)
+            seg = fuse_gated(own, projected, self.gates)
             return seg, fetch_s + own_s + time.perf_counter() - t0, [(d + 1, 0)], wire
         raise AssertionError(mode.kind)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.cost import PairCost
+from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.run import RunOptions, evaluate
 from kvbridge.eval.summaries import EvalConfig, parse_modes, read_records
@@ -19,7 +19,7 @@ from kvbridge.transfer.data import data_path
 from rouge_score import rouge_scorer
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
-ALL_MODES = "full,none,replace,recompute:0.1,tail:0.1,recompute:0.25,tail:0.25,fuse"
+ALL_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,fuse"
 TINY = EvalConfig(max_doc_tokens=96, continuation_tokens=16, max_new_tokens=10, fuse_steps=3)
 
 
@@ -28,7 +28,8 @@ def test_modes_parse_and_bad_modes_are_named():
     assert [m.name for m in modes] == ["full", "none", "replace", "recompute:0.1", "tail:0.1", "fuse"]
     assert modes[3].kind == "recompute" and modes[3].fraction == pytest.approx(0.1)
     for bad, words in (("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
-                       ("tail:1.5", "(0, 1]"), ("blend", "unknown mode 'blend'"), ("full,full", "twice"),
+                       ("tail:1.5", "(0, 1]"), ("blend", "needs a fraction"), ("mix:0.1", "unknown mode .mix:0.1."),
+                       ("full,full", "twice"),
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
@@ -107,7 +108,7 @@ def identity_run(tiny_target, tmp_path_factory):
                     config=TINY)
 
 
-def test_eval_writes_the_table_json_and_plot(identity_run):
+def test_eval_writes_the_table_json_and_plot(identity_run, tiny_target):
     paths, summary = identity_run["paths"], identity_run["summary"]
     table = paths["markdown"].read_text().split("\n\n")
     quality, cost = [t.splitlines() for t in table[1:3]]
@@ -132,6 +133,11 @@ def test_eval_writes_the_table_json_and_plot(identity_run):
     # replace prefills only the instruction; recompute adds its share of the document; fuse prefills everything
     assert modes["replace"]["flops_saved_vs_full"] > modes["recompute:0.1"]["flops_saved_vs_full"] > \
         modes["recompute:0.25"]["flops_saved_vs_full"] > 0
+    # blend recomputes as many tokens as recompute does, and pays for its selection pass (one layer of a prefill)
+    flops = FlopModel.from_config(tiny_target.model.config)
+    for doc in identity_run["results"]:
+        extra = doc.modes["blend:0.1"].prefill_flops - doc.modes["recompute:0.1"].prefill_flops
+        assert extra == flops.prefill(doc.doc_tokens, 1, layers=1), doc.id
     assert modes["fuse"]["flops_saved_vs_full"] == 0 and modes["replace"]["kv_bytes_mean"] > 0
     assert modes["none"]["nll_recovery"]["value"] == 0 and modes["full"]["nll_recovery"]["value"] == 1
     assert identity_run["meta"]["gates"]["windows"] == 8
@@ -148,7 +154,7 @@ def test_full_and_identity_replace_agree_exactly(identity_run):
     cache gives the summaries of the target's own prefill, token for token, and the same NLL to float tolerance."""
     for doc in identity_run["results"]:
         full = doc.modes["full"]
-        for name in ("replace", "recompute:0.1", "recompute:0.25", "fuse"):
+        for name in ("replace", "recompute:0.1", "recompute:0.25", "blend:0.1", "fuse"):
             got = doc.modes[name]
             assert got.summary_ids == full.summary_ids, (doc.id, name)
             assert got.rouge == full.rouge

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import PagedStore, StoreConfig
 from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager
 from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
@@ -61,6 +62,31 @@ def test_projected_parts_come_from_the_context_source(tiny_target):
     assert OwnKV.calls == [1] and m.parts == ["projected", "prefilled"]
     assert m.tokens_projected == gen.tokens(doc).numel() and m.tokens_prefilled == 1 + gen.tokens(Q1).numel()
     assert torch.equal(out, _plain(gen, [doc, Q1], 8))
+
+
+def test_projected_parts_are_blended_with_recompute_fraction(tiny_target):
+    """A wrong projection (the target's own KV plus noise): blending recomputes its share of tokens (counted as
+    prefilled), and recomputing all of them gives the target's own tokens back."""
+    lm = tiny_target
+
+    class NoisyKV:
+        def projected_segment(self, text, offset):
+            ids = torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            own = kvcache.extract(lm.model, lm.spec, torch.cat((torch.tensor([gen.start_token]), ids))).slice(
+                1, 1 + ids.numel())
+            noise = torch.randn(own.kv.shape, generator=torch.Generator().manual_seed(0)) * own.kv.std()
+            return KVSegment(kv=own.kv + noise, token_ids=own.token_ids, positions=own.positions, model=own.model,
+                             rotated=True)
+
+    doc = "The json module encodes Python objects as JSON text and decodes JSON text into Python objects."
+    gen = SuffixReuseGenerator(lm, None, context_source=NoisyKV(), recompute_fraction=0.25)
+    n = gen.tokens(doc).numel()
+    _, m = gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=4)
+    assert m.tokens_prefilled - 1 - gen.tokens(Q1).numel() == round(0.25 * n) and m.tokens_projected == n - round(
+        0.25 * n)
+    gen.recompute_fraction = 1.0
+    out, m = gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=8)
+    assert m.tokens_projected == 0 and torch.equal(out, _plain(gen, [doc, Q1], 8))
 
 
 def test_shifted_reuse_is_reported_and_recompute_counted(tiny_target):

@@ -49,6 +49,9 @@ def configs() -> dict:
         "gemma3": Gemma3TextConfig(**{**COMMON, "num_key_value_heads": 1}, num_hidden_layers=4, head_dim=32,
                                    sliding_window=16, max_position_embeddings=4096,
                                    layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        # Phi-3-mini-4k's shape of attention: a sliding window on every layer (2047 there, 20 here)
+        "phi3-sliding": Phi3Config(**{**COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, sliding_window=20,
+                                   max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2),
         "mistral-sliding": MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=24,
                                          max_position_embeddings=4096),
         "qwen3": Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=16, max_position_embeddings=4096),

@@ -10,4 +10,5 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "kvbridge.transfer.suffix.reuse": [
         "place", "prefill_after", "recompute_first", "recompute_selected", "recompute_most_deviating"],
     "kvbridge.transfer.suffix.generator": ["SuffixReuseGenerator", "Part", "RequestMetrics", "ContextSource"],
+    "kvbridge.transfer.suffix.blend": ["BlendConfig", "blend"],
 })

@@ -4,6 +4,8 @@ rest, then generates; with per-request metrics.
 
 A request is a list of parts. Every part but the last is context:
 - a `projected` part's KV comes from the context source (the gRPC client, or anything with `projected_segment`);
+  with `recompute_fraction` > 0 it is blended as CacheBlend does (`blend`): the target's first layer made exact
+  over it, and that fraction of its tokens (sinks, the last few, the most deviating) recomputed;
 - another part is reused from the session's segments when the manager has its tokens: exact when it was
   computed after the same tokens at the same positions, otherwise placed by RoPE shift (an approximation: its
   KV saw another prefix) with its first `recompute_k` tokens and its `recompute_fraction` most deviating tokens
@@ -25,6 +27,7 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import start_token_id
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.blend import BlendConfig, blend
 from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager, token_hash
 from kvbridge.transfer.suffix.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 
@@ -80,7 +83,7 @@ class SuffixReuseGenerator:
         self.manager = manager
         self.context_source = context_source
         self.recompute_k = recompute_k  # shifted segments: recompute their first k tokens
-        self.recompute_fraction = recompute_fraction  # and this fraction of their most deviating tokens
+        self.recompute_fraction = recompute_fraction  # and this fraction of their (and projected parts') tokens
         # every request starts with it (SmolLM2's tokenizer adds no BOS itself)
         self.start_token = start_token if start_token is not None else start_token_id(lm.tokenizer)
 
@@ -149,8 +152,15 @@ class SuffixReuseGenerator:
                     raise ValueError(f"the context source returned KV of {seg.model.name!r} for "
                                      f"{seg.num_tokens} tokens at position {int(seg.positions[0])}, expected "
                                      f"{lm.name!r}'s {b - a} tokens of the part at {a}")
+                if self.recompute_fraction:  # CacheBlend over the projected KV: first layer exact, r recomputed
+                    blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
+                                    BlendConfig(fraction=self.recompute_fraction))
+                    seg, redone = blended.segment, blended.selected.numel()
+                else:
+                    redone = 0
                 buf[:, :, :, a:b] = seg.kv.to(buf)
-                metrics.tokens_projected += b - a
+                metrics.tokens_projected += b - a - redone
+                metrics.tokens_prefilled += redone
                 metrics.parts.append("projected")
                 continue
             found = self.manager.find(session, ids[a:b]) if self.manager is not None else None

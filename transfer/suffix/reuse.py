@@ -91,22 +91,63 @@ def deviation(reused: KVSegment, exact: KVSegment) -> Deviation:
 
 
 @torch.no_grad()
+def first_layers_kv(lm: LoadedModel, context: KVSegment | None, token_ids: torch.Tensor, layers: int) -> torch.Tensor:
+    """The model's own KV of layers 0..layers-1 for token_ids ([T]) read after `context` (rotated KV at 0..C-1, or
+    None): [layers, 2, H, T, D], from a forward that stops after layer `layers - 1`."""
+    if not 1 <= layers <= lm.spec.num_layers:
+        raise ValueError(f"layers must be in [1, {lm.spec.num_layers}], got {layers}")
+    param = next(lm.model.parameters())
+    start = context.num_tokens if context is not None else 0
+    kv = context.kv.to(device=param.device, dtype=param.dtype)[:, :, None] if context is not None else None
+    cache = kvcache.build_cache(kv)
+    t = token_ids.numel()
+    kvcache.forward_through(lm.model, layers - 1, input_ids=token_ids[None].to(param.device),
+                            position_ids=torch.arange(start, start + t)[None].to(param.device), cache=cache,
+                            use_cache=True)
+    return torch.stack([torch.stack((cache.layers[i].keys[0, :, start:], cache.layers[i].values[0, :, start:]))
+                        for i in range(layers)])
+
+
 def checked_layer_deviation(lm: LoadedModel, context: KVSegment, placed: KVSegment, layer: int = 1) -> torch.Tensor:
     """[T] per token of `placed`: ||K_placed - K_exact|| / ||K_exact|| at one layer, the exact keys coming from a
     forward of the placed tokens after `context` through layers 0..layer only (layer 0's keys see no context,
     so layer 1 is the first that shows a changed prefix)."""
     if not 0 <= layer < lm.spec.num_layers:
         raise ValueError(f"layer must be in [0, {lm.spec.num_layers}), got {layer}")
-    start, t = context.num_tokens, placed.num_tokens
-    param = next(lm.model.parameters())
-    kv = context.kv.to(device=param.device, dtype=param.dtype)
-    cache = kvcache.build_cache(kv[:, :, None])
-    kvcache.forward_through(lm.model, layer, input_ids=placed.token_ids[None].to(param.device),
-                            position_ids=torch.arange(start, start + t)[None].to(param.device), cache=cache,
-                            use_cache=True)
-    exact = cache.layers[layer].keys[0, :, start:].float().cpu()  # [H, T, D]
+    exact = first_layers_kv(lm, context, placed.token_ids, layer + 1)[layer, 0].float().cpu()  # [H, T, D]
     got = placed.kv[layer, 0].float().cpu()
     return (got - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2)).clamp(min=1e-12)
+
+
+def layer_masks(lm: LoadedModel, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The custom attention mask of a forward, in the form the model takes it.
+
+    allowed: [S, N] bool, which keys each query may attend to before windows; q_pos [S], k_pos [N]: their positions.
+    Sliding layers also drop keys `window` or more positions back (transformers' convention). When every layer
+    attends the same way (all full, or all one window: Qwen2, Phi-3-mini-4k, Mistral), one 4-D mask; when layer types
+    differ (Gemma3), a mask per layer type, which such models take as a dict. Layers of one type with different
+    windows cannot be expressed either way and are refused."""
+    windows: dict[str, set] = {}
+    for layer in lm.spec.layers:
+        windows.setdefault(layer.attention_type, set()).add(layer.sliding_window)
+    if "chunked_attention" in windows:
+        raise ValueError(f"{lm.name!r} has chunked-attention layers: selective recompute does not support them")
+    for kind, seen in windows.items():
+        if len(seen) > 1:
+            raise ValueError(f"{lm.name!r}: its {kind} layers have different windows {sorted(seen, key=str)}; one "
+                             "mask per layer type cannot express that")
+    param = next(lm.model.parameters())
+    distance = q_pos[:, None] - k_pos[None, :]  # [S, N]
+
+    def form(window: int | None) -> torch.Tensor:
+        m = allowed & (distance < window) if window else allowed
+        if lm.model.config._attn_implementation == "eager":
+            m = torch.where(m, 0.0, torch.finfo(param.dtype).min).to(param.dtype)
+        return m[None, None].to(param.device)  # [1, 1, S, N]
+
+    masks = {kind: form(next(iter(seen))) for kind, seen in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 @torch.no_grad()
@@ -137,15 +178,7 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
     stale[c + selected] = True  # the selected tokens' reused KV: replaced, never attended
     mask = torch.cat(((key_pos[None, :] < q_pos[:, None]) & ~stale[None, :],  # [S, n]
                       selected[None, :] <= selected[:, None]), dim=1)  # [S, n + S]
-    windows = {layer.sliding_window for layer in lm.spec.layers if layer.sliding_window}
-    all_pos = torch.cat((key_pos, q_pos))
-    masks = {"full_attention": mask}
-    for w in windows:  # sliding layers also drop keys w or more positions back
-        masks["sliding_attention"] = mask & (q_pos[:, None] - all_pos[None, :] < w)
-    if lm.model.config._attn_implementation == "eager":
-        masks = {k: torch.where(m, 0.0, torch.finfo(param.dtype).min).to(param.dtype) for k, m in masks.items()}
-    masks = {k: m[None, None].to(param.device) for k, m in masks.items()}
-    attention_mask = masks if windows else masks["full_attention"]
+    attention_mask = layer_masks(lm, mask, q_pos, torch.cat((key_pos, q_pos)))
     lm.model(input_ids=placed.token_ids[selected][None].to(param.device), position_ids=q_pos[None].to(param.device),
              attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
     new = torch.stack([torch.stack((layer.keys[0, :, n:], layer.values[0, :, n:])) for layer in cache.layers])

@@ -1,0 +1,79 @@
+"""CacheBlend over KV the target did not compute (transfer.suffix.blend): the selection pass makes the first layers
+exact and finds planted deviations; each rule picks what it says; recomputing everything is exact; the FLOPs of a
+selection pass add up."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import zoo
+from kvbridge.eval.flops import FlopModel
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.suffix.blend import BlendConfig, blend, first_layers_kv, kv_deviation, select_tokens
+from kvbridge.transfer.suffix.reuse import prefill_after
+
+
+def _setup(name: str = "gemma3", planted=(5, 17, 30)):
+    lm = zoo.build(name)
+    ids = torch.randint(3, lm.spec.vocab_size, (60,), generator=torch.Generator().manual_seed(4))
+    context = kvcache.extract(lm.model, lm.spec, ids[:20])
+    exact = prefill_after(lm, context, ids[20:])
+    kv = exact.kv.clone()
+    gen = torch.Generator().manual_seed(5)
+    kv += 0.01 * torch.randn(kv.shape, generator=gen) * kv.std()  # everything a little wrong
+    for i in planted:
+        kv[:, :, :, i] += torch.randn(kv[:, :, :, i].shape, generator=gen) * kv.std()  # these very wrong
+    return lm, context, exact, replace(exact, kv=kv)
+
+
+def test_the_selection_pass_is_the_models_own_first_layers():
+    lm, context, exact, _ = _setup()
+    own = first_layers_kv(lm, context, exact.token_ids, 2)
+    assert own.shape == (2, *exact.kv.shape[1:])
+    assert torch.allclose(own, exact.kv[:2], atol=1e-5)
+
+
+def test_deviation_finds_the_planted_tokens_and_each_rule_picks_what_it_says():
+    lm, context, exact, wrong = _setup()
+    deviation = kv_deviation(wrong.kv[:1], exact.kv[:1])
+    assert set(deviation.topk(3).indices.tolist()) == {5, 17, 30}
+    by_dev = select_tokens(deviation, 3, BlendConfig(0.1, rule="deviation"))
+    assert by_dev.tolist() == [5, 17, 30]
+    with_sinks = select_tokens(deviation, 10, BlendConfig(0.25, rule="sinks+deviation", sinks=2, tail=3))
+    assert {0, 1, 5, 17, 30, 37, 38, 39} <= set(with_sinks.tolist()) and with_sinks.numel() == 10
+    assert select_tokens(deviation, 4, BlendConfig(0.1, rule="last")).tolist() == [36, 37, 38, 39]
+    random = select_tokens(deviation, 4, BlendConfig(0.1, rule="random", seed=3))
+    assert random.numel() == 4 and torch.equal(random, select_tokens(deviation, 4, BlendConfig(0.1, rule="random",
+                                                                                              seed=3)))
+    assert select_tokens(deviation, 0, BlendConfig(0.0)).numel() == 0
+    assert select_tokens(deviation, 99, BlendConfig(1.0)).tolist() == list(range(40))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3-sliding", "qwen2"])
+def test_blending_everything_is_exact_and_blending_some_fixes_those(name):
+    lm, context, exact, wrong = _setup(name)
+    whole = blend(lm, context, wrong, BlendConfig(1.0))
+    assert torch.allclose(whole.segment.kv, exact.kv, atol=1e-5, rtol=1e-4)
+    some = blend(lm, context, wrong, BlendConfig(0.1, rule="deviation", layers=1))
+    assert {5, 17, 30} <= set(some.selected.tolist()) and some.selected.numel() == 4
+    assert torch.allclose(some.segment.kv[:1], exact.kv[:1], atol=1e-5)  # the selection pass's layer is exact
+    err_before = (wrong.kv[1:] - exact.kv[1:]).norm()
+    assert (some.segment.kv[1:] - exact.kv[1:]).norm() < err_before
+
+
+def test_config_is_checked():
+    for kwargs, words in (({"fraction": 1.5}, "fraction"), ({"fraction": 0.1, "layers": 0}, "layers"),
+                          ({"fraction": 0.1, "rule": "best"}, "rule"), ({"fraction": 0.1, "sinks": -1}, "sinks")):
+        with pytest.raises(ValueError, match=words):
+            BlendConfig(**kwargs)
+
+
+def test_a_partial_pass_costs_its_share_of_the_layers(tiny_target):
+    f = FlopModel.from_config(tiny_target.model.config)
+    head = 2 * f.hidden * f.vocab
+    assert f.prefill(50, 1, layers=f.layers) + head == f.prefill(50, 1)
+    assert f.prefill(50, 1, layers=1) * f.layers == f.prefill(50, 1, layers=f.layers)
+    with pytest.raises(ValueError, match="layers"):
+        f.prefill(5, 0, layers=f.layers + 1)
