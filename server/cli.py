@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvbridge.transfer.devices import DTYPE_NAMES
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvbridge.server.app import serve, setup_logging
@@ -30,7 +32,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--source", help="production preset: source model folder or cached repo id")
     p.add_argument("--target", help="production preset: target model folder or cached repo id")
     p.add_argument("--device", default=None, help="where models run: cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                   help="the models' dtype (default auto: bfloat16 on CUDA, float32 elsewhere)")
     p.add_argument("--adapters", metavar="DIR", help="adapter folder (default KVBRIDGE_HOME/adapters)")
     p.add_argument("--default-adapter", metavar="NAME", help="adapter to load at start (default: newest matching)")
     p.add_argument("--fit-adapter", action="store_true",

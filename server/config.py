@@ -18,6 +18,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbridge.transfer.devices import DTYPE_NAMES
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -25,7 +27,7 @@ class ServeConfig:
     source: str | None = None  # production preset: source model folder / cached repo id
     target: str | None = None  # production preset: target model folder / cached repo id
     device: str = "auto"  # where the models run and adapters project
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere
     adapters: str | None = None  # adapter folder; None: KVBRIDGE_HOME/adapters
     default_adapter: str | None = None  # adapter name to load at start; None: the newest matching file
     fit_adapter: bool = False  # fit a ridge adapter at start when the folder has none for the pair (about a minute)
@@ -55,6 +57,8 @@ class ServeConfig:
 
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         for name in ("max_message_mb", "chunk_kb", "workers", "block_size", "grace_s"):

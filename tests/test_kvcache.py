@@ -32,6 +32,33 @@ def test_inject_and_continue_is_exact_on_tiny_models(name):
     assert_inject_exact(lm, ids_for(lm, 80))  # 80 > the sliding windows (16, 24) of gemma3 and mistral
 
 
+def test_half_precision_selfcheck_compares_logits_within_a_tolerance_and_greedy_agreement():
+    """bf16 rounds injected and plain runs differently, so exact token equality is not asked of it; float32 stays
+    exact. A wrong cache still fails in bf16."""
+    from kvbridge.transfer.models import random_model
+    from kvbridge.transfer.selfcheck import AGREE_SHARE
+
+    lm = random_model(zoo.configs()["qwen2"], "qwen2-bf16", seed=0, dtype="bfloat16", device="cpu")
+    ids = ids_for(lm, 80)
+    result = check_inject(lm, ids)
+    assert result.passed and "bfloat16" in result.detail and "tol" in result.detail, result.line()
+    assert 0 <= result.error < 5e-2 and f"need {AGREE_SHARE:.0%}" in result.detail
+    import dataclasses
+    from unittest import mock
+
+    real = kvcache.extract
+
+    def corrupted(model, spec, token_ids, start_position=0):  # a cache that is not the model's: values zeroed
+        seg = real(model, spec, token_ids, start_position)
+        kv = seg.kv.clone()
+        kv[:, 1] = 0
+        return dataclasses.replace(seg, kv=kv)
+
+    with mock.patch.object(kvcache, "extract", corrupted):
+        bad = check_inject(lm, ids)
+    assert not bad.passed, bad.line()
+
+
 def test_inject_and_continue_on_tiny_presets(tiny_source, tiny_target):
     for lm in (tiny_source, tiny_target):
         ids = check_tokens(lm, 120)

@@ -66,9 +66,27 @@ def test_device_dtype_and_attention_choices():
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
     assert resolve_dtype("bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32  # bfloat16 on CUDA
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("float8")
     assert tiny_source(device="cpu").model.config._attn_implementation == "sdpa"
+    # flash-attn only for half precision on CUDA (it refuses float32 at the first forward)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert attention_implementation(torch.device("cpu"), dtype) == "sdpa"
+    assert attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_attn_is_used_only_where_a_forward_through_it_works():
+    import importlib.util
+
+    from kvbridge.transfer.models import random_model
+
+    lm = random_model(zoo.configs()["qwen2"], "q", device="cuda", dtype="auto")
+    assert lm.spec.dtype == "bfloat16"
+    expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    assert lm.model.config._attn_implementation in (expected, "sdpa")  # sdpa when flash-attn failed its forward
 
 
 def test_preset_errors():

