@@ -30,6 +30,16 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
     return path
 
 
+def read_adapter_meta(path: str | Path) -> dict | None:
+    """The JSON metadata of an adapter file, read from its header only; None when it is not a kvbridge adapter."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+        return json.loads(header["kvbridge_adapter"]) if "kvbridge_adapter" in header else None
+    except Exception:  # not a safetensors file, or bad JSON: not an adapter
+        return None
+
+
 def load_adapter(path: str | Path, device: torch.device | str = "cpu") -> Adapter:
     path = Path(path)
     if not path.is_file():

@@ -68,6 +68,7 @@ class BackgroundServer:
 
 
 def _ensure_adapter(source, target, folder: Path) -> str:
+    from kvbridge.adapters.shipped import find_shipped
     from kvbridge.server.adapter_registry import AdapterRegistry
     from kvbridge.server.app import fit_default_adapter
 
@@ -76,6 +77,10 @@ def _ensure_adapter(source, target, folder: Path) -> str:
         name = registry.default_for(target.spec)
         _say(f"adapter: {name} (cached in {folder})")
         return name
+    shipped = find_shipped(source.spec, target.spec)
+    if shipped is not None:  # the server takes it when the folder has none
+        _say(f"adapter: {shipped.stem}, shipped with kvbridge ({folder} has none for this pair)")
+        return shipped.stem
     _say(f"adapter: none cached in {folder} for {source.name} -> {target.name}; fitting a ridge adapter "
          "(a couple of minutes on the small pair)")
     t0 = time.perf_counter()

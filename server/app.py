@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvbridge.proto import pb2
+from kvbridge.adapters.io import load_adapter
+from kvbridge.adapters.shipped import find_shipped
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
@@ -119,6 +121,11 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
             if registry.default_for(target.spec) is None:
                 fit_default_adapter(source, target, folder)
         loaded = registry.autoload(config.default_adapter)
+    for target in targets:  # a pair with no adapter in the folder takes the one shipped with kvbridge, if any
+        shipped = find_shipped(source.spec, target.spec) if registry.default_for(target.spec) is None else None
+        if shipped is not None:
+            loaded.append(registry.add(shipped.stem, load_adapter(shipped), make_default=True).name)
+            log.info("adapter for %s -> %s: the shipped %s", source.name, target.name, shipped.name)
     if not loaded:
         log.warning("no adapter for %s -> %s in %s: projected fetches fail until one is loaded "
                     "(train-adapter, then LoadAdapter; or start with --fit-adapter)", source.name,

@@ -1,0 +1,54 @@
+"""Adapters shipped inside the package: a pair whose adapter folder has none serves with the shipped one, a folder
+adapter still wins, and only a file fitted for exactly these two models is taken."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from kvbridge.adapters import shipped as shipped_module
+from kvbridge.adapters.shipped import find_shipped
+
+
+@pytest.fixture()
+def shipped_dir(tmp_path, monkeypatch, tiny_adapter_file):
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    shutil.copy(tiny_adapter_file, folder / "tiny-qwen2--tiny-phi3.safetensors")
+    monkeypatch.setattr(shipped_module, "SHIPPED_FOLDER", folder)
+    return folder
+
+
+def _service(tmp_path, source, target, folder_name="adapters"):
+    from kvbridge.server.app import build_service
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="tiny", selfcheck=False, adapters=str(tmp_path / folder_name), store_capacity_mb=64,
+                         store_device="cpu")
+    return build_service(config, source=source, targets=[target])
+
+
+def test_a_pair_without_a_folder_adapter_serves_with_the_shipped_one(shipped_dir, tmp_path, tiny_source,
+                                                                    tiny_target):
+    assert find_shipped(tiny_source.spec, tiny_target.spec) == shipped_dir / "tiny-qwen2--tiny-phi3.safetensors"
+    service = _service(tmp_path, tiny_source, tiny_target)
+    assert service.adapters.default_for(tiny_target.spec) == "tiny-qwen2--tiny-phi3"
+    result = service.projected_cache("t", text="The json module encodes Python objects as JSON text.")
+    assert result.adapter.startswith("tiny-qwen2--tiny-phi3@") and result.segment.num_tokens > 1
+
+
+def test_a_folder_adapter_wins_over_the_shipped_one(shipped_dir, tmp_path, tiny_source, tiny_target,
+                                                   tiny_adapter_file):
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    shutil.copy(tiny_adapter_file, folder / "mine.safetensors")
+    service = _service(tmp_path, tiny_source, tiny_target)
+    assert service.adapters.default_for(tiny_target.spec) == "mine"
+
+
+def test_only_an_adapter_for_exactly_these_models_is_taken(shipped_dir, tiny_source, tiny_target):
+    assert find_shipped(tiny_target.spec, tiny_source.spec) is None  # the other direction
+    assert find_shipped(tiny_source.spec, tiny_source.spec) is None
+    (shipped_dir / "junk.safetensors").write_bytes(b"not a safetensors file")
+    assert find_shipped(tiny_source.spec, tiny_target.spec).name == "tiny-qwen2--tiny-phi3.safetensors"
+    assert find_shipped(tiny_source.spec, tiny_target.spec, folder=shipped_dir / "absent") is None
