@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvbridge.proto import pb2
 from kvbridge.adapters.io import load_adapter
 from kvbridge.adapters.shipped import find_shipped
+from kvbridge.proto import pb2
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
