@@ -91,7 +91,7 @@ def simplex_grid(k: int, step: float) -> list[tuple[float, ...]]:
     return [tuple(c / n for c in combo) for combo in itertools.product(range(n + 1), repeat=k) if sum(combo) == n]
 
 
-def _mixing(alpha: torch.Tensor, d_s: int) -> torch.Tensor:
+def mixing_matrix(alpha: torch.Tensor, d_s: int) -> torch.Tensor:
     # alpha: [k] -> M: [k*d_s + 1, d_s + 1] with x_mix_aug = x_aug @ M
     k = alpha.numel()
     eye = torch.eye(d_s, dtype=torch.float64)
@@ -135,7 +135,7 @@ def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: in
     lams = torch.tensor(lambdas, dtype=torch.float64)
     n = train.count
     for alpha in simplex_grid(train.k, mix_step):
-        m = _mixing(torch.tensor(alpha, dtype=torch.float64), d_s)
+        m = mixing_matrix(torch.tensor(alpha, dtype=torch.float64), d_s)
         gm, cm = m.T @ gram @ m, m.T @ cross  # augmented: the last row/column is the bias input
         hgm, hcm = m.T @ h_gram @ m, m.T @ h_cross
         # Centre, so the bias falls out and the ridge is (Gc + λ·s·I) W = Cc, solved for every λ at once through

@@ -1,0 +1,236 @@
+"""Training data for the adapter trainer: documents with ids, windows cut from them, a held-out split by a hash of
+the document id, and the teacher data of every window computed once and cached on disk.
+
+One window is `context_tokens + continuation_tokens` target text tokens behind the target's start token
+(T = 1 + C + N target positions, as in `evaluate.prepare_documents`). Its cache file (safetensors) holds
+
+  xk, xv      [L_s, T, d_s] bf16  source KV gathered to the target tokens (keys un-rotated; unmapped tokens zero),
+                                  exactly the input `adapter.project` feeds to its maps
+  k, v        [L_t, H_t, T, D_t] bf16  the target's own KV of the window (keys rotated, as cached)
+  q           [L_t, H_q, T, D_t] bf16  the target's own queries (rotated) of every layer
+  has_text    [T] bool            a source text token covers the target token (the tokens ridge fits on)
+  start_mask  [T] bool            positions that take the adapter's exact start KV (the start token)
+  ids         [T] int64           target ids: start, context, continuation
+  top_logp, top_idx  [N - 1, topk]  the target's own-prefill log-probs of its top-k next tokens at the positions
+                                  that predict continuation tokens 1..N-1 (the positions evaluate.py scores)
+
+Queries, keys and values come from one target prefill through a registered attention function that records them
+and then runs the model's own attention (`capture_attention`), so any transformers causal LM works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from kvbridge.adapters.adapter import has_text_source, model_record
+from kvbridge.adapters.pairs import flatten_heads, pair_text
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+CAPTURE = "kvbridge_capture"
+CACHE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------- documents and windows
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    id: str  # "<doc id>/<index in the document>"
+    doc_id: str  # "<corpus>:<document index>": the unit of the held-out split
+    text: str  # about context + continuation target tokens, cut at token boundaries
+
+
+def split_documents(path: str | Path, name: str, doc_chars: int = 8000) -> list[tuple[str, str]]:
+    """The corpus file as documents of consecutive paragraphs (blank-line separated), each about doc_chars long.
+
+    The files carry no document boundaries of their own; a run of paragraphs is the unit kept apart, so no held-out
+    window shares a paragraph's neighbourhood with a training window. Returns [(doc_id, text)]."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    docs, current, size = [], [], 0
+    for p in paragraphs:
+        current.append(p)
+        size += len(p)
+        if size >= doc_chars:
+            docs.append("\n\n".join(current))
+            current, size = [], 0
+    if current:
+        docs.append("\n\n".join(current))
+    return [(f"{name}:{i:05d}", d) for i, d in enumerate(docs)]
+
+
+def is_heldout(doc_id: str, fraction: float, salt: str = "kvbridge-13") -> bool:
+    """Deterministic split by a hash of the document id (independent of order and of the other documents)."""
+    h = hashlib.blake2b(f"{salt}:{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2**64 < fraction
+
+
+def document_windows(docs: list[tuple[str, str]], target_tokenizer, window_tokens: int) -> list[Window]:
+    """Consecutive, non-overlapping chunks of window_tokens target tokens of every document, in order."""
+    out = []
+    for doc_id, text in docs:
+        enc = target_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        for n, start in enumerate(range(0, len(offsets) - window_tokens + 1, window_tokens)):
+            a, b = offsets[start][0], offsets[start + window_tokens - 1][1]
+            if text[a:b].strip():
+                out.append(Window(f"{doc_id}/{n}", doc_id, text[a:b]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ attention capture
+
+@contextlib.contextmanager
+def capture_attention(model: torch.nn.Module):
+    """Record every attention layer's (query, key, value) — rotated, after the cache update — and the attention
+    module itself, while the model runs its own attention. Yields {layer_idx: (module, q, k, v)} with
+    q [B, H_q, T, D], k, v [B, H_kv, T_k, D]."""
+    records: dict[int, tuple] = {}
+    original = model.config._attn_implementation
+    inner = ALL_ATTENTION_FUNCTIONS[original] if original in ALL_ATTENTION_FUNCTIONS else None
+    if inner is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as inner
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        records[module.layer_idx] = (module, query, key, value)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(CAPTURE, attend)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    model.config._attn_implementation = CAPTURE
+    try:
+        yield records
+    finally:
+        model.config._attn_implementation = original
+
+
+# ------------------------------------------------------------------------------------------------------ teacher data
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    context_tokens: int = 192  # projected in training, as in evaluate.prepare_documents
+    continuation_tokens: int = 64  # prefilled by the target; KL is taken on their next-token distributions
+    topk: int = 32  # teacher log-probs kept per position (the KL is renormalised over them)
+
+    def __post_init__(self):
+        if self.context_tokens < 2 or self.continuation_tokens < 2:
+            raise ValueError(f"context_tokens and continuation_tokens must be >= 2, got {self.context_tokens}, "
+                             f"{self.continuation_tokens}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+
+    @property
+    def window_tokens(self) -> int:
+        return self.context_tokens + self.continuation_tokens
+
+
+@torch.no_grad()
+def source_features(source: LoadedModel, source_ids: torch.Tensor, source_index: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maps' input, as `adapter.project` builds it: source_ids [T_s], source_index [T] (-1: unmapped)
+    -> xk, xv [L_s, T, d_s] float32 (keys un-rotated at the source positions; unmapped tokens zero)."""
+    seg = kvcache.extract(source.model, source.spec, source_ids)
+    keys = source.rope.unrotate_all(seg.keys.float(), seg.positions)  # [L_s, H_s, T_s, D_s]
+    mapped = (source_index >= 0)[None, :, None]
+    gather = source_index.clamp(min=0).to(keys.device)
+    xk = flatten_heads(keys)[:, gather] * mapped.to(keys.device)
+    xv = flatten_heads(seg.values.float())[:, gather] * mapped.to(keys.device)
+    return xk.cpu(), xv.cpu()
+
+
+@torch.no_grad()
+def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: TeacherConfig,
+                   start_token: int) -> dict[str, torch.Tensor] | None:
+    """Every tensor of one window's cache file (see the module docstring); None when the text re-tokenises to
+    fewer than context + continuation target tokens."""
+    paired = pair_text(text, source.tokenizer, target.tokenizer)
+    t = 1 + config.window_tokens
+    if paired.target_ids.numel() < t:
+        return None
+    ids = paired.target_ids[:t]
+    assert int(ids[0]) == start_token
+    index = paired.alignment.source_index[:t]
+    kind = paired.alignment.kind[:t]
+    xk, xv = source_features(source, paired.source_ids, index)
+    with capture_attention(target.model) as rec:
+        logits = target.model(input_ids=ids[None].to(target.device)).logits[0].float()  # [T, V]
+    c, n = config.context_tokens, config.continuation_tokens
+    logp = logits[c + 1:c + n].log_softmax(-1)  # [N - 1, V]: predicts continuation tokens 1..N-1
+    top = logp.topk(config.topk, dim=-1)
+    layers = range(target.spec.num_layers)
+    bf16 = torch.bfloat16
+    return {
+        "xk": xk.to(bf16), "xv": xv.to(bf16),
+        "q": torch.stack([rec[j][1][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_q, T, D]
+        "k": torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_t, T, D]
+        "v": torch.stack([rec[j][3][0] for j in layers]).to(bf16).cpu(),
+        "has_text": has_text_source(kind), "start_mask": (~has_text_source(kind)) & (ids == start_token),
+        "ids": ids.clone(), "top_logp": top.values.cpu(), "top_idx": top.indices.cpu(),
+    }
+
+
+class TeacherCache:
+    """A folder of per-window safetensors files plus index.json ({config, models, windows: [{id, doc_id,
+    file}]}). `build` computes what is missing (resumable: a rerun skips finished files)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.index_path = self.root / "index.json"
+        self.entries: list[dict] = []
+        if self.index_path.exists():
+            self.entries = json.loads(self.index_path.read_text())["windows"]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config: TeacherConfig,
+              start_token: int, progress: bool = True) -> dict:
+        """Teacher data of every window; returns timing {windows, seconds, per_window_s}."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        header = {"version": CACHE_VERSION, "config": asdict(config), "source": source.spec.identity.key,
+                  "target": target.spec.identity.key, "start_token": start_token,
+                  "source_record": model_record(source.spec)}
+        if self.index_path.exists():
+            saved = json.loads(self.index_path.read_text())
+            if {k: saved.get(k) for k in header} != header:
+                raise ValueError(f"{self.root} holds teacher data of another configuration or model pair; use "
+                                 "another folder")
+        have = {e["id"] for e in self.entries}
+        began, made = time.perf_counter(), 0
+        for w in tqdm(windows, desc="teacher windows", disable=not progress):
+            if w.id in have:
+                continue
+            tensors = teacher_window(source, target, w.text, config, start_token)
+            if tensors is None:
+                continue
+            name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
+            self.entries.append({"id": w.id, "doc_id": w.doc_id, "file": name})
+            made += 1
+            if made % 4 == 0:
+                self._write_index(header)
+        self._write_index(header)
+        seconds = time.perf_counter() - began
+        return {"windows": made, "seconds": seconds, "per_window_s": seconds / max(made, 1)}
+
+    def _write_index(self, header: dict) -> None:
+        tmp = self.index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(header | {"windows": self.entries}))
+        tmp.replace(self.index_path)
+
+    def load(self, i: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.root / self.entries[i]["file"]))
+
+    def select(self, heldout: bool, fraction: float) -> list[int]:
+        """Indices of the held-out (or training) windows under the document-id split."""
+        return [i for i, e in enumerate(self.entries) if is_heldout(e["doc_id"], fraction) == heldout]

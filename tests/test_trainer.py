@@ -1,0 +1,197 @@
+"""The scalable adapter trainer on the tiny pair: teacher cache, ridge from the cache, the residual maps, the
+attention-matching and KL objectives; determinism, resume, and a planted attention-output optimum."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvbridge.adapters.adapter import project
+from kvbridge.adapters.pairs import pair_text, start_token_id
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
+from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, is_heldout
+from kvbridge.adapters.trainer import (
+    AttentionGeometry,
+    RecoveryProbe,
+    TrainerConfig,
+    attention_loss,
+    project_window,
+    train,
+)
+from kvbridge.transfer import kvcache
+from safetensors.torch import save_file
+
+WORDS = ("the a model reads text once and keeps its cache in blocks while another model of a different family "
+         "generates from the projected keys and values without reading the document again").split()
+TEACHER = TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8)
+
+
+def _text(rng: random.Random, n: int = 60) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from kvbridge.transfer.presets import load_pair
+
+    return load_pair("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cache(pair, tmp_path_factory):
+    source, target = pair
+    rng = random.Random(0)
+    windows = [Window(f"doc:{i // 2}/{i % 2}", f"doc:{i // 2}", _text(rng)) for i in range(16)]
+    root = tmp_path_factory.mktemp("teacher")
+    c = TeacherCache(root)
+    c.build(source, target, windows, TEACHER, start_token_id(target.tokenizer), progress=False)
+    assert len(c) == 16
+    return c
+
+
+@pytest.fixture(scope="module")
+def ridge(pair, cache):
+    _, target = pair
+    adapter, stats = fit_ridge(cache, list(range(12)), list(range(12, 16)), target, progress=False)
+    return adapter, stats
+
+
+def _maps(ridge, capacity=None, seed=0):
+    torch.manual_seed(seed)
+    return ResidualMaps(ridge[0], ridge[1], capacity or CapacityConfig())
+
+
+def test_split_by_document_id_is_deterministic_and_order_free():
+    ids = [f"kernel:{i:05d}" for i in range(2000)]
+    held = [i for i in ids if is_heldout(i, 0.1)]
+    assert held == [i for i in reversed(ids) if is_heldout(i, 0.1)][::-1]
+    assert 120 < len(held) < 280
+
+
+def test_teacher_cache_holds_the_targets_own_kv_and_is_resumable(pair, cache):
+    source, target = pair
+    w = cache.load(0)
+    seg = kvcache.extract(target.model, target.spec, w["ids"])
+    assert torch.equal(seg.keys.to(torch.bfloat16), w["k"])
+    assert torch.equal(seg.values.to(torch.bfloat16), w["v"])
+    before = len(cache)
+    again = TeacherCache(cache.root)  # a rerun finds every window done
+    stats = again.build(source, target, [Window("doc:0/0", "doc:0", "ignored")], TEACHER,
+                        start_token_id(target.tokenizer), progress=False)
+    assert stats["windows"] == 0 and len(again) == before
+
+
+def test_zero_residual_projects_like_adapter_project(pair, ridge):
+    source, target = pair
+    maps = _maps(ridge, CapacityConfig(rank=8, joint=True))
+    text = _text(random.Random(5))
+    paired = pair_text(text, source.tokenizer, target.tokenizer)
+    seg = kvcache.extract(source.model, source.spec, paired.source_ids)
+    want = project(ridge[0], seg, paired.alignment, paired.target_ids, source.rope, target.rope, dtype=torch.float32)
+    from kvbridge.adapters.teacher import source_features
+    xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
+    start = (paired.alignment.source_index < 0) & (paired.target_ids == start_token_id(target.tokenizer))
+    k, v = project_window(maps, ridge[0].start_kv, xk, xv, start, target)
+    torch.testing.assert_close(k, want.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, want.values, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_residual_folds_into_an_exact_adapter(pair, ridge):
+    maps = _maps(ridge)
+    with torch.no_grad():
+        for p in maps.parameters():
+            p.normal_(std=0.3)
+    folded = maps.to_adapter(ridge[0])
+    x = torch.randn(ridge[0].layer_map.max() + 1, 7, ridge[0].wk.shape[1])
+    from kvbridge.adapters.adapter import map_tokens
+    yk, yv = maps(x, 2 * x)
+    fk, fv = map_tokens(folded, x, 2 * x)
+    torch.testing.assert_close(yk, fk, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(yv, fv, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective,capacity", [("attention", CapacityConfig()),
+                                                ("kl", CapacityConfig(rank=8, joint=True))])
+def test_same_seed_same_weights(pair, cache, ridge, tmp_path, objective, capacity):
+    _, target = pair
+    cfg = TrainerConfig(objective=objective, capacity=capacity, max_iters=4, warmup_iters=1, batch_windows=2,
+                        eval_interval=2, lr=1e-2, min_lr=1e-3)
+    runs = []
+    for name in ("a", "b"):
+        maps = _maps(ridge, capacity)
+        train(maps, ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+              tmp_path / name, progress=False)
+        runs.append(maps.state_dict())
+    changed = [n for n, p in _maps(ridge, capacity).state_dict().items() if not torch.equal(p, runs[0][n])]
+    assert changed  # training moved something
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def test_resume_matches_an_uninterrupted_run(pair, cache, ridge, tmp_path):
+    _, target = pair
+    cfg = TrainerConfig(objective="attention", max_iters=6, warmup_iters=1, batch_windows=2, eval_interval=3,
+                        lr=1e-2, min_lr=1e-3)
+    whole = _maps(ridge)
+    rec_whole = train(whole, ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+                      tmp_path / "whole", progress=False)
+    part = _maps(ridge)
+    train(part, ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+          tmp_path / "part", progress=False, until=3)
+    resumed = _maps(ridge, seed=123)  # other initial state: everything must come from the checkpoint
+    rec = train(resumed, ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+                tmp_path / "part", resume=True, progress=False)
+    assert rec["iters"] == rec_whole["iters"] == 6
+    for n, p in whole.state_dict().items():
+        assert torch.equal(p, resumed.state_dict()[n]), n
+
+
+def test_attention_matching_recovers_a_planted_optimum(pair, cache, ridge, tmp_path):
+    """Rewrite the cached target K/V as an exact linear map of the source (the ridge map plus a planted residual);
+    attention matching, started from the ridge map, must drive the loss near zero and find the planted V map."""
+    _, target = pair
+    planted = _maps(ridge)
+    with torch.no_grad():
+        planted.dw_k.normal_(std=0.5)
+        planted.dw_v.normal_(std=0.5)
+    root = tmp_path / "planted"
+    root.mkdir()
+    for i, e in enumerate(cache.entries):
+        w = cache.load(i)
+        with torch.no_grad():
+            k, v = project_window(planted, ridge[0].start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"],
+                                  target)
+        w["k"], w["v"] = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        w["xk"], w["xv"] = w["xk"], w["xv"]
+        save_file({n: t.contiguous() for n, t in w.items()}, str(root / e["file"]))
+    (root / "index.json").write_text(cache.index_path.read_text())
+    planted_cache = TeacherCache(root)
+    geometry = AttentionGeometry(target)
+    maps = _maps(ridge)
+
+    def loss():
+        with torch.no_grad():
+            return float(sum(attention_loss(maps, ridge[0].start_kv, planted_cache.load(i), target, geometry,
+                                            TEACHER.context_tokens, "all") for i in range(12, 16)))
+
+    before = loss()
+    cfg = TrainerConfig(objective="attention", queries="all", max_iters=300, warmup_iters=5, batch_windows=4,
+                        eval_interval=1000,
+                        lr=1e-1, min_lr=1e-3)
+    train(maps, ridge[0].start_kv, target, planted_cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+          tmp_path / "run", progress=False)
+    after = loss()
+    assert after < 0.05 * before, (before, after)
+    err = (maps.to_adapter(ridge[0]).wv - planted.to_adapter(ridge[0]).wv).norm()
+    start_err = (ridge[0].wv - planted.to_adapter(ridge[0]).wv).norm()
+    assert err < 0.5 * start_err, (float(err), float(start_err))
+
+
+def test_recovery_probe_brackets_full_and_none(pair, cache, ridge):
+    _, target = pair
+    probe = RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, [12, 13, 14, 15], TEACHER.context_tokens)
+    r = probe.recovery(_maps(ridge))
+    lo, hi = r["interval"]
+    assert r["documents"] == 4 and lo <= r["recovery"] <= hi
+    assert set(r["nll"]) == {"none", "full", "projected"}
