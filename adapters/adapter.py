@@ -45,6 +45,7 @@ class AdapterMeta:
     corpus: dict = field(default_factory=dict)  # {"sha256", "windows", "tokens", "files"}
     metrics: dict = field(default_factory=dict)  # held-out R², cosine, recovery, ...
     version: str = "1"  # bumped by whoever retrains under the same name
+    training: dict = field(default_factory=dict)  # how it was made: commands, stages, wall time, machine
 
 
 def model_record(spec: ModelSpec) -> dict:

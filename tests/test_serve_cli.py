@@ -98,10 +98,10 @@ def test_serve_refuses_models_that_fail_their_self_checks(monkeypatch, tiny_sour
 @pytest.mark.slow
 def test_readme_client_snippet_runs_against_serve_small(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    assert ".venv/bin/kvbridge serve --preset small --fit-adapter" in readme
+    assert ".venv/bin/kvbridge serve --preset small\n" in readme
     section = readme.split("## The service", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    proc, ready = _serve(tmp_path, "--preset", "small", "--fit-adapter", "--device", "cpu")
+    proc, ready = _serve(tmp_path, "--preset", "small", "--device", "cpu")  # the shipped adapter
     try:
         run = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=600,
                              env={**os.environ, "KVBRIDGE_ADDRESS": ready["address"]})

@@ -52,3 +52,35 @@ def test_only_an_adapter_for_exactly_these_models_is_taken(shipped_dir, tiny_sou
     (shipped_dir / "junk.safetensors").write_bytes(b"not a safetensors file")
     assert find_shipped(tiny_source.spec, tiny_target.spec).name == "tiny-qwen2--tiny-phi3.safetensors"
     assert find_shipped(tiny_source.spec, tiny_target.spec, folder=shipped_dir / "absent") is None
+
+
+SMALL_PAIR_FILE = "gemma-3-270m-q4_k_m--smollm2-135m-instruct-q4_1--chain.safetensors"
+SHARED_DATA = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def test_the_shipped_small_pair_adapter_says_how_it_was_made():
+    import hashlib
+
+    import torch
+    from kvbridge.adapters.io import load_adapter
+
+    path = shipped_module.SHIPPED_FOLDER / SMALL_PAIR_FILE
+    assert path.is_file() and path.stat().st_size <= 16 << 20
+    adapter = load_adapter(path)
+    assert {getattr(adapter, n).dtype for n in ("wk", "bk", "wv", "bv")} == {torch.bfloat16}
+    meta = adapter.meta
+    assert meta.source["name"] == "gemma-3-270m-q4_k_m" and meta.target["name"] == "smollm2-135m-instruct-q4_1"
+    assert set(meta.corpus["sha256"]) == {"pydoc_corpus.txt", "kernel_docs_corpus.txt"}
+    assert meta.training["commands"] and meta.training["wall_s_total"] <= 2 * 3600
+    low, value, high = (meta.metrics["recovery_heldout"]["pydoc_summaries_48_docs"][i] for i in (1, 0, 2))
+    assert low <= value <= high
+    present = [name for name in meta.corpus["sha256"] if (SHARED_DATA / name).is_file()]
+    for name in present:  # the corpus it was trained on, where this checkout has it beside it
+        assert hashlib.sha256((SHARED_DATA / name).read_bytes()).hexdigest() == meta.corpus["sha256"][name], name
+
+
+@pytest.mark.slow
+def test_the_small_pair_serves_with_the_shipped_adapter_by_default(tmp_path, smollm2, gemma):
+    assert find_shipped(gemma.spec, smollm2.spec) == shipped_module.SHIPPED_FOLDER / SMALL_PAIR_FILE
+    service = _service(tmp_path, gemma, smollm2)
+    assert service.adapters.default_for(smollm2.spec) == SMALL_PAIR_FILE.removesuffix(".safetensors")
