@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from kvbridge.adapters.layer_map import LAYER_MAPS
-from kvbridge.transfer.devices import DTYPE_NAMES
 from kvbridge.transfer.data import data_path
+from kvbridge.transfer.devices import DTYPE_NAMES
 
 
 def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
