@@ -84,7 +84,7 @@ def ttft_rows(results: list[dict], goal: float, goal_tokens: int) -> list[Row]:
 
 def projection_rows(r: dict) -> list[Row]:
     return [Row(f"projection/prefill speed @{r['target_tokens']}", f"{r['ratio_projection_over_prefill']:.1f}x",
-                "- (FLOP ceiling ~45x)",
+                f"- (FLOP ceiling {r['flop_ceiling']:.0f}x)",
                 f"{r['projection_tokens_per_s']:,.0f} vs {r['prefill_tokens_per_s']:,.0f} target tokens/s",
                 r["ratio_projection_over_prefill"])]
 

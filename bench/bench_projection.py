@@ -2,7 +2,8 @@
 
 The source KV is already cached (the service keeps it); the question is what producing the target's cache costs
 by projection (un-rotate, map, re-rotate: `project`) against by prefill (`extract` on the target model).
-Ceiling from FLOPs (DESIGN.md): about 45x for Gemma-3-270M -> SmolLM2-135M.
+The FLOP ceiling of the ratio (the target's prefill FLOPs over the projection's, for this pair and this adapter's
+shapes) is computed from the configs by `kvbridge.eval.cost.PairCost` and printed beside it.
 
     .venv/bin/python bench/bench_projection.py [--preset small|tiny] [--tokens 512] [--adapter FILE]
 """
@@ -77,17 +78,21 @@ def measure(source, target, adapter, num_tokens: int, rounds: int, dtype: str) -
                 sync()
                 times[name].append(time.perf_counter() - t0)
     n = paired.target_ids.numel()
+    from kvbridge.eval.cost import PairCost
+
+    ceiling = PairCost.of(source.model.config, target.model.config, adapter).ceiling(n)
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: n / v for k, v in med.items()}
     ratio = med["prefill"] / med["projection"]
     print(f"projection {source.name} -> {target.name}, {n} target tokens ({paired.source_ids.numel()} source), "
           f"{dtype} on {device}: projection {tps['projection']:,.0f} tokens/s, target prefill "
           f"{tps['prefill']:,.0f} tokens/s -> ratio projection/prefill {ratio:.1f}x "
-          f"(FLOP ceiling ~45x for the small pair; medians of {rounds} interleaved rounds)", flush=True)
+          f"(FLOP ceiling {ceiling:.0f}x for this pair and adapter; medians of {rounds} interleaved rounds)",
+          flush=True)
     return {"pair": f"{source.name} -> {target.name}", "target_tokens": n, "source_tokens": paired.source_ids.numel(),
             "dtype": dtype, "device": str(device), "rounds": rounds, "projection_s": med["projection"],
             "prefill_s": med["prefill"], "projection_tokens_per_s": tps["projection"],
-            "prefill_tokens_per_s": tps["prefill"], "ratio_projection_over_prefill": ratio}
+            "prefill_tokens_per_s": tps["prefill"], "ratio_projection_over_prefill": ratio, "flop_ceiling": ceiling}
 
 
 def run(argv: list[str] | None = None) -> dict:
