@@ -13,6 +13,7 @@ and the server's sentence.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, ChunkError, dtype_name, iter_chunks, wire_dtype
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply", "ProjectedContext"]
 
@@ -70,6 +73,12 @@ class FetchedCache:
     exact_coverage: float
     wire_bytes: int  # bytes of chunk data received
     num_chunks: int
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the KV came in over the wire (the server's: the target's dtype, bf16 for the production pair on
+        CUDA, unless the request asked for another)."""
+        return dtype_name(self.segment.dtype)
 
     def to_cache(self, lm):
         """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1)."""
@@ -169,6 +178,8 @@ class KVBridgeClient:
                                     positions=torch.tensor(list(header.positions)),
                                     model=ModelIdentity(header.model.name, header.model.config_hash),
                                     rotated=header.rotated)
+                log.info("%s: %d tokens of %s KV in %s, %d bytes in %d messages", method, segment.num_tokens,
+                         header.model.name, header.dtype, wire, received)
                 return FetchedCache(segment=segment, entry_key=header.entry_key, source_key=header.source_key,
                                     adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
                                     wire_bytes=wire, num_chunks=received)

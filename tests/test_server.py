@@ -120,6 +120,7 @@ def test_ingest_then_projected_fetch_then_target_generate(server, alice, tiny_so
     assert torch.equal(fetched.segment.token_ids, paired.target_ids)
     assert torch.equal(fetched.segment.positions, torch.arange(paired.target_ids.numel()))
     assert torch.equal(fetched.segment.kv, expected.kv)  # the wire and the store change no bit
+    assert fetched.dtype == tiny_target.spec.dtype == "float32"  # the target's dtype unless asked otherwise
     assert fetched.adapter == "tiny-pair@1" and fetched.source_key == entry.key and fetched.text == TEXT
     assert fetched.num_chunks > 1  # 64 KB chunks: never one giant message
     assert 0 < fetched.wire_bytes - expected.kv.numel() * 4 <= 128 * fetched.num_chunks  # + safetensors headers
