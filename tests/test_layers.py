@@ -1,8 +1,9 @@
 """The layering of the package, read from the source: no import from a lower layer to a higher one, no import circle.
 
 Layers, lowest first: the foundation (kvbridge.transfer), its store (.store), the target's pipeline (.suffix), then
-kvbridge.adapters, kvbridge.server, kvbridge.eval, and at the top the `kvbridge` command (kvbridge.cli) and the
-benchmarks. kvbridge.proto (generated stubs) imports nothing of kvbridge. Imports inside functions count too.
+kvbridge.adapters, kvbridge.server, kvbridge.eval and the vLLM connector (kvbridge.vllm, side by side), and at the
+top the `kvbridge` command (kvbridge.cli) and the benchmarks. kvbridge.proto (generated stubs) imports nothing of
+kvbridge. Imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"kvbridge.transfer": "transfer", "kvbridge.adapters": "adapters", "kvbridge.server": "server",
-           "kvbridge.eval": "eval", "kvbridge.cli": "cli", "kvbridge.proto": "proto"}
+           "kvbridge.eval": "eval", "kvbridge.vllm": "vllm_connector", "kvbridge.cli": "cli", "kvbridge.proto": "proto"}
 RANKS = [("kvbridge.proto", 0), ("kvbridge.transfer.store", 1), ("kvbridge.transfer.suffix", 2),
          ("kvbridge.transfer", 0), ("kvbridge.adapters", 3), ("kvbridge.server", 4), ("kvbridge.eval", 5),
+         ("kvbridge.vllm", 5),
          ("kvbridge.cli", 6), ("bench", 6)]
 
 
@@ -126,7 +128,8 @@ def test_the_checks_catch_what_they_are_for():
 
 
 @pytest.mark.parametrize("package", ["kvbridge.transfer", "kvbridge.transfer.store", "kvbridge.transfer.suffix",
-                                     "kvbridge.adapters", "kvbridge.server", "kvbridge.eval"])
+                                     "kvbridge.adapters", "kvbridge.server", "kvbridge.eval",
+                                     "kvbridge.vllm"])
 def test_every_exported_name_resolves(package):
     import importlib
 

