@@ -26,8 +26,9 @@ it is. The layouts (vLLM 0.32, one tensor per layer):
              ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
              plain [block_size, D]. ISA "amx" (bfloat16 on a CPU with AMX tiles, block_size % 32 == 0 — these
              machines): K half as [block_size/16, D/2, 16, 2] (16-token groups, pairs of head dims), V half as
-             [D/16, block_size/2, 16, 2] (16-dim groups, pairs of tokens). Both pinned by tests/test_vllm_layout.py
-             against `ops.cpu_attn_reshape_and_cache` (D = 64; block sizes 32 and 128).
+             [D/16, block_size/2, 16, 2] (16-dim groups, pairs of tokens). Both written out in `layouts` and pinned
+             by tests/test_vllm_layout.py against `ops.cpu_attn_reshape_and_cache` (D 64 and 128, block sizes 32
+             and 128, float32 and bfloat16).
   FLASH_ATTN (CUDA) logical [num_blocks, H_kv, block_size, 2·D] (K = [..., :D], V = [..., D:]), physically
              NHD (`kv_cache.transpose(1, 2)` is [num_blocks, block_size, H_kv, 2·D]); written by
              `reshape_and_cache_flash`. Not run here (no GPU).

@@ -1,0 +1,70 @@
+"""The connector's vLLM-free parts: the request convention, its configuration, the prompt match, the hand-off."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import torch
+from kvbridge.vllm import handoff
+from kvbridge.vllm.engine import kv_transfer_config
+from kvbridge.vllm.params import ConnectorConfig, RequestContext, match_prompt, request_params
+
+
+def test_the_match_is_whole_blocks_and_never_the_last_token():
+    cache = list(range(100))
+    assert match_prompt(cache + [7, 8], cache, 32).loadable == 96  # 100 shared -> 3 blocks
+    assert match_prompt(cache[:64], cache, 32).loadable == 32  # the prompt is all context: its last token is vLLM's
+    assert match_prompt(cache[:65], cache, 32).loadable == 64
+    assert match_prompt(cache + [1], cache, 32, recompute_tokens=40).loadable == 32
+    diverged = cache[:50] + [999] + cache[51:]
+    m = match_prompt(diverged, cache, 16)
+    assert (m.common, m.loadable) == (50, 48)
+
+
+def test_a_match_of_nothing_says_why():
+    m = match_prompt([5, 1, 2, 3], [5, 9, 9, 9], 32)
+    assert m.loadable == 0 and "shares only its first 1 tokens" in m.reason
+    m = match_prompt(list(range(20)), list(range(10)), 32)
+    assert m.loadable == 0 and "fill no whole block of 32" in m.reason
+
+
+def test_request_params_round_trip_and_bad_ones_are_named():
+    extra = request_params(key="abc", adapter="mix@1", server="eu", recompute_tokens=16)
+    context = RequestContext.from_params(extra["kv_transfer_params"])
+    assert context == RequestContext(key="abc", text=None, adapter="mix@1", server="eu", recompute_tokens=16)
+    assert RequestContext.from_params(None) is None
+    assert RequestContext.from_params({"other_connector": {}}) is None
+    with pytest.raises(ValueError, match="exactly one of 'key' and 'text'"):
+        RequestContext.from_params({"kvbridge": {"key": "a", "text": "b"}})
+    with pytest.raises(ValueError, match="unknown fields"):
+        RequestContext.from_params({"kvbridge": {"key": "a", "tokn": "b"}})
+    with pytest.raises(ValueError, match="recompute_tokens"):
+        request_params(text="t", recompute_tokens=-1)
+
+
+def test_the_engine_config_reads_back(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-0123456789\n")
+    extra = kv_transfer_config(address="127.0.0.1:1", servers={"b": {"address": "127.0.0.1:2", "token": "t"}},
+                               timeout_s=3, recompute_tokens=32)["kv_connector_extra_config"]
+    extra["kvbridge_token_file"] = str(token_file)
+    config = ConnectorConfig.from_extra(extra)
+    assert config.servers["default"].address == "127.0.0.1:1"
+    assert config.servers["default"].token == "s3cret-token-0123456789"
+    assert config.servers["b"].token == "t" and config.timeout_s == 3 and config.recompute_tokens == 32
+    with pytest.raises(ValueError, match="at least one server"):
+        ConnectorConfig.from_extra({})
+    with pytest.raises(ValueError, match="host:port"):
+        ConnectorConfig.from_extra({"kvbridge_address": "localhost"})
+
+
+def test_the_handoff_is_private_and_read_once(tmp_path):
+    kv = torch.randn(2, 2, 3, 5, 4)  # [L, 2, H, T, D]
+    path = handoff.stage(kv, tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(path.stem) > 32  # an unguessable name
+    assert torch.equal(handoff.take(path), kv)
+    assert not path.exists()
+    with pytest.raises(ValueError, match=r"\[L, 2, H_kv, T, D\]"):
+        handoff.stage(torch.zeros(2, 3, 4), tmp_path)
