@@ -1,4 +1,10 @@
-"""`train-adapter`: fit a projection adapter between two models, print its per-layer table and its recovery."""
+"""`train-adapter`: fit a projection adapter between two models, print its per-layer table and its recovery.
+
+--trainer ridge (default): the closed-form fit on a corpus sample, optionally refined end to end.
+--trainer chain: the trained recipe (adapters/chain.py): teacher cache, ridge, then stages such as attention
+                 matching and KL (--stages), folded into a format-1 adapter; resumable from --work.
+--trainer fuser: the learned fuser on the same recipe (stages "ce"): the target keeps its own prefill and the
+                 source adds to it; written as a format-2 fuser file."""
 
 from __future__ import annotations
 
@@ -24,6 +30,20 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                    help="fitting corpus: .txt or .jsonl ('text' field) files (default: the packaged "
                         "pydoc_corpus_sample.txt, 400 KB of Python documentation)")
     p.add_argument("--out", help="adapter file (.safetensors); default KVBRIDGE_HOME/adapters/<pair>-<layer map>")
+    p.add_argument("--trainer", choices=["ridge", "chain", "fuser"], default="ridge",
+                   help="ridge: closed form (+ --refine-steps); chain: teacher cache, ridge, trained stages; "
+                        "fuser: a learned fuser over the target's own prefill")
+    p.add_argument("--stages", default=None,
+                   help="chain/fuser: OBJECTIVE:STEPS,... (default attention:300,kl:600; fuser: ce:600)")
+    p.add_argument("--stage-lr", default="", help="chain/fuser: OBJECTIVE=LR,... (default 3e-3 each)")
+    p.add_argument("--train-windows", type=int, default=1400, help="chain/fuser: training windows in the cache")
+    p.add_argument("--ridge-windows", type=int, default=200, help="chain/fuser: of them, for the ridge fit")
+    p.add_argument("--dev-per-corpus", type=int, default=12, help="chain/fuser: held-out dev windows per file")
+    p.add_argument("--fuser-rank", type=int, default=64, help="fuser: rank of the residual per layer and map")
+    p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "
+                                  "default KVBRIDGE_HOME/train/<pair>")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the written maps (a shipped adapter is bfloat16)")
     p.add_argument("--layer-map", default="proportional", choices=LAYER_MAPS)
     p.add_argument("--k", type=int, default=3, help="source layers mixed per target layer with --layer-map mix")
     p.add_argument("--max-tokens", type=int, default=16_384, help="target tokens of corpus to read (train + held-out)")
@@ -57,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
     torch.manual_seed(args.seed)
+    if args.trainer != "ridge":
+        return run_chain(args)
     preset = args.preset or ("production" if (args.source or args.target) else "small")
     config = TrainConfig(layer_map=args.layer_map, k=args.k, window_tokens=args.window_tokens,
                          max_tokens=args.max_tokens, seed=args.seed)
@@ -113,6 +135,110 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result_json, indent=2, default=float))
     return 0
+
+
+def _stage_lr(text: str) -> dict:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--stage-lr takes OBJECTIVE=LR,..., got {part!r}") from None
+    return out
+
+
+def run_chain(args: argparse.Namespace) -> int:
+    """--trainer chain|fuser: adapters.chain.train_chain, then the held-out recovery on --eval documents."""
+    import dataclasses
+    import hashlib
+    import platform
+    import shlex
+
+    import torch
+    from kvbridge.adapters.chain import DEFAULT_LR, ChainConfig, parse_stages, train_chain
+    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.fuser import save_fuser
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.adapters.pairs import start_token_id
+    from kvbridge.adapters.train import read_corpus
+    from kvbridge.adapters.trainer import RecoveryProbe
+    from kvbridge.transfer.models import kvbridge_home
+    from kvbridge.transfer.presets import load_pair
+
+    if not args.corpus:
+        raise ValueError(f"--trainer {args.trainer} needs --corpus FILE... (e.g. ../shared/data/pydoc_corpus.txt "
+                         "../shared/data/kernel_docs_corpus.txt)")
+    fuser = args.trainer == "fuser"
+    stages = parse_stages(args.stages or ("ce:600" if fuser else "attention:300,kl:600"))
+    config = ChainConfig(stages=stages, fuser_rank=args.fuser_rank if fuser else 0,
+                         train_windows=args.train_windows, ridge_windows=args.ridge_windows,
+                         dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
+                         else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed)
+    preset = args.preset or ("production" if (args.source or args.target) else "small")
+    source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
+    pair = f"{source.name}--{target.name}"
+    work = Path(args.work) if args.work else kvbridge_home() / "train" / pair
+    print(f"{source.name} -> {target.name}: {args.trainer}, stages {stages}, work folder {work}", flush=True)
+    maps, record = train_chain(source, target, args.corpus, config, work, progress=not args.quiet)
+    for st in record["stages"]:
+        print(f"stage {st['objective']}: {st['steps']} steps ({st['seconds']} s, {st['tokens_per_s']} tok/s), best "
+              f"step {st['best_step']}: dev recovery {st['dev_recovery']:.3f}")
+    corpus = {"files": [Path(f).name for f in args.corpus],
+              "sha256": {Path(f).name: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in args.corpus},
+              "windows": record["teacher_windows"], "heldout_fraction": config.heldout_fraction,
+              "documents": f"runs of ~{config.doc_chars} characters of consecutive paragraphs; held out when "
+                           f"blake2b(id) < {config.heldout_fraction} (dev windows come from those only)"}
+    training = {"command": "train-adapter " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
+                "trainer": args.trainer, "record": record, "machine": f"{platform.machine()}, "
+                f"{torch.get_num_threads()} torch threads", "seed": args.seed}
+    metrics: dict = {}
+    docs = []
+    if args.eval_docs:
+        texts, _ = read_corpus([args.eval or str(data_path("pydoc_heldout.jsonl"))])
+        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
+                                 limit=args.eval_docs)
+    out = Path(args.out) if args.out else kvbridge_home() / "adapters" / f"{pair}--{args.trainer}.safetensors"
+    dtype = getattr(torch, args.save_dtype)
+    if fuser:
+        if docs:
+            # start_kv None: a fuser keeps the start token's own KV
+            probe = RecoveryProbe.from_documents(source, target, None, docs, start_token_id(target.tokenizer),
+                                                 own=True)
+            r = probe.recovery(maps, seed=args.seed)
+            metrics["recovery_fused"] = [r["recovery"], *r["interval"]]
+            metrics["nll"] = r["nll"]
+            metrics["eval_documents"] = r["documents"]
+            print(f"fused: recovery {r['recovery']:.3f} [{r['interval'][0]:.3f}, {r['interval'][1]:.3f}] on "
+                  f"{r['documents']} documents; NLL own prefill {r['nll']['full']:.4f}, fused "
+                  f"{r['nll']['projected']:.4f}, none {r['nll']['none']:.4f}")
+        ridge_meta = _ridge_meta(work)
+        meta = dataclasses.replace(ridge_meta, corpus=corpus, training=training, metrics=metrics)
+        save_fuser(maps, meta, out, dtype=dtype)
+    else:
+        adapter = maps
+        if docs:
+            result = evaluate_recovery(source, target, adapter, docs, seed=args.seed, progress=not args.quiet)
+            for line in result.lines():
+                print(line)
+            metrics |= {"recovery": result.recovery, "recovery_ci95": result.interval, "nll": result.nll,
+                        "eval_documents": result.documents}
+        adapter = dataclasses.replace(adapter, meta=dataclasses.replace(adapter.meta, corpus=corpus,
+                                                                       training=training, metrics=metrics))
+        if dtype != torch.float32:
+            adapter = dataclasses.replace(adapter, **{n: getattr(adapter, n).to(dtype)
+                                                      for n in ("mix_k", "mix_v", "wk", "bk", "wv", "bv")})
+        save_adapter(adapter, out)
+    print(f"{args.trainer} written to {out} ({out.stat().st_size / 1e6:.1f} MB)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"record": record, "metrics": metrics}, indent=2, default=float))
+    return 0
+
+
+def _ridge_meta(work: Path):
+    from kvbridge.adapters.io import load_adapter
+
+    return load_adapter(work / "ridge" / "ridge.safetensors").meta
 
 
 def add_parsers(sub) -> None:

@@ -9,6 +9,11 @@ Objectives (`TrainerConfig.objective`):
   kl         end to end: start + context as a projected cache, the continuation prefilled by the frozen target;
              cross-entropy of its next-token distribution against the teacher's top-k (renormalised) minus the
              teacher's entropy, i.e. KL over the teacher's top-k, on the positions evaluate.py scores.
+  ce         end to end, as kl, but the cross-entropy of the true continuation tokens: the objective of the learned
+             fuser (fuser.py), whose goal is to beat the target's own prefill, the KL's optimum.
+
+`maps` is a projection (residual.ResidualMaps: the context's K/V come from the source alone) or a fuser
+(fuser.FuserMaps: the target's own K/V of the context plus a residual from the source).
 
 Recovery (`RecoveryProbe`) is evaluate.py's: (NLL_none - NLL_projected) / (NLL_none - NLL_full) over the pooled
 continuation tokens, bootstrap 95% interval over documents; the maps' input is built as `adapter.project` builds it.
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from kvbridge.adapters.adapter import has_text_source
 from kvbridge.adapters.evaluate import EvalDocument
+from kvbridge.adapters.fuser import FuserMaps
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache, capture_attention, source_features
 from kvbridge.transfer import kvcache
@@ -35,7 +41,7 @@ from kvbridge.transfer.segment import KVSegment
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-OBJECTIVES = ("attention", "kl")
+OBJECTIVES = ("attention", "kl", "ce")
 QUERIES = ("continuation", "all")
 
 
@@ -98,6 +104,18 @@ def project_window(maps: ResidualMaps, start_kv: torch.Tensor, xk: torch.Tensor,
     return target.rope.rotate_all(k, torch.arange(t)), v
 
 
+def context_kv(maps, start_kv: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, start_mask: torch.Tensor,
+               target: LoadedModel, own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache a map gives for start + context: projected (ResidualMaps) or fused with the target's own K/V
+    (FuserMaps; own_k, own_v needed) -> keys (rotated), values [L_t, H_t, T, D_t]."""
+    if isinstance(maps, FuserMaps):
+        if own_k is None or own_v is None:
+            raise ValueError("a fuser needs the target's own K/V of the context")
+        return maps.fuse(xk, xv, own_k, own_v, target, keep=start_mask)
+    return project_window(maps, start_kv, xk, xv, start_mask, target)
+
+
 class AttentionGeometry:
     """Per target layer: the attention scale and o_proj weight, read once from the model's own modules."""
 
@@ -141,24 +159,38 @@ def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: 
     return ((got - own).pow(2).sum(-1).mean(-1) / power).mean()
 
 
-def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int) -> torch.Tensor:
-    """KL(teacher top-k || student) per scored position, averaged over the batch's positions."""
+def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int
+                      ) -> torch.Tensor:
+    """Log-probs [B, N-1, V] the target gives the continuation's next tokens over the map's context cache."""
     c = context_tokens
     segments = []
     for w in windows:
-        k, v = project_window(maps, start_kv, w["xk"][:, :1 + c], w["xv"][:, :1 + c], w["start_mask"][:1 + c],
-                              target)
+        own = (w["k"][:, :, :1 + c], w["v"][:, :, :1 + c]) if isinstance(maps, FuserMaps) else (None, None)
+        k, v = context_kv(maps, start_kv, w["xk"][:, :1 + c], w["xv"][:, :1 + c], w["start_mask"][:1 + c], target,
+                          *own)
         segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:1 + c],
                                   positions=torch.arange(1 + c), model=target.spec.identity, rotated=True))
     cache = kvcache.to_cache(segments, target.model, target.spec)
     cont = torch.stack([w["ids"][1 + c:] for w in windows]).to(target.device)  # [B, N]
     pos = torch.arange(1 + c, 1 + c + cont.shape[1], device=target.device)[None].expand_as(cont)
-    logp = target.model(input_ids=cont, position_ids=pos, cache=cache).logits[:, :-1].float().log_softmax(-1)
+    return target.model(input_ids=cont, position_ids=pos, cache=cache).logits[:, :-1].float().log_softmax(-1)
+
+
+def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int) -> torch.Tensor:
+    """KL(teacher top-k || student) per scored position, averaged over the batch's positions."""
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens)
     top_logp = torch.stack([w["top_logp"] for w in windows])  # [B, N-1, k]
     top_idx = torch.stack([w["top_idx"] for w in windows])
     p = top_logp.log_softmax(-1)  # renormalised over the top-k
     student = logp.gather(-1, top_idx.to(logp.device))
     return (p.exp() * (p - student)).sum(-1).mean()
+
+
+def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int) -> torch.Tensor:
+    """Cross-entropy of the true continuation tokens 1..N-1, averaged over the batch's positions."""
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens)
+    truth = torch.stack([w["ids"][2 + context_tokens:] for w in windows]).to(logp.device)  # [B, N-1]
+    return -logp.gather(-1, truth[..., None]).mean()
 
 
 # --------------------------------------------------------------------------------------------------------- recovery
@@ -170,6 +202,8 @@ class ProbeItem:
     start_mask: torch.Tensor  # [1 + C]
     context_ids: torch.Tensor  # [1 + C] start + context target ids
     continuation: torch.Tensor  # [N]
+    k: torch.Tensor | None = None  # [L_t, H_t, 1 + C, D_t] the target's own K (rotated) / V of start + context:
+    v: torch.Tensor | None = None  # what a fuser adds to
 
 
 class RecoveryProbe:
@@ -192,13 +226,18 @@ class RecoveryProbe:
 
     @classmethod
     def from_documents(cls, source: LoadedModel, target: LoadedModel, start_kv, docs: list[EvalDocument],
-                       start_token: int) -> "RecoveryProbe":
+                       start_token: int, own: bool = False) -> "RecoveryProbe":
+        """own: also keep the target's own K/V of every context (for a fuser)."""
         items = []
         for d in docs:
             xk, xv = source_features(source, d.source.ids, d.alignment.source_index)
             ids = torch.cat((torch.tensor([start_token]), d.target_context))
             mask = (~has_text_source(d.alignment.kind)) & (ids == start_token)
-            items.append(ProbeItem(xk, xv, mask, ids, d.continuation))
+            k = v = None
+            if own:
+                seg = kvcache.extract(target.model, target.spec, ids)
+                k, v = seg.keys.float().cpu(), seg.values.float().cpu()
+            items.append(ProbeItem(xk, xv, mask, ids, d.continuation, k, v))
         return cls(target, start_kv, items)
 
     @classmethod
@@ -208,14 +247,15 @@ class RecoveryProbe:
         for i in indices:
             w = cache.load(i)
             items.append(ProbeItem(w["xk"][:, :1 + c].float(), w["xv"][:, :1 + c].float(), w["start_mask"][:1 + c],
-                                   w["ids"][:1 + c], w["ids"][1 + c:]))
+                                   w["ids"][:1 + c], w["ids"][1 + c:], w["k"][:, :, :1 + c].float(),
+                                   w["v"][:, :, :1 + c].float()))
         return cls(target, start_kv, items)
 
     @torch.no_grad()
     def per_document(self, maps) -> list[float]:
         out = []
         for it in self.items:
-            k, v = project_window(maps, self.start_kv, it.xk, it.xv, it.start_mask, self.target)
+            k, v = context_kv(maps, self.start_kv, it.xk, it.xv, it.start_mask, self.target, it.k, it.v)
             seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids,
                             positions=torch.arange(it.context_ids.numel()), model=self.target.spec.identity,
                             rotated=True)
@@ -296,6 +336,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
     torch.manual_seed(config.seed)
     for p in target.model.parameters():
         p.requires_grad_(False)
+    if config.objective == "attention" and isinstance(maps, FuserMaps):
+        raise ValueError("a fuser trains end to end (objective 'ce'); attention matching is for projections")
     geometry = AttentionGeometry(target) if config.objective == "attention" else None
     optimizer = torch.optim.AdamW(maps.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=config.weight_decay)
     state = {"iter": 0, "best": -math.inf, "best_iter": -1, "elapsed_s": 0.0, "stale": 0, "record": [],
@@ -353,7 +395,7 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                        for w in windows)
             loss = loss / len(windows)
         else:
-            loss = kl_loss(maps, start_kv, windows, target, context_tokens)
+            loss = (kl_loss if config.objective == "kl" else ce_loss)(maps, start_kv, windows, target, context_tokens)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(maps.parameters(), config.grad_clip)

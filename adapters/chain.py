@@ -1,0 +1,162 @@
+"""`train-adapter --trainer chain|fuser`: the whole recipe of a trained adapter in one resumable call.
+
+corpus files -> documents (ids "<file stem's first word>:NNNNN", held out by a hash of the id) -> windows ->
+the teacher cache (dev windows from held-out documents, then training windows in a seeded shuffle) -> ridge from
+the first `ridge_windows` training windows (λ and α chosen on the dev windows) -> the stages in order, each starting
+from the previous stage's best weights (by dev recovery) -> a folded format-1 adapter (chain) or a format-2 fuser.
+
+Everything lands under one work folder (teacher/, ridge/, stage-N-OBJECTIVE/), so a rerun of the same command
+resumes where it stopped: finished teacher windows are skipped, the ridge fit is read back, a stage continues
+from its last checkpoint. Stages are given in optimiser steps, so a run is a function of the command and the seed,
+not of how busy the machine was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.fit import RidgeStats
+from kvbridge.adapters.fuser import FuserConfig, FuserMaps
+from kvbridge.adapters.io import load_adapter, save_adapter
+from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
+from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
+from kvbridge.adapters.trainer import OBJECTIVES, RecoveryProbe, TrainerConfig, train
+from kvbridge.transfer.models import LoadedModel
+from safetensors.torch import load_file, save_file
+
+DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3}
+DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20}
+
+
+def parse_stages(text: str) -> tuple[tuple[str, int], ...]:
+    """"attention:300,kl:600" -> (("attention", 300), ("kl", 600)): objective and optimiser steps per stage."""
+    stages = []
+    for part in text.split(","):
+        name, _, steps = part.strip().partition(":")
+        if name not in OBJECTIVES or not steps.isdigit() or int(steps) < 1:
+            raise ValueError(f"a stage is OBJECTIVE:STEPS with OBJECTIVE in {OBJECTIVES} and STEPS >= 1, got {part!r}")
+        stages.append((name, int(steps)))
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    stages: tuple[tuple[str, int], ...] = (("attention", 300), ("kl", 600))
+    fuser_rank: int = 0  # > 0: train a fuser of this rank (stages "ce" only) instead of a projection
+    train_windows: int = 1400  # training windows put in the teacher cache (in the seeded shuffle's order)
+    ridge_windows: int = 200  # of them, for the ridge statistics
+    dev_per_corpus: int = 12  # held-out windows per corpus file: λ/α, and the stages' best-checkpoint choice
+    heldout_fraction: float = 0.08  # documents held out (blake2b of the id), never trained on
+    doc_chars: int = 8000
+    layer_map: str = "mix"
+    k: int = 3
+    batch_windows: int = 4
+    lr: dict = field(default_factory=lambda: dict(DEFAULT_LR))
+    teacher: TeacherConfig = TeacherConfig()
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("no stages")
+        for name, steps in self.stages:
+            if name not in OBJECTIVES or steps < 1:
+                raise ValueError(f"bad stage {name}:{steps}")
+            if self.fuser_rank and name != "ce":
+                raise ValueError(f"a fuser trains on stage 'ce' only, got {name!r}")
+        if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
+            raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
+
+
+def corpus_name(path: str | Path) -> str:
+    """pydoc_corpus.txt -> "pydoc", kernel_docs_corpus.txt -> "kernel": the prefix of every document id."""
+    return Path(path).stem.split("_")[0].split("-")[0] or "corpus"
+
+
+def select_windows(files: list[str | Path], target_tokenizer, config: ChainConfig) -> tuple[list[Window], list[Window]]:
+    """(dev, train): dev windows sampled from held-out documents of every file, training windows from the others
+    in a seeded shuffle. No training window comes from a held-out document."""
+    rng = random.Random(config.seed)
+    dev, train_all = [], []
+    names = [corpus_name(f) for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError(f"corpus files need distinct name prefixes (document ids), got {names}")
+    for path, name in zip(files, names):
+        windows = document_windows(split_documents(path, name, config.doc_chars), target_tokenizer,
+                                   config.teacher.window_tokens)
+        held = [w for w in windows if is_heldout(w.doc_id, config.heldout_fraction)]
+        held_dev = [w for w in held if is_heldout(w.doc_id, 0.5, salt="dev")]
+        if len(held_dev) < config.dev_per_corpus:
+            raise ValueError(f"{path}: {len(held_dev)} held-out dev windows, {config.dev_per_corpus} wanted")
+        dev += rng.sample(held_dev, config.dev_per_corpus)
+        train_all += [w for w in windows if not is_heldout(w.doc_id, config.heldout_fraction)]
+    rng.shuffle(train_all)
+    return dev, train_all[:config.train_windows]
+
+
+def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: ChainConfig, progress: bool
+           ) -> tuple[Adapter, RidgeStats, float]:
+    folder = work / "ridge"
+    if (folder / "ridge.safetensors").exists():
+        info = json.loads((folder / "fit.json").read_text())
+        stats = RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors")))
+        return load_adapter(folder / "ridge.safetensors"), stats, info["seconds"]
+    t0 = time.perf_counter()
+    adapter, stats = fit_ridge(cache, train_idx[:config.ridge_windows], dev_idx, target, config.layer_map, config.k,
+                               progress=progress)
+    seconds = time.perf_counter() - t0
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stats.state_dict(), str(folder / "stats.safetensors"))
+    save_adapter(adapter, folder / "ridge.safetensors")
+    (folder / "fit.json").write_text(json.dumps({"seconds": seconds}))
+    return adapter, stats, seconds
+
+
+def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path], config: ChainConfig,
+                work: str | Path, progress: bool = True) -> tuple[Adapter | FuserMaps, dict]:
+    """Run (or resume) the recipe; returns the trained adapter (chain: folded, format 1) or fuser, and a record of
+    what ran: windows, seconds per phase, each stage's steps, best step and dev recovery."""
+    work = Path(work)
+    began = time.perf_counter()
+    dev, train_w = select_windows(files, target.tokenizer, config)
+    cache = TeacherCache(work / "teacher")
+    t0 = time.perf_counter()
+    cache.build(source, target, dev + train_w, config.teacher, start_token_id(target.tokenizer), progress=progress)
+    teacher_s = time.perf_counter() - t0
+    pos = {e["id"]: i for i, e in enumerate(cache.entries)}
+    dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
+    train_idx = [pos[w.id] for w in train_w if w.id in pos]
+    ridge, stats, ridge_s = _ridge(work, cache, train_idx, dev_idx, target, config, progress)
+    torch.manual_seed(config.seed)
+    if config.fuser_rank:
+        maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
+    else:
+        maps = ResidualMaps(ridge, stats, CapacityConfig())
+    probe = RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
+    record: dict = {"teacher_windows": {"dev": len(dev_idx), "train": len(train_idx),
+                                        "ridge": min(config.ridge_windows, len(train_idx))},
+                    "teacher_cache_s": round(teacher_s), "ridge_s": round(ridge_s), "stages": []}
+    for n, (objective, steps) in enumerate(config.stages):
+        lr = config.lr.get(objective, DEFAULT_LR[objective])
+        tc = TrainerConfig(objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1),
+                           max_iters=steps, batch_windows=config.batch_windows,
+                           eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n)
+        out = train(maps, ridge.start_kv, target, cache, train_idx, probe, tc, config.teacher.context_tokens,
+                    work / f"stage-{n}-{objective}", resume=True, progress=progress)
+        record["stages"].append({"objective": objective, "steps": out["iters"], "best_step": out["best_iter"],
+                                 "dev_recovery": round(out["best"], 4), "lr": lr,
+                                 "seconds": round(out["elapsed_s"]),
+                                 "tokens_per_s": round(out["iters"] * out["tokens_per_step"] / out["elapsed_s"])})
+    record["wall_s"] = round(time.perf_counter() - began)
+    if config.fuser_rank:
+        return maps, record
+    adapter = maps.to_adapter(ridge)
+    meta = dataclasses.replace(adapter.meta, corpus={}, training={})
+    return dataclasses.replace(adapter, meta=meta), record

@@ -1,0 +1,99 @@
+"""`train-adapter --trainer chain|fuser` on the tiny pair: one command makes the teacher cache, the ridge fit and the
+stages; the file records that command, the corpus hashes and the held-out figures; a rerun resumes (no teacher
+window computed twice) and gives the same weights; dev windows never come from training documents."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+import torch
+from kvbridge.adapters.chain import ChainConfig, parse_stages, select_windows
+from kvbridge.adapters.cli import main
+from kvbridge.adapters.fuser import load_fuser
+from kvbridge.adapters.io import load_adapter, read_adapter_meta
+from kvbridge.adapters.teacher import is_heldout
+
+WORDS = ("the a model reads text once and keeps its cache in blocks while another model of a different family "
+         "generates from the projected keys and values without reading the document again").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    files = []
+    for name in ("alpha_corpus.txt", "beta_docs_corpus.txt"):
+        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(120)) + "." for _ in range(1500)]
+        (root / name).write_text("\n\n".join(paragraphs))
+        files.append(str(root / name))
+    with open(root / "eval.jsonl", "w") as f:
+        for _ in range(4):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(400))}) + "\n")
+    return files, str(root / "eval.jsonl")
+
+
+def _args(corpus, work, out, *extra):
+    files, evaluation = corpus
+    return ["--preset", "tiny", "--corpus", *files, "--train-windows", "16", "--ridge-windows", "8",
+            "--dev-per-corpus", "2", "--work", str(work), "--out", str(out), "--eval", evaluation, "--eval-docs", "4",
+            "-q", *extra]
+
+
+def test_stages_parse_and_bad_ones_are_named():
+    assert parse_stages("attention:3, kl:5") == (("attention", 3), ("kl", 5))
+    for bad in ("attention", "kl:0", "ridge:4", "kl:x"):
+        with pytest.raises(ValueError, match="OBJECTIVE:STEPS"):
+            parse_stages(bad)
+    with pytest.raises(ValueError, match="fuser trains on stage 'ce' only"):
+        ChainConfig(stages=(("kl", 3),), fuser_rank=8)
+
+
+def test_dev_windows_come_from_held_out_documents_only(corpus, tiny_target):
+    config = ChainConfig(train_windows=40, ridge_windows=8, dev_per_corpus=2)
+    dev, train = select_windows(corpus[0], tiny_target.tokenizer, config)
+    assert len(dev) == 4 and len(train) == 40
+    assert {w.doc_id.split(":")[0] for w in dev} == {"alpha", "beta"}
+    assert all(is_heldout(w.doc_id, config.heldout_fraction) for w in dev)
+    assert not any(is_heldout(w.doc_id, config.heldout_fraction) for w in train)
+    assert (dev, train) == select_windows(corpus[0], tiny_target.tokenizer, config)
+
+
+def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "a.safetensors"
+    args = _args(corpus, work, out, "--trainer", "chain", "--stages", "attention:3,kl:2", "--save-dtype",
+                 "bfloat16")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "stage attention: 3 steps" in printed and "recovery projected" in printed
+    meta = read_adapter_meta(out)
+    assert meta["format_version"] == 1 and meta["training"]["trainer"] == "chain"
+    assert [s["objective"] for s in meta["training"]["record"]["stages"]] == ["attention", "kl"]
+    for f in corpus[0]:
+        name = f.rsplit("/", 1)[1]
+        assert meta["corpus"]["sha256"][name] == hashlib.sha256(open(f, "rb").read()).hexdigest()
+    assert "recovery" in meta["metrics"] and load_adapter(out).wk.dtype == torch.bfloat16
+    first = load_adapter(out)
+    index = json.loads((work / "teacher" / "index.json").read_text())
+    # a second run of the same command: everything is found in the work folder, the weights are the same
+    assert main(args) == 0
+    assert json.loads((work / "teacher" / "index.json").read_text()) == index
+    assert torch.equal(load_adapter(out).wk, first.wk)
+
+
+def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
+    out = tmp_path / "f.safetensors"
+    assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "ce:3",
+                      "--fuser-rank", "4")) == 0
+    assert "fused: recovery" in capsys.readouterr().out
+    maps, record = load_fuser(out)
+    assert record["kind"] == "fuser" and record["rank"] == 4 and "recovery_fused" in record["metrics"]
+    assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "kl:3")) == 2
+    assert "fuser trains on stage 'ce' only" in capsys.readouterr().err
+
+
+def test_chain_without_a_corpus_is_refused(capsys):
+    assert main(["--preset", "tiny", "--trainer", "chain"]) == 2
+    assert "needs --corpus" in capsys.readouterr().err
