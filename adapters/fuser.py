@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvbridge.adapters.adapter import Adapter, AdapterMeta
+from kvbridge.adapters.adapter import Adapter, AdapterMeta, has_text_source
 from kvbridge.adapters.fit import RidgeStats
+from kvbridge.adapters.pairs import pair_text
 from kvbridge.adapters.residual import whitening
+from kvbridge.adapters.teacher import source_features
 from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -186,3 +189,34 @@ def load_fuser(path: str | Path) -> tuple[FuserMaps, dict]:
             for n in ("a", "b", "c", "gate"):
                 getattr(maps, f"{n}_{m}").copy_(f32[f"{n}_{m}"])
     return maps, record
+
+
+class Fuser:
+    """A trained fuser at use: the source reads a text, and its features fuse into the target's own cache of the
+    same text (start token + the text's target tokens, as `pairs.pair_text` tokenises it)."""
+
+    def __init__(self, maps: FuserMaps, source: LoadedModel, target: LoadedModel):
+        self.maps, self.source, self.target = maps.to(target.device), source, target
+
+    @classmethod
+    def load(cls, path: str | Path, source: LoadedModel, target: LoadedModel) -> "Fuser":
+        maps, record = load_fuser(path)
+        for side, model in (("source", source), ("target", target)):
+            want = record.get(side, {}).get("config_hash")
+            if want and want != model.spec.identity.config_hash:
+                raise ValueError(f"{Path(path).name} was trained for another {side} model "
+                                 f"({record[side].get('name')}), not {model.name}")
+        return cls(maps, source, target)
+
+    @torch.no_grad()
+    def fuse(self, own: KVSegment, text: str) -> KVSegment:
+        """own: the target's own cache of start + text (rotated, positions 0..T-1) -> the fused cache."""
+        paired = pair_text(text, self.source.tokenizer, self.target.tokenizer)
+        if not torch.equal(paired.target_ids, own.token_ids.cpu()):
+            raise ValueError("the target's own cache does not hold start + this text's target tokens")
+        xk, xv = source_features(self.source, paired.source_ids, paired.alignment.source_index)
+        keep = (~has_text_source(paired.alignment.kind)) & (paired.target_ids == paired.target_ids[0])
+        keep[0] = True  # the start token keeps its own KV
+        k, v = self.maps.fuse(xk, xv, own.keys, own.values, self.target, keep=keep)
+        kv = torch.stack((k, v), dim=1).to(own.kv.dtype)
+        return KVSegment(kv=kv, token_ids=own.token_ids, positions=own.positions, model=own.model, rotated=True)

@@ -18,6 +18,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--adapter", metavar="FILE", help="adapter file (default: the adapter folder's default)")
     p.add_argument("--fit-adapter", action="store_true", help="fit a ridge adapter into the folder if it has none")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated (default {DEFAULT_MODES})")
+    p.add_argument("--fuser", metavar="FILE", help="a trained fuser (train-adapter --trainer fuser) for mode 'fuser'")
     p.add_argument("--limit", type=int, help="evaluate only the first N records")
     p.add_argument("--exclude", metavar="FILE.jsonl", help="skip records whose id is in this file")
     p.add_argument("--out", default="eval-out", metavar="DIR", help="where results.json, table.md and the plot go")
@@ -50,8 +51,8 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
     config = EvalConfig(max_doc_tokens=args.max_doc_tokens, continuation_tokens=args.continuation_tokens,
                         max_new_tokens=args.max_new_tokens, fuse_steps=args.fuse_steps)
     options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
-                         fit_adapter=args.fit_adapter, limit=args.limit, exclude=args.exclude, out=args.out,
-                         server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
+                         fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
+                         out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
                          progress=not args.no_progress)
     result = evaluate(options, config=config)
     print(result["paths"]["markdown"].read_text())

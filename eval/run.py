@@ -35,6 +35,7 @@ class RunOptions:
     modes: str = DEFAULT_MODES
     adapter: str | None = None  # adapter file; None: the adapter folder's default for the pair
     fit_adapter: bool = False  # fit one into the adapter folder when it has none
+    fuser: str | None = None  # a trained fuser file (train-adapter --trainer fuser) for the fuser mode
     limit: int | None = None
     exclude: str | None = None  # a JSONL file whose ids are skipped (the shipped sample, for the full run)
     out: str = "eval-out"
@@ -105,7 +106,14 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
                 from kvbridge.eval.gates import fit_gates
 
                 gates, gate_report = fit_gates(target, projected, steps=config.fuse_steps, progress=options.progress)
-            evaluator = SummaryEvaluator(target, modes, config, projected, gates)
+            fuser = None
+            if any(m.kind == "fuser" for m in modes):
+                if source is None or not options.fuser:
+                    raise ValueError("the fuser mode needs --fuser FILE and the source model here (not --server)")
+                from kvbridge.adapters.fuser import Fuser
+
+                fuser = Fuser.load(options.fuser, source, target)
+            evaluator = SummaryEvaluator(target, modes, config, projected, gates, fuser)
             docs = [d for d in (prepare(r, target, config) for r in records) if d is not None]
             skipped = len(records) - len(docs)
             if len(docs) < 1:

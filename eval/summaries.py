@@ -12,6 +12,8 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 the matched baseline recompute has to beat
   fuse          the target prefills start + document and the projected KV is blended in with per-layer gates
                 ((1 - g) · own + g · projected, fitted by eval.gates)
+  fuser         the target prefills start + document and a learned fuser (adapters.fuser, --fuser FILE) adds what the
+                source read: the source model runs here, beside the target
   blend:r       replace, then CacheBlend (transfer.suffix.blend): the target runs its first layer over the document
                 (that layer's KV becomes exact), and recomputes r of the document's tokens through every layer in one
                 forward over the projected KV: the first 4 (sinks), the last 4, and the most deviating at that layer.
@@ -52,7 +54,7 @@ FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 @dataclass(frozen=True)
 class Mode:
     name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse | blend[-dev|-last|-random]
+    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-dev|-last|-random]
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
 
 
@@ -63,7 +65,7 @@ def parse_modes(spec: str) -> list[Mode]:
         if not raw:
             continue
         kind, _, arg = raw.partition(":")
-        if kind in ("full", "none", "replace", "fuse"):
+        if kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
             mode = Mode(raw, kind)
@@ -76,7 +78,7 @@ def parse_modes(spec: str) -> list[Mode]:
                 raise ValueError(f"mode {raw!r}: the fraction must be in (0, 1]")
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
-            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, "
+            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
                              "blend:R, blend-dev:R, blend-last:R, blend-random:R")
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
@@ -292,14 +294,17 @@ class ProjectedSource:
 
 class SummaryEvaluator:
     """Runs every mode on prepared documents. `source` gives projected documents (None: only full, none and tail
-    modes can run); `gates` [L, 2] are fuse's."""
+    modes can run); `gates` [L, 2] are fuse's; `fuser` (adapters.fuser.Fuser) is the fuser mode's."""
 
     def __init__(self, target: LoadedModel, modes: list[Mode], config: EvalConfig | None = None,
-                 source: ProjectedSource | None = None, gates: torch.Tensor | None = None):
+                 source: ProjectedSource | None = None, gates: torch.Tensor | None = None, fuser=None):
         if source is None and any(m.kind in NEEDS_PROJECTION for m in modes):
             raise ValueError("replace, recompute and fuse modes need a projected source (a kvbridge server)")
         if any(m.kind == "fuse" for m in modes) and gates is None:
             raise ValueError("the fuse mode needs gates (eval.gates.fit_gates)")
+        if any(m.kind == "fuser" for m in modes) and fuser is None:
+            raise ValueError("the fuser mode needs a trained fuser (train-adapter --trainer fuser; --fuser FILE)")
+        self.fuser = fuser
         self.config = config or EvalConfig()
         self.target, self.modes, self.source, self.gates = target, modes, source, gates
         self.prompt = instruction_ids(target, self.config.instruction)
@@ -322,7 +327,7 @@ class SummaryEvaluator:
                                    "own tokenization of the document")
             kvcache.check_compatible(projected, self.target.spec)
             result.fetch_s, result.exact_coverage = fetch_s, fetched.exact_coverage
-        own, own_s = (self._own(doc.target_ids) if any(m.kind in ("full", "fuse") for m in self.modes)
+        own, own_s = (self._own(doc.target_ids) if any(m.kind in ("full", "fuse", "fuser") for m in self.modes)
                       else (None, 0.0))
         for mode in self.modes:
             context, base_s, prefills, kv_bytes = self._context(mode, doc, own, own_s, projected, fetch_s, wire)
@@ -370,4 +375,7 @@ class SummaryEvaluator:
             t0 = time.perf_counter()
             seg = fuse_gated(own, projected, self.gates)
             return seg, fetch_s + own_s + time.perf_counter() - t0, [(d + 1, 0)], wire
+        if mode.kind == "fuser":  # the source's prefill runs here too: counted by the system cost, not in TTFT
+            seg = self.fuser.fuse(own, doc.text)
+            return seg, own_s, [(d + 1, 0)], 0
         raise AssertionError(mode.kind)

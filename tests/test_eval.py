@@ -207,6 +207,43 @@ def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys
     assert "missing.jsonl does not exist" in capsys.readouterr().err
 
 
+def _tiny_fuser(adapter_file, path, scale: float):
+    """A fuser file for the tiny pair: the adapter's layer mix, B scaled (0: the untrained fuser)."""
+    import torch
+    from kvbridge.adapters.fuser import FuserConfig, FuserMaps, save_fuser
+    from kvbridge.adapters.io import load_adapter
+
+    a = load_adapter(adapter_file)
+    lt, d_s, d_t = a.wk.shape
+    torch.manual_seed(0)
+    maps = FuserMaps(a.layer_map, {"k": a.mix_k, "v": a.mix_v}, {m: torch.zeros(lt, d_s) for m in "kv"}, None,
+                     {m: torch.ones(lt) for m in "kv"}, a.meta.target["num_kv_heads"], d_t, FuserConfig(rank=4))
+    with torch.no_grad():
+        maps.b_k.normal_(std=scale)
+        maps.b_v.normal_(std=scale)
+    return save_fuser(maps, a.meta, path, dtype=torch.float32)
+
+
+def test_fuser_mode_adds_to_the_targets_own_prefill(tiny_adapter_file, tmp_path, capsys):
+    """Mode `fuser` with an untrained fuser is `full` exactly; a non-zero one changes the scores; no --fuser, no
+    mode."""
+    from kvbridge.cli import main
+
+    common = ["eval", "rouge", "--data", str(SAMPLE), "--preset", "tiny", "--adapter", str(tiny_adapter_file),
+              "--modes", "full,fuser", "--limit", "2", "--max-doc-tokens", "48", "--continuation-tokens", "8",
+              "--max-new-tokens", "4", "--no-progress", "--bootstrap", "50"]
+    for scale, same in ((0.0, True), (1.0, False)):
+        out = tmp_path / f"out{scale}"
+        fuser = _tiny_fuser(tiny_adapter_file, tmp_path / f"f{scale}.safetensors", scale)
+        assert main([*common, "--fuser", str(fuser), "--out", str(out)]) == 0
+        for doc in json.loads((out / "results.json").read_text())["documents"]:
+            m = doc["modes"]
+            assert (m["fuser"]["nll"] == pytest.approx(m["full"]["nll"], rel=1e-5)) is same
+    capsys.readouterr()
+    assert main([*common, "--out", str(tmp_path / "none")]) == 2
+    assert "needs --fuser FILE" in capsys.readouterr().err
+
+
 def test_demo_runs_with_a_background_server(tmp_path):
     """`kvbridge demo --preset tiny`: fits an adapter into an empty folder, serves in the background, prints the
     side-by-side table, and the server stops cleanly; a second run uses the cached adapter."""
