@@ -215,7 +215,7 @@ def run(argv: list[str] | None = None) -> dict:
                 for conversation in order:
                     conversation.step(turn)
                 if turn == 0:
-                    projected_ids = context.fetched[0].segment.token_ids[1:]
+                    projected_ids = context.first.token_ids[1:]
                     if not torch.equal(projected_ids, with_pipeline.generator.tokens(document)):
                         raise AssertionError("the server projected other target tokens than the document's")
                 if args.verbose:

@@ -1,5 +1,9 @@
 """The adapters a server can use: loaded by bare name from one folder (never a path outside it), checked against
-the served models, one default per (source, target) pair. Only safetensors files are ever read."""
+the served models, one default per (source, target) pair. Only safetensors files are ever read.
+
+Defaults: the server's (set at start, or by an in-process `add`/`load` without a tenant) serve every tenant; a
+tenant's LoadAdapter(make_default) sets that tenant's own default for the pair, which no other tenant sees (one
+tenant must not change what another's requests are projected with)."""
 
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ class AdapterRegistry:
         self.targets = {t.identity.config_hash: t for t in targets}
         self.device = device
         self._loaded: dict[str, Adapter] = {}
-        self._defaults: dict[str, str] = {}  # target config hash -> adapter name
+        self._defaults: dict[str, str] = {}  # target config hash -> adapter name (the server's default)
+        self._tenant_defaults: dict[tuple[str, str], str] = {}  # (tenant, target config hash) -> adapter name
         self._lock = threading.RLock()  # _info is called with it held
 
     # ------------------------------------------------------------------------------------------ files
@@ -80,8 +85,8 @@ class AdapterRegistry:
             log.warning("skipping %s: not a readable kvbridge adapter (%s)", path.name, exc)
             return None
 
-    def available(self) -> list[AdapterInfo]:
-        """Every adapter file in the folder, plus adapters added in memory."""
+    def available(self, tenant: str | None = None) -> list[AdapterInfo]:
+        """Every adapter file in the folder, plus adapters added in memory (is_default as `tenant` sees it)."""
         out = {}
         if self.folder is not None and self.folder.is_dir():
             for path in sorted(self.folder.glob(f"*{SUFFIX}")):
@@ -89,16 +94,22 @@ class AdapterRegistry:
                     continue
                 meta = self._read_meta(path)
                 if meta is not None:
-                    out[path.stem] = self._info(path.stem, meta)
+                    out[path.stem] = self._info(path.stem, meta, tenant)
         with self._lock:
             for name, adapter in self._loaded.items():
-                out[name] = self._info(name, _meta_dict(adapter))
+                out[name] = self._info(name, _meta_dict(adapter), tenant)
         return [out[k] for k in sorted(out)]
 
-    def _info(self, name: str, meta: dict) -> AdapterInfo:
+    def _default_name(self, target_hash: str, tenant: str | None) -> str | None:
+        """The adapter a request naming none uses for this target: the tenant's own default, else the server's."""
+        with self._lock:
+            own = self._tenant_defaults.get((tenant, target_hash)) if tenant is not None else None
+            return own or self._defaults.get(target_hash)
+
+    def _info(self, name: str, meta: dict, tenant: str | None = None) -> AdapterInfo:
         with self._lock:
             loaded = name in self._loaded
-            default = name in self._defaults.values()
+            default = self._default_name(str(meta.get("target", {}).get("config_hash", "")), tenant) == name
         return AdapterInfo(name=name, source_model=meta.get("source", {}).get("name", "?"),
                            target_model=meta.get("target", {}).get("name", "?"), version=str(meta.get("version", "")),
                            layer_map=str(meta.get("layer_map", "")), loaded=loaded, is_default=default,
@@ -115,20 +126,26 @@ class AdapterRegistry:
         adapter.check_models(self.source, target)
         return target
 
-    def add(self, name: str, adapter: Adapter, make_default: bool = False) -> AdapterInfo:
-        """Register an adapter object (an in-memory one, or one just read from the folder)."""
+    def add(self, name: str, adapter: Adapter, make_default: bool = False, tenant: str | None = None
+            ) -> AdapterInfo:
+        """Register an adapter object (an in-memory one, or one just read from the folder). make_default: the
+        server's default for its pair, or with a tenant that tenant's own."""
         name = check_name(name)
         target = self._target_of(adapter, name)
         adapter = adapter.to(self.device)
+        target_hash = target.identity.config_hash
         with self._lock:
             self._loaded[name] = adapter
-            if make_default or target.identity.config_hash not in self._defaults:
-                self._defaults[target.identity.config_hash] = name
+            if make_default and tenant is not None:
+                self._tenant_defaults[(tenant, target_hash)] = name
+            elif make_default or target_hash not in self._defaults:
+                self._defaults[target_hash] = name
         log.info("adapter %s loaded: %s -> %s%s", name, self.source.name, target.name,
-                 " (default)" if self._defaults.get(target.identity.config_hash) == name else "")
-        return self._info(name, _meta_dict(adapter))
+                 f" (default for tenant {tenant})" if make_default and tenant is not None else
+                 " (default)" if self._defaults.get(target_hash) == name else "")
+        return self._info(name, _meta_dict(adapter), tenant)
 
-    def load(self, name: str, make_default: bool = False) -> AdapterInfo:
+    def load(self, name: str, make_default: bool = False, tenant: str | None = None) -> AdapterInfo:
         path = self.path(name)
         if not path.is_file():
             raise FileNotFoundError(f"no adapter {check_name(name)!r} in the adapter folder")
@@ -137,7 +154,7 @@ class AdapterRegistry:
         except (AttributeError, KeyError, TypeError) as exc:
             raise ValueError(f"adapter {path.stem!r}: its kvbridge_adapter metadata has the wrong shape ({exc})"
                              ) from None
-        return self.add(path.stem, adapter, make_default=make_default)
+        return self.add(path.stem, adapter, make_default=make_default, tenant=tenant)
 
     def autoload(self, preferred: str | None = None) -> list[str]:
         """Load a default adapter for each served pair: `preferred` if given, else the newest matching file."""
@@ -163,9 +180,10 @@ class AdapterRegistry:
         with self._lock:
             return self._defaults.get(target.identity.config_hash)
 
-    def resolve(self, name: str, source: ModelSpec, target: ModelSpec) -> tuple[str, Adapter]:
+    def resolve(self, name: str, source: ModelSpec, target: ModelSpec, tenant: str | None = None
+                ) -> tuple[str, Adapter]:
         """(label "name@version", adapter) for a request: the named one (loaded from the folder on first use) or
-        the pair's default."""
+        the pair's default (the tenant's own, else the server's)."""
         if name:
             bare = check_name(name)
             with self._lock:
@@ -180,7 +198,7 @@ class AdapterRegistry:
                     adapter = self._loaded[bare]
         else:
             with self._lock:
-                bare = self._defaults.get(target.identity.config_hash)
+                bare = self._default_name(target.identity.config_hash, tenant)
                 adapter = self._loaded.get(bare) if bare else None
             if adapter is None:
                 raise FailedPrecondition(f"no adapter is loaded for {source.name!r} -> {target.name!r}: fit one with "

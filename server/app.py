@@ -14,15 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from kvbridge.adapters.io import load_adapter
 from kvbridge.adapters.shipped import find_shipped
 from kvbridge.proto import pb2
 from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.admission import IdleWatchdog, StreamSlots
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
 from kvbridge.server.metrics import Metrics
+from kvbridge.server.request_limits import check_message, clip_details
 from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.server.servicer import KVBridgeServicer
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
@@ -74,9 +76,15 @@ def selfcheck_models(models: list[LoadedModel]) -> None:
 
 def store_config(config: ServeConfig) -> StoreConfig:
     mb = 1 << 20
-    return StoreConfig(capacity_bytes=int(config.store_capacity_mb * mb) if config.store_capacity_mb else None,
-                       block_size=config.block_size, cpu_capacity_bytes=int(config.cpu_tier_mb * mb),
-                       redis_url=config.redis_url, default_ttl_s=config.default_ttl_s, device=config.store_device)
+    capacity = int(config.store_capacity_mb * mb) if config.store_capacity_mb else None
+    pinned = config.tenant_max_pinned_mb
+    if pinned is None and capacity is not None:
+        pinned = capacity / 4 / mb  # one tenant pins at most a quarter of the pool
+    return StoreConfig(capacity_bytes=capacity, block_size=config.block_size,
+                       cpu_capacity_bytes=int(config.cpu_tier_mb * mb), redis_url=config.redis_url,
+                       default_ttl_s=config.default_ttl_s, device=config.store_device,
+                       tenant_max_entries=config.tenant_max_entries,
+                       tenant_max_pinned_bytes=int(pinned * mb) if pinned is not None else None)
 
 
 def adapter_folder(config: ServeConfig) -> Path:
@@ -131,7 +139,8 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
                     "(train-adapter, then LoadAdapter; or start with --fit-adapter)", source.name,
                     [t.name for t in targets], folder)
     limits = ServiceLimits(chunk_bytes=config.chunk_kb * 1024,
-                           max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536))
+                           max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536),
+                           max_projections=config.max_projections)
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
     layers = tuple(config.detector_layers) if config.detector_layers is not None else None
@@ -149,11 +158,16 @@ class RunningServer:
     metrics: Metrics
     metrics_port: int | None
     health: health.HealthServicer
+    pools: dict[str, futures.ThreadPoolExecutor]  # the thread budgets: health, unary, stream, other
+    watchdog: IdleWatchdog
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop taking calls; in-flight calls and streams get grace_s to finish."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        self.watchdog.stop()
+        for pool in self.pools.values():
+            pool.shutdown(wait=False)
         self.metrics.close()
 
 
@@ -173,8 +187,9 @@ def _tolerant(deserialize):
     return run
 
 
-def _refusing(behavior, request_streaming: bool):
-    """The servicer method, refusing undecodable requests with INVALID_ARGUMENT."""
+def _refusing(behavior, request_streaming: bool, max_text_chars: int):
+    """The servicer method, refusing undecodable requests, strings over their length limit and unknown enum values
+    with INVALID_ARGUMENT before the servicer sees them."""
     message = "the request is not a valid kvbridge.v1 message ({})"
 
     if request_streaming:
@@ -183,19 +198,37 @@ def _refusing(behavior, request_streaming: bool):
                 for request in request_iterator:
                     if isinstance(request, _Undecodable):
                         raise ValueError(message.format(request.error))
+                    check_message(request, max_text_chars)
                     yield request
             return behavior(checked(), context)
         return run
 
     def run(request, context):
         if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.format(request.error))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip_details(message.format(request.error)))
+        try:
+            check_message(request, max_text_chars)
+            refused = None
+        except ValueError as exc:
+            refused = clip_details(str(exc))
+        if refused is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         return behavior(request, context)
     return run
 
 
-def kvbridge_handler(servicer: KVBridgeServicer) -> grpc.GenericRpcHandler:
-    """The generated stubs' method handlers, with deserializers that let the servicer refuse bad bytes."""
+def _on(pool: futures.ThreadPoolExecutor, behavior):
+    """The behavior, run on this pool instead of the server's default one (grpc's per-method thread pool)."""
+    def run(*args):
+        return behavior(*args)
+    run.experimental_thread_pool = pool
+    return run
+
+
+def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
+                     pools: dict[str, futures.ThreadPoolExecutor] | None = None) -> grpc.GenericRpcHandler:
+    """The generated stubs' method handlers, with deserializers that let the servicer refuse bad bytes; unary
+    methods on pools["unary"], streamed ones on pools["stream"] (when given)."""
     handlers = {}
     for method in pb2.DESCRIPTOR.services_by_name["KVBridge"].methods:
         request_type = getattr(pb2, method.input_type.name)
@@ -205,10 +238,25 @@ def kvbridge_handler(servicer: KVBridgeServicer) -> grpc.GenericRpcHandler:
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming,
                                                                        method.server_streaming)]
-        handlers[method.name] = kind(_refusing(getattr(servicer, method.name), method.client_streaming),
-                                     request_deserializer=_tolerant(request_type.FromString),
+        behavior = _refusing(getattr(servicer, method.name), method.client_streaming, max_text_chars)
+        if pools is not None:
+            streamed = method.client_streaming or method.server_streaming
+            behavior = _on(pools["stream" if streamed else "unary"], behavior)
+        handlers[method.name] = kind(behavior, request_deserializer=_tolerant(request_type.FromString),
                                      response_serializer=response_type.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def health_handler(servicer: health.HealthServicer, pool: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:
+    """grpc.health.v1 with Check on its own threads (never queued behind kvbridge calls); Watch, a stream that lasts
+    as long as the client wants, stays on the server's default pool."""
+    request, response = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+    handlers = {
+        "Check": grpc.unary_unary_rpc_method_handler(_on(pool, servicer.Check), request_deserializer=request.FromString,
+                                                     response_serializer=response.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(servicer.Watch, request_deserializer=request.FromString,
+                                                      response_serializer=response.SerializeToString)}
+    return grpc.method_handlers_generic_handler(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, handlers)
 
 
 def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str, str] | None = None
@@ -226,11 +274,21 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-rpc"),
-                         interceptors=[AuthInterceptor(auth)], options=options)
-    server.add_generic_rpc_handlers((kvbridge_handler(KVBridgeServicer(service, auth, metrics)),))
+    # Thread budgets: streams (whose length a client can stretch) never hold a thread that unary calls or health
+    # checks need. "other": reflection, health Watch, and refusals of calls without a valid token.
+    pools = {"health": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-health"),
+             "unary": futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-unary"),
+             "stream": futures.ThreadPoolExecutor(max_workers=config.stream_workers,
+                                                  thread_name_prefix="kvbridge-stream"),
+             "other": futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-rpc")}
+    server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth)], options=options)
+    watchdog = IdleWatchdog(config.stream_idle_s)
+    servicer = KVBridgeServicer(service, auth, metrics,
+                                uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
+                                watchdog=watchdog)
+    server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     if config.tls_cert:
@@ -241,6 +299,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     if bound == 0:
         raise OSError(f"could not bind {config.listen}")
     server.start()
+    watchdog.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_port = None
@@ -251,7 +310,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     log.info("serving kvbridge.v1 on %s (%s, %s)%s", address, "TLS" if config.tls_cert else "plaintext",
              "tokens" if tokens else "open", f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
     return RunningServer(server=server, port=bound, address=address, service=service, metrics=metrics,
-                         metrics_port=metrics_port, health=health_servicer)
+                         metrics_port=metrics_port, health=health_servicer, pools=pools, watchdog=watchdog)
 
 
 def serve(config: ServeConfig, ready_file: str | None = None) -> int:

@@ -15,7 +15,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
-        "token_file", "max_message_mb", "chunk_kb", "workers", "metrics_listen", "grace_s", "detector_layers")}
+        "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
+        "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s", "detector_layers")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
@@ -53,7 +54,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--token-file", help="'tenant token' lines: bearer tokens and their tenants")
     p.add_argument("--max-message-mb", type=float, default=None, help="largest gRPC message (default 8)")
     p.add_argument("--chunk-kb", type=int, default=None, help="KV chunk size on the wire (default 1024)")
-    p.add_argument("--workers", type=int, default=None, help="gRPC worker threads (default 8)")
+    p.add_argument("--workers", type=int, default=None, help="threads for unary calls (default 8)")
+    p.add_argument("--stream-workers", type=int, default=None, help="threads for streamed calls (default 8)")
+    p.add_argument("--uploads-per-tenant", type=int, default=None,
+                   help="open PutSourceKV calls one tenant may hold (default 2)")
+    p.add_argument("--stream-idle-s", type=float, default=None,
+                   help="cancel a stream that moves no message for this long (default 60)")
+    p.add_argument("--max-projections", type=int, default=None, help="projections running at once (default 2)")
+    p.add_argument("--tenant-max-entries", type=int, default=None, help="entries one tenant may hold (default 100000)")
+    p.add_argument("--tenant-max-pinned-mb", type=float, default=None,
+                   help="pinned KV one tenant may hold (default: a quarter of --store-capacity-mb)")
     p.add_argument("--metrics-listen", help="host:port of a Prometheus /metrics endpoint (default: off)")
     p.add_argument("--grace-s", type=float, default=None, help="shutdown drain time (default 10)")
     p.add_argument("--detector-layers", type=int, nargs="+", default=None,

@@ -331,6 +331,16 @@ def _check_model(got: ModelIdentity, expected: ModelIdentity) -> None:
         raise ValueError(f"the server sent KV of {got.key}, this model is {expected.key}")
 
 
+@dataclass(frozen=True)
+class FetchRecord:
+    """What one projected fetch moved, without its KV (a session keeps these, never the tensors)."""
+
+    token_ids: torch.Tensor  # [T] int64: the target tokens projected, the start token first
+    first_position: int  # target position of the first of them
+    wire_bytes: int
+    num_chunks: int
+
+
 class ProjectedContext:
     """A context source for kvbridge.transfer.suffix.generator.SuffixReuseGenerator over the gRPC client: the server
     projects a text's source KV into `target`'s space at the request's position.
@@ -344,7 +354,10 @@ class ProjectedContext:
         self.target = target
         self.adapter = adapter
         self.dtype = dtype
-        self.fetched: list[FetchedCache] = []  # what each call moved (for metrics)
+        self.calls = 0  # fetches made
+        self.wire_bytes = 0  # bytes they moved
+        self.first: FetchRecord | None = None  # the first fetch and the last one (no KV kept: a session can be long)
+        self.last: FetchRecord | None = None
 
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         if offset < 1:
@@ -352,5 +365,11 @@ class ProjectedContext:
         fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
                                               offset=offset - 1, dtype=self.dtype)
         _check_model(fetched.segment.model, self.target.spec.identity)
-        self.fetched.append(fetched)
+        record = FetchRecord(token_ids=fetched.segment.token_ids.clone(),
+                             first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
+                             num_chunks=fetched.num_chunks)
+        self.calls += 1
+        self.wire_bytes += fetched.wire_bytes
+        self.first = self.first or record
+        self.last = record
         return fetched.segment.slice(1, fetched.segment.num_tokens)

@@ -44,7 +44,13 @@ class ServeConfig:
     token_file: str | None = None  # `tenant token` lines; None: open server (loopback only)
     max_message_mb: float = 8  # largest gRPC message either way
     chunk_kb: int = 1024  # default KV chunk size on the wire
-    workers: int = 8  # gRPC worker threads
+    workers: int = 8  # threads for unary calls (Ingest, Lookup, Stats, ...); health checks have 2 of their own
+    stream_workers: int = 8  # threads for streamed calls (uploads and fetches): streams never take a unary thread
+    uploads_per_tenant: int = 2  # open PutSourceKV calls a tenant may hold; more are refused (RESOURCE_EXHAUSTED)
+    stream_idle_s: float = 60.0  # a stream that moves no message for this long is cancelled
+    max_projections: int = 2  # projections running at once (each holds the adapter's device for its length)
+    tenant_max_entries: int | None = 100_000  # entries one tenant may hold; None: no quota
+    tenant_max_pinned_mb: float | None = None  # pinned KV one tenant may hold; None: a quarter of the device pool
     metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
     detector_layers: list[int] | None = None  # layers of Ingest's segment detector; None: every layer
     detector_strict: bool = False  # 5 positions below 0.75 nats instead of 3 below 0.8
@@ -61,9 +67,12 @@ class ServeConfig:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
-        for name in ("max_message_mb", "chunk_kb", "workers", "block_size", "grace_s"):
+        for name in ("max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant", "stream_idle_s",
+                     "max_projections", "block_size", "grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stream_workers < 2:
+            raise ValueError(f"stream_workers must be >= 2 (uploads may hold half of them), got {self.stream_workers}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
             raise ValueError(f"chunk_kb {self.chunk_kb} does not fit in max_message_mb {self.max_message_mb} "
                              "(leave 64 KB for the header)")
@@ -74,6 +83,11 @@ class ServeConfig:
                              "or set allow_remote_without_tokens")
         if self.metrics_listen is not None:
             split_address(self.metrics_listen, "metrics_listen")
+
+    @property
+    def max_uploads(self) -> int:
+        """Open uploads over all tenants: half the stream threads, so fetches always have threads left."""
+        return max(1, self.stream_workers // 2)
 
     @property
     def max_message_bytes(self) -> int:

@@ -21,6 +21,7 @@ from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.errors import FailedPrecondition
+from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import align_tokens, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -42,9 +43,11 @@ class ServiceLimits:
     chunk_bytes: int = 1 << 20  # default streamed chunk size
     max_chunk_bytes: int = 3 << 20  # a client may ask for bigger chunks up to this (gRPC's default limit is 4 MiB)
     text_memo_chars: int = 16_000_000  # longest text kept with its entry (aligned again when fetched by key)
+    max_projections: int = 2  # projections running at once; more wait their turn
 
     def __post_init__(self):
-        for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "text_memo_chars"):
+        for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "text_memo_chars",
+                     "max_projections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServiceLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_chunk_bytes:
@@ -121,6 +124,7 @@ class KVBridgeService:
         if not targets:
             raise ValueError("the service needs at least one target model")
         self.adapters = adapters
+        self._projecting = threading.BoundedSemaphore(limits.max_projections)
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -129,7 +133,7 @@ class KVBridgeService:
         served = self.models.get(name)
         if served is None or role not in served.roles:
             have = sorted(n for n, m in self.models.items() if role in m.roles)
-            raise ValueError(f"unknown {role} model {name!r}; this server serves {have}")
+            raise ValueError(f"unknown {role} model {quote(name)}; this server serves {have}")
         return served
 
     def _source_ids(self, served: ServedModel, text: str | None, token_ids) -> torch.Tensor:
@@ -230,7 +234,7 @@ class KVBridgeService:
         """Validate a PutSourceKV header before any KV arrives: (served model, token ids, positions)."""
         served = self.models.get(upload.model)
         if served is None:
-            raise ValueError(f"header.model.name: unknown model {upload.model!r}; this server serves "
+            raise ValueError(f"header.model.name: unknown model {quote(upload.model)}; this server serves "
                              f"{sorted(self.models)}")
         spec = served.lm.spec
         if upload.config_hash and upload.config_hash != spec.identity.config_hash:
@@ -282,28 +286,29 @@ class KVBridgeService:
         return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype, kind=kind), ids.numel()
 
     def _source_entry(self, tenant: str, key: str | None, text: str | None, require_cached: bool
-                      ) -> tuple[str, KVSegment, str | None]:
-        """(key, segment, text) of a source entry named by key, or found (or ingested) by text."""
+                      ) -> tuple[str, KVSegment, str | None, EntryInfo | None]:
+        """(key, segment, text, created) of a source entry named by key, or found (or ingested) by text; created is
+        the entry's info when this call stored it (so a failure later may undo exactly that)."""
         if key:
             segment = self.store.get(key, tenant)
-            return key, segment, self.store.info(key, tenant).text
+            return key, segment, self.store.info(key, tenant).text, None
         if text is None:
             raise ValueError("give either key or text")
         found = self._cached_source_key(tenant, text)
         if found is not None:
             try:
-                return found, self.store.get(found, tenant), text
+                return found, self.store.get(found, tenant), text, None
             except NotFound:
                 pass
         if require_cached:
             raise NotFound("no cached source entry for this text (require_cached is set)")
-        result = self.ingest(tenant, text=text)
-        key = result.entries[0][0].key
-        return key, self.store.get(key, tenant), text
+        info = self.ingest(tenant, text=text).entries[0][0]
+        created = info if info.generation == 0 else None  # else another request stored it meanwhile
+        return info.key, self.store.get(info.key, tenant), text, created
 
     def source_cache(self, tenant: str, key: str | None = None, text: str | None = None,
                      require_cached: bool = False) -> CacheResult:
-        key, segment, known = self._source_entry(tenant, key, text, require_cached)
+        key, segment, known, _ = self._source_entry(tenant, key, text, require_cached)
         return CacheResult(segment=segment, entry_key=key, source_key=key, adapter="", text=known,
                            exact_coverage=1.0)
 
@@ -343,14 +348,13 @@ class KVBridgeService:
             raise ValueError(f"offset must be >= 0, got {offset}")
         target = self.model(target_model, "target")
         source = self.models[self.source_name]
-        label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec)
+        label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
         source_key = key or self._cached_source_key(tenant, text)
         warm = self._cached_projection(tenant, source_key, label, target) if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             return self._placed(target, chosen, info, projected, source_key, label, offset)
-        fresh = not key and source_key is None
-        source_key, segment, known = self._source_entry(tenant, key, text, require_cached)
+        source_key, segment, known, created = self._source_entry(tenant, key, text, require_cached)
         try:
             if segment.model != source.lm.spec.identity:
                 raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
@@ -365,16 +369,17 @@ class KVBridgeService:
                 raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
                                  f"{target.max_positions} positions")
             namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
-            projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope, target.lm.rope,
-                                offset=0, dtype=getattr(torch, tspec.dtype))
+            with self._projecting:
+                projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope,
+                                    target.lm.rope, offset=0, dtype=getattr(torch, tspec.dtype))
             # linked to its source entry (a Delete of that removes it too); a no-op when already there
             info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
                                   source_key=source_key,
                                   annotations={"exact_coverage": paired.alignment.exact_coverage})
             return self._placed(target, chosen, info, projected, source_key, label, offset)
         except Exception:
-            if fresh:
-                self.store.delete(source_key, tenant)
+            if created is not None:  # undo this call's ingest, unless another request stored or projected it since
+                self.store.delete(source_key, tenant, if_generation=created.generation)
             raise
 
     def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
@@ -423,19 +428,13 @@ class KVBridgeService:
             raise ValueError("key is empty")
         removed = self.store.delete(key, tenant)  # the store deletes what derives from it too
         if not removed:
-            raise NotFound(f"no entry {key!r}")
+            raise NotFound(f"no entry {quote(key)}")
         return removed
 
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
         """(entries, tokens) this tenant holds."""
-        keys = self.store.keys(tenant)
-        tokens = 0
-        for key in keys:
-            try:
-                tokens += self.store.info(key, tenant).num_tokens
-            except NotFound:  # expired in between
-                pass
-        return len(keys), tokens
+        usage = self.store.tenant_usage(tenant)
+        return usage.entries, usage.tokens
 
     def describe_models(self) -> list[dict]:
         out = []

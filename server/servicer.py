@@ -9,12 +9,15 @@ import logging
 import grpc
 import torch
 from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.admission import IdleWatchdog, StreamSlots, TooManyStreams
 from kvbridge.server.auth import Authenticator
 from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.metrics import Metrics
+from kvbridge.server.request_limits import clip_details
 from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
 from kvbridge.transfer.errors import CapacityError, NotFound
+from kvbridge.transfer.store import QuotaExceeded
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +28,12 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and sentence a library exception becomes on the wire."""
     if isinstance(exc, (NotFound, FileNotFoundError)):
         return grpc.StatusCode.NOT_FOUND, str(exc) or "not found"
+    if isinstance(exc, QuotaExceeded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"over quota: {exc}"
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the store is full: {exc}"
+    if isinstance(exc, TooManyStreams):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, (ValueError, ChunkError, OverflowError)):
@@ -40,10 +47,13 @@ def _entry(info, start: int, model: str) -> pb2.Entry:
 
 
 class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
-    def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics):
+    def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics,
+                 uploads: StreamSlots | None = None, watchdog: IdleWatchdog | None = None):
         self.service = service
         self.auth = auth
         self.metrics = metrics
+        self.uploads = uploads or StreamSlots(per_tenant=4, total=4)  # open PutSourceKV calls
+        self.watchdog = watchdog or IdleWatchdog(idle_s=60.0)  # streams that move nothing are cancelled
 
     # ------------------------------------------------------------------------------------------ plumbing
 
@@ -55,6 +65,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
 
     def _failure(self, outcome: dict, method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code, message = status_of(exc)
+        message = clip_details(message)
         outcome["code"] = code.name
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=exc)
@@ -108,11 +119,11 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
 
     def ListAdapters(self, request, context):
         return self._unary("ListAdapters", context, lambda tenant: pb2.ListAdaptersResponse(
-            adapters=[_adapter_info(a) for a in self.service.adapters.available()]))
+            adapters=[_adapter_info(a) for a in self.service.adapters.available(tenant)]))
 
     def LoadAdapter(self, request, context):
         return self._unary("LoadAdapter", context, lambda tenant: _adapter_info(
-            self.service.adapters.load(request.name, make_default=request.make_default)))
+            self.service.adapters.load(request.name, make_default=request.make_default, tenant=tenant)))
 
     def Delete(self, request, context):
         return self._unary("Delete", context,
@@ -120,13 +131,16 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
 
     def Stats(self, request, context):
         def body(tenant):
-            s = self.service.store.stats()
-            tiers = [pb2.TierStats(tier=t, bytes_used=s.bytes_used[t], bytes_capacity=s.bytes_capacity[t],
-                                   evictions=s.evictions.get(t, 0), up=True) for t in ("device", "cpu")]
-            if s.redis is not None:
-                tiers.append(pb2.TierStats(tier="redis", up=bool(s.redis.get("available"))))
-            entries, tokens = self.service.tenant_usage(tenant)
-            return pb2.StatsResponse(tenant_entries=entries, tenant_tokens=tokens, tiers=tiers,
+            # Only what this tenant holds, and the store's fixed capacity: store-wide use, hit and eviction counts
+            # move with other tenants' activity (operators read those on /metrics).
+            usage = self.service.store.tenant_usage(tenant)
+            capacity = self.service.store.capacity()
+            tiers = [pb2.TierStats(tier=t, bytes_used=usage.bytes_used.get(t, 0), bytes_capacity=capacity.get(t, 0),
+                                   up=True) for t in ("device", "cpu")]
+            redis_up = self.service.store.redis_up()
+            if redis_up is not None:
+                tiers.append(pb2.TierStats(tier="redis", bytes_used=usage.bytes_used.get("redis", 0), up=redis_up))
+            return pb2.StatsResponse(tenant_entries=usage.entries, tenant_tokens=usage.tokens, tiers=tiers,
                                      device=str(self.service.store.device))
         return self._unary("Stats", context, body)
 
@@ -136,23 +150,30 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
         method = "PutSourceKV"
         with self.metrics.observe(method) as outcome:
             tenant = self._tenant(context)
+            watched = None
             try:
-                upload, kv = self._receive(method, request_iterator)
-                info, start = self.service.put_source(tenant, upload, kv)
+                with self.uploads.hold(tenant), self.watchdog.watch(context.cancel) as watched:
+                    upload, kv = self._receive(method, request_iterator, watched)
+                    info, start = self.service.put_source(tenant, upload, kv)
                 return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
             except Exception as exc:
                 if isinstance(exc, grpc.RpcError) or not context.is_active():
-                    # the client went away mid-upload (grpc may end its iterator like a normal half-close)
+                    # the client went away mid-upload (grpc may end its iterator like a normal half-close), or the
+                    # watchdog ended an idle one: one line, and an abort (a returned None would be serialised)
                     outcome["code"] = "CANCELLED"
-                    log.info("%s: stream broken by the client; nothing stored", method)
-                    return None
-                code, message = self._failure(outcome, method, exc)
-            context.abort(code, message)
+                    why = (f"no message for {self.watchdog.idle_s:g} s, cancelled" if watched and watched.expired
+                           else "stream broken by the client")
+                    log.info("%s: %s; nothing stored", method, why)
+                    failure = grpc.StatusCode.CANCELLED, f"upload {why}; nothing stored"
+                else:
+                    failure = self._failure(outcome, method, exc)
+            context.abort(*failure)
 
-    def _receive(self, method: str, request_iterator) -> tuple[SourceUpload, torch.Tensor]:
+    def _receive(self, method: str, request_iterator, watched) -> tuple[SourceUpload, torch.Tensor]:
         """Header, then chunks into one preallocated tensor; complete or ValueError."""
         upload, assembler = None, None
         for message in request_iterator:
+            watched.touch()
             part = message.WhichOneof("part")
             if part == "header":
                 if upload is not None:
@@ -224,18 +245,22 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
-            for i, r in enumerate(ranges):
-                if not context.is_active():
-                    log.info("%s: client left after %d of %d chunks", method, i, len(ranges))
-                    return
-                blob = encode(kv, r)
-                message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
-                                                           token_start=r.token_start, token_end=r.token_end,
-                                                           data=blob))
-                if i == 0:
-                    message.header.CopyFrom(header)
-                self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
-                yield message
+            with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
+                for i, r in enumerate(ranges):
+                    if not context.is_active():
+                        log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for "
+                                 f"{self.watchdog.idle_s:g} s, cancelled" if watched.expired else "client left",
+                                 i, len(ranges))
+                        return
+                    blob = encode(kv, r)
+                    message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
+                                                               token_start=r.token_start, token_end=r.token_end,
+                                                               data=blob))
+                    if i == 0:
+                        message.header.CopyFrom(header)
+                    self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
+                    yield message
+                    watched.touch()
             outcome["code"] = "OK"
 
 

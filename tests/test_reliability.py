@@ -772,7 +772,8 @@ def test_a_full_store_evicts_by_policy_keeps_pinned_entries_and_refuses_politely
     """A 2 MB store (32 source blocks, 7 target blocks; no lower tier): distinct texts until eviction; every call
     is OK or RESOURCE_EXHAUSTED; the oldest unpinned entries are gone (NOT_FOUND), the pinned one stays exact;
     pinning until full ends in RESOURCE_EXHAUSTED with a sentence, leaving the store as it was."""
-    running = _start(tiny_source, [tiny_target], adapters_dir, store_capacity_mb=2, cpu_tier_mb=0)
+    running = _start(tiny_source, [tiny_target], adapters_dir, store_capacity_mb=2, cpu_tier_mb=0,
+                     tenant_max_pinned_mb=2)  # the tenant may pin the whole pool: this is about the store filling
     store = running.service.store
     codes = Counter()
 

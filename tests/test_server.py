@@ -486,7 +486,8 @@ def test_the_generator_takes_projected_context_through_the_service(identity_serv
     # identity adapter: the projected document is the target's own KV, so the tokens are those of its own prefill
     assert torch.equal(out, kvcache.generate_plain(tiny_target.model, tiny_target.spec, ids, max_new_tokens=12))
     assert metrics.parts == ["projected", "prefilled"] and metrics.tokens_projected == gen.tokens(doc).numel()
-    assert len(source.fetched) == 1 and source.fetched[0].segment.positions[0] == 0
+    assert source.calls == 1 and source.first is source.last and source.last.first_position == 0
+    assert not any(isinstance(v, list) for v in vars(source).values())  # nothing that grows with a session
 
 
 def test_ingest_with_segment_detection_over_the_wire(server, alice):

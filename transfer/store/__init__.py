@@ -2,8 +2,9 @@
 Owns block hashing and the free queue, the block pools, the tiers, the entry registry (TTL, pins, texts, links)."""
 
 from kvbridge.transfer.errors import CapacityError, NotFound
-from kvbridge.transfer.store.config import LookupResult, StoreConfig, StoreStats
+from kvbridge.transfer.store.config import LookupResult, QuotaExceeded, StoreConfig, StoreStats, TenantUsage
 from kvbridge.transfer.store.paged_store import PagedStore
 from kvbridge.transfer.store.registry import EntryInfo
 
-__all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "CapacityError", "NotFound"]
+__all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "TenantUsage", "QuotaExceeded",
+           "CapacityError", "NotFound"]

@@ -9,7 +9,6 @@ bookkeeping right. Invariants (checked by `check`):
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +63,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[BlockHash, Block] = {}
-        # The blocks live as long as the pool: keep the cyclic GC from walking a million of them on every pass.
-        gc.collect()
-        gc.freeze()
+        # (No gc.freeze() here: it would freeze every object of the process at that moment, request state
+        # included, for good. The blocks are only walked by the rare full collections.)
 
     @property
     def num_blocks(self) -> int:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from kvbridge.transfer.errors import CapacityError
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class StoreConfig:
     redis_retry_s: float = 2.0
     default_ttl_s: float | None = None  # entry TTL when put() gives none; None: until evicted or deleted
     device: str = "auto"
+    tenant_max_entries: int | None = None  # entries one tenant may hold; None: no quota
+    tenant_max_pinned_bytes: int | None = None  # device bytes one tenant's pinned entries may hold; None: no quota
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -32,8 +35,15 @@ class StoreConfig:
             raise ValueError(f"max_layouts must be >= 1, got {self.max_layouts}")
         if self.cpu_capacity_bytes < 0:
             raise ValueError(f"cpu_capacity_bytes must be >= 0, got {self.cpu_capacity_bytes}")
+        for name in ("tenant_max_entries", "tenant_max_pinned_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
         if self.default_ttl_s is not None and self.default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
+
+
+class QuotaExceeded(CapacityError):
+    """A tenant's quota (entries, pinned bytes) would be exceeded; the store is unchanged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +73,10 @@ def default_capacity(device: torch.device, fraction: float) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * fraction)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * fraction)
+
+
+@dataclass
+class TenantUsage:
+    entries: int = 0
+    tokens: int = 0  # tokens held in the tenant's entries
+    bytes_used: dict = field(default_factory=dict)  # tier -> bytes of the tenant's distinct blocks there

@@ -32,7 +32,8 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
 from kvbridge.transfer.store.checker import check_store
-from kvbridge.transfer.store.config import LookupResult, StoreConfig, StoreStats, default_capacity
+from kvbridge.transfer.store.config import (LookupResult, QuotaExceeded, StoreConfig, StoreStats, TenantUsage,
+                                            default_capacity)
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
 from kvbridge.transfer.store.residency import Residency, lowest
@@ -40,7 +41,8 @@ from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "CapacityError", "NotFound"]
+__all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "TenantUsage", "CapacityError",
+           "QuotaExceeded", "NotFound"]
 
 
 DEFAULT_CONFIG = StoreConfig()
@@ -165,6 +167,23 @@ class PagedStore:
         tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
         return info_of(entry, new_blocks, tiers.pop() if len(tiers) == 1 else "mixed")
 
+    def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
+        """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
+        past its quota."""
+        cfg = self.config
+        if new_entry and cfg.tenant_max_entries is not None:
+            held = self.registry.per_tenant.get(tenant, 0)
+            if held >= cfg.tenant_max_entries:
+                raise QuotaExceeded(f"this tenant holds {held} entries, its quota: delete some (or let them "
+                                    "expire) before storing more")
+        if pin_bytes and cfg.tenant_max_pinned_bytes is not None:
+            pinned = sum(len(e.hashes) * e.layout.block_bytes for e in self.registry.entries.values()
+                         if e.pinned and e.namespace.tenant == tenant)
+            if pinned + pin_bytes > cfg.tenant_max_pinned_bytes:
+                raise QuotaExceeded(f"pinning {pin_bytes} more bytes would take this tenant's pinned KV to "
+                                    f"{pinned + pin_bytes} bytes, over its quota of {cfg.tenant_max_pinned_bytes}: "
+                                    "unpin or delete pinned entries, or store this one unpinned")
+
     # ------------------------------------------------------------------------------------------------ API
 
     def put(self, segment: KVSegment, tenant: str, kind: str = "prefix", adapter: str = "",
@@ -206,6 +225,8 @@ class PagedStore:
             now = self.clock()
             expires_at = now + ttl if ttl is not None else None
             existing = self.registry.get(key)
+            if existing is not None and pin and not existing.pinned:
+                self._check_quota(tenant, False, len(existing.hashes) * layout.block_bytes)
             if existing is not None:
                 try:
                     blocks = self._make_resident(pool, existing.hashes, keep_ref=False)
@@ -222,9 +243,11 @@ class PagedStore:
                         existing.text = text
                     if annotations:
                         existing.annotations.update(annotations)
+                    existing.generation += 1
                     self.registry.schedule(existing)
                     self._stats.puts += 1
                     return self._info(existing, new_blocks=0)
+            self._check_quota(tenant, True, n_blocks * layout.block_bytes if pin else 0)
             hashes = self._chain(ns, kind, key, segment.token_ids)
             # Claim the hashes first: evictions below may lose other entries, and must not orphan (and drop)
             # blocks this entry is about to use.
@@ -254,8 +277,8 @@ class PagedStore:
                     self.cpu.pop(hashes[i])  # now on the device: one local copy only
                 pool.set_hash(block, hashes[i])
                 present[i] = block
-            if source_key is not None and self.registry.get(source_key) is None:
-                source_key = None  # the source was lost to the evictions above: nothing left to cascade from
+            # (A source lost to the evictions above keeps its link here: links outlive their source, so a Delete of
+            # that key, or of the same text stored again, still removes this entry.)
             entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=segment.model,
                           token_ids=segment.token_ids.clone(), positions=segment.positions.clone(),
                           rotated=segment.rotated, hashes=hashes, expires_at=expires_at, pinned=pin,
@@ -364,15 +387,20 @@ class PagedStore:
             return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),
                              positions=torch.arange(num_tokens, dtype=torch.int64), model=model, rotated=True)
 
-    def delete(self, key: str, tenant: str) -> int:
-        """Remove an entry, the entries derived from it (transitively), and every block only they used, from every
-        tier. Returns how many entries went: 0 if there was no such entry."""
+    def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
+        """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
+        every block only they used, from every tier. Returns how many entries went: 0 if there was nothing.
+        if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
+        one's own put without taking an entry someone else stored or used since)."""
         with self._lock:
-            try:
-                entry = self.registry.for_tenant(key, tenant)
-            except NotFound:
-                return 0
-            doomed, removed = [entry], 0
+            entry = self.registry.get(key) if isinstance(key, str) else None
+            if entry is not None and entry.namespace.tenant != tenant:
+                entry = None
+            if if_generation is not None:
+                if entry is None or entry.generation != if_generation or self.registry.derived_from(key, tenant):
+                    return 0
+            doomed = [entry] if entry is not None else self.registry.derived_from(key, tenant)
+            removed = 0
             while doomed:
                 entry = doomed.pop()
                 if self.registry.get(entry.key) is not entry:
@@ -389,6 +417,7 @@ class PagedStore:
             entry = self.registry.for_tenant(key, tenant)
             pool = self.pools[entry.layout.key]
             if pinned and not entry.pinned:
+                self._check_quota(tenant, False, len(entry.hashes) * entry.layout.block_bytes)
                 self._make_resident(pool, entry.hashes, keep_ref=True)
                 entry.pinned = True
             elif not pinned and entry.pinned:
@@ -411,6 +440,7 @@ class PagedStore:
             entry.last_access = now
             if text is not None:
                 entry.text = text
+            entry.generation += 1
             self.registry.schedule(entry)
             if pin:
                 return self.pin(key, tenant)
@@ -435,6 +465,33 @@ class PagedStore:
     def purge_expired(self) -> None:
         with self._lock:
             self._expire()
+
+    def tenant_usage(self, tenant: str) -> TenantUsage:
+        """What one tenant holds: its entries, their tokens, and the bytes of its distinct blocks per tier (tenants
+        never share blocks, so nothing here counts another tenant's KV)."""
+        with self._lock:
+            self._expire()
+            entries = [e for e in self.registry.entries.values() if e.namespace.tenant == tenant]
+            usage = TenantUsage(entries=len(entries), tokens=sum(e.token_ids.numel() for e in entries))
+            seen: set[BlockHash] = set()
+            for e in entries:
+                pool = self.pools.get(e.layout.key)
+                for h in e.hashes:
+                    if h not in seen:
+                        seen.add(h)
+                        tier = self.residency.tier_of(pool, h) or "redis"
+                        usage.bytes_used[tier] = usage.bytes_used.get(tier, 0) + e.layout.block_bytes
+            return usage
+
+    def capacity(self) -> dict[str, int]:
+        """Bytes each local tier may hold (fixed by the configuration)."""
+        return {"device": self.capacity_bytes, "cpu": self.config.cpu_capacity_bytes}
+
+    def redis_up(self) -> bool | None:
+        """Whether the Redis tier answers (as last seen; no round trip); None without one."""
+        if self.redis is None:
+            return None
+        return bool(self.redis.stats.available)
 
     def stats(self) -> StoreStats:
         with self._lock:

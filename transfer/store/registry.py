@@ -40,6 +40,7 @@ class Entry:
     text: str | None = None  # the text the tokens were made from, when the caller gave it
     source_key: str | None = None  # a derived entry (a projection): the entry it was made from
     annotations: dict = field(default_factory=dict)  # small JSON-able facts the caller keeps with it
+    generation: int = 0  # 0 when stored; +1 on every later put or refresh of it (someone else stored it too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class EntryInfo:
     source_key: str | None = None  # the entry this one was derived from
     text: str | None = None  # the text it was made from, when known
     annotations: dict = field(default_factory=dict)
+    generation: int = 0  # 0: this put created it; more: stored (or refreshed) again since
 
 
 class EntryRegistry:
@@ -65,6 +67,7 @@ class EntryRegistry:
         self.users: dict[BlockHash, set[str]] = {}  # block hash -> keys of the entries using it
         self.derived: dict[str, set[str]] = {}  # source key -> keys of the entries derived from it
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, key); stale items skipped
+        self.per_tenant: dict[str, int] = {}  # tenant -> entries it holds
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -76,7 +79,7 @@ class EntryRegistry:
         """The tenant's entry of this key; NotFound when there is none (or it is another tenant's)."""
         entry = self.entries.get(key) if isinstance(key, str) else None
         if entry is None or entry.namespace.tenant != tenant:
-            raise NotFound(f"no entry {key!r}")
+            raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
         return entry
 
     def keys(self, tenant: str) -> list[str]:
@@ -109,6 +112,8 @@ class EntryRegistry:
     def add(self, entry: Entry) -> None:
         """Register an entry whose hashes were claimed."""
         self.entries[entry.key] = entry
+        tenant = entry.namespace.tenant
+        self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
         if entry.source_key is not None:
             self.derived.setdefault(entry.source_key, set()).add(entry.key)
         self.schedule(entry)
@@ -120,7 +125,11 @@ class EntryRegistry:
 
     def discard(self, entry: Entry) -> list[BlockHash]:
         """Forget an entry; returns the block hashes no other entry uses."""
-        self.entries.pop(entry.key, None)
+        if self.entries.pop(entry.key, None) is not None:
+            tenant = entry.namespace.tenant
+            self.per_tenant[tenant] -= 1
+            if not self.per_tenant[tenant]:
+                del self.per_tenant[tenant]
         if entry.source_key is not None:
             siblings = self.derived.get(entry.source_key)
             if siblings is not None:
@@ -152,6 +161,12 @@ class EntryRegistry:
             problems.append("the hash -> entries index disagrees with the entries' page tables")
         if derived != self.derived:
             problems.append("the derived-entries index disagrees with the entries' source links")
+        per_tenant: dict[str, int] = {}
+        for entry in self.entries.values():
+            per_tenant[entry.namespace.tenant] = per_tenant.get(entry.namespace.tenant, 0) + 1
+        if per_tenant != self.per_tenant:
+            problems.append("the per-tenant entry counts disagree with the entries")
+
         return problems
 
 
@@ -160,4 +175,4 @@ def info_of(entry: Entry, new_blocks: int, tier: str) -> EntryInfo:
                      num_blocks=len(entry.hashes), new_blocks=new_blocks, pinned=entry.pinned,
                      expires_at=entry.expires_at, tier=tier, model=entry.model.key,
                      adapter=entry.namespace.adapter, source_key=entry.source_key, text=entry.text,
-                     annotations=dict(entry.annotations))
+                     annotations=dict(entry.annotations), generation=entry.generation)

@@ -1,0 +1,182 @@
+"""Hostile input from outside (issue 16, part 6), through raw grpcio stubs (not kvbridge's own client) against
+`kvbridge serve` in its own process: megabyte strings in every kind of field, unknown enum values, control
+characters, nine stalled uploads from one tenant while another calls health and Stats, cancelled uploads. Each is
+answered with a short message on a channel that still works afterwards, and the server log stays quiet."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.request_limits import MAX_DETAILS_BYTES
+
+pytestmark = pytest.mark.integration
+
+MALLORY = "mallory-token-0123456789abcdef"
+ALICE = "alice-token-0123456789abcdef0"
+MIB = "k" * (1 << 20)
+TEXT = "Each record holds a name and a value; readers skip the fields they do not know and keep the rest."
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    from serveproc import ServeProcess
+
+    home = tmp_path_factory.mktemp("hostile")
+    (home / "tokens").write_text(f"mallory {MALLORY}\nalice {ALICE}\n")
+    proc = ServeProcess(home / "serve", [
+        "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
+        "--adapters", str(home / "adapters"), "--no-selfcheck", "--token-file", str(home / "tokens"),
+        "--workers", "4", "--stream-workers", "4", "--uploads-per-tenant", "2"],
+        env={"KVBRIDGE_HOME": str(home)}, start_timeout_s=240)
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+def _md(token: str):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _refused(call, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    err = info.value
+    assert err.code() == code, (err.code(), err.details()[:200])
+    assert len(err.details().encode()) <= MAX_DETAILS_BYTES, len(err.details())
+    return err.details()
+
+
+def _still_works(channel, token: str = ALICE) -> None:
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    pb2_grpc.KVBridgeStub(channel).Stats(pb2.StatsRequest(), metadata=_md(token), timeout=10)
+
+
+def test_megabyte_strings_in_every_field_are_refused_short_and_the_channel_lives(serve):
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(serve.address) as channel:
+        stub = pb2_grpc.KVBridgeStub(channel)
+        md = _md(MALLORY)
+        cases = [
+            ("key", lambda: stub.Delete(pb2.DeleteRequest(key=MIB), metadata=md, timeout=30)),
+            ("key", lambda: next(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(key=MIB), metadata=md,
+                                                        timeout=30))),
+            ("key", lambda: next(stub.GetSourceCache(pb2.GetSourceCacheRequest(key="k" * 64_000), metadata=md,
+                                                     timeout=30))),
+            ("model", lambda: stub.Ingest(pb2.IngestRequest(text=TEXT, model=MIB), metadata=md, timeout=30)),
+            ("session_id", lambda: stub.Ingest(pb2.IngestRequest(text=TEXT, session_id=MIB), metadata=md,
+                                               timeout=30)),
+            ("adapter", lambda: next(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(text=TEXT, adapter=MIB),
+                                                            metadata=md, timeout=30))),
+            ("target_model", lambda: next(stub.GetProjectedCache(
+                pb2.GetProjectedCacheRequest(text=TEXT, target_model=MIB), metadata=md, timeout=30))),
+            ("dtype", lambda: next(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(text=TEXT, dtype=MIB),
+                                                          metadata=md, timeout=30))),
+            ("kind", lambda: stub.Lookup(pb2.LookupRequest(text=TEXT, kind=MIB), metadata=md, timeout=30)),
+            ("name", lambda: stub.LoadAdapter(pb2.LoadAdapterRequest(name=MIB), metadata=md, timeout=30)),
+            ("text", lambda: stub.Ingest(pb2.IngestRequest(text=MIB), metadata=md, timeout=30)),
+            ("header.model.name", lambda: stub.PutSourceKV(iter([pb2.PutSourceKVRequest(
+                header=pb2.KVHeader(model=pb2.ModelRef(name=MIB)))]), metadata=md, timeout=30)),
+            ("header.dtype", lambda: stub.PutSourceKV(iter([pb2.PutSourceKVRequest(
+                header=pb2.KVHeader(model=pb2.ModelRef(name="tiny-qwen2"), dtype=MIB))]), metadata=md, timeout=30)),
+        ]
+        for field, call in cases:
+            details = _refused(call, inv)
+            assert field in details and "k" * 100 not in details, (field, details[:300])
+            _still_works(channel, MALLORY)
+
+        # unknown enum values: refused, not read as the default
+        details = _refused(lambda: stub.Ingest(pb2.IngestRequest(text=TEXT, mode=99), metadata=md, timeout=30), inv)
+        assert "mode = 99" in details and "STORE_WHOLE=0" in details
+        # a short unknown key with control and non-ASCII characters: quoted escaped, NOT_FOUND as for any miss
+        details = _refused(lambda: stub.Delete(pb2.DeleteRequest(key="\x1b[2J\u202e\x00abc" + "z" * 200),
+                                               metadata=md, timeout=30), grpc.StatusCode.NOT_FOUND)
+        assert details.isascii() and "\x1b" not in details and "\x00" not in details and "z" * 100 not in details
+        # ... and the same channel still does real work
+        reply = stub.Ingest(pb2.IngestRequest(text=TEXT), metadata=md, timeout=60)
+        assert reply.entries[0].num_tokens == len(reply.source_token_ids) > 0
+    log = serve.logfile.read_text(errors="replace")
+    assert "Traceback" not in log and "Exception" not in log, log[-3000:]
+
+
+def _stalled_upload_requests(header: pb2.KVHeader, release: threading.Event):
+    yield pb2.PutSourceKVRequest(header=header)
+    release.wait(120)  # the header, then nothing: the test cancels the call or lets it end
+
+
+def _cut_uploads(log: str) -> int:
+    """Log lines of uploads the client cut off: CANCELLED, or (a race inside grpcio: a cancelled stream can end
+    like a normal half-close first) the stream ended before all KV arrived."""
+    return log.count("stream broken by the client") + log.count("the stream ended before all KV arrived")
+
+
+def test_nine_stalled_uploads_neither_starve_health_nor_another_tenant(serve):
+    with grpc.insecure_channel(serve.address) as channel:
+        stub = pb2_grpc.KVBridgeStub(channel)
+        source = next(m for m in stub.ListModels(pb2.ListModelsRequest(), metadata=_md(MALLORY), timeout=10).models
+                      if "source" in m.role)
+        header = pb2.KVHeader(model=pb2.ModelRef(name=source.name), dtype=source.dtype,
+                              num_layers=source.num_layers, num_kv_heads=source.num_kv_heads,
+                              head_dim=source.head_dim, token_ids=list(range(5, 45)), rotated=True, kind="prefix")
+        before = serve.logfile.read_text(errors="replace")
+        release = threading.Event()
+        uploads = [stub.PutSourceKV.future(_stalled_upload_requests(header, release), metadata=_md(MALLORY),
+                                           timeout=120) for _ in range(9)]
+        try:
+            refused = []
+            deadline = time.monotonic() + 60
+            while len(refused) < 7 and time.monotonic() < deadline:  # the server answers them as they come
+                refused = [u for u in uploads if u.done()]
+                time.sleep(0.05)
+            assert len(refused) == 7, f"{len(refused)} of 9 uploads answered; expected 7 refused, 2 held"
+            for u in refused:
+                assert u.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (u.code(), u.details())
+                assert "uploads open" in u.details() and len(u.details()) < 200
+
+            # another tenant, and the health check, while mallory holds the two it may
+            with grpc.insecure_channel(serve.address) as other:
+                alice = pb2_grpc.KVBridgeStub(other)
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    _still_works(other, ALICE)
+                    assert time.monotonic() - t0 < 10
+                baseline = alice.Stats(pb2.StatsRequest(), metadata=_md(ALICE), timeout=10)
+                alice.Ingest(pb2.IngestRequest(text=TEXT), metadata=_md(ALICE), timeout=60)
+                # mallory's activity is invisible in alice's Stats (and the other way round)
+                mallory_before = stub.Stats(pb2.StatsRequest(), metadata=_md(MALLORY), timeout=10)
+                stub.Ingest(pb2.IngestRequest(text=TEXT + " More."), metadata=_md(MALLORY), timeout=60)
+                stub.Ingest(pb2.IngestRequest(token_ids=pb2.TokenIds(ids=list(range(3, 300)))),
+                            metadata=_md(MALLORY), timeout=60)
+                after = alice.Stats(pb2.StatsRequest(), metadata=_md(ALICE), timeout=10)
+                own = alice.Stats(pb2.StatsRequest(), metadata=_md(ALICE), timeout=10)
+                assert after == own and after.tenant_entries == baseline.tenant_entries + 1
+                mallory_after = stub.Stats(pb2.StatsRequest(), metadata=_md(MALLORY), timeout=10)
+                assert mallory_after.tenant_entries == mallory_before.tenant_entries + 2
+                assert [t.bytes_used for t in mallory_after.tiers] != [t.bytes_used for t in mallory_before.tiers]
+                alice.Ingest(pb2.IngestRequest(text=TEXT + " Alice's own."), metadata=_md(ALICE), timeout=60)
+                assert stub.Stats(pb2.StatsRequest(), metadata=_md(MALLORY), timeout=10) == mallory_after
+
+            held = [u for u in uploads if not u.done()]
+            assert len(held) == 2
+            for u in held:
+                u.cancel()
+            # the server logs one line per cancelled upload, and nothing else about them
+            deadline = time.monotonic() + 30
+            while _cut_uploads(serve.logfile.read_text(errors="replace")[len(before):]) < 2:
+                assert time.monotonic() < deadline, serve.log_tail()
+                time.sleep(0.05)
+        finally:
+            release.set()
+            for u in uploads:
+                u.cancel()
+        _still_works(channel, MALLORY)  # the channel that did all this still works
+        reply = stub.Ingest(pb2.IngestRequest(text=TEXT + " Again."), metadata=_md(MALLORY), timeout=60)
+        assert reply.entries
+    log = serve.logfile.read_text(errors="replace")[len(before):]
+    assert _cut_uploads(log) == 2, log[-3000:]
+    assert "Traceback" not in log and "Exception serializing" not in log and "Exception" not in log, log[-3000:]
