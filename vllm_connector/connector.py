@@ -101,6 +101,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
         self.tensor_parallel = parallel.tensor_parallel_size
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
+        self.wire_dtype = str(model.dtype).removeprefix("torch.")
         # scheduler side
         self._plans: dict[str, _Plan] = {}
         self._pending: dict[str, Load] = {}  # staged this step, waiting for build_connector_meta
@@ -132,7 +134,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                  "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
                                  "e.g. kvbridge.vllm.engine.cache_salt(...))")
             fetched = self._client(context.server).fetch_projected(
-                key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter)
+                key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
+                dtype=self.wire_dtype)
             seg = fetched.segment
             if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
                 raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "

