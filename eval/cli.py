@@ -42,6 +42,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens)
     p.add_argument("--adapters", metavar="DIR", help="adapter folder (default KVBRIDGE_HOME/adapters)")
     p.add_argument("--no-selfcheck", action="store_true", help="start the server without its self-checks")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="the target's engine: transformers in this process (default), or vLLM with the kvbridge "
+                        "connector (needs the vLLM venv: KVBRIDGE_VLLM=1 ./setup.sh)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -63,6 +66,8 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvbridge.eval.demo import run_demo
+    from kvbridge.eval.demo_vllm import run_demo_vllm
 
-    return run_demo(preset=args.preset, doc_id=args.doc, max_doc_tokens=args.max_doc_tokens,
+    run = run_demo_vllm if args.engine == "vllm" else run_demo
+    return run(preset=args.preset, doc_id=args.doc, max_doc_tokens=args.max_doc_tokens,
                     max_new_tokens=args.max_new_tokens, adapters=args.adapters, selfcheck=not args.no_selfcheck)
