@@ -20,6 +20,7 @@ kv_blocks, block_pool, tiers, residency, registry and checker.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from kvbridge.transfer.store.config import (LookupResult, QuotaExceeded, StoreCo
                                             default_capacity)
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
-from kvbridge.transfer.store.residency import Residency, lowest
+from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,18 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 
 
 DEFAULT_CONFIG = StoreConfig()
+_REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
+
+
+def _sends_redis_writes(method):
+    """The public method, then the Redis writes it queued (sent without the store's lock)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._flush()
+    return run
 
 
 class PagedStore:
@@ -65,6 +78,7 @@ class PagedStore:
         self.residency = Residency(self.registry, cpu, redis, self._stats.evictions)
         self._listeners: list[Callable[[str, str, str], None]] = []
         self._lock = threading.RLock()
+        self._sending = threading.Lock()  # one thread sends the queued Redis writes at a time
 
     def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
         """Call listener(key, tenant, reason) whenever an entry leaves the store; reason is "deleted", "expired" or
@@ -153,8 +167,9 @@ class PagedStore:
         self._lose(self.residency.demote(pool, evicted))
         return blocks
 
-    def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool):
-        return self.residency.make_resident(pool, hashes, keep_ref, self._allocate)
+    def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
+                       prefetched: dict | None = None):
+        return self.residency.make_resident(pool, hashes, keep_ref, self._allocate, prefetched)
 
     def _expire(self) -> None:
         for entry in self.registry.due(self.clock()):
@@ -166,6 +181,54 @@ class PagedStore:
         pool = self.pools.get(entry.layout.key)
         tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
         return info_of(entry, new_blocks, tiers.pop() if len(tiers) == 1 else "mixed")
+
+    def _run(self, locked: Callable[[dict], object]):
+        """locked(prefetched) under the store's lock. When it needs blocks only Redis has (NeedRemote), they are
+        fetched without the lock and it runs again with them; Redis writes it queued are sent after, also without
+        the lock."""
+        prefetched: dict = {}
+        try:
+            for _ in range(_REMOTE_ROUNDS):
+                try:
+                    with self._lock:
+                        return locked(prefetched)
+                except NeedRemote as need:
+                    got = self.redis.get_many(need.hashes, need.layout_key)  # no lock held
+                    for h in need.hashes:
+                        prefetched[h] = got.get(h)
+            raise NotFound(f"blocks kept leaving the device while {_REMOTE_ROUNDS} Redis reads brought them back")
+        finally:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the queued Redis writes in order, without the store's lock (one sender at a time; a thread that
+        finds another sending leaves the queue to it). Blocks whose put fails are lost (their entries go)."""
+        residency = self.residency
+        if residency.redis is None or self._lock._is_owned():
+            return
+        while residency.outbox:
+            if not self._sending.acquire(blocking=False):
+                return
+            try:
+                while True:
+                    with self._lock:
+                        if not residency.outbox:
+                            break
+                        op, items = residency.outbox.popleft()
+                    if op == "delete":
+                        residency.redis.delete_many(items)
+                        continue
+                    sent = residency.redis.put_many(items)
+                    with self._lock:
+                        for h, _, block in items:
+                            waiting = residency.pending.get(h)
+                            if waiting is not None and waiting[1] is block:
+                                del residency.pending[h]
+                        if not sent:  # blocks not back on a local tier (nor demoted again) are gone
+                            self._lose([h for h, key, _ in items if h not in residency.pending
+                                        and residency.tier_of(self.pools.get(key), h) is None])
+            finally:
+                self._sending.release()
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
         """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
@@ -210,7 +273,7 @@ class PagedStore:
             raise ValueError(f"text must be a str or None, got {type(text).__name__}")
         ns = self._namespace(tenant, segment.model, segment.dtype, adapter)
         layout = self._layout_of(segment)
-        with self._lock:
+        def locked(prefetched):
             self._expire()
             if source_key is not None:
                 self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
@@ -229,7 +292,7 @@ class PagedStore:
                 self._check_quota(tenant, False, len(existing.hashes) * layout.block_bytes)
             if existing is not None:
                 try:
-                    blocks = self._make_resident(pool, existing.hashes, keep_ref=False)
+                    blocks = self._make_resident(pool, existing.hashes, keep_ref=False, prefetched=prefetched)
                 except NotFound:
                     self._remove_entry(existing, "lost")
                 else:
@@ -290,15 +353,17 @@ class PagedStore:
             self._stats.puts += 1
             return self._info(entry, new_blocks=len(missing))
 
+        return self._run(locked)
+
     def get(self, key: str, tenant: str, out: torch.Tensor | None = None) -> KVSegment:
         """The stored segment (a contiguous copy on the store's device, or written into `out`, a contiguous
         [L, 2, H_kv, T, D] tensor of the entry's dtype on that device). Raises NotFound."""
-        with self._lock:
+        def locked(prefetched):
             self._expire()
             entry = self.registry.for_tenant(key, tenant)
             pool = self.pools[entry.layout.key]
             try:
-                blocks = self._make_resident(pool, entry.hashes, keep_ref=True)
+                blocks = self._make_resident(pool, entry.hashes, keep_ref=True, prefetched=prefetched)
             except NotFound:
                 self._stats.misses += 1
                 self._stats.lost_entries += 1
@@ -314,6 +379,9 @@ class PagedStore:
             return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
                              model=entry.model, rotated=entry.rotated)
 
+        return self._run(locked)
+
+    @_sends_redis_writes
     def lookup(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
                adapter: str = "", kind: str = "prefix") -> LookupResult:
         """The entry holding exactly these tokens, else (prefix kind) the longest cached full-block prefix."""
@@ -348,19 +416,28 @@ class PagedStore:
                 else:
                     break
                 found += 1
-            if found < len(hashes) and self.redis is not None:
-                in_redis = self.redis.exists_many(hashes[found:])
-                for ok in in_redis:
-                    if not ok:
-                        break
-                    tiers.add("redis")
-                    found += 1
-            if found == 0:
-                self._stats.misses += 1
-                return LookupResult(None, 0, None)
-            self._stats.hits += 1
-            self._stats.hit_tokens += found * self.config.block_size
-            return LookupResult(None, found * self.config.block_size, lowest(tiers))
+            pending = self.residency.pending
+            while found < len(hashes) and hashes[found] in pending:
+                tiers.add("redis")
+                found += 1
+            if found == len(hashes) or self.redis is None:
+                return self._counted_lookup(found, tiers)
+        # the rest may be in Redis: asked without the lock (a lookup is a hint: blocks may move meanwhile)
+        for ok in self.redis.exists_many(hashes[found:]):
+            if not ok:
+                break
+            tiers.add("redis")
+            found += 1
+        with self._lock:
+            return self._counted_lookup(found, tiers)
+
+    def _counted_lookup(self, found_blocks: int, tiers: set) -> LookupResult:
+        if found_blocks == 0:
+            self._stats.misses += 1
+            return LookupResult(None, 0, None)
+        self._stats.hits += 1
+        self._stats.hit_tokens += found_blocks * self.config.block_size
+        return LookupResult(None, found_blocks * self.config.block_size, lowest(tiers))
 
     def get_prefix(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
                    num_tokens: int, adapter: str = "") -> KVSegment:
@@ -371,13 +448,13 @@ class PagedStore:
             raise ValueError(f"num_tokens must be a positive multiple of {bs} and at most {token_ids.numel()}, "
                              f"got {num_tokens}")
         ns = self._namespace(tenant, model, dtype, adapter)
-        with self._lock:
+        def locked(prefetched):
             pool = self._pool_of(ns)
             if pool is None:
                 raise NotFound(f"nothing stored for {ns.model} in {ns.dtype}")
             digest = ns.digest()
             hashes = hash_chain(token_ids[:num_tokens], bs, chain_root(digest, "prefix"), digest)
-            blocks = self._make_resident(pool, hashes, keep_ref=True)
+            blocks = self._make_resident(pool, hashes, keep_ref=True, prefetched=prefetched)
             try:
                 kv = pool.gather(torch.tensor([b.block_id for b in blocks]), num_tokens)
             finally:
@@ -387,6 +464,9 @@ class PagedStore:
             return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),
                              positions=torch.arange(num_tokens, dtype=torch.int64), model=model, rotated=True)
 
+        return self._run(locked)
+
+    @_sends_redis_writes
     def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
         """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
         every block only they used, from every tier. Returns how many entries went: 0 if there was nothing.
@@ -412,18 +492,23 @@ class PagedStore:
 
     def pin(self, key: str, tenant: str, pinned: bool = True) -> EntryInfo:
         """Pinned entries stay on the device (never evicted) until unpinned, deleted or expired."""
-        with self._lock:
+        def locked(prefetched):
             self._expire()
             entry = self.registry.for_tenant(key, tenant)
-            pool = self.pools[entry.layout.key]
-            if pinned and not entry.pinned:
-                self._check_quota(tenant, False, len(entry.hashes) * entry.layout.block_bytes)
-                self._make_resident(pool, entry.hashes, keep_ref=True)
-                entry.pinned = True
-            elif not pinned and entry.pinned:
-                pool.unref([pool.lookup(h) for h in entry.hashes])
-                entry.pinned = False
+            self._pin_entry(entry, tenant, pinned, prefetched)
             return self._info(entry, new_blocks=0)
+
+        return self._run(locked)
+
+    def _pin_entry(self, entry: Entry, tenant: str, pinned: bool, prefetched: dict) -> None:
+        pool = self.pools[entry.layout.key]
+        if pinned and not entry.pinned:
+            self._check_quota(tenant, False, len(entry.hashes) * entry.layout.block_bytes)
+            self._make_resident(pool, entry.hashes, keep_ref=True, prefetched=prefetched)
+            entry.pinned = True
+        elif not pinned and entry.pinned:
+            pool.unref([pool.lookup(h) for h in entry.hashes])
+            entry.pinned = False
 
     def refresh(self, key: str, tenant: str, ttl_s: float | None = None, pin: bool = False,
                 text: str | None = None) -> EntryInfo:
@@ -431,9 +516,11 @@ class PagedStore:
         default), pin it if asked (never unpins), keep `text` with it if given. Raises NotFound."""
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
-        with self._lock:
+        def locked(prefetched):
             self._expire()
             entry = self.registry.for_tenant(key, tenant)
+            if pin:  # first: it may need Redis (NeedRemote, then this runs again) and changes nothing until then
+                self._pin_entry(entry, tenant, True, prefetched)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
             entry.expires_at = now + ttl if ttl is not None else None
@@ -442,30 +529,51 @@ class PagedStore:
                 entry.text = text
             entry.generation += 1
             self.registry.schedule(entry)
-            if pin:
-                return self.pin(key, tenant)
             return self._info(entry, new_blocks=0)
 
+        return self._run(locked)
+
+    @_sends_redis_writes
     def info(self, key: str, tenant: str) -> EntryInfo:
         with self._lock:
             self._expire()
             return self._info(self.registry.for_tenant(key, tenant), new_blocks=0)
 
+    @_sends_redis_writes
     def derived(self, key: str, tenant: str) -> list[EntryInfo]:
         """The tenant's entries derived from entry `key` (projections of it), whether or not it is still stored."""
         with self._lock:
             self._expire()
             return [self._info(e, new_blocks=0) for e in self.registry.derived_from(key, tenant)]
 
+    @_sends_redis_writes
+    def sharing_prefix(self, key: str, tenant: str) -> list[tuple[str, int]]:
+        """The tenant's other prefix entries that share this prefix entry's first full blocks (same model, dtype and
+        adapter: blocks are namespaced), as (key, tokens shared), the most shared first. [] for a segment entry."""
+        with self._lock:
+            self._expire()
+            entry = self.registry.for_tenant(key, tenant)
+            if entry.kind != "prefix":
+                return []
+            shared: dict[str, int] = {}
+            for i, h in enumerate(entry.hashes):  # chained hashes: sharing block i means sharing blocks 0..i
+                for other in self.registry.users.get(h, ()):
+                    if other != key and self.registry.entries[other].kind == "prefix":
+                        shared[other] = (i + 1) * self.config.block_size
+            return sorted(shared.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    @_sends_redis_writes
     def keys(self, tenant: str) -> list[str]:
         with self._lock:
             self._expire()
             return self.registry.keys(tenant)
 
+    @_sends_redis_writes
     def purge_expired(self) -> None:
         with self._lock:
             self._expire()
 
+    @_sends_redis_writes
     def tenant_usage(self, tenant: str) -> TenantUsage:
         """What one tenant holds: its entries, their tokens, and the bytes of its distinct blocks per tier (tenants
         never share blocks, so nothing here counts another tenant's KV)."""

@@ -4,10 +4,17 @@ Eviction from a device pool demotes the evicted blocks (still intact in the pool
 overwritten; eviction from the CPU tier pushes down to Redis; a block that leaves the last local tier with no Redis
 to take it is lost (the caller then drops the entries that use it). Reads promote blocks back onto the device.
 Only blocks some entry uses (`registry.users`) are ever moved. No locking: the store's lock covers every call.
+
+No Redis round trip happens here: the store's lock covers every call, and Redis I/O must not run under it.
+Writes go to `outbox` (in order: puts of demoted blocks, deletes) and the store sends them after releasing its
+lock; until a put is sent its blocks sit in `pending` and count as in Redis. Reads that need Redis raise
+`NeedRemote` naming the blocks; the store fetches them without its lock and calls again with them `prefetched`
+(a hash mapped to None: Redis does not have it).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -28,12 +35,26 @@ def lowest(tiers: set) -> str | None:
     return None
 
 
+class NeedRemote(Exception):
+    """Blocks that only Redis may have: fetch them without the store's lock, then call again with them."""
+
+    def __init__(self, hashes: list[BlockHash], layout_key: str):
+        super().__init__(f"{len(hashes)} blocks to fetch from Redis")
+        self.hashes = hashes
+        self.layout_key = layout_key
+
+
+Prefetched = dict  # BlockHash -> torch.Tensor block from Redis, or None where Redis has none
+
+
 class Residency:
     def __init__(self, registry: EntryRegistry, cpu: CpuTier | None, redis: RedisTier | None, evictions: dict):
         self.registry = registry
         self.cpu = cpu
         self.redis = redis
         self.evictions = evictions  # the store's counters: blocks pushed down from each tier
+        self.outbox: deque = deque()  # ("put", [(hash, layout_key, block)]) | ("delete", [hash]), oldest first
+        self.pending: dict[BlockHash, tuple[str, torch.Tensor]] = {}  # demoted blocks not yet sent to Redis
 
     def tier_of(self, pool: BlockPool | None, h: BlockHash) -> str | None:
         """"device" or "cpu" where the block is held locally, else None (in Redis, or gone)."""
@@ -53,7 +74,9 @@ class Residency:
             if self.cpu is not None:
                 self.cpu.pop(h)
         if orphans and drop_remote and self.redis is not None:
-            self.redis.delete_many(orphans)
+            for h in orphans:
+                self.pending.pop(h, None)
+            self.outbox.append(("delete", list(orphans)))
 
     def demote(self, pool: BlockPool, evicted: list[tuple[BlockHash, int]]) -> list[BlockHash]:
         """Move evicted device blocks down a tier; returns the hashes of the blocks that left the last tier."""
@@ -75,14 +98,19 @@ class Residency:
         below = [item for item in below if item[0] in users]
         if not below:
             return []
-        if self.redis is not None and self.redis.put_many(below):
+        if self.redis is not None and self.redis.usable():
+            for h, key, block in below:
+                self.pending[h] = (key, block)
+            self.outbox.append(("put", below))  # sent after the lock; a failed send loses them then
             return []  # Redis expires blocks itself (TTL); its own evictions are not seen from here
         return [h for h, _, _ in below]
 
     def make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
-                      allocate: Callable[[BlockPool, int], list[Block]]) -> list[Block]:
+                      allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched | None = None
+                      ) -> list[Block]:
         """Bring every block of a chain onto the device (promoting from CPU / Redis). Returns the device blocks,
-        each holding one extra ref (released here unless keep_ref). Raises NotFound if a block is gone.
+        each holding one extra ref (released here unless keep_ref). Raises NotFound if a block is gone, NeedRemote
+        (before changing anything) when blocks must come from Redis and are not in `prefetched`.
         `allocate(pool, n)` takes n blocks, demoting what it evicts."""
         present, missing = [], []
         for i, h in enumerate(hashes):
@@ -91,10 +119,16 @@ class Residency:
                 present.append(block)
             else:
                 missing.append(i)
+        if missing and self.redis is not None:
+            prefetched = prefetched or {}
+            remote = [hashes[i] for i in missing if hashes[i] not in prefetched and hashes[i] not in self.pending
+                      and (self.cpu is None or hashes[i] not in self.cpu)]
+            if remote:
+                raise NeedRemote(remote, pool.layout.key)
         pool.ref(present)  # protect them while promotion allocates
         try:
             if missing:
-                self._promote(pool, hashes, missing, allocate)
+                self._promote(pool, hashes, missing, allocate, prefetched or {})
         except Exception:
             pool.unref(present)
             raise
@@ -105,7 +139,7 @@ class Residency:
         return blocks
 
     def _promote(self, pool: BlockPool, hashes: list[BlockHash], missing: list[int],
-                 allocate: Callable[[BlockPool, int], list[Block]]) -> None:
+                 allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched) -> None:
         layout_key = pool.layout.key
         # Blocks leave the CPU tier before allocation can demote into it (so they cannot be evicted meanwhile);
         # on failure exactly those go back, into the room they left.
@@ -126,10 +160,11 @@ class Residency:
                 assert not evicted, "restoring popped blocks cannot overflow the CPU tier"
 
         if redis_wanted and self.redis is not None:
-            found = self.redis.get_many([hashes[i] for i in redis_wanted], layout_key)
             for i in redis_wanted:
-                if hashes[i] in found:
-                    data[i] = found[hashes[i]]
+                waiting = self.pending.get(hashes[i])
+                block = waiting[1] if waiting is not None and waiting[0] == layout_key else prefetched.get(hashes[i])
+                if block is not None:
+                    data[i] = block
         absent = [i for i in missing if i not in data]
         if absent:
             restore()

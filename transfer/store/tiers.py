@@ -147,6 +147,10 @@ class RedisTier:
     def _key(self, block_hash: BlockHash) -> bytes:
         return self.PREFIX + block_hash.hex().encode()
 
+    def usable(self) -> bool:
+        """Up, or due for another try (no round trip)."""
+        return self._usable()
+
     def _usable(self) -> bool:
         return self.stats.available or self.clock() >= self._next_try
 

@@ -1,0 +1,92 @@
+"""The store's lock is never held across a Redis round trip (issue 16, part 5): every Redis call is made without
+it, and a call stuck in Redis does not hold up another thread's work on the local tiers. A real redis-server."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.store import PagedStore, StoreConfig
+
+pytestmark = pytest.mark.integration
+
+M = ModelIdentity("model-r", "r" * 64)
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
+
+
+def _seg(first: int, n: int = 64) -> KVSegment:
+    gen = torch.Generator().manual_seed(first)
+    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
+                     positions=torch.arange(n), model=M, rotated=True)
+
+
+def _store(redis_url: str, blocks: int = 4) -> PagedStore:
+    return PagedStore(StoreConfig(capacity_bytes=blocks * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
+                                  device="cpu"))
+
+
+def test_no_redis_call_is_made_under_the_store_lock(redis_url):
+    store = _store(redis_url)
+    calls = []
+    for name in ("put_many", "get_many", "exists_many", "delete_many"):
+        real = getattr(store.redis, name)
+
+        def watched(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, store._lock._is_owned()))
+            return _real(*args, **kwargs)
+
+        setattr(store.redis, name, watched)
+    a, b = _seg(0), _seg(1000)
+    ka = store.put(a, "t").key
+    kb = store.put(b, "t").key  # evicts A to Redis
+    found = store.lookup(torch.arange(0, 80), "t", M, torch.float32)  # a longer text: the prefix path
+    assert found.tier == "redis" and found.num_tokens == 64
+    assert torch.equal(store.get(ka, "t").kv, a.kv)  # back from Redis (and B down to it)
+    assert torch.equal(store.get(kb, "t").kv, b.kv)
+    store.pin(ka, "t")
+    store.refresh(kb, "t", pin=False)
+    assert store.delete(ka, "t") == 1 and store.delete(kb, "t") == 1
+    assert {name for name, _ in calls} == {"put_many", "get_many", "exists_many", "delete_many"}
+    assert [c for c in calls if c[1]] == []  # not one of them with the lock held
+    assert store.check() == [] and store.residency.pending == {} and not store.residency.outbox
+
+
+def test_a_call_stuck_in_redis_does_not_block_local_work(redis_url):
+    store = _store(redis_url, blocks=8)
+    a = _seg(0)
+    ka = store.put(a, "t").key
+    store.put(_seg(1000), "t")
+    store.put(_seg(2000), "t")  # A's blocks are in Redis now
+    inside, release = threading.Event(), threading.Event()
+    real = store.redis.get_many
+
+    def slow_get_many(*args, **kwargs):
+        inside.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    store.redis.get_many = slow_get_many
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(kv=store.get(ka, "t").kv))
+    reader.start()
+    try:
+        assert inside.wait(30)
+        local = store.put(_seg(3000, 16), "t")  # the lock is free while the reader waits on Redis
+        assert store.info(local.key, "t").tier == "device"
+        assert store.lookup(torch.arange(3000, 3016), "t", M, torch.float32).key == local.key
+    finally:
+        release.set()
+        reader.join(30)
+    assert torch.equal(got["kv"], a.kv) and store.check() == []
+
+
+def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
+    store = _store(redis_url)
+    ka = store.put(_seg(0), "t").key
+    store.redis.put_many = lambda items: False  # the tier answers "not stored" (as when it goes down mid-write)
+    store.put(_seg(1000), "t")  # A's blocks leave the device for Redis, and the write fails
+    assert store.keys("t") != [] and ka not in store.keys("t")
+    assert store.residency.pending == {} and store.check() == []
