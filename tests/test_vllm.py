@@ -87,6 +87,20 @@ def engine(identity_server, small_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def engine_bf16(identity_server, tmp_path_factory):
+    """A second engine as vLLM users run it: bfloat16, the CPU backend's default block size of 128 (on a CPU with AMX
+    tiles, like these machines, vLLM then takes its "amx" kernels and layout)."""
+    from kvbridge.transfer.models import prepare_gguf
+    from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
+
+    options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="bfloat16",
+                            max_model_len=1024, block_size=128,
+                            kv_transfer_config=kv_transfer_config(address=identity_server.address, timeout_s=20))
+    with EngineProcess(options, tmp_path_factory.mktemp("vllm-bf16") / "engine.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def doc(smollm2):
     """A sample document cut so that start token + document fill CONTEXT tokens, and the instruction after it."""
     from kvbridge.eval.demo import DEMO_DOC, SAMPLE
@@ -122,6 +136,25 @@ def test_identity_transfer_gives_vllms_own_tokens(engine, doc, own):
     assert out["num_cached_tokens"] == CONTEXT
     assert out["token_ids"] == own["token_ids"]
     assert _warnings(engine, offset) == []
+
+
+def test_identity_transfer_in_bfloat16_gives_vllms_own_tokens(engine_bf16, smollm2):
+    """bfloat16 and blocks of 128: the KV crosses the wire in bfloat16 and lands in the bf16 kernels' layout. The two
+    KVs are not bit-equal here (transformers' float32 KV rounded to bf16 against vLLM's bf16 forward, and the
+    server's blocks may come from an earlier, longer or shorter, prefill of the same prefix), so greedy decoding may
+    part after a while: the first 12 tokens must agree (KV in a wrong layout changes the answer from its first
+    tokens on)."""
+    from kvbridge.eval.demo import DEMO_DOC, SAMPLE
+    from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records
+    from kvbridge.transfer.data import data_path
+
+    record = next(r for r in read_records(data_path(SAMPLE)) if r.id == DEMO_DOC)
+    prepared = prepare(record, smollm2, EvalConfig(max_doc_tokens=511))
+    prompt = torch.cat((prepared.target_ids, instruction_ids(smollm2, EvalConfig().instruction))).tolist()
+    own = engine_bf16.generate(prompt, max_tokens=24)
+    out = engine_bf16.generate(prompt, max_tokens=24, kvbridge={"text": prepared.text})
+    assert out["kvbridge_error"] == "" and out["loaded_tokens"] == 512  # four blocks of 128
+    assert out["token_ids"][:12] == own["token_ids"][:12]
 
 
 def test_the_connector_honours_recompute_tokens(engine, doc, own):
