@@ -98,6 +98,12 @@ class IdleWatchdog:
             with self._lock:
                 self._watched.discard(w)
 
+    @property
+    def watching(self) -> int:
+        """Streams under watch now."""
+        with self._lock:
+            return len(self._watched)
+
     def sweep(self, now: float | None = None) -> int:
         """Cancel every stream idle for idle_s or more; how many were cancelled."""
         now = self.clock() if now is None else now

@@ -270,7 +270,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
             raise ValueError(f"refusing to listen on {config.listen} without a token file")
         log.warning("no token file: the server is open (every caller is tenant 'default') on %s", config.listen)
     auth = Authenticator(tokens)
-    metrics = Metrics(service.store)
+    metrics = Metrics(service.store, service)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]

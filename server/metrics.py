@@ -37,8 +37,23 @@ class StoreCollector:
                                     value=1 if s.redis.get("available") else 0)
 
 
+class TokenCollector:
+    """Tokens read from the store instead of computed, and computed: source tokens at ingest, target tokens at
+    projection (KVBridgeService.token_counts)."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        family = CounterMetricFamily("kvbridge_tokens", "tokens reused from the store or computed, by stage",
+                                     labels=["stage", "how"])
+        for (stage, how), n in sorted(dict(self.service.token_counts).items()):
+            family.add_metric([stage, how], n)
+        yield family
+
+
 class Metrics:
-    def __init__(self, store=None):
+    def __init__(self, store=None, service=None):
         self.registry = CollectorRegistry()
         self.requests = Counter("kvbridge_requests", "RPCs by method and status code", ["method", "code"],
                                 registry=self.registry)
@@ -48,6 +63,8 @@ class Metrics:
                                       ["method", "direction"], registry=self.registry)
         if store is not None:
             self.registry.register(StoreCollector(store))
+        if service is not None:
+            self.registry.register(TokenCollector(service))
         self._http = None
 
     @contextmanager

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import align_tokens, tokenize
+from kvbridge.transfer.align import Alignment, align_tokens, tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
@@ -98,6 +99,22 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
 
 
+@torch.no_grad()
+def extend_prefix(lm: LoadedModel, prefix: KVSegment, ids: torch.Tensor) -> KVSegment:
+    """Source KV of ids ([T]) computed over the cached KV of its first P tokens (prefix: [L, 2, H, P, D] at 0..P-1):
+    the model runs on ids[P:] only. The same KV as a prefill of all of ids, up to the float error of a different
+    split of the same sums. (Belongs beside kvcache.extract, as its `prefix=` option.)"""
+    p, t = prefix.num_tokens, ids.numel()
+    if not 0 < p < t or not torch.equal(prefix.token_ids, ids[:p]):
+        raise ValueError(f"the prefix must be the first 1..{t - 1} tokens of ids, got {p} tokens")
+    param = next(lm.model.parameters())
+    cache = kvcache.build_cache(prefix.kv[:, :, None].to(device=param.device, dtype=param.dtype))  # every token kept
+    positions = torch.arange(p, t, dtype=torch.int64)
+    lm.model(input_ids=ids[p:][None].to(param.device), position_ids=positions[None].to(param.device), cache=cache,
+             use_cache=True, logits_to_keep=1)
+    return kvcache.from_cache(cache, lm.spec, ids, torch.arange(t, dtype=torch.int64))
+
+
 def _max_positions(lm: LoadedModel) -> int:
     config = lm.model.config.get_text_config(decoder=True)
     return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
@@ -125,6 +142,10 @@ class KVBridgeService:
             raise ValueError("the service needs at least one target model")
         self.adapters = adapters
         self._projecting = threading.BoundedSemaphore(limits.max_projections)
+        # (stage, how) -> tokens: stage "ingest" (source tokens) or "projection" (target tokens); how "reused"
+        # (read from the store) or "computed" (by the source model, or by the adapter)
+        self.token_counts: Counter = Counter()
+        self._counts_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -190,19 +211,45 @@ class KVBridgeService:
         if found.key is not None and not detect_segments:
             try:
                 info = self.store.refresh(found.key, tenant, ttl_s=ttl_s, pin=pin, text=self._kept(text))
+                self._count("ingest", reused=ids.numel())
                 return IngestResult(entries=[(info, 0)], source_ids=ids, model=lm.name)
             except NotFound:
                 pass  # expired or evicted in between: compute it again
+        # a cached prefix (whole blocks) is read, not computed: the model runs on the new tokens only, over its KV
+        # (the segment detector needs the whole forward: no reuse with it)
+        prefix = self._cached_prefix(tenant, lm, ids, found.num_tokens) if not detect_segments else None
         with served.lock:
-            segment = kvcache.extract(lm.model, lm.spec, ids)
+            if prefix is None:
+                segment = kvcache.extract(lm.model, lm.spec, ids)
+            else:
+                segment = extend_prefix(lm, prefix, ids)
             spans = self.detector.segments(lm.model, lm.spec, ids) if detect_segments else []
+        reused = prefix.num_tokens if prefix is not None else 0
+        self._count("ingest", reused=reused, computed=ids.numel() - reused)
         info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin, text=self._kept(text))
         entries = [(info, 0)]
         if len(spans) > 1:
             entries += self._store_segments(tenant, lm, text, ids, segment, spans, ttl_s)
-        log.info("ingest tenant=%s session=%s model=%s tokens=%d key=%s new_blocks=%d segments=%d", tenant,
-                 session_id or "-", lm.name, ids.numel(), info.key[:16], info.new_blocks, len(entries) - 1)
+        log.info("ingest tenant=%s session=%s model=%s tokens=%d (reused %d) key=%s new_blocks=%d segments=%d", tenant,
+                 session_id or "-", lm.name, ids.numel(), reused, info.key[:16], info.new_blocks, len(entries) - 1)
         return IngestResult(entries=entries, source_ids=ids, model=lm.name)
+
+    def _cached_prefix(self, tenant: str, lm: LoadedModel, ids: torch.Tensor, cached: int) -> KVSegment | None:
+        """The KV of the longest cached whole-block prefix of ids that leaves at least one token to compute; None
+        when there is none (or its blocks left the store since the lookup)."""
+        bs = self.store.config.block_size
+        p = min(cached, (ids.numel() - 1) // bs * bs)
+        if p <= 0:
+            return None
+        try:
+            return self.store.get_prefix(ids, tenant, lm.spec.identity, lm.spec.dtype, p)
+        except NotFound:
+            return None
+
+    def _count(self, stage: str, reused: int = 0, computed: int = 0) -> None:
+        with self._counts_lock:
+            self.token_counts[(stage, "reused")] += reused
+            self.token_counts[(stage, "computed")] += computed
 
     def _store_segments(self, tenant: str, lm: LoadedModel, text: str, ids: torch.Tensor, segment: KVSegment,
                         spans: list[tuple[int, int]], ttl_s: float | None) -> list[tuple[EntryInfo, int]]:
@@ -353,6 +400,7 @@ class KVBridgeService:
         warm = self._cached_projection(tenant, source_key, label, target) if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
+            self._count("projection", reused=projected.num_tokens)
             return self._placed(target, chosen, info, projected, source_key, label, offset)
         source_key, segment, known, created = self._source_entry(tenant, key, text, require_cached)
         try:
@@ -370,8 +418,9 @@ class KVBridgeService:
                                  f"{target.max_positions} positions")
             namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
             with self._projecting:
-                projected = project(chosen, segment, paired.alignment, paired.target_ids, source.lm.rope,
-                                    target.lm.rope, offset=0, dtype=getattr(torch, tspec.dtype))
+                projected, reused = self._project_reusing(tenant, source_key, segment, paired, label, chosen, source,
+                                                          target)
+            self._count("projection", reused=reused, computed=t_t - reused)
             # linked to its source entry (a Delete of that removes it too); a no-op when already there
             info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
                                   source_key=source_key,
@@ -381,6 +430,45 @@ class KVBridgeService:
             if created is not None:  # undo this call's ingest, unless another request stored or projected it since
                 self.store.delete(source_key, tenant, if_generation=created.generation)
             raise
+
+    def _project_reusing(self, tenant: str, source_key: str, segment: KVSegment, paired: PairedText, label: str,
+                         chosen: Adapter, source: ServedModel, target: ServedModel) -> tuple[KVSegment, int]:
+        """The projection of a source entry at target positions 0.., reusing the projected KV of target tokens that
+        a stored projection of an entry sharing its source prefix already holds: (projection, target tokens
+        reused). A target token's projected KV depends only on the KV of the source token it is aligned to, so it
+        is reused where both texts have the same target token, aligned to the same source token, inside the
+        shared source prefix (the tokens at the boundary, which either tokenizer may cut differently, fail this)."""
+        dtype = getattr(torch, target.lm.spec.dtype)
+        t_t = paired.target_ids.numel()
+        reuse, old = 0, None
+        for other_key, shared in self.store.sharing_prefix(source_key, tenant):
+            warm = self._cached_projection(tenant, other_key, label, target)
+            if warm is None or warm[0].text is None:
+                continue
+            old_paired = pair_text(warm[0].text, source.lm.tokenizer, target.lm.tokenizer)
+            n = min(t_t, old_paired.target_ids.numel(), warm[1].num_tokens)
+            a, b = paired.alignment, old_paired.alignment
+            same = ((paired.target_ids[:n] == old_paired.target_ids[:n]) & (a.source_index[:n] == b.source_index[:n])
+                    & (a.kind[:n] == b.kind[:n]) & (a.target_special[:n] == b.target_special[:n])
+                    & (a.source_index[:n] < shared))
+            reuse, old = int(same.to(torch.int64).cumprod(0).sum()), warm[1]
+            if reuse:
+                break
+        if reuse == t_t:
+            return old.slice(0, t_t), reuse
+        # project target tokens reuse.. from the source tokens they use (the ones before are not unrotated)
+        rest = paired.alignment
+        index = rest.source_index[reuse:]
+        first = int(index[index >= 0].min()) if bool((index >= 0).any()) else 0
+        tail = Alignment(source_index=torch.where(index >= 0, index - first, index), kind=rest.kind[reuse:],
+                         target_special=rest.target_special[reuse:], num_source_tokens=segment.num_tokens - first)
+        fresh = project(chosen, segment.slice(first, segment.num_tokens), tail, paired.target_ids[reuse:],
+                        source.lm.rope, target.lm.rope, offset=reuse, dtype=dtype)
+        if not reuse:
+            return fresh, 0
+        kv = torch.cat((old.kv[:, :, :, :reuse].to(fresh.kv.device), fresh.kv), dim=3)  # [L, 2, H, T_t, D]
+        return KVSegment(kv=kv, token_ids=paired.target_ids, positions=torch.arange(t_t, dtype=torch.int64),
+                         model=fresh.model, rotated=True), reuse
 
     def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
         """The source entry of this text: the prefix entry of its tokenization, else a segment entry of it."""

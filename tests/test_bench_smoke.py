@@ -1,6 +1,6 @@
-"""bench/bench_store.py --quick, bench/bench_grpc.py --quick, bench/bench_suffix.py --quick and
-bench/bench_all.py --quick run to the end and print every benchmark; `kvbridge bench` forwards to bench_all. No timing
-is asserted (STYLE 9): the numbers belong to the machine that printed them."""
+"""bench/bench_store.py --quick, bench/bench_grpc.py --quick, bench/bench_suffix.py --quick, bench/bench_prefix.py
+--quick and bench/bench_all.py --quick run to the end and print every benchmark; `kvbridge bench` forwards to
+bench_all. No timing is asserted (STYLE 9): the numbers belong to the machine that printed them."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def test_bench_suffix_quick_runs_and_prints_every_line():
     for tag in ("reuse", "answers"):
         assert any(line.split(" ", 1)[0] == tag for line in lines), f"no {tag!r} line in:\n{out}"
     assert lines[-1].startswith("done in "), out
+
+
+@pytest.mark.integration
+def test_bench_prefix_quick_runs_and_prints_its_ratio():
+    bench = BENCH.with_name("bench_prefix.py")  # the tiny pair, 2,304 token ids: seconds of work
+    proc = subprocess.run([sys.executable, str(bench), "--quick", "--rounds", "1"], cwd=bench.parents[1],
+                          capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = out.splitlines()
+    assert lines[0].startswith("machine:") and lines[-1].startswith("prefix "), out
+    assert "2048 cached + 256 new tokens vs a fresh 2304-token Ingest" in lines[-1] and " = " in lines[-1], out
 
 
 @pytest.mark.integration

@@ -180,3 +180,50 @@ def test_nine_stalled_uploads_neither_starve_health_nor_another_tenant(serve):
     log = serve.logfile.read_text(errors="replace")[len(before):]
     assert _cut_uploads(log) == 2, log[-3000:]
     assert "Traceback" not in log and "Exception serializing" not in log and "Exception" not in log, log[-3000:]
+
+
+def test_an_idle_upload_is_cancelled_by_the_watchdog(tmp_path, tiny_source, tiny_target, caplog):
+    """A stalled upload (header, then nothing) in an in-process server: the watchdog's sweep, run on a clock past
+    the idle limit, cancels it; the client sees CANCELLED, the server logs one line, the upload slot is free."""
+    import logging
+
+    from kvbridge.server.app import build_service, start_server
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="tiny", listen="127.0.0.1:0", adapters=str(tmp_path), store_capacity_mb=16,
+                         store_device="cpu", selfcheck=False, stream_idle_s=60, uploads_per_tenant=1)
+    running = start_server(build_service(config, source=tiny_source, targets=[tiny_target]), config,
+                           tokens={ALICE: "alice"})
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = pb2_grpc.KVBridgeStub(channel)
+            spec = tiny_source.spec
+            header = pb2.KVHeader(model=pb2.ModelRef(name=tiny_source.name), dtype="float32",
+                                  num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                  token_ids=list(range(5, 45)), rotated=True)
+            with caplog.at_level(logging.INFO, logger="kvbridge.server"):
+                upload = stub.PutSourceKV.future(_stalled_upload_requests(header, release), metadata=_md(ALICE),
+                                                 timeout=60)
+                deadline = time.monotonic() + 30
+                while running.watchdog.watching < 1:  # the server holds the stalled call
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert running.watchdog.sweep(time.monotonic() + 30) == 0  # not idle long enough yet
+                assert running.watchdog.sweep(time.monotonic() + 61) == 1
+                with pytest.raises(grpc.RpcError) as info:
+                    upload.result(timeout=30)
+                assert info.value.code() == grpc.StatusCode.CANCELLED
+                while running.watchdog.watching:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            lines = [r.getMessage() for r in caplog.records if "PutSourceKV" in r.getMessage()]
+            assert lines == ["PutSourceKV: no message for 60 s, cancelled; nothing stored"], lines
+            # the slot is free again: the next upload (a real one) is taken
+            upload = stub.PutSourceKV.future(iter([pb2.PutSourceKVRequest(header=header)]), metadata=_md(ALICE),
+                                             timeout=30)
+            details = _refused(lambda: upload.result(timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+            assert "the stream ended before all KV arrived" in details
+    finally:
+        release.set()
+        running.stop(1)
