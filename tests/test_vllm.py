@@ -89,12 +89,12 @@ def engine(identity_server, small_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_bf16(identity_server, tmp_path_factory):
     """A second engine as vLLM users run it: bfloat16, the CPU backend's default block size of 128 (on a CPU with AMX
-    tiles, like these machines, vLLM then takes its "amx" kernels and layout)."""
+    tiles, like these machines, vLLM then takes its "amx" kernels and layout), prefix caching on."""
     from kvbridge.transfer.models import prepare_gguf
     from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
 
     options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="bfloat16",
-                            max_model_len=1024, block_size=128,
+                            max_model_len=1024, block_size=128, enable_prefix_caching=True,
                             kv_transfer_config=kv_transfer_config(address=identity_server.address, timeout_s=20))
     with EngineProcess(options, tmp_path_factory.mktemp("vllm-bf16") / "engine.log") as running:
         yield running
@@ -147,14 +147,24 @@ def test_identity_transfer_in_bfloat16_gives_vllms_own_tokens(engine_bf16, smoll
     from kvbridge.eval.demo import DEMO_DOC, SAMPLE
     from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records
     from kvbridge.transfer.data import data_path
+    from kvbridge.vllm.engine import cache_salt
 
     record = next(r for r in read_records(data_path(SAMPLE)) if r.id == DEMO_DOC)
     prepared = prepare(record, smollm2, EvalConfig(max_doc_tokens=511))
     prompt = torch.cat((prepared.target_ids, instruction_ids(smollm2, EvalConfig().instruction))).tolist()
     own = engine_bf16.generate(prompt, max_tokens=24)
-    out = engine_bf16.generate(prompt, max_tokens=24, kvbridge={"text": prepared.text})
+    # prefix caching is on: the salt keeps the projected blocks apart from (and unserved by) own's cached blocks
+    out = engine_bf16.generate(prompt, max_tokens=24, kvbridge={"text": prepared.text}, cache_salt=cache_salt())
     assert out["kvbridge_error"] == "" and out["loaded_tokens"] == 512  # four blocks of 128
     assert out["token_ids"][:12] == own["token_ids"][:12]
+
+    # without a salt, projected KV would be hashed like the prompt's own blocks: the connector refuses, vLLM serves it
+    offset = engine_bf16.log_size()
+    unsalted = engine_bf16.generate(prompt, max_tokens=24, kvbridge={"text": prepared.text})
+    assert unsalted["loaded_tokens"] == 0 and "cache_salt" in unsalted["kvbridge_error"]
+    assert unsalted["num_cached_tokens"] == 512  # own's blocks, from vLLM's prefix cache (bf16: the tail computed
+    assert unsalted["token_ids"][:12] == own["token_ids"][:12]  # over them may part from own's one pass later on)
+    assert len(_warnings(engine_bf16, offset)) == 1
 
 
 def test_the_connector_honours_recompute_tokens(engine, doc, own):

@@ -82,7 +82,7 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 class _Plan:
     """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
 
-    kv: torch.Tensor | None  # the fetched projected KV [L, 2, H_kv, T, D]; None after a failure
+    kv: torch.Tensor | None  # the fetched projected KV [L, 2, H_kv, T, D]; None after a failure or once staged
     loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
     error: str = ""
     staged: list[str] = field(default_factory=list)  # files not yet known to be taken by a worker
@@ -169,6 +169,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if context is None:
                 return 0, False
             plan = self._plans[request.request_id] = self._plan(request, context)
+        if plan.kv is None:  # failed, or staged once already (a preempted request is recomputed by vLLM)
+            return 0, False
         return max(0, plan.loadable - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -179,6 +181,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         path = handoff.stage(plan.kv[:, :, :, start:plan.loadable], self.config.staging_dir)
         plan.staged.append(str(path))
         plan.loaded, plan.start = num_external_tokens, start
+        plan.kv = None  # the scheduler keeps no KV once it is staged
         self._pending[request.request_id] = Load(request.request_id, str(path), [], start, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

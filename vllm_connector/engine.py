@@ -85,9 +85,11 @@ class EngineProcess:
         setpriv = shutil.which("setpriv")  # the engine dies with its parent, however the parent ends
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        # cwd: the log's folder, not a checkout whose top-level folders (server/, eval/, ...) `-m` would put first
+        # on the engine's import path
         self._proc = subprocess.Popen([*prefix, str(vllm_python()), "-m", "kvbridge.vllm.driver"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-                                      text=True, bufsize=1)
+                                      text=True, bufsize=1, cwd=self.log_path.parent)
         self._send(asdict(options))
         self.info = self._receive(start_timeout_s)
 
