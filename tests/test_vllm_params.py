@@ -68,3 +68,12 @@ def test_the_handoff_is_private_and_read_once(tmp_path):
     assert not path.exists()
     with pytest.raises(ValueError, match=r"\[L, 2, H_kv, T, D\]"):
         handoff.stage(torch.zeros(2, 3, 4), tmp_path)
+
+
+def test_kvbridge_demo_engine_vllm_without_the_vllm_venv_says_how_to_make_it(monkeypatch, tmp_path):
+    from kvbridge.cli import build_parser, main
+
+    assert build_parser().parse_args(["demo", "--engine", "vllm"]).engine == "vllm"
+    monkeypatch.setenv("KVBRIDGE_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    with pytest.raises(SystemExit, match="KVBRIDGE_VLLM=1 ./setup.sh"):
+        main(["demo", "--engine", "vllm"])
