@@ -83,7 +83,7 @@ def store_config(config: ServeConfig) -> StoreConfig:
     return StoreConfig(capacity_bytes=capacity, block_size=config.block_size,
                        cpu_capacity_bytes=int(config.cpu_tier_mb * mb), redis_url=config.redis_url,
                        default_ttl_s=config.default_ttl_s, device=config.store_device,
-                       tenant_max_entries=config.tenant_max_entries,
+                       share_entries=config.share_entries, tenant_max_entries=config.tenant_max_entries,
                        tenant_max_pinned_bytes=int(pinned * mb) if pinned is not None else None)
 
 

@@ -36,6 +36,7 @@ class ServeConfig:
     cpu_tier_mb: float = 0  # 0: no CPU tier under the device pool
     block_size: int = 16
     redis_url: str | None = None
+    share_entries: bool = True  # with redis_url: entries (records and blocks) written through, so replicas find them
     default_ttl_s: float | None = None  # entry TTL when a request gives none
     listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one
     allow_remote_without_tokens: bool = False  # an open (token-less) server listens on loopback only, unless set

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
-from kvbridge.transfer.store import PagedStore, StoreConfig
+from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 
 pytestmark = pytest.mark.integration
 
@@ -90,3 +90,47 @@ def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
     store.put(_seg(1000), "t")  # A's blocks leave the device for Redis, and the write fails
     assert store.keys("t") != [] and ka not in store.keys("t")
     assert store.residency.pending == {} and store.check() == []
+
+
+def _sharing(redis_url: str) -> PagedStore:
+    return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
+                                  device="cpu", share_entries=True))
+
+
+def test_replicas_find_fetch_and_delete_each_others_entries(redis_url):
+    """Two stores on one Redis (two replicas): an entry put in one is found (by key and by its tokens), read
+    exactly and with its text in the other, never by another tenant; a Delete in the second makes it gone for any
+    replica that did not hold it yet."""
+    first, second, third = _sharing(redis_url), _sharing(redis_url), _sharing(redis_url)
+    a = _seg(0, 40)
+    info = first.put(a, "t", text="forty tokens")  # 2 full blocks + a partial tail, all written through
+    assert second.lookup(torch.arange(0, 40), "t", M, torch.float32).key == info.key
+    got = second.get(info.key, "t")
+    assert torch.equal(got.kv, a.kv) and torch.equal(got.token_ids, a.token_ids)
+    assert second.info(info.key, "t").text == "forty tokens"
+    with pytest.raises(NotFound):
+        second.get(info.key, "u")  # another tenant: a miss, like any unknown key
+    assert second.lookup(torch.arange(0, 40), "u", M, torch.float32).key is None
+    longer = second.lookup(torch.arange(0, 60), "t", M, torch.float32)  # a prefix of a longer text: whole blocks
+    assert longer.num_tokens == 32 and longer.key is None
+    assert second.delete(info.key, "t") == 1
+    with pytest.raises(NotFound):
+        third.get(info.key, "t")
+    assert first.check() == [] and second.check() == [] and third.check() == []
+
+
+def test_a_forged_entry_record_is_ignored(redis_url):
+    import json
+
+    import redis
+
+    store = _sharing(redis_url)
+    info = store.put(_seg(0, 32), "t")
+    client = redis.Redis.from_url(redis_url)
+    record = json.loads(client.get(b"kvbridge:entry:" + info.key.encode()))
+    record["token_ids"][0] += 1  # contents that do not hash to the key
+    client.set(b"kvbridge:entry:" + info.key.encode(), json.dumps(record))
+    other = _sharing(redis_url)
+    with pytest.raises(NotFound):
+        other.get(info.key, "t")
+    assert other.keys("t") == [] and other.check() == []

@@ -21,6 +21,7 @@ class StoreConfig:
     redis_retry_s: float = 2.0
     default_ttl_s: float | None = None  # entry TTL when put() gives none; None: until evicted or deleted
     device: str = "auto"
+    share_entries: bool = False  # with Redis: entry records and new blocks written through, so replicas find them
     tenant_max_entries: int | None = None  # entries one tenant may hold; None: no quota
     tenant_max_pinned_bytes: int | None = None  # device bytes one tenant's pinned entries may hold; None: no quota
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +36,9 @@ from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
 from kvbridge.transfer.store.checker import check_store
 from kvbridge.transfer.store.config import (LookupResult, QuotaExceeded, StoreConfig, StoreStats, TenantUsage,
                                             default_capacity)
-from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
-from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
+from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, chain_root, content_key, hash_chain
+from kvbridge.transfer.store.registry import (KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of,
+                                              parse_record)
 from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
@@ -47,6 +49,7 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 
 
 DEFAULT_CONFIG = StoreConfig()
+_ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
 _REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
 
 
@@ -150,6 +153,10 @@ class PagedStore:
         if entry.pinned and pool is not None:
             pool.unref([pool.lookup(h) for h in entry.hashes])
         self.residency.drop(pool, self.registry.discard(entry), drop_remote=reason != "lost")
+        if self.config.share_entries and self.redis is not None and (
+                reason == "deleted" or (reason == "lost" and self.redis.stats.available)):
+            # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
+            self.residency.outbox.append(("forget", [entry.key]))
         for listener in self._listeners:
             listener(entry.key, entry.namespace.tenant, reason)
 
@@ -192,10 +199,15 @@ class PagedStore:
                 try:
                     with self._lock:
                         return locked(prefetched)
-                except NeedRemote as need:
-                    got = self.redis.get_many(need.hashes, need.layout_key)  # no lock held
-                    for h in need.hashes:
-                        prefetched[h] = got.get(h)
+                except NeedRemote as need:  # no lock held here
+                    if need.hashes:
+                        got = self.redis.get_many(need.hashes, need.layout_key)
+                        for h in need.hashes:
+                            prefetched[h] = got.get(h)
+                    if need.entries:
+                        records = self.redis.get_entries(need.entries)
+                        for k in need.entries:
+                            prefetched[("entry", k)] = records.get(k)
             raise NotFound(f"blocks kept leaving the device while {_REMOTE_ROUNDS} Redis reads brought them back")
         finally:
             self._flush()
@@ -218,6 +230,12 @@ class PagedStore:
                     if op == "delete":
                         residency.redis.delete_many(items)
                         continue
+                    if op == "entries":
+                        residency.redis.put_entries(items)
+                        continue
+                    if op == "forget":
+                        residency.redis.delete_entries(items)
+                        continue
                     sent = residency.redis.put_many(items)
                     with self._lock:
                         for h, _, block in items:
@@ -229,6 +247,74 @@ class PagedStore:
                                         and residency.tier_of(self.pools.get(key), h) is None])
             finally:
                 self._sending.release()
+
+    def _entry_for(self, key: str, tenant: str, prefetched: dict) -> Entry:
+        """The tenant's entry of this key: local, else (entries shared through Redis) the record another replica
+        left there, adopted; NotFound when there is none. Raises NeedRemote to have the record fetched."""
+        entry = self.registry.get(key) if isinstance(key, str) else None
+        if entry is None and self.config.share_entries and self.redis is not None and isinstance(key, str) \
+                and _ENTRY_KEY.fullmatch(key):
+            slot = ("entry", key)
+            if slot not in prefetched:
+                raise NeedRemote([], "", entries=[key])
+            if prefetched[slot] is not None:
+                entry = self._adopt(prefetched[slot], tenant)
+        if entry is None or entry.namespace.tenant != tenant:
+            raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
+        return entry
+
+    def _adopt(self, blob: bytes, tenant: str) -> Entry | None:
+        """Register an entry another replica stored, from its record; its blocks come from Redis when read. None
+        when the record is another tenant's, or does not check out (its key is recomputed from its contents)."""
+        try:
+            record = parse_record(blob)
+            if record["tenant"] != tenant:
+                return None
+            model = ModelIdentity(record["model_name"], record["config_hash"])
+            ns = Namespace(tenant=tenant, model=model.key, dtype=record["dtype"], adapter=record["adapter"])
+            kind = record["kind"]
+            if kind not in KINDS:
+                raise ValueError(f"kind {kind!r}")
+            tokens = torch.tensor(record["token_ids"], dtype=torch.int64)
+            t = tokens.numel()
+            positions = torch.arange(t) if record["positions"] is None else torch.tensor(record["positions"],
+                                                                                          dtype=torch.int64)
+            layout = PoolLayout(model=model.key, dtype=ns.dtype, num_layers=int(record["num_layers"]),
+                                num_kv_heads=int(record["num_kv_heads"]), head_dim=int(record["head_dim"]),
+                                block_size=int(record["block_size"]))
+            if layout.block_size != self.config.block_size or positions.shape != (t,) or t == 0:
+                raise ValueError("block size or positions do not fit")
+            key = content_key(ns.digest(), kind, tokens)
+            if key != record["key"]:
+                raise ValueError("its key is not the key of its contents")
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("redis: ignoring an entry record that does not check out (%s)", exc)
+            return None
+        existing = self.registry.get(key)
+        if existing is not None:
+            return existing
+        self._pool_for(layout, create=True)
+        hashes = self._chain(ns, kind, key, tokens)
+        self.registry.claim(key, hashes)
+        now = self.clock()
+        ttl = self.config.default_ttl_s
+        entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=model, token_ids=tokens,
+                      positions=positions, rotated=bool(record["rotated"]), hashes=hashes,
+                      expires_at=now + ttl if ttl is not None else None, pinned=False, last_access=now,
+                      text=record.get("text"), source_key=record.get("source_key"),
+                      annotations=dict(record.get("annotations") or {}), generation=1)  # stored elsewhere
+        self.registry.add(entry)
+        return entry
+
+    def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]]) -> None:
+        """Entries shared through Redis: queue the entry's record and its new blocks (written through: replicas
+        read them there) for the sender."""
+        if not (self.config.share_entries and self.redis is not None):
+            return
+        if new:
+            data = pool.read_blocks(torch.tensor([i for _, i in new])).to("cpu")
+            self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
+        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry))]))
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
         """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
@@ -302,10 +388,11 @@ class PagedStore:
                         existing.pinned = True
                     existing.expires_at = expires_at
                     existing.last_access = now
-                    if text is not None:
-                        existing.text = text
-                    if annotations:
-                        existing.annotations.update(annotations)
+                    if (text is not None and text != existing.text) or annotations:
+                        if text is not None:
+                            existing.text = text
+                        existing.annotations.update(annotations or {})
+                        self._share(existing, pool, [])  # the record again, with what it knows now
                     existing.generation += 1
                     self.registry.schedule(existing)
                     self._stats.puts += 1
@@ -347,6 +434,7 @@ class PagedStore:
                           rotated=segment.rotated, hashes=hashes, expires_at=expires_at, pinned=pin,
                           last_access=now, text=text, source_key=source_key, annotations=dict(annotations or {}))
             self.registry.add(entry)
+            self._share(entry, pool, [(hashes[i], present[i].block_id) for i in missing])
             # every block of the chain holds one ref from above (held or fresh); a pin keeps it
             if not pin:
                 pool.unref(present)
@@ -360,7 +448,7 @@ class PagedStore:
         [L, 2, H_kv, T, D] tensor of the entry's dtype on that device). Raises NotFound."""
         def locked(prefetched):
             self._expire()
-            entry = self.registry.for_tenant(key, tenant)
+            entry = self._entry_for(key, tenant, prefetched)
             pool = self.pools[entry.layout.key]
             try:
                 blocks = self._make_resident(pool, entry.hashes, keep_ref=True, prefetched=prefetched)
@@ -389,9 +477,16 @@ class PagedStore:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().reshape(-1)
         ns = self._namespace(tenant, model, dtype, adapter)
+        key = content_key(ns.digest(), kind, token_ids)
+        if self.config.share_entries and self.redis is not None:  # an entry another replica stored?
+            with self._lock:
+                local = self.registry.get(key) is not None
+            records = {} if local else self.redis.get_entries([key])  # no lock held
+            if records:
+                with self._lock:
+                    self._adopt(records[key], tenant)
         with self._lock:
             self._expire()
-            key = content_key(ns.digest(), kind, token_ids)
             entry = self.registry.get(key)
             pool = self._pool_of(ns)
             if entry is not None:
@@ -494,7 +589,7 @@ class PagedStore:
         """Pinned entries stay on the device (never evicted) until unpinned, deleted or expired."""
         def locked(prefetched):
             self._expire()
-            entry = self.registry.for_tenant(key, tenant)
+            entry = self._entry_for(key, tenant, prefetched)
             self._pin_entry(entry, tenant, pinned, prefetched)
             return self._info(entry, new_blocks=0)
 
@@ -518,7 +613,7 @@ class PagedStore:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         def locked(prefetched):
             self._expire()
-            entry = self.registry.for_tenant(key, tenant)
+            entry = self._entry_for(key, tenant, prefetched)
             if pin:  # first: it may need Redis (NeedRemote, then this runs again) and changes nothing until then
                 self._pin_entry(entry, tenant, True, prefetched)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
@@ -533,11 +628,12 @@ class PagedStore:
 
         return self._run(locked)
 
-    @_sends_redis_writes
     def info(self, key: str, tenant: str) -> EntryInfo:
-        with self._lock:
+        def locked(prefetched):
             self._expire()
-            return self._info(self.registry.for_tenant(key, tenant), new_blocks=0)
+            return self._info(self._entry_for(key, tenant, prefetched), new_blocks=0)
+
+        return self._run(locked)
 
     @_sends_redis_writes
     def derived(self, key: str, tenant: str) -> list[EntryInfo]:

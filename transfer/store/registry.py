@@ -12,6 +12,7 @@ Invariants (`check`): `users` and `derived` are exactly what the entries' page t
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +169,36 @@ class EntryRegistry:
             problems.append("the per-tenant entry counts disagree with the entries")
 
         return problems
+
+
+RECORD_VERSION = 1
+
+
+def entry_record(entry: Entry) -> bytes:
+    """What other replicas need to serve an entry whose blocks they read from Redis: its namespace, kind, layout,
+    tokens, positions and text, and its source link (TTL and pins stay local). JSON."""
+    positions = entry.positions
+    t = entry.token_ids.numel()
+    return json.dumps({
+        "v": RECORD_VERSION, "key": entry.key, "tenant": entry.namespace.tenant, "model_name": entry.model.name,
+        "config_hash": entry.model.config_hash, "dtype": entry.namespace.dtype, "adapter": entry.namespace.adapter,
+        "kind": entry.kind, "num_layers": entry.layout.num_layers, "num_kv_heads": entry.layout.num_kv_heads,
+        "head_dim": entry.layout.head_dim, "block_size": entry.layout.block_size,
+        "token_ids": entry.token_ids.tolist(),
+        "positions": None if torch.equal(positions, torch.arange(t)) else positions.tolist(),
+        "rotated": entry.rotated, "text": entry.text, "source_key": entry.source_key,
+        "annotations": entry.annotations}, separators=(",", ":")).encode()
+
+
+def parse_record(blob: bytes) -> dict:
+    """The fields of an entry record; ValueError when it is not one this version wrote."""
+    try:
+        record = json.loads(blob)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
+        raise ValueError("not a version-1 entry record")
+    return record
 
 
 def info_of(entry: Entry, new_blocks: int, tier: str) -> EntryInfo:

@@ -38,10 +38,11 @@ def lowest(tiers: set) -> str | None:
 class NeedRemote(Exception):
     """Blocks that only Redis may have: fetch them without the store's lock, then call again with them."""
 
-    def __init__(self, hashes: list[BlockHash], layout_key: str):
-        super().__init__(f"{len(hashes)} blocks to fetch from Redis")
+    def __init__(self, hashes: list[BlockHash], layout_key: str, entries: list[str] = ()):
+        super().__init__(f"{len(hashes)} blocks and {len(entries)} entry records to fetch from Redis")
         self.hashes = hashes
         self.layout_key = layout_key
+        self.entries = list(entries)  # entry keys whose records (shared entries) to fetch
 
 
 Prefetched = dict  # BlockHash -> torch.Tensor block from Redis, or None where Redis has none
@@ -53,7 +54,9 @@ class Residency:
         self.cpu = cpu
         self.redis = redis
         self.evictions = evictions  # the store's counters: blocks pushed down from each tier
-        self.outbox: deque = deque()  # ("put", [(hash, layout_key, block)]) | ("delete", [hash]), oldest first
+        # oldest first: ("put", [(hash, layout_key, block)]), ("delete", [hash]), ("entries", [(key, record)]),
+        # ("forget", [key])
+        self.outbox: deque = deque()
         self.pending: dict[BlockHash, tuple[str, torch.Tensor]] = {}  # demoted blocks not yet sent to Redis
 
     def tier_of(self, pool: BlockPool | None, h: BlockHash) -> str | None:

@@ -127,6 +127,7 @@ class RedisTier:
     degrades to a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds."""
 
     PREFIX = b"kvbridge:blk:"
+    ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
 
     def __init__(self, url: str, ttl_s: int = 3600, retry_s: float = 2.0, timeout_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic):
@@ -237,6 +238,43 @@ class RedisTier:
             return
         try:
             self._client.delete(*[self._key(h) for h in hashes])
+        except self._errors as exc:
+            self._failed(exc)
+            return
+        self._ok()
+
+    def put_entries(self, items: list[tuple[str, bytes]]) -> bool:
+        """SET with TTL for each (entry key, record). False when the tier is down."""
+        if not items or not self._usable():
+            return False if items else True
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, record in items:
+                pipe.set(self.ENTRY_PREFIX + key.encode(), record, ex=self.ttl_s)
+            pipe.execute()
+        except self._errors as exc:
+            self._failed(exc)
+            return False
+        self._ok()
+        return True
+
+    def get_entries(self, keys: list[str]) -> dict[str, bytes]:
+        """The records found (a miss when the tier is down)."""
+        if not keys or not self._usable():
+            return {}
+        try:
+            blobs = self._client.mget([self.ENTRY_PREFIX + k.encode() for k in keys])
+        except self._errors as exc:
+            self._failed(exc)
+            return {}
+        self._ok()
+        return {k: b for k, b in zip(keys, blobs) if b is not None}
+
+    def delete_entries(self, keys: list[str]) -> None:
+        if not keys or not self._usable():
+            return
+        try:
+            self._client.delete(*[self.ENTRY_PREFIX + k.encode() for k in keys])
         except self._errors as exc:
             self._failed(exc)
             return

@@ -1,0 +1,61 @@
+"""Two `kvbridge serve` processes on one redis-server (issue 16, part 2): an entry the first ingests is found,
+fetched and projected by the second, with the same KV, and only by its tenant."""
+
+from __future__ import annotations
+
+import shutil
+
+import grpc
+import pytest
+import torch
+from kvbridge.server.client import KVBridgeClient, KVBridgeError
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "replica-token-0123456789abcdef"
+OTHER = "other-token-0123456789abcdef01"
+TEXT = ("Each record holds a name and a value; readers skip the fields they do not know and keep the rest. "
+        "Writers keep the order of the fields they were given, and a reader may stop at any field.")
+
+
+def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp_path, redis_url,
+                                                                             tiny_adapter_file):
+    from serveproc import ServeProcess
+
+    (tmp_path / "tokens").write_text(f"acme {TOKEN}\nother {OTHER}\n")
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
+    args = ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
+            "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(tmp_path / "tokens"),
+            "--redis-url", redis_url]
+    first = ServeProcess(tmp_path / "first", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
+    second = ServeProcess(tmp_path / "second", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
+    try:
+        first.start()
+        second.start()
+        with KVBridgeClient(first.address, token=TOKEN, retries=0) as a, \
+                KVBridgeClient(second.address, token=TOKEN, retries=0) as b:
+            entry = a.ingest(TEXT).entries[0]
+            source_a = a.fetch_source(key=entry.key)
+            projected_a = a.fetch_projected(key=entry.key)
+
+            found = b.lookup(TEXT)
+            assert found.key == entry.key and found.num_tokens == entry.num_tokens
+            source_b = b.fetch_source(key=entry.key)
+            assert torch.equal(source_b.segment.kv, source_a.segment.kv) and source_b.text == TEXT
+            projected_b = b.fetch_projected(key=entry.key)  # aligned with the text the record carries
+            assert torch.equal(projected_b.segment.token_ids, projected_a.segment.token_ids)
+            torch.testing.assert_close(projected_b.segment.kv, projected_a.segment.kv, atol=1e-6, rtol=1e-6)
+            by_text = b.fetch_projected(text=TEXT, require_cached=True)  # found, not ingested again
+            assert by_text.source_key == entry.key
+            assert "ingest tenant=acme" not in second.logfile.read_text()
+        with KVBridgeClient(second.address, token=OTHER, retries=0) as other:
+            with pytest.raises(KVBridgeError) as info:
+                other.fetch_source(key=entry.key)
+            assert info.value.code == grpc.StatusCode.NOT_FOUND
+            assert other.lookup(TEXT).key is None
+        assert first.stop() == 0 and second.stop() == 0
+    finally:
+        first.kill()
+        second.kill()
