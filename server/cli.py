@@ -16,7 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
-        "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s", "detector_layers")}
+        "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
+        "detector_layers")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None

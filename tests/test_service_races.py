@@ -123,7 +123,8 @@ def test_tenant_quotas_on_entries_and_pinned_bytes():
     store = PagedStore(StoreConfig(capacity_bytes=64 * block_bytes, max_layouts=1, device="cpu",
                                    tenant_max_entries=3, tenant_max_pinned_bytes=4 * block_bytes))
     store.put(_seg(32, 1), "a", pin=True)  # 2 blocks pinned
-    with pytest.raises(QuotaExceeded, match="pinning 12288 more bytes would take this tenant.s pinned KV to 20480 bytes, over its quota of 16384"):
+    over = "pinning 12288 more bytes would take this tenant.s pinned KV to 20480 bytes, over its quota of 16384"
+    with pytest.raises(QuotaExceeded, match=over):
         store.put(_seg(48, 2), "a", pin=True)  # 3 more: over 4
     second = store.put(_seg(48, 2), "a")  # unpinned: fine
     with pytest.raises(QuotaExceeded, match="over its quota"):

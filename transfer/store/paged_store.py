@@ -34,11 +34,16 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
 from kvbridge.transfer.store.checker import check_store
-from kvbridge.transfer.store.config import (LookupResult, QuotaExceeded, StoreConfig, StoreStats, TenantUsage,
-                                            default_capacity)
+from kvbridge.transfer.store.config import (
+    LookupResult,
+    QuotaExceeded,
+    StoreConfig,
+    StoreStats,
+    TenantUsage,
+    default_capacity,
+)
 from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, chain_root, content_key, hash_chain
-from kvbridge.transfer.store.registry import (KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of,
-                                              parse_record)
+from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of, parse_record
 from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
