@@ -245,23 +245,29 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
+            sent = 0
             with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
-                for i, r in enumerate(ranges):
-                    if not context.is_active():
-                        log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for "
-                                 f"{self.watchdog.idle_s:g} s, cancelled" if watched.expired else "client left",
-                                 i, len(ranges))
-                        return
-                    blob = encode(kv, r)
-                    message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
-                                                               token_start=r.token_start, token_end=r.token_end,
-                                                               data=blob))
-                    if i == 0:
-                        message.header.CopyFrom(header)
-                    self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
-                    yield message
-                    watched.touch()
-            outcome["code"] = "OK"
+                try:
+                    for r in ranges:
+                        if not context.is_active():
+                            break
+                        blob = encode(kv, r)
+                        message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
+                                                                   token_start=r.token_start, token_end=r.token_end,
+                                                                   data=blob))
+                        if sent == 0:
+                            message.header.CopyFrom(header)
+                        self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
+                        yield message
+                        sent += 1
+                        watched.touch()
+                except GeneratorExit:  # grpc closes the generator of a call that ended (cancelled, client gone)
+                    pass
+            if sent == len(ranges):
+                outcome["code"] = "OK"
+            else:
+                log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for {self.watchdog.idle_s:g} s, "
+                         "cancelled" if watched.expired else "client left", sent, len(ranges))
 
 
 def _upload_of(h: pb2.KVHeader) -> SourceUpload:

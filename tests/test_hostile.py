@@ -227,3 +227,45 @@ def test_an_idle_upload_is_cancelled_by_the_watchdog(tmp_path, tiny_source, tiny
     finally:
         release.set()
         running.stop(1)
+
+
+def test_a_download_nobody_reads_is_cancelled_by_the_watchdog(tmp_path, tiny_source, tiny_target, caplog):
+    """GetSourceCache of many small chunks, the client reading only the first: the stream blocks on flow control;
+    the watchdog's sweep past the idle limit cancels it and frees its stream thread."""
+    import logging
+
+    from kvbridge.server.app import build_service, start_server
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="tiny", listen="127.0.0.1:0", adapters=str(tmp_path), store_capacity_mb=32,
+                         store_device="cpu", selfcheck=False, stream_idle_s=60)
+    running = start_server(build_service(config, source=tiny_source, targets=[tiny_target]), config,
+                           tokens={ALICE: "alice"})
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = pb2_grpc.KVBridgeStub(channel)
+            ids = [5 + i % 500 for i in range(1200)]  # the tiny vocabulary has 512 ids
+            key = stub.Ingest(pb2.IngestRequest(token_ids=pb2.TokenIds(ids=ids)), metadata=_md(ALICE),
+                              timeout=120).entries[0].key
+            with caplog.at_level(logging.INFO, logger="kvbridge.server"):
+                stream = stub.GetSourceCache(pb2.GetSourceCacheRequest(key=key, chunk_bytes=4096),
+                                             metadata=_md(ALICE), timeout=60)
+                first = next(stream)
+                assert first.header.num_chunks > 100
+                deadline = time.monotonic() + 30
+                while running.watchdog.watching < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert running.watchdog.sweep(time.monotonic() + 61) == 1
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in stream:
+                        pass
+                assert info.value.code() == grpc.StatusCode.CANCELLED
+                while running.watchdog.watching:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            lines = [r.getMessage() for r in caplog.records if "GetSourceCache" in r.getMessage()]
+            assert len(lines) == 1 and "no chunk taken for 60 s, cancelled" in lines[0], lines
+            _still_works(channel, ALICE)
+    finally:
+        running.stop(1)
