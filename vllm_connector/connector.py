@@ -32,7 +32,8 @@ it is. The layouts (vLLM 0.32, one tensor per layer):
   FLASH_ATTN (CUDA) logical [num_blocks, H_kv, block_size, 2·D] (K = [..., :D], V = [..., D:]), physically
              NHD (`kv_cache.transpose(1, 2)` is [num_blocks, block_size, H_kv, 2·D]); written by
              `reshape_and_cache_flash`. Not run here (no GPU).
-Tensor parallelism (heads split over workers) is not handled: the connector refuses to load with TP > 1.
+Tensor parallelism (heads split over workers) and engines with more than one KV cache group (sliding-window or
+hybrid layers) are not handled: the connector loads nothing for them (one warning per request).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self.shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
         self.tensor_parallel = parallel.tensor_parallel_size
+        # one KV cache group (every layer full attention, one block table): what the loads' block ids assume
+        self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
         self.wire_dtype = str(model.dtype).removeprefix("torch.")
@@ -129,6 +132,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         try:
             if self.tensor_parallel != 1:
                 raise ValueError(f"tensor parallelism {self.tensor_parallel} is not supported (heads are not split)")
+            if self.num_groups != 1:
+                raise ValueError(f"the engine has {self.num_groups} KV cache groups (sliding-window or hybrid "
+                                 "layers); the connector loads into one")
             if self.prefix_caching and not request.cache_salt:
                 raise ValueError("prefix caching is on and the request has no cache_salt: projected KV would enter "
                                  "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
