@@ -205,13 +205,19 @@ def run_chain(args: argparse.Namespace) -> int:
             # start_kv None: a fuser keeps the start token's own KV
             probe = RecoveryProbe.from_documents(source, target, None, docs, start_token_id(target.tokenizer),
                                                  own=True)
-            r = probe.recovery(maps, seed=args.seed)
+            r = probe.recovery(maps, seed=args.seed, wrong=True)
             metrics["recovery_fused"] = [r["recovery"], *r["interval"]]
+            metrics["recovery_wrong_document"] = [r["wrong"], *r["wrong_interval"]]
+            metrics["own_minus_wrong"] = [r["own_minus_wrong"], *r["own_minus_wrong_interval"]]
             metrics["nll"] = r["nll"]
             metrics["eval_documents"] = r["documents"]
             print(f"fused: recovery {r['recovery']:.3f} [{r['interval'][0]:.3f}, {r['interval'][1]:.3f}] on "
                   f"{r['documents']} documents; NLL own prefill {r['nll']['full']:.4f}, fused "
                   f"{r['nll']['projected']:.4f}, none {r['nll']['none']:.4f}")
+            print(f"wrong-document control (another document's source read into this one's own cache): "
+                  f"{r['wrong']:.3f} [{r['wrong_interval'][0]:.3f}, {r['wrong_interval'][1]:.3f}]; own minus wrong "
+                  f"{r['own_minus_wrong']:.3f} [{r['own_minus_wrong_interval'][0]:.3f}, "
+                  f"{r['own_minus_wrong_interval'][1]:.3f}]")
         ridge_meta = _ridge_meta(work)
         meta = dataclasses.replace(ridge_meta, corpus=corpus, training=training, metrics=metrics)
         save_fuser(maps, meta, out, dtype=dtype)

@@ -252,10 +252,16 @@ class RecoveryProbe:
         return cls(target, start_kv, items)
 
     @torch.no_grad()
-    def per_document(self, maps) -> list[float]:
+    def per_document(self, maps, shift: int = 0) -> list[float]:
+        """Summed continuation NLL per document. shift > 0: the wrong-document control, document i's context
+        cache built from document (i + shift)'s source features (a fuser keeps document i's own K/V)."""
         out = []
-        for it in self.items:
-            k, v = context_kv(maps, self.start_kv, it.xk, it.xv, it.start_mask, self.target, it.k, it.v)
+        n = len(self.items)
+        for i, it in enumerate(self.items):
+            src = self.items[(i + shift) % n]
+            if src.xk.shape != it.xk.shape:
+                raise ValueError("the wrong-document control needs contexts of one length")
+            k, v = context_kv(maps, self.start_kv, src.xk, src.xv, it.start_mask, self.target, it.k, it.v)
             seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids,
                             positions=torch.arange(it.context_ids.numel()), model=self.target.spec.identity,
                             rotated=True)
@@ -270,18 +276,28 @@ class RecoveryProbe:
                                    cache=cache).logits[0]
         return float(F.cross_entropy(logits[:-1].float(), continuation[1:].to(logits.device), reduction="sum"))
 
-    def recovery(self, maps, seed: int = 0) -> dict:
+    def recovery(self, maps, seed: int = 0, wrong: bool = False) -> dict:
+        """Recovery with a bootstrap 95% interval over documents; wrong: also the wrong-document control and the
+        paired difference (own document minus wrong document) with its interval."""
         got = self.per_document(maps)
-        rows = list(zip(self.none, self.full, got))
+        columns = [self.none, self.full, got] + ([self.per_document(maps, shift=1)] if wrong else [])
+        rows = list(zip(*columns))
 
-        def rec(sample):
-            none, full, x = (sum(r[i] for r in sample) for i in range(3))
+        def rec(sample, col=2):
+            none, full, x = (sum(r[i] for r in sample) for i in (0, 1, col))
             return (none - x) / (none - full)
 
         rng = random.Random(seed)
-        boot = sorted(rec([rng.choice(rows) for _ in rows]) for _ in range(1000))
-        return {"recovery": rec(rows), "interval": (boot[25], boot[974]), "documents": len(rows),
-                "nll": {n: sum(r[i] for r in rows) / self.tokens for i, n in enumerate(("none", "full", "projected"))}}
+        samples = [[rng.choice(rows) for _ in rows] for _ in range(1000)]
+        boot = sorted(rec(s) for s in samples)
+        out = {"recovery": rec(rows), "interval": (boot[25], boot[974]), "documents": len(rows),
+               "nll": {n: sum(r[i] for r in rows) / self.tokens for i, n in enumerate(("none", "full", "projected"))}}
+        if wrong:
+            boot_w = sorted(rec(s, 3) for s in samples)
+            diff = sorted(rec(s) - rec(s, 3) for s in samples)
+            out |= {"wrong": rec(rows, 3), "wrong_interval": (boot_w[25], boot_w[974]),
+                    "own_minus_wrong": rec(rows) - rec(rows, 3), "own_minus_wrong_interval": (diff[25], diff[974])}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------------- the loop

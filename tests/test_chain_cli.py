@@ -87,9 +87,11 @@ def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
     out = tmp_path / "f.safetensors"
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "ce:3",
                       "--fuser-rank", "4")) == 0
-    assert "fused: recovery" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fused: recovery" in printed and "wrong-document control" in printed
     maps, record = load_fuser(out)
-    assert record["kind"] == "fuser" and record["rank"] == 4 and "recovery_fused" in record["metrics"]
+    assert record["kind"] == "fuser" and record["rank"] == 4
+    assert {"recovery_fused", "recovery_wrong_document", "own_minus_wrong"} <= set(record["metrics"])
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "kl:3")) == 2
     assert "fuser trains on stage 'ce' only" in capsys.readouterr().err
 

@@ -191,7 +191,9 @@ def test_attention_matching_recovers_a_planted_optimum(pair, cache, ridge, tmp_p
 def test_recovery_probe_brackets_full_and_none(pair, cache, ridge):
     _, target = pair
     probe = RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, [12, 13, 14, 15], TEACHER.context_tokens)
-    r = probe.recovery(_maps(ridge))
+    r = probe.recovery(_maps(ridge), wrong=True)
     lo, hi = r["interval"]
     assert r["documents"] == 4 and lo <= r["recovery"] <= hi
     assert set(r["nll"]) == {"none", "full", "projected"}
+    assert r["wrong_interval"][0] <= r["wrong"] <= r["wrong_interval"][1]
+    assert r["own_minus_wrong"] == pytest.approx(r["recovery"] - r["wrong"])
