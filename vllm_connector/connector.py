@@ -39,6 +39,7 @@ hybrid layers) are not handled: the connector loads nothing for them (one warnin
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +90,7 @@ class _Plan:
     staged: list[str] = field(default_factory=list)  # files not yet known to be taken by a worker
     loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
     start: int = 0
+    fetch_s: float = 0.0  # the scheduler's wait for the server (GetProjectedCache, to the assembled tensor)
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -139,6 +141,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 raise ValueError("prefix caching is on and the request has no cache_salt: projected KV would enter "
                                  "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
                                  "e.g. kvbridge.vllm.engine.cache_salt(...))")
+            t0 = time.perf_counter()
             fetched = self._client(context.server).fetch_projected(
                 key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
                 dtype=self.wire_dtype)
@@ -155,7 +158,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                  recompute)
             if match.loadable == 0:
                 raise ValueError(match.reason)
-            return _Plan(kv=seg.kv, loadable=match.loadable)
+            return _Plan(kv=seg.kv, loadable=match.loadable, fetch_s=time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request.request_id,
@@ -215,7 +218,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return False, None
         for path in plan.staged:  # normally already taken by the worker
             handoff.discard(path)
-        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error}}
+        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s}}
 
     def shutdown(self):
         for client in self._clients.values():

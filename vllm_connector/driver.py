@@ -46,6 +46,7 @@ def main() -> int:
         kv = (out.kv_transfer_params or {}).get("kvbridge", {})
         replies.write(json.dumps({"token_ids": list(out.outputs[0].token_ids), "seconds": seconds,
                                   "loaded_tokens": kv.get("loaded_tokens", 0), "kvbridge_error": kv.get("error", ""),
+                                  "kvbridge_fetch_s": kv.get("fetch_s", 0.0),
                                   "num_cached_tokens": out.num_cached_tokens}) + "\n")
     return 0
 

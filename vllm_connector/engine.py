@@ -110,7 +110,8 @@ class EngineProcess:
     def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, kvbridge: dict[str, Any] | None = None,
                  cache_salt: str | None = None) -> dict[str, Any]:
         """Greedy tokens of one request: {"token_ids", "seconds" (wall time of the whole request), "loaded_tokens"
-        (prompt tokens the connector loaded), "kvbridge_error", "num_cached_tokens", "log_offset"}."""
+        (prompt tokens the connector loaded), "kvbridge_error", "kvbridge_fetch_s" (of "seconds": the scheduler's
+        wait for the server), "num_cached_tokens"}."""
         self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],
                     "max_tokens": max_tokens, "kvbridge": kvbridge, "cache_salt": cache_salt})
         return self._receive()
