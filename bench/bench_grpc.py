@@ -12,7 +12,11 @@ each reported time is a median.
    kvbridge server, or the raw socket's sender) is a separate process and the receiver is this one; with
    --in-process both senders are threads of this process instead. The cold first fetch (projection included) as
    information.
-2. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
+2. shm: the same warm fetch on the same host through shared memory (transport="shared_memory": the server writes
+   the KV to a 0600 file under /dev/shm, the client maps it and checks its size and checksum), timed from the call
+   to the mapped tensor, vs a numpy copy of the same bytes (a fresh array: a `memcpy` into new memory; goal
+   shm/memcpy >= 0.8) and vs the stream of 1.; a copy into an already-touched buffer as information.
+3. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
    and the production pair's ratio computed from DESIGN.md's model numbers (not measured).
 
 (One file of ~470 lines: the server process, the raw-socket baseline that must move the same chunks, and
@@ -39,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.train import TrainConfig, train_adapter
@@ -452,6 +457,8 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
           f"{cold_s / times['grpc']:.1f}x the warm fetch; before it, Ingest (source prefill of {entry.num_tokens} "
           f"tokens) {ingest_s * 1e3:,.0f} ms; {note} (information, no goal)", flush=True)
 
+    shm = bench_shared_memory(client, entry.key, kv, dtype, rounds, fetch_projected)
+
     src = client.fetch_source(key=entry.key, dtype=dtype, chunk_bytes=chunk_bytes)
     t_s = src.segment.num_tokens
     per_t, per_s = cold.wire_bytes / t, src.wire_bytes / t_s
@@ -470,7 +477,38 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
             "raw_s": times["raw"], "grpc_mbs": mbs["grpc"], "raw_mbs": mbs["raw"], "ratio_grpc_over_raw": ratio,
             "cold_fetch_s": cold_s, "ingest_s": ingest_s, "projected_wire_bytes": cold.wire_bytes,
             "source_wire_bytes": src.wire_bytes,
-            "ratio_projected_over_source_wire": cold.wire_bytes / src.wire_bytes}
+            "ratio_projected_over_source_wire": cold.wire_bytes / src.wire_bytes, **shm}
+
+
+def bench_shared_memory(client: KVBridgeClient, key: str, kv: torch.Tensor, dtype: str, rounds: int,
+                        fetch_stream: Callable[[], object]) -> dict:
+    """Prints the `shm` line and returns its numbers: a warm same-host projected fetch through shared memory vs a
+    numpy copy of the same bytes (fresh memory, as a memcpy into a new buffer) and vs the stream (medians of
+    interleaved rounds); kv [L, 2, H, T, D] is the streamed fetch's KV, which the shared one must equal."""
+    def fetch_shared():
+        fetched = client.fetch_projected(key=key, dtype=dtype, transport="shared_memory")
+        if fetched.transport != "shared_memory":
+            raise AssertionError("the server streamed a fetch that asked for shared memory")
+        return fetched
+
+    if not torch.equal(fetch_shared().segment.kv, kv):  # also the warm-up
+        raise AssertionError("the shared-memory fetch differs from the stream")
+    source = kv.contiguous().view(torch.uint8).reshape(-1).numpy()  # the same bytes
+    touched = np.empty_like(source)
+    np.copyto(touched, source)
+    times = interleaved({"shm": fetch_shared, "memcpy": source.copy, "memcpy_warm": lambda: np.copyto(touched, source),
+                         "stream": fetch_stream}, rounds)
+    nbytes = source.nbytes
+    vs_copy, vs_warm, vs_stream = (times["memcpy"] / times["shm"], times["memcpy_warm"] / times["shm"],
+                                   times["stream"] / times["shm"])
+    print(f"shm     warm GetProjectedCache through shared memory ({nbytes / 1e6:.1f} MB, {dtype}, same host): fetch "
+          f"to the mapped, checked tensor {nbytes / times['shm'] / 1e6:,.0f} MB/s ({times['shm'] * 1e3:.1f} ms), "
+          f"numpy copy of the same bytes into fresh memory {times['memcpy'] * 1e3:.1f} ms -> ratio memcpy/shm "
+          f"{vs_copy:.2f} (goal >= 0.8, {verdict(vs_copy >= 0.8)}); the stream {times['stream'] * 1e3:.0f} ms -> "
+          f"shm {vs_stream:.1f}x faster; copy into a touched buffer {times['memcpy_warm'] * 1e3:.1f} ms -> ratio "
+          f"{vs_warm:.2f} (information; medians of {rounds} interleaved rounds)", flush=True)
+    return {"shm_s": times["shm"], "memcpy_s": times["memcpy"], "memcpy_warm_s": times["memcpy_warm"],
+            "ratio_memcpy_over_shm": vs_copy, "ratio_stream_over_shm": vs_stream}
 
 
 if __name__ == "__main__":

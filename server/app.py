@@ -27,6 +27,7 @@ from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import check_message, clip_details
 from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.server.servicer import KVBridgeServicer
+from kvbridge.server.shm_segments import SegmentRegistry
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
 from kvbridge.transfer.store import PagedStore, StoreConfig
 
@@ -160,12 +161,15 @@ class RunningServer:
     health: health.HealthServicer
     pools: dict[str, futures.ThreadPoolExecutor]  # the thread budgets: health, unary, stream, other
     watchdog: IdleWatchdog
+    segments: SegmentRegistry | None  # same-host fetches' shared-memory files; None: off
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop taking calls; in-flight calls and streams get grace_s to finish."""
+        """Stop taking calls; in-flight calls and streams get grace_s to finish; shared-memory segments go."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
         self.watchdog.stop()
+        if self.segments is not None:
+            self.segments.close()
         for pool in self.pools.values():
             pool.shutdown(wait=False)
         self.metrics.close()
@@ -283,9 +287,17 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
              "other": futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-rpc")}
     server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth)], options=options)
     watchdog = IdleWatchdog(config.stream_idle_s)
+    segments = None
+    if config.shm_dir:
+        try:
+            segments = SegmentRegistry(config.shm_dir, ttl_s=config.shm_ttl_s,
+                                       max_bytes=int(config.shm_max_mb * (1 << 20)))
+        except OSError as exc:
+            log.warning("no same-host data plane (fetches stream): cannot make a folder in %s (%s)",
+                        config.shm_dir, exc)
     servicer = KVBridgeServicer(service, auth, metrics,
                                 uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
-                                watchdog=watchdog)
+                                watchdog=watchdog, segments=segments)
     server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
     health_servicer = health.HealthServicer()
     server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
@@ -297,9 +309,13 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     else:
         bound = server.add_insecure_port(config.listen)
     if bound == 0:
+        if segments is not None:
+            segments.close()
         raise OSError(f"could not bind {config.listen}")
     server.start()
     watchdog.start()
+    if segments is not None:
+        segments.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_port = None
@@ -310,7 +326,8 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     log.info("serving kvbridge.v1 on %s (%s, %s)%s", address, "TLS" if config.tls_cert else "plaintext",
              "tokens" if tokens else "open", f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
     return RunningServer(server=server, port=bound, address=address, service=service, metrics=metrics,
-                         metrics_port=metrics_port, health=health_servicer, pools=pools, watchdog=watchdog)
+                         metrics_port=metrics_port, health=health_servicer, pools=pools, watchdog=watchdog,
+                         segments=segments)
 
 
 def serve(config: ServeConfig, ready_file: str | None = None) -> int:

@@ -17,10 +17,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
-        "detector_layers")}
+        "detector_layers", "shm_ttl_s", "shm_max_mb")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
+    if args.no_shm:
+        overrides["shm_dir"] = None
+    elif args.shm_dir:
+        overrides["shm_dir"] = args.shm_dir
     config = ServeConfig.load(args.config, **overrides)
     return serve(config, ready_file=args.ready_file)
 
@@ -65,6 +69,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--tenant-max-entries", type=int, default=None, help="entries one tenant may hold (default 100000)")
     p.add_argument("--tenant-max-pinned-mb", type=float, default=None,
                    help="pinned KV one tenant may hold (default: a quarter of --store-capacity-mb)")
+    p.add_argument("--shm-dir", help="same-host fetches: KV through a private folder made here (default /dev/shm)")
+    p.add_argument("--no-shm", action="store_true", help="no same-host data plane: every fetch is streamed")
+    p.add_argument("--shm-ttl-s", type=float, default=None,
+                   help="remove a shared-memory segment never released after this long (default 30)")
+    p.add_argument("--shm-max-mb", type=float, default=None,
+                   help="live shared-memory segments hold at most this much; then fetches stream (default 4096)")
     p.add_argument("--metrics-listen", help="host:port of a Prometheus /metrics endpoint (default: off)")
     p.add_argument("--grace-s", type=float, default=None, help="shutdown drain time (default 10)")
     p.add_argument("--detector-layers", type=int, nargs="+", default=None,

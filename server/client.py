@@ -2,6 +2,10 @@
 projected on the server, or source KV projected here with the same adapter — as KVSegments or as transformers
 caches ready for the target's `generate`.
 
+Same host: with transport="shared_memory" (or "auto" on a loopback address) a fetch asks the server to put the KV
+in a shared-memory file; the client maps it (no copy), checks its size and checksum, and tells the server it is
+done. When it cannot open the file (another host, another OS user) it tells the server to drop it and streams.
+
 Every call has a deadline (timeout_s); calls that fail with UNAVAILABLE are retried with exponential backoff
 (a stream only while none of its messages has arrived). Errors come back as KVBridgeError with the status code
 and the server's sentence.
@@ -21,7 +25,9 @@ from pathlib import Path
 import grpc
 import torch
 from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server import shm_layout
 from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, ChunkError, dtype_name, iter_chunks, wire_dtype
+from kvbridge.server.config import is_loopback, split_address
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
@@ -71,8 +77,9 @@ class FetchedCache:
     adapter: str  # "name@version" of a server-side projection; "" for source KV
     text: str  # the text the entry was made from ("" when the server did not send it)
     exact_coverage: float
-    wire_bytes: int  # bytes of chunk data received
+    wire_bytes: int  # bytes of chunk data received (0 through shared memory)
     num_chunks: int
+    transport: str = "stream"  # how the KV came: "stream" or "shared_memory" (then segment.kv maps the file)
 
     @property
     def dtype(self) -> str:
@@ -101,10 +108,13 @@ def _read(value: bytes | str | Path | None) -> bytes | None:
 class KVBridgeClient:
     def __init__(self, address: str, token: str | None = None, tls_root_cert: bytes | str | Path | None = None,
                  tls: bool | None = None, timeout_s: float = 60.0, retries: int = 4, backoff_s: float = 0.1,
-                 max_message_mb: float = 8, tls_server_name: str | None = None):
-        """tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots."""
+                 max_message_mb: float = 8, tls_server_name: str | None = None, transport: str = "stream"):
+        """tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots.
+        transport: how fetches ask for KV by default: "stream", "shared_memory" (same host), or "auto" (shared
+        memory when the address is a loopback one)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.transport = _transport(transport, address)
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
@@ -146,7 +156,36 @@ class KVBridgeClient:
                     continue
                 raise KVBridgeError(exc.code(), exc.details() or "", method) from None
 
-    def _fetch(self, method: str, request, timeout_s: float | None) -> FetchedCache:
+    def _fetch(self, method: str, request, timeout_s: float | None, transport: str | None) -> FetchedCache:
+        """The fetch by the transport asked for; through shared memory, by stream when the segment cannot be read."""
+        wanted = self.transport if transport is None else _transport(transport, self.address)
+        request.transport = pb2.SHARED_MEMORY if wanted == "shared_memory" else pb2.STREAM
+        fetched = self._fetch_once(method, request, timeout_s)
+        if fetched is not None:
+            return fetched
+        request.transport = pb2.STREAM
+        return self._fetch_once(method, request, timeout_s)
+
+    def _mapped(self, method: str, header, timeout_s: float | None) -> torch.Tensor | None:
+        """The shared segment's kv [L, 2, H, T, D] mapped (None when it cannot be opened or checked here); the server
+        is told either way, so it removes the file now."""
+        s = header.shared
+        shape = (header.num_layers, 2, header.num_kv_heads, len(header.token_ids), header.head_dim)
+        try:
+            if s.layout != shm_layout.LAYOUT:
+                raise shm_layout.SegmentError(f"layout {s.layout!r} is not {shm_layout.LAYOUT!r}")
+            kv = shm_layout.map_kv(s.path, s.size, s.checksum, shape, wire_dtype(header.dtype))
+        except OSError as exc:
+            log.info("%s: shared-memory segment not readable here (%s); fetching by stream", method, exc)
+            kv = None
+        try:
+            self._unary("ReleaseSegment", pb2.ReleaseSegmentRequest(name=s.name, read=kv is not None), timeout_s)
+        except KVBridgeError as exc:  # the server's sweeper removes it after its TTL
+            log.warning("ReleaseSegment failed (%s); the server removes the segment after %g s", exc, s.ttl_s)
+        return kv
+
+    def _fetch_once(self, method: str, request, timeout_s: float | None) -> FetchedCache | None:
+        """One fetch; None when the server named a shared segment this client cannot read."""
         call = getattr(self._stub, method)
         for attempt in range(self.retries + 1):
             received = 0
@@ -159,6 +198,8 @@ class KVBridgeClient:
                         if header is not None:
                             raise KVBridgeError(grpc.StatusCode.INTERNAL, "the server sent a second header", method)
                         header = message.header
+                        if header.HasField("shared"):  # the KV is in shared memory: no chunk follows
+                            continue
                         assembler = ChunkAssembler(header.num_layers, header.num_kv_heads, len(header.token_ids),
                                                    header.head_dim, wire_dtype(header.dtype), check_finite=False)
                     if assembler is None:
@@ -171,10 +212,18 @@ class KVBridgeClient:
                         raise KVBridgeError(grpc.StatusCode.DATA_LOSS, f"a bad chunk from the server: {exc}",
                                             method) from None
                     wire += len(c.data)
-                if header is None or not assembler.complete:
+                if header is not None and header.HasField("shared"):
+                    if received != 1:
+                        raise KVBridgeError(grpc.StatusCode.INTERNAL, "chunks came after a shared segment", method)
+                    kv = self._mapped(method, header, timeout_s)
+                    if kv is None:
+                        return None
+                elif header is None or not assembler.complete:
                     raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "
                                         + (assembler.missing() if assembler else "no header"), method)
-                segment = KVSegment(kv=assembler.kv, token_ids=torch.tensor(list(header.token_ids)),
+                else:
+                    kv = assembler.kv
+                segment = KVSegment(kv=kv, token_ids=torch.tensor(list(header.token_ids)),
                                     positions=torch.tensor(list(header.positions)),
                                     model=ModelIdentity(header.model.name, header.model.config_hash),
                                     rotated=header.rotated)
@@ -182,7 +231,8 @@ class KVBridgeClient:
                          header.model.name, header.dtype, wire, received)
                 return FetchedCache(segment=segment, entry_key=header.entry_key, source_key=header.source_key,
                                     adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
-                                    wire_bytes=wire, num_chunks=received)
+                                    wire_bytes=wire, num_chunks=received,
+                                    transport="shared_memory" if header.HasField("shared") else "stream")
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
                     self._sleep(attempt)
@@ -246,19 +296,21 @@ class KVBridgeClient:
 
     def fetch_projected(self, text: str | None = None, key: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, dtype: str = "", require_cached: bool = False,
-                        chunk_bytes: int = 0, timeout_s: float | None = None) -> FetchedCache:
-        """The server projects the source entry (by key, or by text: ingested if missing) into target_model."""
+                        chunk_bytes: int = 0, timeout_s: float | None = None,
+                        transport: str | None = None) -> FetchedCache:
+        """The server projects the source entry (by key, or by text: ingested if missing) into target_model.
+        transport: None for the client's default, else "stream", "shared_memory" or "auto"."""
         request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
                                                dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes)
         _set_key_or_text(request, key, text)
-        return self._fetch("GetProjectedCache", request, timeout_s)
+        return self._fetch("GetProjectedCache", request, timeout_s, transport)
 
     def fetch_source(self, text: str | None = None, key: str | None = None, dtype: str = "",
-                     require_cached: bool = False, chunk_bytes: int = 0,
-                     timeout_s: float | None = None) -> FetchedCache:
+                     require_cached: bool = False, chunk_bytes: int = 0, timeout_s: float | None = None,
+                     transport: str | None = None) -> FetchedCache:
         request = pb2.GetSourceCacheRequest(dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes)
         _set_key_or_text(request, key, text)
-        return self._fetch("GetSourceCache", request, timeout_s)
+        return self._fetch("GetSourceCache", request, timeout_s, transport)
 
     def projected_cache(self, target, text: str | None = None, key: str | None = None, adapter: str = "",
                         **fetch_kwargs):
@@ -306,6 +358,24 @@ class KVBridgeClient:
 
     def stats(self) -> pb2.StatsResponse:
         return self._unary("Stats", pb2.StatsRequest())
+
+
+TRANSPORTS = ("stream", "shared_memory", "auto")
+
+
+def _transport(name: str, address: str) -> str:
+    """"stream" or "shared_memory" for a transport name ("auto": shared memory on a loopback address)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+    if name != "auto":
+        return name
+    if address.startswith("unix:"):
+        return "shared_memory"
+    try:
+        host, _ = split_address(address, "address")
+    except ValueError:
+        return "stream"
+    return "shared_memory" if is_loopback(host) else "stream"
 
 
 def _set_input(request, text, token_ids) -> None:

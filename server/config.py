@@ -52,6 +52,9 @@ class ServeConfig:
     max_projections: int = 2  # projections running at once (each holds the adapter's device for its length)
     tenant_max_entries: int | None = 100_000  # entries one tenant may hold; None: no quota
     tenant_max_pinned_mb: float | None = None  # pinned KV one tenant may hold; None: a quarter of the device pool
+    shm_dir: str | None = "/dev/shm"  # same-host fetches' KV goes through a private folder made here; None: off
+    shm_ttl_s: float = 30.0  # a shared-memory segment the client never releases is removed after this long
+    shm_max_mb: float = 4096  # live segments hold at most this much; past it, fetches go by stream
     metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
     detector_layers: list[int] | None = None  # layers of Ingest's segment detector; None: every layer
     detector_strict: bool = False  # 5 positions below 0.75 nats instead of 3 below 0.8
@@ -69,7 +72,7 @@ class ServeConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         for name in ("max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant", "stream_idle_s",
-                     "max_projections", "block_size", "grace_s"):
+                     "max_projections", "block_size", "grace_s", "shm_ttl_s", "shm_max_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.stream_workers < 2:

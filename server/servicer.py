@@ -16,6 +16,8 @@ from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import clip_details
 from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
+from kvbridge.server.shm_layout import LAYOUT
+from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
 from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.store import QuotaExceeded
 
@@ -48,12 +50,14 @@ def _entry(info, start: int, model: str) -> pb2.Entry:
 
 class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics,
-                 uploads: StreamSlots | None = None, watchdog: IdleWatchdog | None = None):
+                 uploads: StreamSlots | None = None, watchdog: IdleWatchdog | None = None,
+                 segments: SegmentRegistry | None = None):
         self.service = service
         self.auth = auth
         self.metrics = metrics
         self.uploads = uploads or StreamSlots(per_tenant=4, total=4)  # open PutSourceKV calls
         self.watchdog = watchdog or IdleWatchdog(idle_s=60.0)  # streams that move nothing are cancelled
+        self.segments = segments  # same-host fetches' shared-memory files; None: every fetch streams
 
     # ------------------------------------------------------------------------------------------ plumbing
 
@@ -128,6 +132,10 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def Delete(self, request, context):
         return self._unary("Delete", context,
                            lambda tenant: pb2.DeleteResponse(deleted=self.service.delete(tenant, request.key)))
+
+    def ReleaseSegment(self, request, context):
+        return self._unary("ReleaseSegment", context, lambda tenant: pb2.ReleaseSegmentResponse(
+            removed=self.segments is not None and self.segments.release(tenant, request.name)))
 
     def Stats(self, request, context):
         def body(tenant):
@@ -208,7 +216,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 tenant, key=request.key if which == "key" else None, text=request.text if which == "text" else None,
                 target_model=request.target_model, adapter=request.adapter, offset=request.offset,
                 require_cached=request.require_cached)
-        yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes)
+        yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes,
+                                request.transport)
 
     def GetSourceCache(self, request, context):
         def fetch(tenant) -> CacheResult:
@@ -218,9 +227,10 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             return self.service.source_cache(tenant, key=request.key if which == "key" else None,
                                              text=request.text if which == "text" else None,
                                              require_cached=request.require_cached)
-        yield from self._stream("GetSourceCache", context, fetch, request.dtype, request.chunk_bytes)
+        yield from self._stream("GetSourceCache", context, fetch, request.dtype, request.chunk_bytes,
+                                request.transport)
 
-    def _stream(self, method: str, context, fetch, dtype: str, chunk_bytes: int):
+    def _stream(self, method: str, context, fetch, dtype: str, chunk_bytes: int, transport: int):
         with self.metrics.observe(method) as outcome:
             tenant = self._tenant(context)
             try:
@@ -244,6 +254,15 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
+            if transport == pb2.SHARED_MEMORY and self.segments is not None:
+                shared = self._publish(method, tenant, kv)
+                if shared is not None:  # one message, no KV in it: the client reads the file and releases it
+                    header.shared.CopyFrom(shared)
+                    header.num_chunks = 0
+                    self.metrics.bytes_streamed.labels(method, "shm").inc(shared.size)
+                    yield pb2.CacheChunk(header=header)
+                    outcome["code"] = "OK"
+                    return
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
             sent = 0
             with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
@@ -268,6 +287,18 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             else:
                 log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for {self.watchdog.idle_s:g} s, "
                          "cancelled" if watched.expired else "client left", sent, len(ranges))
+
+
+    def _publish(self, method: str, tenant: str, kv: torch.Tensor) -> pb2.SharedSegment | None:
+        """kv [L, 2, H, T, D] in a new shared-memory segment of this tenant; None (the fetch streams) when the
+        segments are full or the file cannot be written."""
+        try:
+            segment = self.segments.publish(tenant, kv)
+        except (SegmentsFull, OSError) as exc:
+            log.info("%s: streaming instead of shared memory: %s", method, exc)
+            return None
+        return pb2.SharedSegment(name=segment.name, path=str(segment.path), size=segment.size,
+                                 checksum=segment.checksum, layout=LAYOUT, ttl_s=self.segments.ttl_s)
 
 
 def _upload_of(h: pb2.KVHeader) -> SourceUpload:

@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM: _ClassVar[Transport]
+    SHARED_MEMORY: _ClassVar[Transport]
+STREAM: Transport
+SHARED_MEMORY: Transport
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -159,7 +166,7 @@ class LookupResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class GetProjectedCacheRequest(_message.Message):
-    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes")
+    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes", "transport")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +175,7 @@ class GetProjectedCacheRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     key: str
     text: str
     target_model: str
@@ -176,24 +184,27 @@ class GetProjectedCacheRequest(_message.Message):
     dtype: str
     require_cached: bool
     chunk_bytes: int
-    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class GetSourceCacheRequest(_message.Message):
-    __slots__ = ("key", "text", "dtype", "require_cached", "chunk_bytes")
+    __slots__ = ("key", "text", "dtype", "require_cached", "chunk_bytes", "transport")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     key: str
     text: str
     dtype: str
     require_cached: bool
     chunk_bytes: int
-    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class CacheHeader(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage", "shared")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +220,7 @@ class CacheHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     EXACT_COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     dtype: str
     num_layers: int
@@ -224,7 +236,38 @@ class CacheHeader(_message.Message):
     total_bytes: int
     text: str
     exact_coverage: float
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ...) -> None: ...
+    shared: SharedSegment
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("name", "path", "size", "checksum", "layout", "ttl_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    size: int
+    checksum: str
+    layout: str
+    ttl_s: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ..., layout: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseSegmentRequest(_message.Message):
+    __slots__ = ("name", "read")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    read: bool
+    def __init__(self, name: _Optional[str] = ..., read: _Optional[bool] = ...) -> None: ...
+
+class ReleaseSegmentResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class CacheChunk(_message.Message):
     __slots__ = ("header", "chunk")

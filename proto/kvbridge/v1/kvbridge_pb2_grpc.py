@@ -75,6 +75,11 @@ class KVBridgeStub:
                 request_serializer=kvbridge_dot_v1_dot_kvbridge__pb2.LoadAdapterRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_v1_dot_kvbridge__pb2.AdapterInfo.FromString,
                 _registered_method=True)
+        self.ReleaseSegment = channel.unary_unary(
+                '/kvbridge.v1.KVBridge/ReleaseSegment',
+                request_serializer=kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvbridge.v1.KVBridge/Delete',
                 request_serializer=kvbridge_dot_v1_dot_kvbridge__pb2.DeleteRequest.SerializeToString,
@@ -148,6 +153,14 @@ class KVBridgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSegment(self, request, context):
+        """Done with a shared-memory segment a fetch named (read, or not openable here): the server removes it. A segment
+        never released is removed after its TTL, and at server shutdown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Delete(self, request, context):
         """Delete an entry (and the projected entries derived from it).
         """
@@ -204,6 +217,11 @@ def add_KVBridgeServicer_to_server(servicer, server):
                     servicer.LoadAdapter,
                     request_deserializer=kvbridge_dot_v1_dot_kvbridge__pb2.LoadAdapterRequest.FromString,
                     response_serializer=kvbridge_dot_v1_dot_kvbridge__pb2.AdapterInfo.SerializeToString,
+            ),
+            'ReleaseSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSegment,
+                    request_deserializer=kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentRequest.FromString,
+                    response_serializer=kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -432,6 +450,33 @@ class KVBridge:
             '/kvbridge.v1.KVBridge/LoadAdapter',
             kvbridge_dot_v1_dot_kvbridge__pb2.LoadAdapterRequest.SerializeToString,
             kvbridge_dot_v1_dot_kvbridge__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.v1.KVBridge/ReleaseSegment',
+            kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentRequest.SerializeToString,
+            kvbridge_dot_v1_dot_kvbridge__pb2.ReleaseSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,254 @@
+"""The same-host data plane (issue 16, part 3): KV through a 0600 shared-memory file instead of the gRPC stream.
+
+The file layout and the server's registry are tested alone (a fake clock for the TTL); then a real `kvbridge serve`
+process (the tiny pair) against the project's client and raw grpcio stubs: bit-identical KV to the stream, the
+file's mode, its removal once read and after its TTL, the fallback to the stream, another tenant, and no segment
+left after the server stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server import shm_layout
+from kvbridge.server.client import KVBridgeClient
+from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
+from safetensors.torch import load_file
+
+ALICE = "alice-token-0123456789abcdef0"
+BOB = "bob-token-0123456789abcdef012"
+TEXT = ("Each record holds a name and a value; readers skip the fields they do not know and keep the rest. "
+        "Writers keep the order of the fields they were given, and a reader may stop at any field.")
+TTL_S = 3.0
+
+
+def _kv(dtype=torch.float32, shape=(3, 2, 2, 17, 8)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+# ------------------------------------------------------------------------------------------------ the file
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_segment_maps_back_bit_identical_without_a_copy(tmp_path, dtype):
+    kv = _kv(dtype)
+    path = tmp_path / "seg.safetensors"
+    size, checksum = shm_layout.write(path, kv)
+    assert _mode(path) == 0o600 and path.stat().st_size == size
+    assert checksum == shm_layout.checksum(path.read_bytes())
+    assert torch.equal(load_file(str(path))["kv"], kv)  # a valid safetensors file
+    mapped = shm_layout.map_kv(path, size, checksum, tuple(kv.shape), dtype)
+    assert mapped.dtype == dtype and torch.equal(mapped, kv)
+    # a map, not a copy: a byte written to the file shows in the tensor (its pages are the file's until written)
+    with open(path, "r+b") as f:
+        f.seek(size - kv.element_size())
+        f.write(b"\0" * kv.element_size())
+    assert mapped.reshape(-1)[-1].item() == 0.0
+    path.unlink()
+    assert torch.equal(mapped.reshape(-1)[:-1], kv.reshape(-1)[:-1])  # the map outlives the file
+    mapped[0, 0, 0, 0, 0] = 1.0  # copy-on-write: writable, and the writes stay private
+
+
+def test_a_segment_that_is_not_what_the_header_says_is_refused(tmp_path):
+    kv = _kv()
+    path = tmp_path / "seg.safetensors"
+    size, checksum = shm_layout.write(path, kv)
+    shape = tuple(kv.shape)
+    with pytest.raises(shm_layout.SegmentError, match="bytes, the header says"):
+        shm_layout.map_kv(path, size + 8, checksum, shape, torch.float32)
+    with pytest.raises(shm_layout.SegmentError, match="the fetch's header says"):
+        shm_layout.map_kv(path, size, checksum, (3, 2, 2, 8, 17), torch.float32)
+    with open(path, "r+b") as f:  # one flipped byte in the KV
+        f.seek(size - 1)
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(shm_layout.SegmentError, match="checksum"):
+        shm_layout.map_kv(path, size, checksum, shape, torch.float32)
+    os.chmod(path, 0o644)
+    with pytest.raises(shm_layout.SegmentError, match="mode 0600"):
+        shm_layout.map_kv(path, size, checksum, shape, torch.float32)
+    with pytest.raises(FileExistsError):  # never written over
+        shm_layout.write(path, kv)
+    with pytest.raises(FileNotFoundError):
+        shm_layout.map_kv(tmp_path / "gone.safetensors", size, checksum, shape, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_registry_releases_to_the_owner_only_sweeps_after_the_ttl_and_cleans_up(tmp_path):
+    clock = FakeClock()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20, clock=clock)
+    assert _mode(registry.folder) == 0o700 and registry.folder.name.startswith("kvbridge-")
+    kept = registry.publish("alice", _kv())
+    read = registry.publish("alice", _kv())
+    assert _mode(kept.path) == 0o600 and kept.name != read.name and len(kept.name) >= 32
+    assert registry.release("bob", read.name) is False and read.path.exists()  # another tenant finds nothing
+    assert registry.release("alice", read.name) is True and not read.path.exists()
+    assert registry.release("alice", read.name) is False
+    clock.now = 9.9
+    assert registry.sweep() == 0 and kept.path.exists()
+    clock.now = 10.0
+    assert registry.sweep() == 1 and not kept.path.exists()
+    assert len(registry) == 0 and registry.held_bytes == 0
+    registry.publish("bob", _kv())
+    registry.close()
+    assert not registry.folder.exists()
+
+
+def test_registry_refuses_past_max_bytes_and_gives_the_bytes_back(tmp_path):
+    kv = _kv()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=kv.numel() * 4 + 512)
+    first = registry.publish("alice", kv)
+    with pytest.raises(SegmentsFull):
+        registry.publish("alice", kv)
+    assert registry.held_bytes == first.size and len(list(registry.folder.iterdir())) == 1
+    registry.release("alice", first.name)
+    registry.publish("alice", kv)
+    registry.close()
+
+
+# ------------------------------------------------------------------------------------------------ a real server
+
+
+def _shm_entries() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("kvbridge-*")}
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, tiny_adapter_file):
+    from serveproc import ServeProcess
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    home = tmp_path_factory.mktemp("shm")
+    (home / "tokens").write_text(f"alice {ALICE}\nbob {BOB}\n")
+    (home / "adapters").mkdir()
+    shutil.copy(tiny_adapter_file, home / "adapters" / "tiny-pair.safetensors")
+    before = _shm_entries()
+    proc = ServeProcess(home / "serve", [
+        "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
+        "--adapters", str(home / "adapters"), "--no-selfcheck", "--token-file", str(home / "tokens"),
+        "--shm-ttl-s", str(TTL_S)], env={"KVBRIDGE_HOME": str(home)}, start_timeout_s=240)
+    proc.start()
+    proc.shm_before = before
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def entry_key(serve):
+    with KVBridgeClient(serve.address, token=ALICE) as client:
+        return client.ingest(TEXT).entries[0].key
+
+
+def _raw_fetch(serve, token: str, key: str) -> pb2.CacheHeader:
+    """A projected fetch through shared memory by raw grpcio stubs, never released: the header."""
+    with grpc.insecure_channel(serve.address) as channel:
+        stub = pb2_grpc.KVBridgeStub(channel)
+        messages = list(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(key=key, transport=pb2.SHARED_MEMORY),
+                                               metadata=(("authorization", f"Bearer {token}"),), timeout=60))
+    assert len(messages) == 1 and not messages[0].HasField("chunk")
+    header = messages[0].header
+    assert header.HasField("shared") and header.num_chunks == 0
+    return header
+
+
+def _release(serve, token: str, name: str, read: bool = True) -> bool:
+    with grpc.insecure_channel(serve.address) as channel:
+        return pb2_grpc.KVBridgeStub(channel).ReleaseSegment(
+            pb2.ReleaseSegmentRequest(name=name, read=read), metadata=(("authorization", f"Bearer {token}"),),
+            timeout=30).removed
+
+
+def test_same_host_fetches_are_bit_identical_to_the_stream_and_leave_no_file(serve, entry_key):
+    with KVBridgeClient(serve.address, token=ALICE, transport="auto") as client:  # 127.0.0.1: shared memory
+        for fetch in (client.fetch_projected, client.fetch_source):
+            for dtype in ("", "bfloat16"):
+                streamed = fetch(key=entry_key, dtype=dtype, transport="stream")
+                shared = fetch(key=entry_key, dtype=dtype)
+                assert (streamed.transport, shared.transport) == ("stream", "shared_memory")
+                assert shared.wire_bytes == 0 and shared.num_chunks == 1 and streamed.wire_bytes > 0
+                assert shared.segment.kv.dtype == streamed.segment.kv.dtype
+                assert torch.equal(shared.segment.kv, streamed.segment.kv)
+                assert torch.equal(shared.segment.token_ids, streamed.segment.token_ids)
+                assert torch.equal(shared.segment.positions, streamed.segment.positions)
+                assert (shared.entry_key, shared.source_key, shared.adapter, shared.text) == (
+                    streamed.entry_key, streamed.source_key, streamed.adapter, streamed.text)
+    header = _raw_fetch(serve, ALICE, entry_key)
+    folder = Path(header.shared.path).parent
+    assert _mode(header.shared.path) == 0o600 and _mode(folder) == 0o700
+    assert os.stat(header.shared.path).st_uid == os.geteuid()
+    assert [p.name for p in folder.iterdir()] == [Path(header.shared.path).name]  # the client's were removed
+    assert _release(serve, ALICE, header.shared.name) is True
+    assert not Path(header.shared.path).exists() and not any(folder.iterdir())
+
+
+def test_a_client_that_cannot_open_the_segment_streams_and_the_server_drops_it(serve, entry_key, monkeypatch):
+    tried = []
+
+    def cannot_open(path, *args):
+        tried.append(path)
+        raise PermissionError(13, "Permission denied", path)  # as for a client under another OS user
+
+    with KVBridgeClient(serve.address, token=ALICE, transport="shared_memory") as client:
+        expected = client.fetch_projected(key=entry_key, transport="stream")
+        monkeypatch.setattr(shm_layout, "map_kv", cannot_open)
+        fetched = client.fetch_projected(key=entry_key)
+    assert len(tried) == 1 and fetched.transport == "stream" and fetched.wire_bytes > 0
+    assert torch.equal(fetched.segment.kv, expected.segment.kv)
+    assert not Path(tried[0]).exists()  # released (read=False) before the stream
+
+
+def test_another_tenant_can_neither_release_nor_fetch_the_segment(serve, entry_key):
+    header = _raw_fetch(serve, ALICE, entry_key)
+    path = Path(header.shared.path)
+    assert _release(serve, BOB, header.shared.name) is False and path.exists()
+    assert _release(serve, BOB, path.name) is False and _release(serve, BOB, str(path)) is False  # never a path
+    with grpc.insecure_channel(serve.address) as channel, pytest.raises(grpc.RpcError) as info:
+        list(pb2_grpc.KVBridgeStub(channel).GetProjectedCache(
+            pb2.GetProjectedCacheRequest(key=entry_key, transport=pb2.SHARED_MEMORY),
+            metadata=(("authorization", f"Bearer {BOB}"),), timeout=60))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _release(serve, ALICE, header.shared.name) is True and not path.exists()
+
+
+def test_a_segment_never_released_is_removed_after_its_ttl(serve, entry_key):
+    header = _raw_fetch(serve, ALICE, entry_key)
+    assert header.shared.ttl_s == TTL_S
+    path = Path(header.shared.path)
+    deadline = time.monotonic() + TTL_S + 30  # the server's own sweeper, a real process: its clock is real time
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not path.exists()
+    assert _release(serve, ALICE, header.shared.name) is False
+
+
+def test_no_segment_is_left_after_the_server_stops(serve, entry_key):
+    """Last in this file: it stops the module's server, with a segment never released."""
+    header = _raw_fetch(serve, ALICE, entry_key)
+    assert Path(header.shared.path).exists()
+    assert serve.stop() == 0
+    assert not Path(header.shared.path).parent.exists()
+    assert _shm_entries() <= serve.shm_before
