@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.parse
 
 import grpc
 import torch
@@ -12,6 +13,7 @@ from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.admission import IdleWatchdog, StreamSlots, TooManyStreams
 from kvbridge.server.auth import Authenticator
 from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
+from kvbridge.server.config import is_loopback
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import clip_details
@@ -254,7 +256,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
-            if transport == pb2.SHARED_MEMORY and self.segments is not None:
+            if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
                 shared = self._publish(method, tenant, kv)
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
                     header.shared.CopyFrom(shared)
@@ -299,6 +301,17 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             return None
         return pb2.SharedSegment(name=segment.name, path=str(segment.path), size=segment.size,
                                  checksum=segment.checksum, layout=LAYOUT, ttl_s=self.segments.ttl_s)
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a call comes from this host (grpc's peer string: a loopback address or a unix socket): only such a
+    client can open a shared-memory segment, so no other is given one (a remote one could only fill /dev/shm)."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")  # grpc writes ipv6:%5B::1%5D:PORT
+    if kind == "unix":
+        return True
+    host = rest.rpartition(":")[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    host = host.split("%")[0].lower().removeprefix("::ffff:")  # no zone; an IPv4-mapped address as IPv4
+    return is_loopback(host) if host else False
 
 
 def _upload_of(h: pb2.KVHeader) -> SourceUpload:

@@ -7,13 +7,18 @@ Invariants:
   OS user (and root) can list or open them. Same host therefore means same OS user, or a trusted one.
 - a segment's name (secrets.token_urlsafe) is told only to the tenant whose fetch made it; `release` by any other
   tenant finds nothing. Names from clients are looked up, never used as paths.
+- while the server lives, its folder holds `.lock`, flock-ed by it (the kernel drops the lock when the process dies,
+  SIGKILL included): a new registry removes the folders under its root whose `.lock` it can take (left by a server
+  that was killed), and no other.
 - `held_bytes` is the sum of the live segments' sizes and never exceeds max_bytes: a fetch that would pass it is
   streamed instead (SegmentsFull).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import secrets
 import shutil
 import tempfile
@@ -50,7 +55,9 @@ class SegmentRegistry:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.clock = clock
-        self.folder = Path(tempfile.mkdtemp(prefix="kvbridge-", dir=root))  # 0700, random name
+        remove_stale_folders(root)
+        self.folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root))  # 0700, random name
+        self._lock_fd = _hold_lock(self.folder)
         self.held_bytes = 0
         self._live: dict[str, Segment] = {}
         self._lock = threading.Lock()
@@ -127,3 +134,45 @@ class SegmentRegistry:
             for segment in list(self._live.values()):
                 self._drop(segment)
         shutil.rmtree(self.folder, ignore_errors=True)
+        os.close(self._lock_fd)
+
+
+FOLDER_PREFIX = "kvbridge-"
+LOCK_NAME = ".lock"
+
+
+def _hold_lock(folder: Path) -> int:
+    """Create folder/.lock already locked (made under another name, locked, then renamed: a folder whose `.lock`
+    exists is never taken for a dead server's); the open descriptor, held for the server's life."""
+    making = folder / f"{LOCK_NAME}.new"
+    fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(making, folder / LOCK_NAME)
+    return fd
+
+
+def remove_stale_folders(root: str | Path) -> list[Path]:
+    """Remove the segment folders under root left by servers that died without closing (their `.lock` is free);
+    the folders removed. Files and folders without a `.lock` (another program's, or a server still starting) are
+    left alone."""
+    removed = []
+    for folder in Path(root).glob(f"{FOLDER_PREFIX}*"):
+        lock = folder / LOCK_NAME
+        try:
+            if folder.is_symlink() or not folder.is_dir() or folder.stat().st_uid != os.geteuid():
+                continue
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live server holds it
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+        removed.append(folder)
+    if removed:
+        log.warning("removed %d shared-memory folder(s) left by a server that did not stop cleanly: %s", len(removed),
+                    ", ".join(map(str, removed)))
+    return removed

@@ -123,10 +123,36 @@ def test_registry_refuses_past_max_bytes_and_gives_the_bytes_back(tmp_path):
     first = registry.publish("alice", kv)
     with pytest.raises(SegmentsFull):
         registry.publish("alice", kv)
-    assert registry.held_bytes == first.size and len(list(registry.folder.iterdir())) == 1
+    assert registry.held_bytes == first.size and len(list(registry.folder.glob("*.safetensors"))) == 1
     registry.release("alice", first.name)
     registry.publish("alice", kv)
     registry.close()
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("ipv4:127.0.0.1:50051", True), ("ipv6:%5B::1%5D:50051", True), ("unix:/run/kvbridge.sock", True),
+    ("ipv6:%5B::ffff:127.0.0.1%5D:5", True), ("ipv4:10.0.0.3:50051", False), ("ipv6:%5B2001:db8::1%5D:80", False),
+    ("ipv6:%5B::ffff:10.1.1.1%5D:5", False), ("", False)])
+def test_only_callers_on_this_host_are_offered_a_segment(peer, local):
+    from kvbridge.server.servicer import is_local_peer
+
+    assert is_local_peer(peer) is local
+
+
+def test_a_new_registry_removes_the_folders_of_dead_servers_only(tmp_path):
+    from kvbridge.server.shm_segments import remove_stale_folders
+
+    live = SegmentRegistry(tmp_path)
+    dead = SegmentRegistry(tmp_path)
+    dead.publish("alice", _kv())
+    os.close(dead._lock_fd)  # as when its process is killed: the kernel drops the lock, the files stay
+    (tmp_path / "kvbridge-other.safetensors").write_bytes(b"x")  # not a folder: not ours (the vLLM hand-off's)
+    (tmp_path / "kvbridge-starting").mkdir()  # no .lock yet
+    assert remove_stale_folders(tmp_path) == [dead.folder]
+    assert live.folder.exists() and (tmp_path / "kvbridge-other.safetensors").exists()
+    assert (tmp_path / "kvbridge-starting").exists()
+    live.close()
+    assert not live.folder.exists()
 
 
 # ------------------------------------------------------------------------------------------------ a real server
@@ -200,9 +226,9 @@ def test_same_host_fetches_are_bit_identical_to_the_stream_and_leave_no_file(ser
     folder = Path(header.shared.path).parent
     assert _mode(header.shared.path) == 0o600 and _mode(folder) == 0o700
     assert os.stat(header.shared.path).st_uid == os.geteuid()
-    assert [p.name for p in folder.iterdir()] == [Path(header.shared.path).name]  # the client's were removed
+    assert [p.name for p in folder.glob("*.safetensors")] == [Path(header.shared.path).name]  # the client's went
     assert _release(serve, ALICE, header.shared.name) is True
-    assert not Path(header.shared.path).exists() and not any(folder.iterdir())
+    assert not Path(header.shared.path).exists() and not any(folder.glob("*.safetensors"))
 
 
 def test_a_client_that_cannot_open_the_segment_streams_and_the_server_drops_it(serve, entry_key, monkeypatch):
@@ -245,10 +271,21 @@ def test_a_segment_never_released_is_removed_after_its_ttl(serve, entry_key):
     assert _release(serve, ALICE, header.shared.name) is False
 
 
-def test_no_segment_is_left_after_the_server_stops(serve, entry_key):
-    """Last in this file: it stops the module's server, with a segment never released."""
+def test_no_segment_is_left_after_the_server_stops_or_is_killed_and_restarted(serve, entry_key):
+    """Last in this file: it stops the module's server, with a segment never released; then kills it (SIGKILL leaves
+    the folder) and starts it again (the new server removes the dead one's folder)."""
     header = _raw_fetch(serve, ALICE, entry_key)
     assert Path(header.shared.path).exists()
     assert serve.stop() == 0
     assert not Path(header.shared.path).parent.exists()
+    assert _shm_entries() <= serve.shm_before
+    serve.start()
+    with KVBridgeClient(serve.address, token=ALICE) as client:
+        key = client.ingest(TEXT).entries[0].key
+    killed = Path(_raw_fetch(serve, ALICE, key).shared.path)
+    serve.kill()
+    assert killed.exists()
+    serve.start()
+    assert not killed.parent.exists()
+    assert serve.stop() == 0
     assert _shm_entries() <= serve.shm_before
