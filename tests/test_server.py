@@ -181,6 +181,28 @@ def test_bfloat16_on_the_wire(alice):
     assert torch.equal(half.segment.kv, full.segment.kv.to(torch.bfloat16))
 
 
+def test_a_bfloat16_target_gets_bfloat16_on_the_wire_by_default(tmp_path):
+    """The wire dtype defaults to the target's own (issue 16, part 4): a target run in bf16 streams half the bytes,
+    and a same-host fetch maps the same bf16 KV."""
+    from kvbridge.adapters.identity import identity_adapter
+    from kvbridge.transfer.tiny_pair import tiny_target
+
+    target = tiny_target(device="cpu", dtype="bfloat16")
+    running = _start(target, [target], tmp_path, tokens=None, selfcheck=False)  # its RoPE checks are float32-tight
+    running.service.adapters.add("identity", identity_adapter(target), make_default=True)
+    try:
+        with KVBridgeClient(running.address) as client:
+            text = _text(2)
+            default = client.fetch_projected(text=text)
+            wide = client.fetch_projected(text=text, dtype="float32")
+            shared = client.fetch_projected(text=text, transport="shared_memory")
+        assert default.dtype == "bfloat16" and abs(default.wire_bytes * 2 / wide.wire_bytes - 1) < 0.01
+        assert shared.transport == "shared_memory" and shared.dtype == "bfloat16"
+        assert torch.equal(shared.segment.kv, default.segment.kv)
+    finally:
+        running.stop(1)
+
+
 # ------------------------------------------------------------------------------------------------ uploads
 
 
