@@ -174,6 +174,7 @@ class KVBridgeClient:
         try:
             if s.layout != shm_layout.LAYOUT:
                 raise shm_layout.SegmentError(f"layout {s.layout!r} is not {shm_layout.LAYOUT!r}")
+            shm_layout.check_path(s.path, s.name)
             kv = shm_layout.map_kv(s.path, s.size, s.checksum, shape, wire_dtype(header.dtype))
         except OSError as exc:
             log.info("%s: shared-memory segment not readable here (%s); fetching by stream", method, exc)

@@ -14,6 +14,7 @@ import mmap
 import os
 import stat
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,6 +78,15 @@ def write(path: str | os.PathLike, kv: torch.Tensor) -> tuple[int, str]:
 def _write_all(fd: int, view: memoryview) -> None:
     while len(view):
         view = view[os.write(fd, view):]
+
+
+def check_path(path: str, name: str) -> None:
+    """SegmentError unless `path` is where a kvbridge server puts a segment named `name`
+    (/ROOT/kvbridge-*/NAME.safetensors, absolute, no `..`): a client opens nothing else a server names."""
+    p = Path(path)
+    if not (p.is_absolute() and ".." not in p.parts and p.name == f"{name}.safetensors" and name
+            and p.parent.name.startswith("kvbridge-")):
+        raise SegmentError(f"{path!r} is not a kvbridge segment path (ROOT/kvbridge-*/NAME.safetensors)")
 
 
 def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tuple[int, ...],

@@ -86,6 +86,15 @@ def test_a_segment_that_is_not_what_the_header_says_is_refused(tmp_path):
         shm_layout.map_kv(tmp_path / "gone.safetensors", size, checksum, shape, torch.float32)
 
 
+@pytest.mark.parametrize("path, name", [
+    ("/etc/passwd", "passwd"), ("/dev/shm/kvbridge-ab/x.safetensors", "y"), ("kvbridge-ab/x.safetensors", "x"),
+    ("/dev/shm/kvbridge-ab/../x.safetensors", "x"), ("/home/u/x.safetensors", "x"), ("/dev/shm/kvbridge-ab/", "")])
+def test_a_client_opens_only_paths_shaped_like_a_segment(path, name):
+    with pytest.raises(shm_layout.SegmentError):
+        shm_layout.check_path(path, name)
+    shm_layout.check_path("/dev/shm/kvbridge-ab12/Zx-9_q.safetensors", "Zx-9_q")
+
+
 # ------------------------------------------------------------------------------------------------ the registry
 
 
