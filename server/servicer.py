@@ -167,9 +167,10 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     info, start = self.service.put_source(tenant, upload, kv)
                 return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
             except Exception as exc:
-                if isinstance(exc, grpc.RpcError) or not context.is_active():
+                if isinstance(exc, grpc.RpcError) or not context.is_active() or (watched and watched.expired):
                     # the client went away mid-upload (grpc may end its iterator like a normal half-close), or the
-                    # watchdog ended an idle one: one line, and an abort (a returned None would be serialised)
+                    # watchdog ended an idle one (its iterator too may end before the context reads as inactive):
+                    # one line, and an abort (a returned None would be serialised)
                     outcome["code"] = "CANCELLED"
                     why = (f"no message for {self.watchdog.idle_s:g} s, cancelled" if watched and watched.expired
                            else "stream broken by the client")

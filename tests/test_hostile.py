@@ -214,11 +214,14 @@ def test_an_idle_upload_is_cancelled_by_the_watchdog(tmp_path, tiny_source, tiny
                 with pytest.raises(grpc.RpcError) as info:
                     upload.result(timeout=30)
                 assert info.value.code() == grpc.StatusCode.CANCELLED
-                while running.watchdog.watching:
+                def lines():
+                    return [r.getMessage() for r in caplog.records if "PutSourceKV" in r.getMessage()]
+
+                # the servicer logs once it has left the watch (and freed the slot): wait for both
+                while running.watchdog.watching or not lines():
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
-            lines = [r.getMessage() for r in caplog.records if "PutSourceKV" in r.getMessage()]
-            assert lines == ["PutSourceKV: no message for 60 s, cancelled; nothing stored"], lines
+            assert lines() == ["PutSourceKV: no message for 60 s, cancelled; nothing stored"], lines()
             # the slot is free again: the next upload (a real one) is taken
             upload = stub.PutSourceKV.future(iter([pb2.PutSourceKVRequest(header=header)]), metadata=_md(ALICE),
                                              timeout=30)
