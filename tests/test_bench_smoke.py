@@ -68,6 +68,8 @@ def test_bench_grpc_quick_runs_and_prints_every_benchmark():
     stream = [line for line in lines if line.split(" ", 1)[0] == "stream"]
     assert any("ratio" in line and "goal" in line for line in stream), f"no stream ratio and goal in:\n{out}"
     assert any("server in its own process" in line for line in stream), f"not the deployed layout:\n{out}"
+    shm = [line for line in lines if line.split(" ", 1)[0] == "shm"]
+    assert len(shm) == 1 and "ratio memcpy/shm" in shm[0] and "goal >= 0.8" in shm[0], f"no shm line in:\n{out}"
     wire = [line for line in lines if line.split(" ", 1)[0] == "wire"]
     assert any("measured" in line and "ratio" in line for line in wire), f"no measured wire ratio in:\n{out}"
     assert lines[-1].startswith("done in "), out
