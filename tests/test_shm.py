@@ -269,6 +269,22 @@ def test_another_tenant_can_neither_release_nor_fetch_the_segment(serve, entry_k
     assert _release(serve, ALICE, header.shared.name) is True and not path.exists()
 
 
+def test_another_os_user_can_neither_list_nor_open_a_segment(serve, entry_key):
+    """The folder (0700) and the file (0600) belong to the server's user: `nobody` gets EACCES on both. Needs root
+    to switch users (util-linux setpriv), as the test machines run."""
+    import subprocess
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("switching to another OS user needs root and setpriv")
+    header = _raw_fetch(serve, ALICE, entry_key)
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    for cmd in (["cat", header.shared.path], ["ls", str(Path(header.shared.path).parent)]):
+        done = subprocess.run([*as_nobody, *cmd], capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode != 0 and "Permission denied" in done.stderr, (cmd, done.stderr)
+    assert _release(serve, ALICE, header.shared.name) is True
+
+
 def test_a_segment_never_released_is_removed_after_its_ttl(serve, entry_key):
     header = _raw_fetch(serve, ALICE, entry_key)
     assert header.shared.ttl_s == TTL_S
