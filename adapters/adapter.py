@@ -120,10 +120,13 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
     """
     work = torch.float32 if accumulate_fp32 else xk.dtype
     out = []
+    ls, t, d_s = xk.shape
     for x, mix, w, b in ((xk, adapter.mix_k, adapter.wk, adapter.bk), (xv, adapter.mix_v, adapter.wv, adapter.bv)):
-        x = x.to(work)
-        sel = x[adapter.layer_map]  # [L_t, k, T, d_s]
-        mixed = torch.einsum("lk,lktd->ltd", mix.to(work), sel)  # [L_t, T, d_s]
+        # The convex mix as one dense [L_t, L_s] matmul: gathering [L_t, k, T, d_s] copies k times the input and
+        # cost most of the projection's time.
+        dense = torch.zeros(adapter.layer_map.shape[0], ls, dtype=work, device=x.device)
+        dense.scatter_add_(1, adapter.layer_map.to(x.device), mix.to(device=x.device, dtype=work))
+        mixed = (dense @ x.to(work).reshape(ls, t * d_s)).reshape(-1, t, d_s)  # [L_t, T, d_s]
         out.append(torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work)))  # [L_t, T, d_t]
     return out[0], out[1]
 
