@@ -111,6 +111,16 @@ def has_text_source(kind: torch.Tensor) -> torch.Tensor:
     return (kind == AlignKind.EXACT) | (kind == AlignKind.FALLBACK)
 
 
+def mix_layers(x: torch.Tensor, layer_map: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """The convex mix of source layers per target layer: x [L_s, T, d] (layer_map [L_t, k], mix [L_t, k]) ->
+    [L_t, T, d], as one dense [L_t, L_s] matmul (gathering [L_t, k, T, d] copied k times the input and cost most of
+    a projection's time)."""
+    ls, t, d = x.shape
+    dense = torch.zeros(layer_map.shape[0], ls, dtype=x.dtype, device=x.device)
+    dense.scatter_add_(1, layer_map.to(x.device), mix.to(device=x.device, dtype=x.dtype))
+    return (dense @ x.reshape(ls, t * d)).reshape(-1, t, d)
+
+
 def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The linear part, batched over target layers.
@@ -120,13 +130,8 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
     """
     work = torch.float32 if accumulate_fp32 else xk.dtype
     out = []
-    ls, t, d_s = xk.shape
     for x, mix, w, b in ((xk, adapter.mix_k, adapter.wk, adapter.bk), (xv, adapter.mix_v, adapter.wv, adapter.bv)):
-        # The convex mix as one dense [L_t, L_s] matmul: gathering [L_t, k, T, d_s] copies k times the input and
-        # cost most of the projection's time.
-        dense = torch.zeros(adapter.layer_map.shape[0], ls, dtype=work, device=x.device)
-        dense.scatter_add_(1, adapter.layer_map.to(x.device), mix.to(device=x.device, dtype=work))
-        mixed = (dense @ x.to(work).reshape(ls, t * d_s)).reshape(-1, t, d_s)  # [L_t, T, d_s]
+        mixed = mix_layers(x.to(work), adapter.layer_map, mix.to(work))  # [L_t, T, d_s]
         out.append(torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work)))  # [L_t, T, d_t]
     return out[0], out[1]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvbridge.adapters.adapter import Adapter, AdapterMeta, has_text_source
+from kvbridge.adapters.adapter import Adapter, AdapterMeta, has_text_source, mix_layers
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.pairs import pair_text
 from kvbridge.adapters.residual import whitening
@@ -97,8 +97,7 @@ class FuserMaps(nn.Module):
                    config)
 
     def mixed(self, x: torch.Tensor, m: str) -> torch.Tensor:
-        sel = x.float()[self.layer_map]  # [L_s, T, d_s] -> [L_t, k, T, d_s]
-        return torch.einsum("lk,lktd->ltd", getattr(self, f"mix_{m}"), sel)
+        return mix_layers(x.float(), self.layer_map, getattr(self, f"mix_{m}"))  # [L_s, T, d_s] -> [L_t, T, d_s]
 
     def residual(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """xk, xv: [L_s, T, d_s] -> the residuals [L_t, T, d_t] (keys un-rotated); zero where x is zero."""

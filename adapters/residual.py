@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.adapter import Adapter, mix_layers
 from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, mixing_matrix, solve_layer
 from torch import nn
 
@@ -95,9 +95,7 @@ class ResidualMaps(nn.Module):
                 setattr(self, f"gate_{m}", nn.Parameter(torch.ones(lt, self.num_heads)))
 
     def mixed(self, x: torch.Tensor, m: str) -> torch.Tensor:
-        # x: [L_s, T, d_s] -> [L_t, T, d_s]
-        sel = x.float()[self.layer_map]  # [L_t, k, T, d_s]
-        return torch.einsum("lk,lktd->ltd", getattr(self, f"mix_{m}"), sel)
+        return mix_layers(x.float(), self.layer_map, getattr(self, f"mix_{m}"))  # [L_s, T, d_s] -> [L_t, T, d_s]
 
     def forward(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """xk, xv: [L_s, T, d_s] (as `adapter.map_tokens` takes) -> yk, yv: [L_t, T, d_t] un-rotated."""
