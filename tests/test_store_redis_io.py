@@ -134,3 +134,27 @@ def test_a_forged_entry_record_is_ignored(redis_url):
     with pytest.raises(NotFound):
         other.get(info.key, "t")
     assert other.keys("t") == [] and other.check() == []
+
+
+def test_a_deleted_entry_is_not_adopted_back_while_its_forget_waits_to_be_sent(redis_url):
+    """Delete returns while another thread is still sending the queued Redis writes (its own "forget" among them);
+    a get or lookup of the key right after must not adopt the entry back from its record, still in Redis. (Found
+    by bench/load_test.py: GetSourceCache answered a key just deleted, and the entry stayed.)"""
+    store = _sharing(redis_url)
+    a = _seg(0, 40)
+    key = store.put(a, "t", text="forty tokens").key  # record and blocks written through
+    assert store._sending.acquire(timeout=30)  # another thread is sending: Delete leaves its writes queued
+    try:
+        assert store.delete(key, "t") == 1
+        assert store.residency.outbox  # the forget has not been sent yet
+        with pytest.raises(NotFound):
+            store.get(key, "t")
+        assert store.lookup(torch.arange(0, 40), "t", M, torch.float32).key is None
+        assert store.keys("t") == []
+    finally:
+        store._sending.release()
+    store.delete("0" * 32, "t")  # any public call sends what is queued
+    assert not store.residency.outbox and store.redis.get_entries([key]) == {}
+    with pytest.raises(NotFound):
+        _sharing(redis_url).get(key, "t")  # another replica: gone too
+    assert store.keys("t") == [] and store.check() == []

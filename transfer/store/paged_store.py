@@ -25,6 +25,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -87,6 +88,8 @@ class PagedStore:
         self._listeners: list[Callable[[str, str, str], None]] = []
         self._lock = threading.RLock()
         self._sending = threading.Lock()  # one thread sends the queued Redis writes at a time
+        # keys whose "forget" is queued or being sent: their records may still be in Redis, never adopted back
+        self._forgetting: Counter[str] = Counter()
 
     def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
         """Call listener(key, tenant, reason) whenever an entry leaves the store; reason is "deleted", "expired" or
@@ -162,6 +165,7 @@ class PagedStore:
                 reason == "deleted" or (reason == "lost" and self.redis.stats.available)):
             # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
             self.residency.outbox.append(("forget", [entry.key]))
+            self._forgetting[entry.key] += 1
         for listener in self._listeners:
             listener(entry.key, entry.namespace.tenant, reason)
 
@@ -240,6 +244,8 @@ class PagedStore:
                         continue
                     if op == "forget":
                         residency.redis.delete_entries(items)
+                        with self._lock:
+                            self._forgetting -= Counter(items)
                         continue
                     sent = residency.redis.put_many(items)
                     with self._lock:
@@ -258,7 +264,7 @@ class PagedStore:
         left there, adopted; NotFound when there is none. Raises NeedRemote to have the record fetched."""
         entry = self.registry.get(key) if isinstance(key, str) else None
         if entry is None and self.config.share_entries and self.redis is not None and isinstance(key, str) \
-                and _ENTRY_KEY.fullmatch(key):
+                and _ENTRY_KEY.fullmatch(key) and key not in self._forgetting:
             slot = ("entry", key)
             if slot not in prefetched:
                 raise NeedRemote([], "", entries=[key])
@@ -485,7 +491,7 @@ class PagedStore:
         key = content_key(ns.digest(), kind, token_ids)
         if self.config.share_entries and self.redis is not None:  # an entry another replica stored?
             with self._lock:
-                local = self.registry.get(key) is not None
+                local = self.registry.get(key) is not None or key in self._forgetting  # being deleted: no record
             records = {} if local else self.redis.get_entries([key])  # no lock held
             if records:
                 with self._lock:
