@@ -1,13 +1,17 @@
 """Prometheus metrics of a server: requests by method and status, latencies, bytes streamed, and the store's
-hits, misses, evictions and bytes per tier (read from the store when scraped). Each server has its own registry."""
+hits, misses, evictions, bytes per tier and invariant violations (read from the store when scraped). Each server has
+its own registry."""
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -32,6 +36,13 @@ class StoreCollector:
         yield used
         yield cap
         yield GaugeMetricFamily("kvbridge_store_entries", "entries stored", value=s.entries)
+        # store.check() walks every block and entry under the store's lock: a few ms per thousand blocks
+        problems = self.store.check()
+        if problems:
+            log.error("store check: %d violated invariants, first: %s", len(problems), problems[:3])
+        yield GaugeMetricFamily("kvbridge_store_check_problems",
+                                "invariants the store violates now (store.check(); 0 when consistent)",
+                                value=len(problems))
         if s.redis is not None:
             yield GaugeMetricFamily("kvbridge_store_redis_up", "1 when the Redis tier answers",
                                     value=1 if s.redis.get("available") else 0)

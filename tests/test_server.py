@@ -428,6 +428,7 @@ def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
     assert 'kvbridge_request_seconds_bucket{le="0.001",method="Ingest"}' in body
     assert 'kvbridge_streamed_bytes_total{direction="out",method="GetProjectedCache"}' in body
     assert 'kvbridge_store_bytes{tier="device"}' in body and "kvbridge_store_hits_total" in body
+    assert "\nkvbridge_store_check_problems 0.0\n" in body  # store.check() on every scrape: consistent
 
 
 def test_client_retries_unavailable_with_backoff_then_reports_it(monkeypatch):
