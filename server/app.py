@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -337,8 +338,11 @@ def serve(config: ServeConfig, ready_file: str | None = None) -> int:
     print(f"kvbridge serving on {running.address}" +
           (f", metrics on port {running.metrics_port}" if running.metrics_port else ""), flush=True)
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"address": running.address, "port": running.port,
-                                                "metrics_port": running.metrics_port}))
+        # written beside it, then renamed: a watcher that sees the file sees all of it
+        partial = Path(f"{ready_file}.partial")
+        partial.write_text(json.dumps({"address": running.address, "port": running.port,
+                                       "metrics_port": running.metrics_port}))
+        os.replace(partial, ready_file)
     done = threading.Event()
 
     def on_signal(signum, frame):
