@@ -158,3 +158,31 @@ def test_a_deleted_entry_is_not_adopted_back_while_its_forget_waits_to_be_sent(r
     with pytest.raises(NotFound):
         _sharing(redis_url).get(key, "t")  # another replica: gone too
     assert store.keys("t") == [] and store.check() == []
+
+
+def test_a_delete_reaches_entries_only_redis_holds_and_what_derives_from_them(redis_url):
+    """A replica that never held an entry (or a server restarted on the same Redis) deletes it, and the entries
+    derived from it, from Redis too: Delete counts them, and no record or block of theirs is left. (Found by
+    bench/load_test.py: projections made before a restart stayed in Redis after their sources were deleted.)"""
+    import redis
+
+    def sharing() -> PagedStore:  # room for the source's layout and the projection's
+        return PagedStore(StoreConfig(capacity_bytes=256 * BLOCK_BYTES, max_layouts=2, redis_url=redis_url,
+                                      device="cpu", share_entries=True))
+
+    first, second = sharing(), sharing()
+    source = first.put(_seg(0, 40), "t", text="forty tokens").key
+    target = KVSegment(kv=torch.randn(3, 2, 2, 40, 8), token_ids=torch.arange(500, 540), positions=torch.arange(40),
+                       model=ModelIdentity("model-p", "p" * 64), rotated=True)
+    projection = first.put(target, "t", adapter="a", source_key=source).key
+    other = first.put(_seg(7000, 24), "t").key
+    assert second.delete(other, "u") == 0  # another tenant's key: nothing, and nothing adopted
+    assert second.delete(other, "t") == 1  # never read by the second: found in Redis all the same
+    assert second.delete(source, "t") == 2  # the source and the projection made by the first
+    client = redis.Redis.from_url(redis_url)
+    assert client.dbsize() == 0, sorted(client.scan_iter(count=1000))[:10]
+    third = sharing()
+    for key in (source, projection, other):
+        with pytest.raises(NotFound):
+            third.get(key, "t")
+    assert second.keys("t") == [] and second.check() == [] and third.check() == []

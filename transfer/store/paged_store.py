@@ -274,6 +274,25 @@ class PagedStore:
             raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
         return entry
 
+    def _adopt_family(self, key: str, tenant: str) -> None:
+        """Entries shared through Redis: adopt the records of `key` and of the entries derived from it
+        (transitively) that this replica does not hold, so that a Delete finds them and removes them from Redis
+        too (another replica, or this server before a restart, may have made them). No lock held on Redis."""
+        if not (self.config.share_entries and self.redis is not None):
+            return
+        todo, seen = [key], set()
+        while todo:
+            seen.update(todo)
+            with self._lock:
+                missing = [k for k in todo if self.registry.get(k) is None and k not in self._forgetting]
+            records = self.redis.get_entries(missing)
+            derived = self.redis.derived_entries(todo)
+            with self._lock:
+                for k, blob in records.items():
+                    if k not in self._forgetting:
+                        self._adopt(blob, tenant)
+            todo = [d for d in derived if d not in seen and _ENTRY_KEY.fullmatch(d)]
+
     def _adopt(self, blob: bytes, tenant: str) -> Entry | None:
         """Register an entry another replica stored, from its record; its blocks come from Redis when read. None
         when the record is another tenant's, or does not check out (its key is recomputed from its contents)."""
@@ -325,7 +344,7 @@ class PagedStore:
         if new:
             data = pool.read_blocks(torch.tensor([i for _, i in new])).to("cpu")
             self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
-        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry))]))
+        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry), entry.source_key)]))
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
         """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
@@ -578,6 +597,8 @@ class PagedStore:
         every block only they used, from every tier. Returns how many entries went: 0 if there was nothing.
         if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
         one's own put without taking an entry someone else stored or used since)."""
+        if if_generation is None and isinstance(key, str) and _ENTRY_KEY.fullmatch(key):
+            self._adopt_family(key, tenant)
         with self._lock:
             entry = self.registry.get(key) if isinstance(key, str) else None
             if entry is not None and entry.namespace.tenant != tenant:

@@ -128,6 +128,7 @@ class RedisTier:
 
     PREFIX = b"kvbridge:blk:"
     ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
+    DERIVED_PREFIX = b"kvbridge:derived:"  # a set per source entry: the keys of the entries derived from it
 
     def __init__(self, url: str, ttl_s: int = 3600, retry_s: float = 2.0, timeout_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic):
@@ -243,14 +244,18 @@ class RedisTier:
             return
         self._ok()
 
-    def put_entries(self, items: list[tuple[str, bytes]]) -> bool:
-        """SET with TTL for each (entry key, record). False when the tier is down."""
+    def put_entries(self, items: list[tuple[str, bytes, str | None]]) -> bool:
+        """SET with TTL for each (entry key, record, source entry key or None), and the key added to its source's
+        derived set. False when the tier is down."""
         if not items or not self._usable():
             return False if items else True
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key, record in items:
+            for key, record, source_key in items:
                 pipe.set(self.ENTRY_PREFIX + key.encode(), record, ex=self.ttl_s)
+                if source_key is not None:
+                    pipe.sadd(self.DERIVED_PREFIX + source_key.encode(), key)
+                    pipe.expire(self.DERIVED_PREFIX + source_key.encode(), self.ttl_s)
             pipe.execute()
         except self._errors as exc:
             self._failed(exc)
@@ -270,11 +275,28 @@ class RedisTier:
         self._ok()
         return {k: b for k, b in zip(keys, blobs) if b is not None}
 
+    def derived_entries(self, keys: list[str]) -> list[str]:
+        """The keys of the entries recorded as derived from these (none when the tier is down)."""
+        if not keys or not self._usable():
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.smembers(self.DERIVED_PREFIX + k.encode())
+            sets = pipe.execute()
+        except self._errors as exc:
+            self._failed(exc)
+            return []
+        self._ok()
+        return sorted({m.decode() for members in sets for m in members})
+
     def delete_entries(self, keys: list[str]) -> None:
+        """The records of these entries, and their derived sets."""
         if not keys or not self._usable():
             return
         try:
-            self._client.delete(*[self.ENTRY_PREFIX + k.encode() for k in keys])
+            self._client.delete(*[prefix + k.encode() for k in keys
+                                  for prefix in (self.ENTRY_PREFIX, self.DERIVED_PREFIX)])
         except self._errors as exc:
             self._failed(exc)
             return
