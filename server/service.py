@@ -16,6 +16,7 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from kvbridge.adapters.adapter import Adapter, project
@@ -87,6 +88,16 @@ class SourceUpload:
     kind: str  # "prefix" or "segment"
     ttl_s: float | None = None
     pin: bool = False
+
+
+class KVOut(Protocol):
+    """Where a fetch may write its KV straight away (a same-host shared-memory segment) instead of a new tensor."""
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill; None: make a tensor as usual."""
+
+    def written(self, start: int, end: int) -> None:
+        """Layers [start, end) of the buffer are final (they are written in order)."""
 
 
 @dataclass(frozen=True)
@@ -388,16 +399,19 @@ class KVBridgeService:
                           target_offsets=tgt.offsets)
 
     def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
-                        adapter: str = "", offset: int = 0, require_cached: bool = False) -> CacheResult:
+                        adapter: str = "", offset: int = 0, require_cached: bool = False,
+                        out: KVOut | None = None) -> CacheResult:
         """The source entry projected into the target's KV space, at target positions offset.. (cached in the
-        store at positions 0.. under the adapter's namespace, shifted by RoPE for other offsets)."""
+        store at positions 0.. under the adapter's namespace, shifted by RoPE for other offsets). A warm fetch at
+        offset 0 gathers the stored projection straight into `out`'s buffer when it offers one."""
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         target = self.model(target_model, "target")
         source = self.models[self.source_name]
         label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
         source_key = key or self._cached_source_key(tenant, text)
-        warm = self._cached_projection(tenant, source_key, label, target) if source_key else None
+        warm = self._cached_projection(tenant, source_key, label, target, None if offset else out) \
+            if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             self._count("projection", reused=projected.num_tokens)
@@ -484,14 +498,19 @@ class KVBridgeService:
                 key = self.store.lookup(alone, tenant, spec.identity, spec.dtype, kind="segment").key
         return key
 
-    def _cached_projection(self, tenant: str, source_key: str, label: str, target: ServedModel
-                           ) -> tuple[EntryInfo, KVSegment] | None:
-        """The projection of this source entry through this adapter into this target, when the store has it."""
-        namespace, model = f"{label}#{source_key}", target.lm.spec.identity.key
+    def _cached_projection(self, tenant: str, source_key: str, label: str, target: ServedModel,
+                           out: KVOut | None = None) -> tuple[EntryInfo, KVSegment] | None:
+        """The projection of this source entry through this adapter into this target, when the store has it
+        (gathered into out's buffer when it offers one)."""
+        namespace, spec = f"{label}#{source_key}", target.lm.spec
         for info in self.store.derived(source_key, tenant):
-            if info.adapter == namespace and info.model == model:
+            if info.adapter == namespace and info.model == spec.identity.key:
+                shape = (spec.num_layers, 2, spec.num_kv_heads, info.num_tokens, spec.head_dim)
+                buffer = out.tensor(shape, getattr(torch, spec.dtype)) \
+                    if out is not None and self.store.device.type == "cpu" else None
                 try:
-                    return info, self.store.get(info.key, tenant)
+                    return info, self.store.get(info.key, tenant, out=buffer,
+                                                written=out.written if buffer is not None else None)
                 except NotFound:  # evicted or expired in between: project again
                     return None
         return None

@@ -211,19 +211,19 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     # ------------------------------------------------------------------------------------------ downloads
 
     def GetProjectedCache(self, request, context):
-        def fetch(tenant) -> CacheResult:
+        def fetch(tenant, out) -> CacheResult:
             which = request.WhichOneof("input")
             if which is None:
                 raise ValueError("give key or text")
             return self.service.projected_cache(
                 tenant, key=request.key if which == "key" else None, text=request.text if which == "text" else None,
                 target_model=request.target_model, adapter=request.adapter, offset=request.offset,
-                require_cached=request.require_cached)
+                require_cached=request.require_cached, out=out)
         yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes,
                                 request.transport)
 
     def GetSourceCache(self, request, context):
-        def fetch(tenant) -> CacheResult:
+        def fetch(tenant, out) -> CacheResult:
             which = request.WhichOneof("input")
             if which is None:
                 raise ValueError("give key or text")
@@ -236,10 +236,13 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def _stream(self, method: str, context, fetch, dtype: str, chunk_bytes: int, transport: int):
         with self.metrics.observe(method) as outcome:
             tenant = self._tenant(context)
+            pending = None  # a same-host segment the fetch may gather its KV straight into
             try:
                 out_dtype = wire_dtype(dtype, "dtype") if dtype else None
                 size = self.service.chunk_bytes(chunk_bytes)
-                result = fetch(tenant)
+                if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
+                    pending = self.segments.reserve(tenant, out_dtype)
+                result = fetch(tenant, pending)
                 seg = result.segment
                 kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
                 n_layers, _, h, t, d = kv.shape
@@ -247,6 +250,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)
+                if pending is not None:
+                    pending.discard()
             if failure is not None:
                 context.abort(*failure)
             header = pb2.CacheHeader(
@@ -257,8 +262,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                 text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                 exact_coverage=result.exact_coverage)
-            if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
-                shared = self._publish(method, tenant, kv)
+            if pending is not None:
+                shared = self._publish(method, pending, kv)
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
                     header.shared.CopyFrom(shared)
                     header.num_chunks = 0
@@ -292,11 +297,11 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                          "cancelled" if watched.expired else "client left", sent, len(ranges))
 
 
-    def _publish(self, method: str, tenant: str, kv: torch.Tensor) -> pb2.SharedSegment | None:
-        """kv [L, 2, H, T, D] in a new shared-memory segment of this tenant; None (the fetch streams) when the
-        segments are full or the file cannot be written."""
+    def _publish(self, method: str, pending, kv: torch.Tensor) -> pb2.SharedSegment | None:
+        """kv [L, 2, H, T, D] in the fetch's shared-memory segment (already there when the store gathered into it);
+        None (the fetch streams) when the segments are full or the file cannot be written."""
         try:
-            segment = self.segments.publish(tenant, kv)
+            segment = pending.publish(kv)
         except (SegmentsFull, OSError) as exc:
             log.info("%s: streaming instead of shared memory: %s", method, exc)
             return None

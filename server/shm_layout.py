@@ -1,5 +1,6 @@
 """One fetch's KV as a same-host shared-memory file: the safetensors layout of one tensor "kv" [L, 2, H_kv, T, D]
-with its data 8-byte aligned, written in one pass by the server (`write`) and checked (size, mode, header, sum64
+with its data 8-byte aligned, filled in place by the server through a shared map of the file (`Filling`: the store
+gathers its blocks straight into it, each layer summed while still in cache) and checked (size, mode, header, sum64
 checksum) then mapped without a copy by the client (`map_kv`).
 
 The checksum guards against a truncated, stale or foreign file, not against an attacker: whoever can write the file
@@ -22,7 +23,6 @@ import torch
 LAYOUT = "safetensors"
 CHECKSUM_PREFIX = "sum64:"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_SLICE_BYTES = 4 << 20  # written, then summed while still in cache
 
 
 class SegmentError(OSError):
@@ -43,41 +43,114 @@ def checksum(buffer) -> str:
     return f"{CHECKSUM_PREFIX}{_sum64(buffer):016x}"
 
 
-def _header(kv: torch.Tensor) -> bytes:
+def _header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
     # kv: [L, 2, H, T, D]; the JSON is padded with spaces so the data starts 8-byte aligned (as safetensors does)
-    meta = {"kv": {"dtype": _ST_DTYPES[kv.dtype], "shape": list(kv.shape),
-                   "data_offsets": [0, kv.numel() * kv.element_size()]}}
+    nbytes = int(np.prod(shape)) * _element_size(dtype)
+    meta = {"kv": {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}
     text = json.dumps(meta, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def write(path: str | os.PathLike, kv: torch.Tensor) -> tuple[int, str]:
-    """Create `path` (0600, must not exist, no symlink followed) holding kv [L, 2, H, T, D]; (size, checksum)."""
-    if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in _ST_DTYPES or kv.device.type != "cpu":
-        raise ValueError(f"a segment holds a CPU [L, 2, H, T, D] tensor in {sorted(map(str, _ST_DTYPES))}, got "
-                         f"{tuple(kv.shape)} {kv.dtype} on {kv.device}")
-    head = _header(kv)
-    data = memoryview(kv.contiguous().view(torch.uint8).reshape(-1).numpy())
-    total = _sum64(head)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def segment_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of the segment file holding kv of this shape and dtype (header included)."""
+    return len(_header(shape, dtype)) + int(np.prod(shape)) * _element_size(dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class Filling:
+    """A segment file being written in place: `kv` [L, 2, H, T, D] is a shared map of the open file (resized to
+    the segment's size, its pages populated in one call: a spare file's pages are already there), the header is
+    written; fill kv's layers in order and call `written(a, b)` after each group, which sums those bytes while they
+    are still in cache; `finish()` gives (size, checksum) and lets go of the map (it goes with the last view)."""
+
+    def __init__(self, fd: int, shape: tuple[int, ...], dtype: torch.dtype):
+        if len(shape) != 5 or shape[1] != 2 or dtype not in _ST_DTYPES:
+            raise ValueError(f"a segment holds a CPU [L, 2, H, T, D] tensor in {sorted(map(str, _ST_DTYPES))}, got "
+                             f"{tuple(shape)} {dtype}")
+        head = _header(shape, dtype)
+        self.shape, self.size = tuple(shape), len(head) + int(np.prod(shape)) * _element_size(dtype)
+        os.ftruncate(fd, self.size)
+        mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        mapped[:len(head)] = head
+        self._words = np.frombuffer(mapped, dtype="<u8", count=self.size // 8)
+        self._mapped = mapped
+        self._layer_bytes = (self.size - len(head)) // max(shape[0], 1)
+        self._data_start = len(head)
+        self._summed_words = 0  # words [0, _summed_words) are in _total
+        self._total = 0
+        self._layers_done = 0
+        self.kv = torch.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=len(head)).view(shape)
+
+    def written(self, start: int, end: int) -> None:
+        """Layers [start, end) of kv are final (layers are written in order)."""
+        assert start == self._layers_done and end <= self.shape[0], "layers are written once, in order"
+        self._layers_done = end
+        self._add(self._data_start + end * self._layer_bytes)
+
+    def _add(self, end_byte: int) -> None:
+        stop = end_byte // 8
+        if stop > self._summed_words:
+            self._total += int(self._words[self._summed_words:stop].sum(dtype=np.uint64))
+            self._summed_words = stop
+
+    def finish(self) -> tuple[int, str]:
+        """(size, checksum) of the file once every layer is written."""
+        assert self._layers_done == self.shape[0], f"{self._layers_done} of {self.shape[0]} layers written"
+        self._add(self.size)
+        tail = self._mapped[self._summed_words * 8:self.size]
+        total = self._total + int.from_bytes(bytes(tail).ljust(8, b"\0"), "little") if tail else self._total
+        self._words = self._mapped = self.kv = None
+        return self.size, f"{CHECKSUM_PREFIX}{total % (1 << 64):016x}"
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read-fault every page in one call
+
+
+def create(path: str | os.PathLike) -> int:
+    """A new file at `path` (0600, must not exist, no symlink followed), opened for reading and writing."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def make_spare(path: str | os.PathLike, nbytes: int) -> None:
+    """Create `path` (as `create`) with nbytes of pages allocated and zeroed now (tmpfs's fallocate allocates but
+    leaves the zeroing to the first touch), so a segment filled in it later pays neither."""
+    fd = create(path)
     try:
-        _write_all(fd, memoryview(head))
-        for start in range(0, len(data), _SLICE_BYTES):
-            part = data[start:start + _SLICE_BYTES]
-            _write_all(fd, part)
-            total += _sum64(part)  # every slice but the last is a multiple of 8 bytes
+        os.ftruncate(fd, nbytes)
+        mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
     except BaseException:
-        os.close(fd)
         os.unlink(path)
         raise
-    os.close(fd)
-    return len(head) + len(data), f"{CHECKSUM_PREFIX}{total % (1 << 64):016x}"
+    finally:
+        os.close(fd)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        view = view[os.write(fd, view):]
+def write(path: str | os.PathLike, kv: torch.Tensor) -> tuple[int, str]:
+    """Create `path` (0600, must not exist, no symlink followed) holding kv [L, 2, H, T, D]; (size, checksum)."""
+    if kv.device.type != "cpu":
+        raise ValueError(f"a segment holds a CPU tensor, got one on {kv.device}")
+    fd = create(path)
+    try:
+        filling = Filling(fd, tuple(kv.shape), kv.dtype)
+        copy_layers(filling, kv)
+        return filling.finish()
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def copy_layers(filling: Filling, kv: torch.Tensor) -> None:
+    """Fill a segment from kv [L, 2, H, T, D], a layer at a time (each summed while in cache)."""
+    for layer in range(kv.shape[0]):
+        filling.kv[layer].copy_(kv[layer])
+        filling.written(layer, layer + 1)
 
 
 def check_path(path: str, name: str) -> None:
@@ -106,7 +179,7 @@ def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tu
         os.close(fd)
     (head_len,) = struct.unpack("<Q", mapped[:8])
     numel = int(np.prod(shape))
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * _element_size(dtype)
     if head_len % 8 or 8 + head_len + nbytes != size:
         raise SegmentError(f"{path}: a {head_len}-byte header and {nbytes} bytes of KV do not make {size} bytes")
     try:
@@ -116,6 +189,10 @@ def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tu
     want = {"dtype": _ST_DTYPES.get(dtype), "shape": list(shape), "data_offsets": [0, nbytes]}
     if set(meta) - {"__metadata__"} != {"kv"} or meta["kv"] != want:
         raise SegmentError(f"{path}: the file holds {meta}, the fetch's header says kv {want}")
+    try:  # map every page now, read-only (copy-on-write stays): one call instead of a fault per 4 KiB page
+        mapped.madvise(_MADV_POPULATE_READ)
+    except OSError:  # before Linux 5.14
+        pass
     got = checksum(mapped)
     if got != expected_checksum:
         raise SegmentError(f"{path}: checksum {got}, the header says {expected_checksum}")

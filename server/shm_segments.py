@@ -1,6 +1,9 @@
-"""The server's same-host segments: each fetch asking for shared memory gets its KV written to a fresh file in a
-private folder under /dev/shm, handed to that tenant by an unguessable name, and removed when the tenant releases
-it, when its TTL passes (a sweeper thread), or when the server stops.
+"""The server's same-host segments: each fetch asking for shared memory gets its KV written (the store gathers it
+straight into the file's map) to a file in a private folder under /dev/shm, handed to that tenant by an unguessable
+name once complete, and removed when the tenant releases it, when its TTL passes (a sweeper thread), or when the
+server stops. The file is a spare when one is ready: tmpfs allocates and zeroes a page on its first touch, which
+costs more than the copy into it, so after a segment is released a thread makes spare files of its size (pages
+allocated, zeroed and unnamed, never told to anyone) for the next fetches.
 
 Invariants:
 - the folder is the server's own (mkdtemp: a random name, mode 0700) and every file in it is 0600: only the server's
@@ -10,8 +13,8 @@ Invariants:
 - while the server lives, its folder holds `.lock`, flock-ed by it (the kernel drops the lock when the process dies,
   SIGKILL included): a new registry removes the folders under its root whose `.lock` it can take (left by a server
   that was killed), and no other.
-- `held_bytes` is the sum of the live segments' sizes and never exceeds max_bytes: a fetch that would pass it is
-  streamed instead (SegmentsFull).
+- `held_bytes` is the sum of the sizes of the live segments, the spares and the files being filled, and never
+  exceeds max_bytes: spares go first, then a fetch that would pass it is streamed instead (SegmentsFull).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Segment:
 
 class SegmentRegistry:
     def __init__(self, root: str | Path = "/dev/shm", ttl_s: float = 30.0, max_bytes: int = 4 << 30,
-                 clock=time.monotonic):
+                 clock=time.monotonic, spares: int = 2):
         if ttl_s <= 0 or max_bytes <= 0:
             raise ValueError(f"ttl_s and max_bytes must be > 0, got {ttl_s} and {max_bytes}")
         self.ttl_s = ttl_s
@@ -58,33 +61,124 @@ class SegmentRegistry:
         remove_stale_folders(root)
         self.folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root))  # 0700, random name
         self._lock_fd = _hold_lock(self.folder)
+        self.spares = spares  # spare files kept ready (made only once start() runs the thread that makes them)
         self.held_bytes = 0
         self._live: dict[str, Segment] = {}
+        self._spares: list[tuple[Path, int]] = []  # (path, bytes allocated)
+        self._wanted: list[int] = []  # sizes of spares to make
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def publish(self, tenant: str, kv: torch.Tensor) -> Segment:
         """Write kv [L, 2, H, T, D] (CPU) to a new segment of `tenant`. SegmentsFull, or OSError (no space)."""
-        nbytes = kv.numel() * kv.element_size()
+        pending = self.reserve(tenant)
+        return pending.publish(kv)
+
+    def reserve(self, tenant: str, dtype: torch.dtype | None = None) -> "PendingSegment":
+        """A segment of `tenant` to be filled in place (its KV in `dtype`, None: any); nothing is made until its
+        `tensor` is asked for."""
+        return PendingSegment(self, tenant, dtype)
+
+    def _open(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Path, int, int]:
+        """(path, fd, bytes reserved) of a file for a new segment: a spare when one is there, else a new file.
+        SegmentsFull when the segments (and spares) would pass max_bytes even without spares."""
+        nbytes = shm_layout.segment_size(shape, dtype)
         with self._lock:  # reserve the bytes first: concurrent fetches never pass max_bytes together
+            spare = self._take_spare(nbytes)  # its bytes become this segment's (resized to nbytes)
+            if spare is not None:
+                self.held_bytes -= spare[1]
+            while self._spares and self.held_bytes + nbytes > self.max_bytes:
+                self._drop_spare(self._spares[-1])
             if self.held_bytes + nbytes > self.max_bytes:
+                if spare is not None:
+                    self._spares.append(spare)
+                    self.held_bytes += spare[1]
                 raise SegmentsFull(f"shared-memory segments hold {self.held_bytes} of {self.max_bytes} bytes")
             self.held_bytes += nbytes
-        name = secrets.token_urlsafe(24)
-        path = self.folder / f"{name}.safetensors"
+            path = spare[0] if spare is not None else None
+        fresh = path is None
+        path = path or self.folder / f"{SPARE_PREFIX}{secrets.token_urlsafe(12)}"
         try:
-            size, checksum = shm_layout.write(path, kv)
+            fd = shm_layout.create(path) if fresh else os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except BaseException:
-            with self._lock:
-                self.held_bytes -= nbytes
+            if fresh:  # create() made nothing
+                self._give_back_bytes(nbytes)
+            else:
+                self._give_back(path, nbytes)
             raise
-        segment = Segment(name=name, path=path, tenant=tenant, size=size, checksum=checksum,
+        return path, fd, nbytes
+
+    def _add(self, pending: "PendingSegment", path: Path, size: int, checksum: str, reserved: int) -> Segment:
+        name = secrets.token_urlsafe(24)
+        final = self.folder / f"{name}.safetensors"
+        os.rename(path, final)  # written in full before it has a name a client could be told
+        segment = Segment(name=name, path=final, tenant=pending.tenant, size=size, checksum=checksum,
                           expires_at=self.clock() + self.ttl_s)
         with self._lock:
-            self.held_bytes += size - nbytes
+            self.held_bytes += size - reserved
             self._live[name] = segment
         return segment
+
+    def _give_back(self, path: Path, reserved: int) -> None:
+        path.unlink(missing_ok=True)
+        self._give_back_bytes(reserved)
+
+    def _give_back_bytes(self, reserved: int) -> None:
+        with self._lock:
+            self.held_bytes -= reserved
+
+    # spares: files whose pages are allocated ahead (tmpfs allocates and zeroes each 4 KiB page on first touch, which
+    # cost more than the copy into it), made by a thread between fetches, at the sizes of the last fetches
+
+    def _take_spare(self, nbytes: int) -> tuple[Path, int] | None:
+        if not self._spares:
+            return None
+        fitting = [s for s in self._spares if s[1] >= nbytes]
+        spare = min(fitting, key=lambda s: s[1]) if fitting else max(self._spares, key=lambda s: s[1])
+        self._spares.remove(spare)
+        return spare
+
+    def _drop_spare(self, spare: tuple[Path, int]) -> None:
+        self._spares.remove(spare)
+        self.held_bytes -= spare[1]
+        spare[0].unlink(missing_ok=True)
+
+    def make_spares(self) -> int:
+        """Make the spares wanted now, in this thread (the thread start() runs does it between fetches); how many."""
+        made = 0
+        while self._make_one(wait=False):
+            made += 1
+        return made
+
+    def _make_one(self, wait: bool) -> bool:
+        """Make one wanted spare (waiting for a want when `wait`); False when stopped or (not waiting) none wanted."""
+        with self._lock:
+            while True:
+                if self._stop.is_set() or not (self._wanted or wait):
+                    return False
+                if self._wanted:
+                    nbytes = self._wanted.pop(0)
+                    if len(self._spares) < self.spares and self.held_bytes + nbytes <= self.max_bytes:
+                        break
+                else:
+                    self._wake.wait()
+            self.held_bytes += nbytes
+        path = self.folder / f"{SPARE_PREFIX}{secrets.token_urlsafe(12)}"
+        try:
+            shm_layout.make_spare(path, nbytes)
+        except OSError as exc:
+            log.info("no spare shared-memory file (%s)", exc)
+            self._give_back_bytes(nbytes)
+            return True
+        with self._lock:
+            if self._stop.is_set():  # close() is removing the files: this one too
+                self.held_bytes -= nbytes
+                path.unlink(missing_ok=True)
+                return False
+            self._spares.append((path, nbytes))
+        return True
 
     def release(self, tenant: str, name: str) -> bool:
         """Remove the tenant's segment `name`; False when it has none of that name (gone, or another's)."""
@@ -93,6 +187,9 @@ class SegmentRegistry:
             if segment is None or segment.tenant != tenant:
                 return False
             self._drop(segment)
+            # the next fetches are likely this size: make spares of it meanwhile (after a read, not during a fetch)
+            self._wanted += [segment.size] * (self.spares - len(self._spares) - len(self._wanted))
+            self._wake.notify()
         return True
 
     def sweep(self) -> int:
@@ -115,30 +212,113 @@ class SegmentRegistry:
         return len(self._live)
 
     def start(self, interval_s: float | None = None) -> None:
-        """Sweep in a daemon thread every interval_s (default: a quarter of the TTL, at most 5 s)."""
+        """Sweep in a daemon thread every interval_s (default: a quarter of the TTL, at most 5 s); make spares in
+        another."""
         interval = interval_s or min(self.ttl_s / 4, 5.0)
 
         def run():
             while not self._stop.wait(interval):
                 self.sweep()
 
-        self._sweeper = threading.Thread(target=run, name="kvbridge-shm-sweeper", daemon=True)
-        self._sweeper.start()
+        self._threads = [threading.Thread(target=run, name="kvbridge-shm-sweeper", daemon=True),
+                         threading.Thread(target=self._make_spares_until_closed, name="kvbridge-shm-spares",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _make_spares_until_closed(self) -> None:
+        while self._make_one(wait=True):
+            pass
 
     def close(self) -> None:
         """Stop the sweeper and remove every segment and the folder (server shutdown)."""
-        self._stop.set()
-        if self._sweeper is not None:
-            self._sweeper.join()
+        with self._lock:
+            self._stop.set()
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join()
         with self._lock:
             for segment in list(self._live.values()):
                 self._drop(segment)
+            for spare in list(self._spares):
+                self._drop_spare(spare)
         shutil.rmtree(self.folder, ignore_errors=True)
         os.close(self._lock_fd)
 
 
 FOLDER_PREFIX = "kvbridge-"
 LOCK_NAME = ".lock"
+SPARE_PREFIX = "spare-"  # files being made or filled: never named to a client (no .safetensors)
+
+
+class PendingSegment:
+    """One fetch's segment before it is published: `tensor(shape, dtype)` gives a [L, 2, H, T, D] buffer that is the
+    file itself (the caller fills its layers in order and calls `written(a, b)`; None when this segment cannot be
+    made: full, no space, another dtype), `publish(kv)` names it (copying kv in first unless kv is that buffer) and
+    `discard()` removes it. The file is 0600 and named only once it is complete."""
+
+    def __init__(self, registry: SegmentRegistry, tenant: str, dtype: torch.dtype | None):
+        self.registry, self.tenant, self.dtype = registry, tenant, dtype
+        self.refused: Exception | None = None  # why tensor() gave None
+        self._filling: shm_layout.Filling | None = None
+        self._path: Path | None = None
+        self._reserved = 0
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        # -> [L, 2, H, T, D] of dtype, a shared map of the segment's file
+        if self._filling is not None:
+            raise AssertionError("a segment's tensor is asked for once")
+        if self.dtype is not None and dtype != self.dtype:
+            return None
+        try:
+            path, fd, self._reserved = self.registry._open(shape, dtype)
+        except (SegmentsFull, OSError) as exc:
+            self.refused = exc
+            return None
+        self._path = path
+        try:
+            self._filling = shm_layout.Filling(fd, shape, dtype)
+        except BaseException as exc:
+            self.discard()
+            if not isinstance(exc, OSError):
+                raise
+            self.refused = exc
+            return None
+        finally:
+            os.close(fd)
+        return self._filling.kv
+
+    def written(self, start: int, end: int) -> None:
+        """Layers [start, end) of the tensor are final."""
+        self._filling.written(start, end)
+
+    def publish(self, kv: torch.Tensor) -> Segment:
+        """The segment holding kv [L, 2, H, T, D] (CPU), registered for this tenant. SegmentsFull or OSError when
+        it cannot be made (nothing is left behind)."""
+        if self._filling is None or self._filling.kv is None or kv.data_ptr() != self._filling.kv.data_ptr():
+            if self._filling is not None:
+                self.discard()
+            if self.tensor(tuple(kv.shape), kv.dtype) is None:
+                raise self.refused or SegmentsFull(f"no segment in {self.dtype}")
+            try:
+                shm_layout.copy_layers(self._filling, kv)
+            except BaseException:
+                self.discard()
+                raise
+        size, checksum = self._filling.finish()
+        try:
+            segment = self.registry._add(self, self._path, size, checksum, self._reserved)
+        except BaseException:
+            self.discard()
+            raise
+        self._path, self._filling, self._reserved = None, None, 0  # the registry's now
+        return segment
+
+    def discard(self) -> None:
+        """Remove the file (a fetch that failed, or streams instead) and give its bytes back."""
+        if self._path is not None:
+            self.registry._give_back(self._path, self._reserved)
+            self._path, self._filling, self._reserved = None, None, 0
 
 
 def _hold_lock(folder: Path) -> int:

@@ -103,6 +103,42 @@ def test_projection_by_key_without_the_text_and_delete_of_what_derives_from_it(t
         service.delete("t", key)
 
 
+class BufferOut:
+    """A KVOut that offers one buffer of its own and records the layers reported written."""
+
+    def __init__(self, accept: bool = True):
+        self.accept, self.buffer, self.layers = accept, None, []
+
+    def tensor(self, shape, dtype):
+        if not self.accept:
+            return None
+        self.buffer = torch.full(shape, float("nan"), dtype=dtype)
+        return self.buffer
+
+    def written(self, start, end):
+        assert torch.isfinite(self.buffer[start:end]).all()  # those layers are final when reported
+        self.layers.append((start, end))
+
+
+def test_a_warm_projected_fetch_is_gathered_straight_into_the_buffer_it_is_offered(tmp_path, tiny_source,
+                                                                                   tiny_target, adapter):
+    service = _service(tiny_source, tiny_target, tmp_path, adapter=adapter)
+    key = service.ingest("t", TEXT).entries[0][0].key
+    cold_out = BufferOut()
+    cold = service.projected_cache("t", key=key, out=cold_out)  # projected now: the buffer is not used
+    assert cold_out.buffer is None
+    warm_out = BufferOut()
+    warm = service.projected_cache("t", key=key, out=warm_out)
+    assert warm.segment.kv.data_ptr() == warm_out.buffer.data_ptr()  # the store's one copy, into the buffer
+    assert torch.equal(warm.segment.kv, cold.segment.kv)
+    assert warm_out.layers == [(i, i + 1) for i in range(tiny_target.spec.num_layers)]
+    shifted = BufferOut()  # another offset: shifted by RoPE after the read, so no buffer is asked for
+    assert service.projected_cache("t", key=key, offset=3, out=shifted).segment.num_tokens == cold.segment.num_tokens
+    assert shifted.buffer is None
+    declined = service.projected_cache("t", key=key, out=BufferOut(accept=False))
+    assert torch.equal(declined.segment.kv, cold.segment.kv)
+
+
 def test_failed_requests_leave_the_store_as_it_was(tmp_path, tiny_source, tiny_target, adapter):
     service = _service(tiny_source, tiny_target, tmp_path)  # no adapter loaded
     key = service.ingest("t", TEXT).entries[0][0].key

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +136,78 @@ def test_registry_refuses_past_max_bytes_and_gives_the_bytes_back(tmp_path):
     assert registry.held_bytes == first.size and len(list(registry.folder.glob("*.safetensors"))) == 1
     registry.release("alice", first.name)
     registry.publish("alice", kv)
+    registry.close()
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, (3, 2, 2, 17, 8)), (torch.bfloat16, (3, 2, 1, 5, 3))])
+def test_a_segment_filled_in_place_is_named_only_when_complete_and_sums_its_bytes(tmp_path, dtype, shape):
+    kv = _kv(dtype, shape)  # the bf16 layers are 30 bytes: the checksum's words straddle layers
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20)
+    pending = registry.reserve("alice", dtype)
+    assert pending.tensor(shape, torch.float16 if dtype != torch.float16 else torch.float32) is None  # other dtype
+    buffer = pending.tensor(shape, dtype)
+    for layer in range(shape[0]):
+        assert not list(registry.folder.glob("*.safetensors"))  # unnamed until published
+        buffer[layer].copy_(kv[layer])
+        pending.written(layer, layer + 1)
+    segment = pending.publish(buffer)  # the buffer itself: no copy
+    assert _mode(segment.path) == 0o600 and segment.checksum == shm_layout.checksum(segment.path.read_bytes())
+    assert torch.equal(load_file(str(segment.path))["kv"], kv)
+    assert torch.equal(shm_layout.map_kv(segment.path, segment.size, segment.checksum, shape, dtype), kv)
+    assert registry.held_bytes == segment.size == segment.path.stat().st_size
+    registry.close()
+
+
+def test_a_fetch_that_fails_leaves_no_file_and_gives_its_bytes_back(tmp_path):
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20)
+    pending = registry.reserve("alice")
+    pending.tensor((3, 2, 2, 17, 8), torch.float32)[0].fill_(1.0)
+    pending.discard()
+    assert registry.held_bytes == 0 and [p.name for p in registry.folder.iterdir()] == [".lock"]
+    registry.close()
+
+
+@pytest.fixture
+def shm_root():
+    """A folder on tmpfs (/dev/shm), where a spare's pages are allocated when it is made."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    root = Path(tempfile.mkdtemp(prefix="kvb-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root)
+
+
+def test_released_segments_leave_spares_that_the_next_segments_are_written_into(shm_root):
+    kv = _kv()
+    registry = SegmentRegistry(shm_root, ttl_s=10.0, max_bytes=1 << 20, spares=2)
+    first = registry.publish("alice", kv)
+    assert registry.make_spares() == 0  # spares follow a released segment's size
+    registry.release("alice", first.name)
+    assert registry.make_spares() == 2
+    spares = sorted(p for p in registry.folder.iterdir() if p.name != ".lock")
+    assert len(spares) == 2 and all(_mode(p) == 0o600 and not p.name.endswith(".safetensors") for p in spares)
+    assert all(p.stat().st_blocks * 512 >= first.size for p in spares)  # pages allocated, not a sparse file
+    assert registry.held_bytes == 2 * first.size
+    second = registry.publish("bob", kv.flip(0).contiguous())  # written into a spare, renamed
+    assert sum(p.exists() for p in spares) == 1 and torch.equal(load_file(str(second.path))["kv"], kv.flip(0))
+    assert second.checksum == shm_layout.checksum(second.path.read_bytes())
+    assert registry.held_bytes == 2 * first.size
+    registry.close()
+    assert not registry.folder.exists()
+
+
+def test_spares_give_way_to_segments_at_max_bytes(tmp_path):
+    kv = _kv()
+    size = shm_layout.segment_size(tuple(kv.shape), kv.dtype)
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=2 * size, spares=2)
+    registry.release("alice", registry.publish("alice", kv).name)
+    assert registry.make_spares() == 2 and registry.held_bytes == 2 * size
+    big = _kv(shape=(3, 2, 2, 30, 8))  # fits no spare: grows the largest
+    held = [registry.publish("alice", big)]
+    assert registry.held_bytes <= 2 * size
+    with pytest.raises(SegmentsFull):
+        registry.publish("alice", big)  # the remaining spare went; two big ones do not fit
+    assert registry.held_bytes == held[0].size
     registry.close()
 
 

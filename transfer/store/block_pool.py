@@ -9,6 +9,7 @@ bookkeeping right. Invariants (checked by `check`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,12 +150,15 @@ class BlockPool:
         """block_ids: [n] -> [n, L, 2, H_kv, block_size, D] (a copy)."""
         return self.kv.index_select(0, block_ids.to(self.device))
 
-    def gather(self, block_ids: torch.Tensor, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, block_ids: torch.Tensor, num_tokens: int, out: torch.Tensor | None = None,
+               written: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Gather blocks into the segment layout: block_ids [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous.
 
         One index_select of the whole blocks written straight into the output (plus one copy of the partial tail
         block), the same number of kernels whatever n is. `out` (contiguous, that shape and dtype, on the pool's
-        device) is filled instead of a fresh tensor: large fresh CPU allocations page-fault on first write.
+        device) is filled instead of a fresh tensor: large fresh CPU allocations page-fault on first write. With
+        `written`, the layers are gathered one at a time and written(l, l + 1) is called after each (a caller can
+        checksum a layer while it is still in cache).
         """
         layout = self.layout
         n = block_ids.numel()
@@ -169,12 +173,16 @@ class BlockPool:
                              f"got {tuple(out.shape)} {out.dtype} on {out.device}")
         view = self.kv.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, N, bs, D], no copy
         block_ids = block_ids.to(self.device)
+        steps = [(0, layout.num_layers)] if written is None else [(i, i + 1) for i in range(layout.num_layers)]
         full = num_tokens // bs  # whole blocks
-        if full:
-            dest = out[:, :, :, : full * bs].view(*shape[:3], full, bs, layout.head_dim)
-            torch.index_select(view, 3, block_ids[:full], out=dest)
-        if full < n:
-            out[:, :, :, full * bs:].copy_(view[:, :, :, block_ids[full], : num_tokens - full * bs])
+        for a, b in steps:
+            if full:
+                dest = out[a:b, :, :, : full * bs].view(b - a, *shape[1:3], full, bs, layout.head_dim)
+                torch.index_select(view[a:b], 3, block_ids[:full], out=dest)
+            if full < n:
+                out[a:b, :, :, full * bs:].copy_(view[a:b, :, :, block_ids[full], : num_tokens - full * bs])
+            if written is not None:
+                written(a, b)
         return out
 
     def check(self) -> list[str]:

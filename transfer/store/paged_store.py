@@ -473,9 +473,11 @@ class PagedStore:
 
         return self._run(locked)
 
-    def get(self, key: str, tenant: str, out: torch.Tensor | None = None) -> KVSegment:
+    def get(self, key: str, tenant: str, out: torch.Tensor | None = None,
+            written: Callable[[int, int], None] | None = None) -> KVSegment:
         """The stored segment (a contiguous copy on the store's device, or written into `out`, a contiguous
-        [L, 2, H_kv, T, D] tensor of the entry's dtype on that device). Raises NotFound."""
+        [L, 2, H_kv, T, D] tensor of the entry's dtype on that device; with `written`, a layer at a time, calling
+        written(l, l + 1) after each, under the store's lock). Raises NotFound."""
         def locked(prefetched):
             self._expire()
             entry = self._entry_for(key, tenant, prefetched)
@@ -488,7 +490,8 @@ class PagedStore:
                 self._remove_entry(entry, "lost")
                 raise NotFound(f"no entry {key!r}") from None
             try:
-                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), entry.token_ids.numel(), out=out)
+                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), entry.token_ids.numel(), out=out,
+                                  written=written)
             finally:
                 pool.unref(blocks)
             entry.last_access = self.clock()
