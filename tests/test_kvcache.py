@@ -96,6 +96,23 @@ def test_sliding_layers_are_captured_in_full():
     rebuilt = kvcache.to_cache(seg, lm.model, lm.spec)
     assert rebuilt.get_seq_length() == 50
     assert all(layer.get_seq_length() == 50 for layer in rebuilt.layers)
+    for i, layer in enumerate(rebuilt.layers):  # the model's own cache keeps as much, with the same values
+        assert layer.keys.shape == cache.layers[i].keys.shape
+        assert torch.allclose(layer.keys, cache.layers[i].keys, atol=1e-6)
+
+
+def test_to_cache_of_one_segment_holds_views_of_it_and_generation_leaves_it_unchanged(tiny_target):
+    lm = tiny_target
+    ids = check_tokens(lm, 30)
+    seg = kvcache.extract(lm.model, lm.spec, ids[:-4])
+    kept = seg.kv.clone()
+    cache = kvcache.to_cache(seg, lm.model, lm.spec)
+    for i, layer in enumerate(cache.layers):  # no copy: the cache reads the segment's own memory
+        assert layer.keys.data_ptr() == seg.keys[i].data_ptr() and layer.values.data_ptr() == seg.values[i].data_ptr()
+    out = lm.model.generate(input_ids=ids[None], attention_mask=torch.ones(1, 30, dtype=torch.long), cache=cache,
+                            max_new_tokens=3, do_sample=False)
+    assert torch.equal(out[0, 30:], kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=3))
+    assert torch.equal(seg.kv, kept)  # the cache grew into new tensors
 
 
 def test_to_cache_batches_segments_and_casts_dtype(tiny_target):

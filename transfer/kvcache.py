@@ -37,18 +37,33 @@ def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def build_cache(kv: torch.Tensor | None = None, config=None) -> DynamicCache:
+def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True) -> DynamicCache:
     """A transformers DynamicCache holding kv ([L, 2, B, H_kv, T, D]; None: empty).
 
     config None: every layer keeps every token, sliding-window layers too (the model still masks them by position):
     what extraction and recompute over long contexts need. With the model's config the cache is the one generation
-    uses: sliding layers keep their last window - 1 tokens.
+    uses: sliding layers keep their last window - 1 tokens. copy=False (with a config): the layers hold views of kv
+    instead of copies (a layer's update() concatenates new tokens into a new tensor and never writes into kv).
     """
     if kv is None:
         return DynamicCache(config=config) if config is not None else DynamicCache()
     if kv.ndim != 6 or kv.shape[1] != 2:
         raise ValueError(f"build_cache takes kv [L, 2, B, H_kv, T, D], got shape {tuple(kv.shape)}")
-    return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], config=config)
+    if copy:
+        return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], config=config)
+    if config is None:
+        raise ValueError("build_cache(copy=False) needs the model's config (it makes the cache's layers)")
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != kv.shape[0]:
+        raise ValueError(f"the config makes {len(cache.layers)} cache layers, kv has {kv.shape[0]}")
+    for layer, (k, v) in zip(cache.layers, kv.unbind(0)):
+        # what update() does to an empty layer, without its torch.cat onto an empty tensor (a copy)
+        layer.lazy_initialization(k, v)
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = k.shape[-2]
+            k, v = k[..., -(layer.sliding_window - 1):, :], v[..., -(layer.sliding_window - 1):, :]
+        layer.keys, layer.values = k, v
+    return cache
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -170,7 +185,8 @@ def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: 
     """A transformers DynamicCache the model continues from, holding one segment per batch row.
 
     Every segment must be rotated KV of this model at positions 0..T-1 (shift it first otherwise), all of one
-    length. Tensors are converted to the model's dtype and device. Sliding-window layers keep their last
+    length. Tensors are converted to the model's dtype and device; one segment already in them is not copied: the
+    cache's layers are views of its kv (generation never writes into them). Sliding-window layers keep their last
     `window - 1` tokens and count all T (their `cumulative_length`), so the next position is T.
     """
     if isinstance(segments, KVSegment):
@@ -192,13 +208,10 @@ def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: 
                 "0..T-1: shift its keys to the positions it will occupy"
             )
     param = next(model.parameters())
-    # [L, 2, B, H, T, D]
-    kv = torch.stack([seg.kv for seg in segments], dim=2).to(device=param.device, dtype=param.dtype)
-    cache = build_cache(kv, config=model.config)
-    for i, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False):
-            # update() counted the T tokens it was given; keep that true even if a later transformers changes it
-            layer.cumulative_length = t
+    # [L, 2, B, H, T, D]; one segment already in the model's dtype and device is used as it is (no copy)
+    kv = segments[0].kv[:, :, None] if len(segments) == 1 else torch.stack([seg.kv for seg in segments], dim=2)
+    cache = build_cache(kv.to(device=param.device, dtype=param.dtype), config=model.config, copy=False)
+    for i, layer in enumerate(cache.layers):  # sliding layers count all T (cumulative_length), not what they keep
         assert layer.get_seq_length() == t, f"layer {i} reports {layer.get_seq_length()} cached tokens, expected {t}"
     return cache
 
