@@ -1,0 +1,696 @@
+"""A load test from outside (issue 16, part 7): N clients, each its own OS process with its own channel and bearer
+token, against `kvbridge serve` in its own process, with one server restart in the middle. Each client mixes
+Ingest, prefix-extending Ingest, Lookup, GetProjectedCache through shared memory and through the stream,
+GetProjectedCache by text, GetSourceCache and Delete of its own entries, and checks every answer against what it
+knows. Afterwards every client deletes what it made and the runner checks the server from outside: each tenant's
+Stats empty, /metrics (store entries and bytes 0, store.check() clean, no evictions), no segment left in the
+server's shared-memory folder, no traceback in its log, the Redis tier empty, and no segment folder after it stops.
+
+    .venv/bin/python bench/load_test.py [--preset tiny|small] [--clients 64] [--seconds 60] [--tenants 8]
+                                        [--redis | --no-redis] [--restart term|kill|none] [--adapter FILE]
+                                        [--json FILE] [--keep]
+
+What survives the restart: with the Redis tier on (`--redis`, the default when redis-server is on PATH) every
+entry written before it (records and blocks are written through), so keys made before it are still found, fetched
+with the same KV, and deleted; without it nothing, so those keys answer NOT_FOUND, Lookup misses and Delete removes
+0 entries. The runner asserts which one holds with a witness tenant's entries, and the clients with theirs.
+
+Errors are sorted into: intended (NOT_FOUND of a key this client deleted or the restart dropped), restart
+(UNAVAILABLE or CANCELLED of a call that overlapped the server's down window, or came before that client's first
+answered call after it: the channel reconnects with backoff) and unexpected (everything else; the run fails).
+Latencies are reported, never asserted. Exit status 0 only when every check held.
+
+(About 600 lines: the client loop, the runner and the checks after the run share the run's state.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = Path(__file__).resolve().parent
+for folder in (BENCH_DIR, ROOT / "tests"):  # machine.py; serveproc.py and redisproc.py (the tests' process helpers)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+RESTART_CODES = ("UNAVAILABLE", "CANCELLED")  # what a call that meets the restart may get
+OPS = ("Ingest", "Ingest(extend)", "Lookup", "GetProjectedCache(shm)", "GetProjectedCache(stream)",
+       "GetProjectedCache(text)", "GetSourceCache", "Delete")
+# how often each client operation is picked (Delete also runs whenever a client holds more than LIVE entries)
+WEIGHTS = {"ingest": 20, "extend": 15, "lookup": 15, "fetch_shm": 15, "fetch_stream": 15, "fetch_text": 5,
+           "source": 5, "delete": 10}
+LIVE = 3  # entries a client keeps at most (it deletes its oldest beyond that)
+WITNESSES = 3  # the witness tenant's entries, made before the restart and checked after it
+TIMEOUT_S = 300.0  # deadline of every call (a loaded 2-core machine serves 64 processes slowly)
+START_TIMEOUT_S = 600.0  # bound on the server starting, and on the client processes getting ready
+PRESETS = {  # words per text, store capacity (4 layouts' share each; pages are touched only when used)
+    "tiny": {"words": 24, "extend_words": 12, "capacity_mb": 256},
+    "small": {"words": 40, "extend_words": 16, "capacity_mb": 4096},
+}
+INF = float("inf")
+
+
+def _words() -> list[str]:
+    from kvbridge.transfer.selfcheck import sample_text
+
+    return sample_text().split()
+
+
+def _token(tenant: str) -> str:
+    return f"{tenant}-token-0123456789abcdef"
+
+
+def _digest(segment) -> str:
+    """sha256 of a segment's KV bytes and token ids: equal digests, bit-identical caches."""
+    h = hashlib.sha256(segment.kv.contiguous().numpy().tobytes())
+    h.update(segment.token_ids.numpy().tobytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ one client process
+
+
+class Shared:
+    """Times every process reads (time.monotonic is one clock for the whole host on Linux): when load starts and
+    ends, when the server went down (before its SIGTERM or SIGKILL) and came back (its ready file seen)."""
+
+    def __init__(self, ctx, n_clients: int):
+        self.ready = ctx.Array("b", n_clients, lock=False)
+        self.start_at = ctx.Value("d", INF, lock=False)
+        self.deadline = ctx.Value("d", INF, lock=False)
+        self.down_at = ctx.Value("d", INF, lock=False)
+        self.up_at = ctx.Value("d", INF, lock=False)
+
+
+class Calls:
+    """Every call a client made: (op, start, seconds, code, intended, detail). code: "OK" for an answered call,
+    else the status code's name; intended: why that error was the right answer ("" when it was not); detail: the
+    server's sentence."""
+
+    def __init__(self, shared: Shared):
+        self.shared = shared
+        self.rows: list[tuple[str, float, float, str, str, str]] = []
+        self.wrong: list[str] = []
+
+    def call(self, op: str, fn, *args, expect: str | None = None, note: str = "", **kwargs):
+        """fn(*args, **kwargs); the answer, or None when it failed. expect: a status code that is the right answer
+        here (then that error is intended; its answer would be wrong)."""
+        from kvbridge.server.client import KVBridgeError
+
+        t0 = time.monotonic()
+        try:
+            out = fn(*args, **kwargs)
+        except KVBridgeError as exc:
+            code = exc.code.name
+            self.rows.append((op, t0, time.monotonic() - t0, code, note if code == expect else "", exc.details[:200]))
+            return None
+        self.rows.append((op, t0, time.monotonic() - t0, "OK", "", ""))
+        if expect is not None:
+            self.check(False, f"{op}: answered OK where {expect} was the right answer ({note})")
+        return out
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.wrong.append(what)
+
+    def intend_last(self, why: str) -> None:
+        """The last call's NOT_FOUND was a right answer after all (the restart may have dropped its key)."""
+        op, t0, dt, code, _, detail = self.rows[-1]
+        self.rows[-1] = (op, t0, dt, code, why, detail)
+
+    def last_code(self) -> str:
+        return self.rows[-1][3]
+
+    def life(self, t0: float, t1: float) -> int | None:
+        """Which server answered a call that ran from t0 to t1: 0 (before the restart), 1 (after), None (it met
+        the restart: either)."""
+        if t1 < self.shared.down_at.value:
+            return 0
+        if t0 > self.shared.up_at.value:
+            return 1
+        return None
+
+
+class Entry:
+    """One of the client's source entries, and what it knows about it."""
+
+    def __init__(self, key: str, text: str, tokens: int | None, life: int | None, projected: bool = False):
+        self.key, self.text, self.tokens, self.life = key, text, tokens, life
+        self.projected = projected  # a projection of it was fetched (Delete removes it too)
+        # tokens: None when made by GetProjectedCache(text); life: the server that made it (0 before the restart,
+        # 1 after, None: the call met the restart)
+        self.digest: str | None = None  # of its projected cache, once fetched outside the restart
+
+
+def client_main(cid: int, address: str, tenant: str, preamble: str, preset: str, redis: bool, seed: int,
+                shared: Shared, out: str) -> None:
+    """One client process: ready, wait for the start, run until the deadline, delete what it holds, write its calls
+    to `out` (JSON)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from kvbridge.server.client import KVBridgeClient
+
+    calls = Calls(shared)
+    try:
+        with KVBridgeClient(address, token=_token(tenant), timeout_s=TIMEOUT_S, retries=0) as client:
+            shared.ready[cid] = 1
+            while shared.start_at.value == INF:
+                time.sleep(0.01)
+            while time.monotonic() < shared.start_at.value:
+                time.sleep(0.01)
+            _client_loop(client, calls, cid, preamble, preset, redis, random.Random(seed))
+    except Exception:
+        calls.wrong.append(f"client {cid} crashed: {traceback.format_exc()[-1500:]}")
+    Path(out).write_text(json.dumps({"cid": cid, "tenant": tenant, "rows": calls.rows, "wrong": calls.wrong}))
+
+
+def _client_loop(client, calls: Calls, cid: int, preamble: str, preset: str, redis: bool, rng: random.Random):
+    words = _words()
+    sizes = PRESETS[preset]
+    live: list[Entry] = []
+    maybe: list[str] = []  # texts whose Ingest met the restart unanswered: the server may hold them
+    n = 0
+
+    def text_of(n: int, count: int) -> str:
+        start = rng.randrange(len(words) - count)
+        return f"{preamble} Note {cid}.{n}: " + " ".join(words[start:start + count])
+
+    def seen(entry: Entry, life: int | None) -> None:
+        """An answered call of server `life` found the entry: that server holds it."""
+        if entry.life is None and life is not None:
+            entry.life = life
+
+    def gone(entry: Entry, life: int | None) -> bool | None:
+        """Whether the restart dropped `entry` for a call from `life`: True, False, or None (cannot tell)."""
+        if redis:
+            return False if entry.life is not None else None  # made by server 0 after its write-through: kept
+        if entry.life is None or life is None:
+            return None
+        return entry.life != life
+
+    def ingest(text: str, op: str, base: Entry | None = None) -> None:
+        t0 = time.monotonic()
+        reply = calls.call(op, client.ingest, text, session_id=f"c{cid}")
+        life = calls.life(t0, time.monotonic())
+        if reply is None:
+            maybe.append(text)
+            return
+        entry = reply.entries[0]
+        calls.check(len(reply.entries) == 1 and entry.kind == "prefix"
+                    and entry.num_tokens == reply.source_token_ids.numel(),
+                    f"client {cid}: {op} answered {reply.entries} for {reply.source_token_ids.numel()} tokens")
+        if base is not None and base.tokens is not None:
+            calls.check(entry.num_tokens > base.tokens, f"client {cid}: {op} has {entry.num_tokens} tokens, its "
+                                                         f"base {base.tokens}")
+        live.append(Entry(entry.key, text, entry.num_tokens, life))
+
+    def fetch(entry: Entry, op: str, transport: str) -> None:
+        t0 = time.monotonic()
+        life_now = calls.life(t0, t0)
+        drop = gone(entry, life_now) if life_now is not None else None
+        fetched = calls.call(op, client.fetch_projected, key=entry.key, transport=transport,
+                             expect="NOT_FOUND" if drop else None, note="the restart dropped it")
+        life = calls.life(t0, time.monotonic())
+        if fetched is None:
+            if calls.last_code() == "NOT_FOUND" and drop is not False:  # dropped, or it may have been: forget it
+                if drop is None:
+                    calls.intend_last("the restart may have dropped it")
+                live.remove(entry)
+            return
+        seen(entry, life)
+        entry.projected = True
+        calls.check(fetched.source_key == entry.key and fetched.segment.num_tokens > 0,
+                    f"client {cid}: {op} of {entry.key[:12]} answered source {fetched.source_key[:12]}, "
+                    f"{fetched.segment.num_tokens} tokens")
+        if life is not None:  # the shared-memory path falls back to the stream only when the server went away
+            calls.check(fetched.transport == transport,
+                        f"client {cid}: {op} asked for {transport}, came by {fetched.transport}")
+            digest = _digest(fetched.segment)
+            if entry.digest is None:
+                entry.digest = digest
+            else:  # the projection is cached (and kept in Redis over the restart): the same bytes every time
+                calls.check(digest == entry.digest, f"client {cid}: {op} of {entry.key[:12]} answered other KV "
+                                                    "than its first fetch")
+
+    def delete(entry: Entry) -> None:
+        live.remove(entry)
+        t0 = time.monotonic()
+        life_now = calls.life(t0, t0)
+        drop = gone(entry, life_now) if life_now is not None else None
+        deleted = calls.call("Delete", client.delete, entry.key, expect="NOT_FOUND" if drop else None,
+                             note="the restart dropped it")
+        life = calls.life(t0, time.monotonic())
+        if deleted is None:
+            if calls.last_code() == "NOT_FOUND" and drop is None:
+                calls.intend_last("the restart may have dropped it")
+            elif calls.last_code() in RESTART_CODES:
+                live.insert(0, entry)  # the server is restarting: delete it later
+            elif calls.last_code() != "NOT_FOUND":
+                maybe.append(entry.text)  # it may still be there
+            return
+        if life is None or entry.life is None:
+            calls.check(deleted in (1, 2), f"client {cid}: Delete removed {deleted} entries")
+        else:
+            want = 1 + entry.projected
+            calls.check(deleted == want, f"client {cid}: Delete of {entry.key[:12]} (made by server {entry.life}) "
+                                         f"removed {deleted} entries on server {life}, expected {want}")
+        # the key is gone now, whoever holds it
+        calls.call("GetSourceCache", client.fetch_source, key=entry.key, expect="NOT_FOUND",
+                   note="deleted just before")
+
+    ops, weights = zip(*WEIGHTS.items())
+    while time.monotonic() < calls.shared.deadline.value:
+        n += 1
+        op = rng.choices(ops, weights)[0] if live else "ingest"
+        entry = rng.choice(live) if live else None
+        if op == "ingest":
+            ingest(text_of(n, sizes["words"]), "Ingest")
+        elif op == "extend":  # the same text and more: the server computes only the new tokens
+            start = rng.randrange(len(words) - sizes["extend_words"])
+            more = " ".join(words[start:start + sizes["extend_words"]])
+            ingest(f"{entry.text} More {cid}.{n}: {more}", "Ingest(extend)", base=entry)
+        elif op == "lookup":
+            t0 = time.monotonic()
+            found = calls.call("Lookup", client.lookup, entry.text)
+            life = calls.life(t0, time.monotonic())
+            drop = gone(entry, life) if life is not None else None
+            if found is not None and drop is not None:
+                want = None if drop else entry.key
+                calls.check(found.key == want and (want is None or entry.tokens in (None, found.num_tokens)),
+                            f"client {cid}: Lookup of its text answered {found}, expected {want}")
+            if found is not None and found.key is None and drop is not False:
+                live.remove(entry)  # dropped by the restart
+            elif found is not None and found.key == entry.key:
+                seen(entry, life)
+        elif op == "fetch_shm":
+            fetch(entry, "GetProjectedCache(shm)", "shared_memory")
+        elif op == "fetch_stream":
+            fetch(entry, "GetProjectedCache(stream)", "stream")
+        elif op == "fetch_text":  # ingested and projected in one call
+            text = text_of(n, sizes["words"])
+            t0 = time.monotonic()
+            fetched = calls.call("GetProjectedCache(text)", client.fetch_projected, text=text, transport="auto")
+            if fetched is None:
+                maybe.append(text)
+                continue
+            calls.check(fetched.text == text and fetched.segment.num_tokens > 0,
+                        f"client {cid}: GetProjectedCache by text answered another text")
+            live.append(Entry(fetched.source_key, text, None, calls.life(t0, time.monotonic()), projected=True))
+        elif op == "source":
+            t0 = time.monotonic()
+            life_now = calls.life(t0, t0)
+            drop = gone(entry, life_now) if life_now is not None else None
+            source = calls.call("GetSourceCache", client.fetch_source, key=entry.key,
+                                expect="NOT_FOUND" if drop else None, note="the restart dropped it")
+            if source is not None:
+                calls.check(source.text == entry.text, f"client {cid}: GetSourceCache answered another text")
+                seen(entry, calls.life(t0, time.monotonic()))
+            elif calls.last_code() == "NOT_FOUND" and drop is not False:
+                if drop is None:
+                    calls.intend_last("the restart may have dropped it")
+                live.remove(entry)
+        elif op == "delete":
+            delete(live[0])
+        while len(live) > LIVE and not (calls.rows and calls.last_code() in RESTART_CODES):
+            delete(live[0])
+        if calls.rows and calls.last_code() in RESTART_CODES:
+            time.sleep(0.2)  # the server is restarting: try again shortly
+    # the end: delete what it holds, and what the restart may have left unanswered
+    for _ in range(1000):  # (a bound: a server that never comes back leaves them, and the checks after say so)
+        if not live:
+            break
+        delete(live[0])
+        if calls.last_code() in RESTART_CODES:
+            time.sleep(0.2)
+    for text in maybe:
+        found = calls.call("Lookup", client.lookup, text)
+        if found is not None and found.key is not None:
+            calls.call("Delete", client.delete, found.key)
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+
+
+def metrics(port: int) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def classify(clients: list[dict], down_at: float, up_at: float) -> tuple[dict, Counter, Counter, Counter, list]:
+    """Latencies of answered calls by op; intended, restart and unexpected errors by (op, code)."""
+    latency: dict[str, list[float]] = defaultdict(list)
+    intended, restart, unexpected = Counter(), Counter(), Counter()
+    samples = []
+    for c in clients:
+        rows = c["rows"]
+        # a client is back once it has an answered call that started after the server came back
+        back = min((t0 for op, t0, dt, code, _, _ in rows if code == "OK" and t0 > up_at), default=INF)
+        for op, t0, dt, code, why, detail in rows:
+            if code == "OK":
+                latency[op].append(dt)
+            elif code == "NOT_FOUND" and why:
+                intended[(op, code, why)] += 1
+            elif code in RESTART_CODES and t0 + dt >= down_at and t0 <= back:
+                restart[(op, code)] += 1
+            else:
+                unexpected[(op, code)] += 1
+                if len(samples) < 8:
+                    samples.append(f"client {c['cid']}: {op} {code} at {t0 - down_at:+.2f} s from the restart: "
+                                   f"{detail}")
+    return latency, intended, restart, unexpected, samples
+
+
+def run(args) -> dict:
+    from kvbridge.server.client import KVBridgeClient, KVBridgeError
+    from machine import machine_line
+    from redisproc import RedisProcess, redis_available
+    from serveproc import ServeProcess
+
+    t_begin = time.monotonic()
+    redis_on = args.redis if args.redis is not None else redis_available()
+    print(machine_line("full" if args.clients >= 64 and args.seconds >= 60 else "short",
+                       f"preset {args.preset}", f"{args.clients} client processes", f"{args.tenants} tenants",
+                       f"Redis tier {'on' if redis_on else 'off'}", f"restart by {args.restart}"), flush=True)
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-load-"))
+    shm_root = Path(tempfile.mkdtemp(prefix="kvload-", dir="/dev/shm"))  # the server's segment folders go here
+    tenants = [f"load{t}" for t in range(args.tenants)]
+    (work / "tokens").write_text("".join(f"{t} {_token(t)}\n" for t in [*tenants, "witness"]))
+    (work / "adapters").mkdir()
+    redis = RedisProcess(work / "redis") if redis_on else None
+    sizes = PRESETS[args.preset]
+    serve_args = ["--preset", args.preset, "--device", "cpu", "--store-device", "cpu",
+                  "--store-capacity-mb", str(sizes["capacity_mb"]), "--adapters", str(work / "adapters"),
+                  "--no-selfcheck", "--token-file", str(work / "tokens"), "--metrics-listen", "127.0.0.1:0",
+                  "--shm-dir", str(shm_root), "--grace-s", "5"]
+    if args.adapter:
+        shutil.copy(args.adapter, work / "adapters" / Path(args.adapter).name)
+    elif args.preset == "tiny":
+        serve_args.append("--fit-adapter")  # no adapter ships for the random pair: a ridge fit at the first start
+    server = None
+    report: dict = {"preset": args.preset, "clients": args.clients, "tenants": args.tenants, "redis": redis_on,
+                    "restart": args.restart, "failures": []}
+    failures = report["failures"]
+
+    def fail(what: str) -> None:
+        failures.append(what)
+        print(f"FAIL {what}", flush=True)
+
+    try:
+        if redis is not None:
+            redis.start()
+            serve_args += ["--redis-url", redis.url]
+        server = ServeProcess(work / "server", serve_args, start_timeout_s=START_TIMEOUT_S)
+        t0 = time.monotonic()
+        server.start()
+        report["server_start_s"] = time.monotonic() - t0
+
+        def metrics_port() -> int:
+            return json.loads((server.workdir / f"ready-{server.starts}.json").read_text())["metrics_port"]
+
+        def check_metrics(when: str) -> dict[str, float]:
+            m = metrics(metrics_port())
+            if m.get("kvbridge_store_check_problems") != 0:
+                fail(f"{when}: store.check() found {m.get('kvbridge_store_check_problems')} problems "
+                     "(the server log has them)")
+            return m
+
+        print(f"server: {server.address}, started in {report['server_start_s']:.1f} s (pid {server.pid})",
+              flush=True)
+
+        # the witness: entries made before the restart, checked after it
+        witness = KVBridgeClient(server.address, token=_token("witness"), timeout_s=TIMEOUT_S, retries=0)
+        words = _words()
+        texts = [" ".join(words[900 + 30 * i:930 + 30 * i]) for i in range(WITNESSES)]
+        made = []
+        for text in texts:
+            key = witness.ingest(text).entries[0].key
+            made.append((key, _digest(witness.fetch_projected(key=key).segment), _digest(witness.fetch_source(
+                key=key).segment)))
+
+        # the clients: processes forked from a server process that imported torch and the client once (each
+        # process pays only for what it writes); no gRPC channel exists in it before the fork
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "kvbridge.server.client", "kvbridge.transfer.selfcheck"])
+        shared = Shared(ctx, args.clients)
+        preambles = [" ".join(words[500 + 20 * t:520 + 20 * t]) for t in range(args.tenants)]
+        outs = [work / f"client-{i}.json" for i in range(args.clients)]
+        procs = [ctx.Process(target=client_main, name=f"load-client-{i}",
+                             args=(i, server.address, tenants[i % args.tenants], preambles[i % args.tenants],
+                                   args.preset, redis_on, args.seed * 1000 + i, shared, str(outs[i])))
+                 for i in range(args.clients)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        while sum(shared.ready) < args.clients:
+            dead = [p.name for p in procs if p.exitcode is not None]
+            if dead or time.monotonic() - t0 > START_TIMEOUT_S:
+                raise RuntimeError(f"client processes not ready after {time.monotonic() - t0:.0f} s "
+                                   f"(exited: {dead})")
+            time.sleep(0.05)
+        report["clients_ready_s"] = time.monotonic() - t0
+        half = args.seconds / 2
+        start = time.monotonic() + 0.5
+        shared.start_at.value = start
+        print(f"{args.clients} client processes ready in {report['clients_ready_s']:.1f} s; load for "
+              f"{half:.0f} s, restart, {half:.0f} s", flush=True)
+
+        time.sleep(max(0.0, start + half - time.monotonic()))
+        before = check_metrics("before the restart")
+        if args.restart == "none":  # (to tell what the restart causes from what the load does)
+            up = time.monotonic()
+        else:
+            shared.down_at.value = time.monotonic()
+            if args.restart == "kill":
+                server.kill()
+            else:
+                server.stop(timeout_s=60)
+            server.start()
+            shared.up_at.value = up = time.monotonic()
+        shared.deadline.value = up + half
+        report["down_s"] = up - min(up, shared.down_at.value)
+        print(f"restarted ({args.restart}): down {report['down_s']:.1f} s; {before['kvbridge_store_entries']:.0f} "
+              f"entries before", flush=True)
+
+        # the witness after the restart: kept with the Redis tier, gone without
+        witness.close()
+        witness = KVBridgeClient(server.address, token=_token("witness"), timeout_s=TIMEOUT_S, retries=8,
+                                 backoff_s=0.25)
+        for text, (key, projected, source) in zip(texts, made):
+            found = witness.lookup(text)
+            if redis_on or args.restart == "none":
+                if found.key != key:
+                    fail(f"witness: Lookup after the restart answered {found.key}, expected {key} (Redis tier on)")
+                if _digest(witness.fetch_source(key=key).segment) != source:
+                    fail("witness: the source KV after the restart differs from before")
+                if _digest(witness.fetch_projected(key=key).segment) != projected:
+                    fail("witness: the projected KV after the restart differs from before")
+            else:
+                if found.key is not None:
+                    fail(f"witness: Lookup after the restart found {found.key} without a Redis tier")
+                for name, fn in (("GetSourceCache", witness.fetch_source), ("GetProjectedCache",
+                                                                             witness.fetch_projected)):
+                    try:
+                        fn(key=key)
+                        fail(f"witness: {name} after the restart answered without a Redis tier")
+                    except KVBridgeError as exc:
+                        if exc.code.name != "NOT_FOUND":
+                            fail(f"witness: {name} after the restart: {exc.code.name}, expected NOT_FOUND")
+        report["witness"] = "kept" if redis_on or args.restart == "none" else "gone"
+
+        while time.monotonic() < up + half:
+            check_metrics("during the load")
+            time.sleep(min(5.0, max(0.0, up + half - time.monotonic())))
+        for p in procs:
+            p.join(timeout=max(1.0, up + half + TIMEOUT_S - time.monotonic()))
+        alive = [p.name for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if alive:
+            fail(f"{len(alive)} client processes still running {TIMEOUT_S:.0f} s after the deadline")
+        report["load_s"] = time.monotonic() - start
+        clients = [json.loads(o.read_text()) for o in outs if o.exists()]
+        if len(clients) != args.clients:
+            fail(f"{args.clients - len(clients)} clients wrote no results (exit codes "
+                 f"{sorted(Counter(p.exitcode for p in procs).items(), key=str)})")
+
+        # the witness's entries go too (kept only with Redis)
+        for key, _, _ in made:
+            try:
+                deleted = witness.delete(key)
+            except KVBridgeError as exc:
+                deleted = exc.code.name
+            want = 2 if redis_on or args.restart == "none" else "NOT_FOUND"
+            if deleted != want:
+                fail(f"witness: Delete answered {deleted}, expected {want}")
+        witness.close()
+
+        # after: nothing left, from outside
+        latency, intended, restart, unexpected, samples = classify(clients, shared.down_at.value, up)
+        wrong = [w for c in clients for w in c["wrong"]]
+        for tenant in [*tenants, "witness"]:
+            with KVBridgeClient(server.address, token=_token(tenant), retries=4) as c:
+                s = c.stats()
+            used = {t.tier: t.bytes_used for t in s.tiers if t.bytes_used}
+            if s.tenant_entries or s.tenant_tokens or used:
+                fail(f"tenant {tenant} holds {s.tenant_entries} entries, {s.tenant_tokens} tokens, {used} after "
+                     "every client deleted what it made")
+        m = check_metrics("after the run")
+        report["store"] = {k: m.get(k) for k in ("kvbridge_store_entries", 'kvbridge_store_bytes{tier="device"}',
+                                                  'kvbridge_store_bytes{tier="cpu"}', "kvbridge_store_check_problems",
+                                                  'kvbridge_store_evictions_total{tier="device"}')}
+        report["tokens"] = {k.split("{", 1)[1].rstrip("}"): v for k, v in m.items()
+                            if k.startswith("kvbridge_tokens_total")}
+        if m.get("kvbridge_store_entries") or m.get('kvbridge_store_bytes{tier="device"}') or \
+                m.get('kvbridge_store_bytes{tier="cpu"}'):
+            fail(f"the store holds {report['store']} after every entry was deleted: leaked entries or blocks")
+        if m.get('kvbridge_store_evictions_total{tier="device"}'):
+            fail("the device pool evicted blocks: the run was sized so that it never does")
+        server_errors = {k: v for k, v in m.items() if k.startswith("kvbridge_requests_total")
+                         and re.search(r'code="(INTERNAL|UNKNOWN|DATA_LOSS)"', k)}
+        if server_errors:
+            fail(f"the restarted server answered {server_errors}")
+        folders = [f for f in shm_root.iterdir()]
+        files = [p.name for f in folders for p in f.iterdir() if p.name != ".lock"]
+        segments = [name for name in files if name.endswith(".safetensors")]  # named to a client, not released
+        report["shm_after_run"] = {"folders": len(folders), "segments": len(segments),
+                                   "other files (spares)": len(files) - len(segments)}
+        if segments:
+            fail(f"{len(segments)} shared-memory segments left in {folders}")
+        if redis is not None:
+            import redis as redis_py
+
+            r = redis_py.Redis.from_url(redis.url)
+            keys = r.dbsize()
+            report["redis_keys_after_run"] = keys
+            if keys:
+                kinds = Counter(k.rsplit(b":", 1)[0].decode() for k in r.scan_iter(count=1000))
+                records = [json.loads(r.get(k) or "{}") for k in r.scan_iter(match="kvbridge:entry:*", count=1000)]
+                report["redis_records_after_run"] = [
+                    {"key": e.get("key"), "tenant": e.get("tenant"), "model": e.get("model_name"),
+                     "source_key": e.get("source_key"), "tokens": len(e.get("token_ids") or ()),
+                     "text": (e.get("text") or "")[-80:]} for e in records]
+                fail(f"Redis holds {keys} keys after every entry was deleted: {dict(kinds)}")
+        rc = server.stop(timeout_s=60)
+        log = server.logfile.read_text(errors="replace")
+        tracebacks = log.count("Traceback")
+        report["server_exit"], report["server_tracebacks"] = rc, tracebacks
+        if rc != 0:
+            fail(f"the server exited {rc} on SIGTERM")
+        if tracebacks or "ERROR" in log:
+            fail(f"the server log has {tracebacks} tracebacks / ERROR lines: {server.logfile}")
+        left = [str(p) for p in shm_root.iterdir()]
+        report["shm_after_stop"] = left
+        if left:
+            fail(f"shared-memory folders left after the server stopped: {left}")
+
+        answered = sum(len(v) for v in latency.values())
+        total = answered + sum(intended.values()) + sum(restart.values()) + sum(unexpected.values())
+        report.update(calls=total, answered=answered, throughput=total / report["load_s"],
+                      intended=sum(intended.values()), restart_errors=sum(restart.values()),
+                      unexpected=sum(unexpected.values()), wrong=len(wrong),
+                      latency={op: {"n": len(v), "p50_ms": 1e3 * percentile(v, 0.5),
+                                    "p99_ms": 1e3 * percentile(v, 0.99), "max_ms": 1e3 * max(v)}
+                               for op, v in latency.items()},
+                      intended_by={f"{op} {code} ({note})": n for (op, code, note), n in sorted(intended.items())},
+                      restart_by={f"{op} {code}": n for (op, code), n in sorted(restart.items())},
+                      unexpected_by={f"{op} {code}": n for (op, code), n in sorted(unexpected.items())},
+                      samples=samples + wrong[:8])
+        resumed = sum(1 for c in clients if any(code == "OK" and t0 > up for _, t0, _, code, _, _ in c["rows"]))
+        if args.restart == "none":
+            resumed = len(clients)
+        report["clients_resumed"] = resumed
+        if unexpected:
+            fail(f"{sum(unexpected.values())} unexpected errors: {report['unexpected_by']}; {samples}")
+        if wrong:
+            fail(f"{len(wrong)} wrong answers: {wrong[:5]}")
+        if resumed != len(clients):
+            fail(f"{len(clients) - resumed} clients had no answered call after the restart")
+        missing = [op for op in OPS if not latency.get(op)]
+        if missing:
+            fail(f"no answered {missing}")
+        print_report(report)
+    finally:
+        if server is not None:
+            server.kill()
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(shm_root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    report["wall_s"] = time.monotonic() - t_begin
+    print(f"{'PASS' if not failures else 'FAIL'}: {len(failures)} failed checks; done in {report['wall_s']:.0f} s",
+          flush=True)
+    return report
+
+
+def print_report(r: dict) -> None:
+    print(f"\nload: {r['clients']} client processes, {r['tenants']} tenants, preset {r['preset']}, Redis tier "
+          f"{'on' if r['redis'] else 'off'}: {r['calls']} calls in {r['load_s']:.1f} s (the server down "
+          f"{r['down_s']:.1f} s of it) = {r['throughput']:.1f} calls/s", flush=True)
+    print("| operation | answered | p50 ms | p99 ms | max ms |\n|---|---:|---:|---:|---:|")
+    for op in OPS:
+        v = r["latency"].get(op)
+        if v:
+            print(f"| {op} | {v['n']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['max_ms']:.1f} |")
+    print(f"errors: {r['intended']} intended {r['intended_by'] or ''}; {r['restart_errors']} at the restart "
+          f"{r['restart_by'] or ''}; {r['unexpected']} unexpected {r['unexpected_by'] or ''}; {r['wrong']} wrong "
+          "answers")
+    print(f"after: store {r['store']}; tokens {r['tokens']}; shared memory {r['shm_after_run']} while serving, "
+          f"{len(r['shm_after_stop'])} folders after stop; Redis keys {r.get('redis_keys_after_run', '-')}; "
+          f"witness {r['witness']}; {r['clients_resumed']} clients resumed after the restart; server exit "
+          f"{r['server_exit']}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=60.0, help="load time, half before the restart")
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--redis", dest="redis", action="store_true", default=None)
+    parser.add_argument("--no-redis", dest="redis", action="store_false")
+    parser.add_argument("--restart", choices=["term", "kill", "none"], default="term",
+                        help="stop the server by SIGTERM (drain) or SIGKILL (crash) in the middle; none: no restart")
+    parser.add_argument("--adapter", help="an adapter file for the server's folder (default: the shipped one for "
+                        "small; tiny: fitted at the first start)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (server log, client results)")
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.tenants < 1 or args.seconds <= 0:
+        parser.error("--clients, --tenants and --seconds must be positive")
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0 if not report["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

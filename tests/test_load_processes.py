@@ -1,0 +1,60 @@
+"""The load test from outside (issue 16, part 7), short enough for CI: bench/load_test.py runs 12 client processes
+for 16 s against `kvbridge serve` in its own process (the tiny pair), restarted by SIGTERM in the middle; once with
+the Redis tier (entries made before the restart are still there after it) and once without (they are gone: the
+clients' NOT_FOUND for them is intended). The runner checks every answer and, afterwards, the server from outside
+(Stats, /metrics with store.check(), its shared-memory folder, its log, Redis) and exits 0 only when all held; this
+test reads its JSON report. The full run (64 processes, 60 s) and its figures: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+RUNNER = Path(__file__).resolve().parents[1] / "bench" / "load_test.py"
+CLIENTS, SECONDS, TENANTS = 12, 16, 4
+
+
+@pytest.mark.parametrize("redis", [True, False], ids=["redis-tier", "no-redis"])
+def test_client_processes_through_a_restart_leave_no_errors_and_nothing_behind(tmp_path, tiny_adapter_file, redis):
+    from redisproc import redis_available
+
+    if redis and not redis_available():
+        pytest.fail("no redis-server (or valkey-server) on PATH: install it (apt-get install redis-server)")
+    adapter = tmp_path / "tiny-pair.safetensors"
+    shutil.copy(tiny_adapter_file, adapter)
+    report_file = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(RUNNER), "--preset", "tiny", "--clients", str(CLIENTS),
+                           "--seconds", str(SECONDS), "--tenants", str(TENANTS), "--restart", "term",
+                           "--redis" if redis else "--no-redis", "--adapter", str(adapter),
+                           "--json", str(report_file)],
+                          cwd=RUNNER.parents[1], capture_output=True, text=True, timeout=900, check=False)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"load test exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    r = json.loads(report_file.read_text())
+    assert r["failures"] == [] and r["unexpected"] == 0 and r["wrong"] == 0, r
+    assert r["clients"] == CLIENTS and r["clients_resumed"] == CLIENTS
+    # every operation was answered, and the clients met the restart (UNAVAILABLE while the server was down)
+    assert set(r["latency"]) == {"Ingest", "Ingest(extend)", "Lookup", "GetProjectedCache(shm)",
+                                 "GetProjectedCache(stream)", "GetProjectedCache(text)", "GetSourceCache", "Delete"}
+    assert r["restart_errors"] > 0 and set(r["restart_by"]) <= {f"{op} {code}" for op in r["latency"]
+                                                                for code in ("UNAVAILABLE", "CANCELLED")}
+    assert r["tokens"]['how="reused",stage="ingest"'] > 0  # the prefix-extending ingests reused the cached prefix
+    # what survived the restart
+    dropped = sum(n for k, n in r["intended_by"].items() if "(the restart dropped it)" in k)
+    if redis:
+        assert r["witness"] == "kept" and dropped == 0 and r["redis_keys_after_run"] == 0
+    else:
+        assert r["witness"] == "gone" and dropped > 0
+    # nothing left behind
+    assert r["store"]["kvbridge_store_check_problems"] == 0 and r["store"]["kvbridge_store_entries"] == 0
+    assert r["store"]['kvbridge_store_bytes{tier="device"}'] == 0
+    assert r["shm_after_run"]["segments"] == 0 and r["shm_after_stop"] == []
+    assert r["server_exit"] == 0 and r["server_tracebacks"] == 0
