@@ -4,8 +4,8 @@ gathers its blocks straight into it, each layer summed while still in cache) and
 checksum) then mapped without a copy by the client (`map_kv`).
 
 The checksum guards against a truncated, stale or foreign file, not against an attacker: whoever can write the file
-(the server's OS user) can read every segment anyway. It is the file's little-endian uint64 words (the tail
-zero-padded) summed mod 2^64, at memory speed (CRC-32 would cost more than the copy it checks).
+(the server's OS user) can read every segment anyway. It is `sum64` (kvbridge.transfer.checksum) of the whole file,
+at memory speed (CRC-32 would cost more than the copy it checks).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kvbridge.transfer.checksum import sum64
 
 LAYOUT = "safetensors"
 CHECKSUM_PREFIX = "sum64:"
@@ -29,18 +30,9 @@ class SegmentError(OSError):
     """A segment that is not what its header says (size, mode, layout, checksum): the client streams instead."""
 
 
-def _sum64(buffer) -> int:
-    view = memoryview(buffer).cast("B")
-    whole = len(view) // 8 * 8
-    total = int(np.frombuffer(view, dtype="<u8", count=whole // 8).sum(dtype=np.uint64)) if whole else 0
-    if whole < len(view):
-        total += int.from_bytes(bytes(view[whole:]).ljust(8, b"\0"), "little")
-    return total % (1 << 64)
-
-
 def checksum(buffer) -> str:
     """The sum64 checksum of a bytes-like object (a whole segment file)."""
-    return f"{CHECKSUM_PREFIX}{_sum64(buffer):016x}"
+    return f"{CHECKSUM_PREFIX}{sum64(buffer):016x}"
 
 
 def _header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
@@ -101,8 +93,7 @@ class Filling:
         """(size, checksum) of the file once every layer is written."""
         assert self._layers_done == self.shape[0], f"{self._layers_done} of {self.shape[0]} layers written"
         self._add(self.size)
-        tail = self._mapped[self._summed_words * 8:self.size]
-        total = self._total + int.from_bytes(bytes(tail).ljust(8, b"\0"), "little") if tail else self._total
+        total = self._total + sum64(self._mapped[self._summed_words * 8:self.size])  # the zero-padded tail word
         self._words = self._mapped = self.kv = None
         return self.size, f"{CHECKSUM_PREFIX}{total % (1 << 64):016x}"
 

@@ -455,6 +455,32 @@ def test_redis_down_then_back(redis_server):
     ok(st)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_redis_blobs_are_safetensors_whose_every_byte_is_checked(dtype):
+    import zlib
+
+    from kvbridge.transfer.store.tiers import decode_block, encode_block
+    from safetensors.torch import load, save
+
+    block = torch.randn(3, 2, 1, 16, 5, generator=torch.Generator().manual_seed(1)).to(dtype)  # odd byte count
+    blob = encode_block("layout-a", block)
+    assert torch.equal(load(blob)["kv"], block)  # any safetensors reader reads it
+    layout, back = decode_block(blob)
+    assert layout == "layout-a" and torch.equal(back, block)
+    for at in (8, len(blob) - 1, len(blob) - block.numel() * block.element_size()):  # header, last and first byte
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        with pytest.raises(ValueError):
+            decode_block(bytes(bad))
+    with pytest.raises(ValueError):
+        decode_block(blob[:-1])  # truncated
+    crc = f"{zlib.crc32(block.view(torch.uint8).numpy()):08x}"  # a blob written before sum64
+    old = save({"kv": block}, metadata={"layout": "layout-a", "crc32": crc})
+    assert torch.equal(decode_block(old)[1], block)
+    with pytest.raises(ValueError, match="corrupt"):
+        decode_block(old[:-1] + bytes([old[-1] ^ 1]))
+
+
 @pytest.mark.integration
 def test_corrupt_redis_block_is_a_miss(redis_url):
     import redis

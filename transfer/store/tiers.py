@@ -1,24 +1,28 @@
 """Tiers below the device pool: a CPU tier (LRU, bounded in bytes) and a Redis/Valkey tier shared by replicas.
 
 Both hold single blocks `[L, 2, H_kv, block_size, D]` keyed by block hash. Redis values are safetensors blobs with
-the layout key and a CRC-32 of the tensor bytes in the metadata; a blob that fails to parse or to
-match its checksum is deleted and treated as a miss. Nothing is ever unpickled.
+the layout key and a sum64 checksum of the tensor bytes in the metadata, written and read without safetensors'
+own copies; a blob that fails to parse or to match its checksum is deleted and treated as a miss. Nothing is ever
+unpickled.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import time
+import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from kvbridge.transfer.checksum import sum64
 from kvbridge.transfer.store.kv_blocks import BlockHash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 log = logging.getLogger(__name__)
 
@@ -80,34 +84,83 @@ class CpuTier:
         return problems
 
 
-def block_checksum(block: torch.Tensor) -> str:
-    """CRC-32 of the tensor bytes: catches corruption and truncation (5x cheaper than blake2b here). It is not a
-    MAC: whoever can write to Redis is trusted as much as the servers sharing it."""
-    data = block.contiguous().view(torch.uint8).numpy()
-    return f"{zlib.crc32(data):08x}"
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+def block_checksum(data) -> str:
+    """sum64 of the block's bytes (a bytes-like object): catches corruption and truncation at memory speed. It is
+    not a MAC: whoever can write to Redis is trusted as much as the servers sharing it."""
+    return f"{sum64(data):016x}"
 
 
 def encode_block(layout_key: str, block: torch.Tensor) -> bytes:
-    """A safetensors blob holding one block, its layout key and checksum."""
+    """A safetensors blob holding one block, its layout key and checksum: a small header, then the block's bytes."""
+    return b"".join(block_parts(layout_key, block))
+
+
+def block_parts(layout_key: str, block: torch.Tensor) -> tuple[bytes, memoryview]:
+    """encode_block's blob in two parts, without copying the block: (header, a view of the block's bytes)."""
     block = block.detach().to("cpu").contiguous()
-    return st_save({"kv": block}, metadata={"layout": layout_key, "crc32": block_checksum(block)})
+    if block.dtype not in _ST_DTYPES:
+        raise ValueError(f"a Redis block is one of {sorted(map(str, _ST_DTYPES))}, got {block.dtype}")
+    data = block.view(torch.uint8).reshape(-1).numpy()
+    head, at = _block_header(layout_key, block.dtype, tuple(block.shape))
+    return head[:at] + block_checksum(data).encode() + head[at + 16:], memoryview(data)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_header(layout_key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """(the blob's header with a zero checksum, where the checksum's 16 hex digits start in it)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    meta = {"__metadata__": {"layout": layout_key, "sum64": "0" * 16},
+            "kv": {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
+    head = len(head).to_bytes(8, "little") + head
+    return head, head.index(b'"sum64":"') + len(b'"sum64":"')
 
 
 def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
-    """Inverse of encode_block. Raises ValueError for a blob that is not one (bad bytes, wrong checksum)."""
+    """Inverse of encode_block: (layout key, the block as a view of the blob's bytes, no copy: read it, never write
+    into it). Raises ValueError for a blob that is not one (bad bytes, wrong checksum). Blobs written with a CRC-32
+    (before sum64) are still read."""
     try:
-        tensors = st_load(blob)
-        # safetensors layout: 8-byte little-endian header length, then the JSON header with __metadata__
         header_len = int.from_bytes(blob[:8], "little")
-        meta = json.loads(blob[8:8 + header_len]).get("__metadata__") or {}
+        if not 0 < header_len <= len(blob) - 8:
+            raise ValueError(f"a {header_len}-byte header in a {len(blob)}-byte blob")
+        header = json.loads(blob[8:8 + header_len])
+        meta = header.pop("__metadata__", None) or {}
+        tensor = header["kv"]
+        dtype, shape, (start, end) = _DTYPES[tensor["dtype"]], tensor["shape"], tensor["data_offsets"]
+        nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     except Exception as exc:
         raise ValueError(f"not a kvbridge block blob: {type(exc).__name__}: {exc}") from exc
-    if set(tensors) != {"kv"} or "layout" not in meta or "crc32" not in meta:
-        raise ValueError(f"not a kvbridge block blob: tensors {sorted(tensors)}, metadata {sorted(meta)}")
-    block = tensors["kv"]
-    if block_checksum(block) != meta["crc32"]:
+    if set(header) != {"kv"} or "layout" not in meta or (start, end) != (0, nbytes) \
+            or 8 + header_len + nbytes != len(blob):
+        raise ValueError(f"not a kvbridge block blob: tensors {sorted(header)}, metadata {sorted(meta)}, "
+                         f"{len(blob)} bytes")
+    data = np.frombuffer(blob, dtype=np.uint8, count=nbytes, offset=8 + header_len)
+    if "sum64" in meta:
+        ok = block_checksum(data) == meta["sum64"]
+    elif "crc32" in meta:
+        ok = f"{zlib.crc32(data):08x}" == meta["crc32"]
+    else:
+        raise ValueError(f"not a kvbridge block blob: no checksum in its metadata {sorted(meta)}")
+    if not ok:
         raise ValueError("block blob checksum mismatch: the stored bytes are corrupt")
-    return meta["layout"], block
+    return meta["layout"], _read_only_view(blob, dtype, nbytes // dtype.itemsize, 8 + header_len).view(shape)
+
+
+def _read_only_view(blob: bytes, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    # torch.frombuffer warns (once per process, TORCH_WARN_ONCE) that bytes are not writable: these views are only
+    # read (the store copies them into a pool), so that one warning is taken here, at import, and not shown
+    return torch.frombuffer(blob, dtype=dtype, count=count, offset=offset)
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    _read_only_view(bytes(8), torch.uint8, 8, 0)
 
 
 @dataclass
@@ -145,6 +198,33 @@ class RedisTier:
                                             retry_on_timeout=False)
         self.stats = RedisStats()
         self._next_try = 0.0
+        self._redis = redis
+
+    def _send_sets(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
+        """SET key (head + data) EX ttl for each item, pipelined on one connection. The commands are packed here so
+        that each value goes out as its two parts, the block's bytes straight from its tensor (redis-py would need
+        them joined into one bytes object: a copy of every block)."""
+        ttl = str(self.ttl_s).encode()
+        tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+        parts, glue = [], b""
+        for key, head, data in items:
+            command = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + len(data))
+            parts += [glue + command + head, data]
+            glue = tail
+        parts.append(glue)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(parts)
+            replies = [conn.read_response() for _ in items]
+        except BaseException:
+            conn.disconnect()  # replies left unread would answer the next command
+            raise
+        finally:
+            pool.release(conn)
+        bad = [r for r in replies if r != b"OK"]
+        if bad:  # (an error reply raises in read_response)
+            raise self._redis.exceptions.ResponseError(f"SET answered {bad[0]!r}")
 
     def _key(self, block_hash: BlockHash) -> bytes:
         return self.PREFIX + block_hash.hex().encode()
@@ -176,10 +256,7 @@ class RedisTier:
         if not items or not self._usable():
             return False if items else True
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for block_hash, layout_key, block in items:
-                pipe.set(self._key(block_hash), encode_block(layout_key, block), ex=self.ttl_s)
-            pipe.execute()
+            self._send_sets([(self._key(h), *block_parts(layout_key, block)) for h, layout_key, block in items])
         except self._errors as exc:
             self._failed(exc)
             return False
@@ -202,7 +279,8 @@ class RedisTier:
         return found
 
     def get_many(self, hashes: list[BlockHash], layout_key: str) -> dict[BlockHash, torch.Tensor]:
-        """The blocks found, valid and of this layout; corrupt ones are deleted and counted."""
+        """The blocks found, valid and of this layout (views of the received bytes: read them, never write into
+        them); corrupt ones are deleted and counted."""
         if not hashes or not self._usable():
             return {}
         try:
