@@ -179,10 +179,27 @@ def test_a_delete_reaches_entries_only_redis_holds_and_what_derives_from_them(re
     assert second.delete(other, "u") == 0  # another tenant's key: nothing, and nothing adopted
     assert second.delete(other, "t") == 1  # never read by the second: found in Redis all the same
     assert second.delete(source, "t") == 2  # the source and the projection made by the first
-    client = redis.Redis.from_url(redis_url)
-    assert client.dbsize() == 0, sorted(client.scan_iter(count=1000))[:10]
+    client = redis.Redis.from_url(redis_url)  # no record nor derived set left (full blocks expire by TTL)
+    assert list(client.scan_iter(match="kvbridge:entry:*")) == []
+    assert list(client.scan_iter(match="kvbridge:derived:*")) == []
     third = sharing()
     for key in (source, projection, other):
         with pytest.raises(NotFound):
             third.get(key, "t")
     assert second.keys("t") == [] and second.check() == [] and third.check() == []
+
+
+def test_a_delete_keeps_the_redis_blocks_that_entries_it_does_not_hold_may_share(redis_url):
+    """A replica (or a server restarted on the same Redis) cannot see which other entries use a block in Redis:
+    deleting one entry must not take the full blocks another entry made elsewhere shares with it. (Found by
+    bench/load_test.py: after a restart, deleting a text's entry made its longer version, ingested before the
+    restart and not read since, answer NOT_FOUND.)"""
+    first, second = _sharing(redis_url), _sharing(redis_url)
+    base = first.put(_seg(0, 40), "t").key  # 2 full blocks + a tail
+    longer = _seg(0, 72)
+    longer.kv[:, :, :, :40] = _seg(0, 40).kv  # the same first 40 tokens and KV: its first 2 blocks are base's
+    extended = first.put(longer, "t").key
+    assert second.delete(base, "t") == 1  # the second holds neither
+    third = _sharing(redis_url)
+    assert torch.equal(third.get(extended, "t").kv, longer.kv)
+    assert second.check() == [] and third.check() == []

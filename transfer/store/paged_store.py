@@ -156,11 +156,18 @@ class PagedStore:
 
     def _remove_entry(self, entry: Entry, reason: str) -> None:
         """Forget an entry; blocks no other entry uses are dropped from the local tiers, and from Redis too unless
-        the entry was lost (then Redis has the data or not)."""
+        the entry was lost (then Redis has the data or not). With entries shared through Redis, only its partial
+        tail block goes from Redis: its full blocks may be used by entries this store cannot see (another
+        replica's, or its own before a restart), and expire there after redis_ttl_s."""
         pool = self.pools.get(entry.layout.key)
         if entry.pinned and pool is not None:
             pool.unref([pool.lookup(h) for h in entry.hashes])
-        self.residency.drop(pool, self.registry.discard(entry), drop_remote=reason != "lost")
+        orphans = self.registry.discard(entry)
+        if self.config.share_entries and self.redis is not None and reason != "lost":
+            tail = entry.hashes[-1] if entry.token_ids.numel() % entry.layout.block_size else None
+            self.residency.drop(pool, [h for h in orphans if h != tail], drop_remote=False)
+            orphans = [h for h in orphans if h == tail]
+        self.residency.drop(pool, orphans, drop_remote=reason != "lost")
         if self.config.share_entries and self.redis is not None and (
                 reason == "deleted" or (reason == "lost" and self.redis.stats.available)):
             # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
@@ -597,7 +604,8 @@ class PagedStore:
     @_sends_redis_writes
     def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
         """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
-        every block only they used, from every tier. Returns how many entries went: 0 if there was nothing.
+        every block only they used, from every tier (entries shared through Redis: see _remove_entry). Returns
+        how many entries went: 0 if there was nothing.
         if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
         one's own put without taking an entry someone else stored or used since)."""
         if if_generation is None and isinstance(key, str) and _ENTRY_KEY.fullmatch(key):
