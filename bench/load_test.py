@@ -617,7 +617,9 @@ def run(args) -> dict:
 
         answered = sum(len(v) for v in latency.values())
         total = answered + sum(intended.values()) + sum(restart.values()) + sum(unexpected.values())
-        report.update(calls=total, answered=answered, throughput=total / report["load_s"],
+        # throughput: answered calls per second the server was up (the clients' retries while it was down would
+        # count as calls otherwise)
+        report.update(calls=total, answered=answered, throughput=answered / (report["load_s"] - report["down_s"]),
                       intended=sum(intended.values()), restart_errors=sum(restart.values()),
                       unexpected=sum(unexpected.values()), wrong=len(wrong),
                       latency={op: {"n": len(v), "p50_ms": 1e3 * percentile(v, 0.5),
@@ -657,8 +659,9 @@ def run(args) -> dict:
 
 def print_report(r: dict) -> None:
     print(f"\nload: {r['clients']} client processes, {r['tenants']} tenants, preset {r['preset']}, Redis tier "
-          f"{'on' if r['redis'] else 'off'}: {r['calls']} calls in {r['load_s']:.1f} s (the server down "
-          f"{r['down_s']:.1f} s of it) = {r['throughput']:.1f} calls/s", flush=True)
+          f"{'on' if r['redis'] else 'off'}: {r['calls']} calls in {r['load_s']:.1f} s, the server down "
+          f"{r['down_s']:.1f} s of it; {r['answered']} answered = {r['throughput']:.1f} answered calls/s while it was "
+          "up", flush=True)
     print("| operation | answered | p50 ms | p99 ms | max ms |\n|---|---:|---:|---:|---:|")
     for op in OPS:
         v = r["latency"].get(op)
