@@ -237,7 +237,6 @@ def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
     handlers = {}
     for method in pb2.DESCRIPTOR.services_by_name["KVBridge"].methods:
         request_type = getattr(pb2, method.input_type.name)
-        response_type = getattr(pb2, method.output_type.name)
         kind = {(False, False): grpc.unary_unary_rpc_method_handler,
                 (False, True): grpc.unary_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,
@@ -248,8 +247,14 @@ def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
             streamed = method.client_streaming or method.server_streaming
             behavior = _on(pools["stream" if streamed else "unary"], behavior)
         handlers[method.name] = kind(behavior, request_deserializer=_tolerant(request_type.FromString),
-                                     response_serializer=response_type.SerializeToString)
+                                     response_serializer=_serialized)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _serialized(message) -> bytes:
+    """A response's wire bytes: a message serialised, or bytes a servicer serialised itself (the KV chunks, whose
+    data is joined in once: chunk_wire.chunk_message)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def health_handler(servicer: health.HealthServicer, pool: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:

@@ -1,5 +1,6 @@
 """KV on the wire: a [L, 2, H, T, D] tensor cut into bounded chunks (layer range x token range), each a safetensors
-blob holding one tensor "kv", and put back together with every range checked. Nothing is ever unpickled.
+blob holding one tensor "kv" (written and read by kvbridge.transfer.tensor_blob: a chunk's bytes are copied once on
+each side), and put back together with every range checked. Nothing is ever unpickled.
 
 Chunk plan: when whole layers fit in `chunk_bytes`, a chunk is as many whole layers as fit (all tokens);
 otherwise it is one layer and as many tokens as fit. Chunks go layer-major, tokens within a layer in order.
@@ -9,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from kvbridge.transfer import tensor_blob
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit, large enough to stream fast
@@ -65,8 +65,14 @@ def _even(total: int, most: int) -> int:
 
 def encode(kv: torch.Tensor, r: ChunkRange) -> bytes:
     """kv: [L, 2, H, T, D] -> the safetensors blob of kv[layers, :, :, tokens]."""
-    part = kv[r.layer_start:r.layer_end, :, :, r.token_start:r.token_end].contiguous().cpu()
-    return st_save({"kv": part})
+    return b"".join(encode_parts(kv, r))
+
+
+def encode_parts(kv: torch.Tensor, r: ChunkRange) -> tuple[bytes, memoryview]:
+    """encode's blob in two parts: (its header, a view of the range's bytes). A range of whole layers is a view of
+    kv itself (no copy); a token range within a layer is copied out first."""
+    part = kv[r.layer_start:r.layer_end, :, :, r.token_start:r.token_end].cpu().contiguous()
+    return tensor_blob.header("kv", part.dtype, tuple(part.shape)), memoryview(part.view(torch.uint8).numpy()).cast("B")
 
 
 def iter_chunks(kv: torch.Tensor, chunk_bytes: int):
@@ -107,24 +113,26 @@ class ChunkAssembler:
         if not (0 <= token_start < token_end <= t):
             raise ChunkError(f"{where}: token range outside [0, {t})")
         try:
-            tensors = st_load(bytes(data))
-        except (SafetensorError, ValueError, RuntimeError, OverflowError, KeyError) as exc:
-            raise ChunkError(f"{where}: data is not a valid safetensors blob ({exc})") from None
-        if set(tensors) != {"kv"}:
-            raise ChunkError(f"{where}: the blob must hold exactly one tensor named 'kv', got {sorted(tensors)}")
-        part = tensors["kv"]
+            dtype, shape, offset, _ = tensor_blob.parse(data, "kv")
+        except ValueError as exc:
+            raise ChunkError(f"{where}: data is not a valid safetensors blob of exactly one tensor named 'kv' "
+                             f"({exc})") from None
         expect = (layer_end - layer_start, 2, h, token_end - token_start, d)
-        if tuple(part.shape) != expect:
-            raise ChunkError(f"{where}: tensor 'kv' has shape {tuple(part.shape)}, expected {expect}")
-        if part.dtype != self.dtype:
-            raise ChunkError(f"{where}: tensor 'kv' is {dtype_name(part.dtype)}, the header says "
+        if shape != expect:
+            raise ChunkError(f"{where}: tensor 'kv' has shape {shape}, expected {expect}")
+        if dtype != self.dtype:
+            raise ChunkError(f"{where}: tensor 'kv' is {dtype_name(dtype)}, the header says "
                              f"{dtype_name(self.dtype)}")
         cells = self._seen[layer_start:layer_end, token_start:token_end]
         if bool(cells.any()):
             raise ChunkError(f"{where}: overlaps a chunk received before")
-        if self.check_finite and not bool(torch.isfinite(part).all()):
-            raise ChunkError(f"{where}: tensor 'kv' holds NaN or infinite values")
-        self.kv[layer_start:layer_end, :, :, token_start:token_end] = part
+        into = self.kv[layer_start:layer_end, :, :, token_start:token_end].view(torch.uint8).numpy()
+        part = np.frombuffer(data, dtype=np.uint8, count=into.size, offset=offset).reshape(into.shape)
+        if self.check_finite:  # checked in a copy first: a refused chunk writes nothing
+            part = part.copy()
+            if not bool(torch.isfinite(torch.from_numpy(part).view(dtype)).all()):
+                raise ChunkError(f"{where}: tensor 'kv' holds NaN or infinite values")
+        np.copyto(into, part)  # [l, 2, H, t, D * element size], strided: the one copy without the check
         cells.fill_(True)
 
     @property

@@ -26,6 +26,7 @@ import grpc
 import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server import shm_layout
+from kvbridge.server.chunk_wire import ChunkView, WireError, read_chunk_message
 from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, ChunkError, dtype_name, iter_chunks, wire_dtype
 from kvbridge.server.config import is_loopback, split_address
 from kvbridge.transfer.segment import KVSegment
@@ -129,6 +130,11 @@ class KVBridgeClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb2_grpc.KVBridgeStub(self._channel)
+        service = pb2.DESCRIPTOR.services_by_name["KVBridge"].full_name
+        self._downloads = {  # their messages come as bytes, read by chunk_wire (the KV data is not copied again)
+            name: self._channel.unary_stream(f"/{service}/{name}", request_serializer=request.SerializeToString)
+            for name, request in (("GetProjectedCache", pb2.GetProjectedCacheRequest),
+                                  ("GetSourceCache", pb2.GetSourceCacheRequest))}
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def close(self) -> None:
@@ -187,25 +193,31 @@ class KVBridgeClient:
 
     def _fetch_once(self, method: str, request, timeout_s: float | None) -> FetchedCache | None:
         """One fetch; None when the server named a shared segment this client cannot read."""
-        call = getattr(self._stub, method)
+        call = self._downloads[method]
         for attempt in range(self.retries + 1):
             received = 0
             try:
                 stream = call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
                 header, assembler, wire = None, None, 0
-                for message in stream:
+                for raw in stream:
                     received += 1
-                    if message.HasField("header"):
+                    try:
+                        first, c = read_chunk_message(raw)
+                    except WireError as exc:
+                        stream.cancel()
+                        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, f"a bad message from the server: {exc}",
+                                            method) from None
+                    if first is not None:
                         if header is not None:
                             raise KVBridgeError(grpc.StatusCode.INTERNAL, "the server sent a second header", method)
-                        header = message.header
+                        header = first
                         if header.HasField("shared"):  # the KV is in shared memory: no chunk follows
                             continue
                         assembler = ChunkAssembler(header.num_layers, header.num_kv_heads, len(header.token_ids),
                                                    header.head_dim, wire_dtype(header.dtype), check_finite=False)
                     if assembler is None:
                         raise KVBridgeError(grpc.StatusCode.INTERNAL, "a chunk arrived before the header", method)
-                    c = message.chunk
+                    c = c or ChunkView()
                     try:
                         assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
                     except ChunkError as exc:

@@ -12,7 +12,15 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.admission import IdleWatchdog, StreamSlots, TooManyStreams
 from kvbridge.server.auth import Authenticator
-from kvbridge.server.chunks import ChunkAssembler, ChunkError, dtype_name, encode, plan_chunks, wire_dtype
+from kvbridge.server.chunk_wire import chunk_message
+from kvbridge.server.chunks import (
+    ChunkAssembler,
+    ChunkError,
+    dtype_name,
+    encode_parts,
+    plan_chunks,
+    wire_dtype,
+)
 from kvbridge.server.config import is_loopback
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.metrics import Metrics
@@ -275,17 +283,13 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             sent = 0
             with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
                 try:
+                    first = pb2.CacheChunk(header=header).SerializeToString()
                     for r in ranges:
                         if not context.is_active():
                             break
-                        blob = encode(kv, r)
-                        message = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
-                                                                   token_start=r.token_start, token_end=r.token_end,
-                                                                   data=blob))
-                        if sent == 0:
-                            message.header.CopyFrom(header)
-                        self.metrics.bytes_streamed.labels(method, "out").inc(len(blob))
-                        yield message
+                        head, data = encode_parts(kv, r)
+                        self.metrics.bytes_streamed.labels(method, "out").inc(len(head) + len(data))
+                        yield chunk_message(r, head, data, first if sent == 0 else b"")
                         sent += 1
                         watched.touch()
                 except GeneratorExit:  # grpc closes the generator of a call that ended (cancelled, client gone)

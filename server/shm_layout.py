@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kvbridge.transfer import tensor_blob
 from kvbridge.transfer.checksum import sum64
 
 LAYOUT = "safetensors"
 CHECKSUM_PREFIX = "sum64:"
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = tensor_blob.ST_DTYPES
 
 
 class SegmentError(OSError):
@@ -36,12 +37,8 @@ def checksum(buffer) -> str:
 
 
 def _header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
-    # kv: [L, 2, H, T, D]; the JSON is padded with spaces so the data starts 8-byte aligned (as safetensors does)
-    nbytes = int(np.prod(shape)) * _element_size(dtype)
-    meta = {"kv": {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}
-    text = json.dumps(meta, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+    # kv: [L, 2, H, T, D]; the data starts 8-byte aligned
+    return tensor_blob.header("kv", dtype, tuple(shape))
 
 
 def segment_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -71,3 +71,37 @@ def _r(l0, l1, t0, t1):
     from kvbridge.server.chunks import ChunkRange
 
     return ChunkRange(l0, l1, t0, t1)
+
+
+def test_chunk_messages_are_cache_chunks_for_any_reader_and_read_back_without_copying_the_data():
+    from kvbridge.proto import pb2
+    from kvbridge.server.chunk_wire import WireError, chunk_message, read_chunk_message
+    from kvbridge.server.chunks import ChunkRange, encode_parts
+
+    kv = torch.randn(3, 2, 2, 300, 8)
+    header = pb2.CacheHeader(model=pb2.ModelRef(name="m", config_hash="h"), num_layers=3, token_ids=range(300),
+                             dtype="float32")
+    for r, prefix in ((ChunkRange(1, 3, 0, 300), pb2.CacheChunk(header=header).SerializeToString()),
+                      (ChunkRange(0, 1, 200, 300), b"")):
+        head, data = encode_parts(kv, r)
+        raw = chunk_message(r, head, data, prefix)
+        expected = pb2.CacheChunk(chunk=pb2.KVChunk(layer_start=r.layer_start, layer_end=r.layer_end,
+                                                    token_start=r.token_start, token_end=r.token_end,
+                                                    data=encode(kv, r)))
+        if prefix:
+            expected.header.CopyFrom(header)
+        assert pb2.CacheChunk.FromString(raw) == expected  # what protobuf itself reads
+        for wire in (raw, expected.SerializeToString()):  # ours and protobuf's own serialisation
+            got_header, chunk = read_chunk_message(wire)
+            assert got_header == (header if prefix else None)
+            assert (chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end) == (
+                r.layer_start, r.layer_end, r.token_start, r.token_end)
+            assert bytes(chunk.data) == encode(kv, r)
+        assert read_chunk_message(raw)[1].data.obj is raw  # a view of the received bytes, not a copy
+        asm = ChunkAssembler(3, 2, 300, 8, torch.float32)
+        asm.add(r.layer_start, r.layer_end, r.token_start, r.token_end, read_chunk_message(raw)[1].data)
+        assert torch.equal(asm.kv[r.layer_start:r.layer_end, :, :, r.token_start:r.token_end],
+                           kv[r.layer_start:r.layer_end, :, :, r.token_start:r.token_end])
+        with pytest.raises(WireError):
+            read_chunk_message(raw[:-1])  # the chunk field runs past the end
+    assert read_chunk_message(b"") == (None, None)

@@ -9,9 +9,7 @@ unpickled.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import time
 import warnings
 import zlib
@@ -21,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvbridge.transfer import tensor_blob
 from kvbridge.transfer.checksum import sum64
 from kvbridge.transfer.store.kv_blocks import BlockHash
 
@@ -84,10 +83,6 @@ class CpuTier:
         return problems
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
-
-
 def block_checksum(data) -> str:
     """sum64 of the block's bytes (a bytes-like object): catches corruption and truncation at memory speed. It is
     not a MAC: whoever can write to Redis is trusted as much as the servers sharing it."""
@@ -102,8 +97,6 @@ def encode_block(layout_key: str, block: torch.Tensor) -> bytes:
 def block_parts(layout_key: str, block: torch.Tensor) -> tuple[bytes, memoryview]:
     """encode_block's blob in two parts, without copying the block: (header, a view of the block's bytes)."""
     block = block.detach().to("cpu").contiguous()
-    if block.dtype not in _ST_DTYPES:
-        raise ValueError(f"a Redis block is one of {sorted(map(str, _ST_DTYPES))}, got {block.dtype}")
     data = block.view(torch.uint8).reshape(-1).numpy()
     head, at = _block_header(layout_key, block.dtype, tuple(block.shape))
     return head[:at] + block_checksum(data).encode() + head[at + 16:], memoryview(data)
@@ -112,12 +105,7 @@ def block_parts(layout_key: str, block: torch.Tensor) -> tuple[bytes, memoryview
 @functools.lru_cache(maxsize=64)
 def _block_header(layout_key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
     """(the blob's header with a zero checksum, where the checksum's 16 hex digits start in it)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    meta = {"__metadata__": {"layout": layout_key, "sum64": "0" * 16},
-            "kv": {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
-    head = len(head).to_bytes(8, "little") + head
+    head = tensor_blob.header("kv", dtype, shape, {"layout": layout_key, "sum64": "0" * 16})
     return head, head.index(b'"sum64":"') + len(b'"sum64":"')
 
 
@@ -126,21 +114,12 @@ def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
     into it). Raises ValueError for a blob that is not one (bad bytes, wrong checksum). Blobs written with a CRC-32
     (before sum64) are still read."""
     try:
-        header_len = int.from_bytes(blob[:8], "little")
-        if not 0 < header_len <= len(blob) - 8:
-            raise ValueError(f"a {header_len}-byte header in a {len(blob)}-byte blob")
-        header = json.loads(blob[8:8 + header_len])
-        meta = header.pop("__metadata__", None) or {}
-        tensor = header["kv"]
-        dtype, shape, (start, end) = _DTYPES[tensor["dtype"]], tensor["shape"], tensor["data_offsets"]
-        nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
-    except Exception as exc:
-        raise ValueError(f"not a kvbridge block blob: {type(exc).__name__}: {exc}") from exc
-    if set(header) != {"kv"} or "layout" not in meta or (start, end) != (0, nbytes) \
-            or 8 + header_len + nbytes != len(blob):
-        raise ValueError(f"not a kvbridge block blob: tensors {sorted(header)}, metadata {sorted(meta)}, "
-                         f"{len(blob)} bytes")
-    data = np.frombuffer(blob, dtype=np.uint8, count=nbytes, offset=8 + header_len)
+        dtype, shape, offset, meta = tensor_blob.parse(blob, "kv")
+    except ValueError as exc:
+        raise ValueError(f"not a kvbridge block blob: {exc}") from None
+    if "layout" not in meta:
+        raise ValueError(f"not a kvbridge block blob: no layout in its metadata {sorted(meta)}")
+    data = np.frombuffer(blob, dtype=np.uint8, offset=offset)
     if "sum64" in meta:
         ok = block_checksum(data) == meta["sum64"]
     elif "crc32" in meta:
@@ -149,7 +128,7 @@ def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
         raise ValueError(f"not a kvbridge block blob: no checksum in its metadata {sorted(meta)}")
     if not ok:
         raise ValueError("block blob checksum mismatch: the stored bytes are corrupt")
-    return meta["layout"], _read_only_view(blob, dtype, nbytes // dtype.itemsize, 8 + header_len).view(shape)
+    return meta["layout"], _read_only_view(blob, dtype, data.size // dtype.itemsize, offset).view(shape)
 
 
 def _read_only_view(blob: bytes, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
