@@ -6,6 +6,14 @@ Shapes (L = layers, H = KV heads, D = head_dim, d = H * D, T = tokens, k = sourc
   layer_map [L_t, k] int64;  mix_k, mix_v [L_t, k] float32 (convex weights: rows sum to 1)
   wk, wv [L_t, d_s, d_t];    bk, bv [L_t, d_t]
   start_kv [L_t, 2, H_t, D_t] or None: the target's own KV of its start token at position 0 (exact)
+
+Optional token features (format 2): the target's own token identity as a second input of every map. A target token
+often shares its source token with its neighbours (one Gemma token covers several SmolLM2 tokens), so the source
+features alone cannot tell them apart; the target's embedding of the token can. tok_table [V_t, r] holds the
+target's RMS-normalised input embeddings projected on their first r principal directions (fixed when the adapter is
+fitted), and wk_tok, wv_tok [L_t, r, d_t] add tok_table[id] @ w_tok to the maps:
+
+  y = mix(x) @ W + tok_table[id] @ W_tok + b
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # an adapter of the source maps only; version 2 adds token features (TOKENS_FORMAT_VERSION)
+TOKENS_FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 
 
 def rope_record(spec: ModelSpec) -> list[dict | None]:
@@ -64,6 +74,9 @@ class Adapter:
     wv: torch.Tensor  # [L_t, d_s, d_t]
     bv: torch.Tensor  # [L_t, d_t]
     start_kv: torch.Tensor | None = None  # [L_t, 2, H_t, D_t]
+    tok_table: torch.Tensor | None = None  # [V_t, r] the target's token features (see the module docstring)
+    wk_tok: torch.Tensor | None = None  # [L_t, r, d_t]
+    wv_tok: torch.Tensor | None = None  # [L_t, r, d_t]
 
     def __post_init__(self):
         s, t = self.meta.source, self.meta.target
@@ -78,6 +91,15 @@ class Adapter:
                 got = tuple(getattr(self, name).shape)
                 raise ValueError(f"adapter tensor {name} has shape {got}, expected {shape} "
                                  f"for {s['name']} -> {t['name']}")
+        toks = (self.tok_table, self.wk_tok, self.wv_tok)
+        if any(x is not None for x in toks):
+            if any(x is None for x in toks) or self.tok_table.ndim != 2:
+                raise ValueError("adapter token features need tok_table [V_t, r], wk_tok and wv_tok [L_t, r, d_t]")
+            r = self.tok_table.shape[1]
+            for name in ("wk_tok", "wv_tok"):
+                if tuple(getattr(self, name).shape) != (lt, r, d_t):
+                    raise ValueError(f"adapter tensor {name} has shape {tuple(getattr(self, name).shape)}, expected "
+                                     f"{(lt, r, d_t)} for token features of rank {r}")
         if int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= s["num_layers"]:
             raise ValueError(f"adapter layer_map refers to source layers outside [0, {s['num_layers']})")
         if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
@@ -88,10 +110,31 @@ class Adapter:
     def name(self) -> str:
         return f"{self.meta.source['name']}->{self.meta.target['name']}"
 
+    @property
+    def token_rank(self) -> int:
+        """r of the token features; 0 when the maps read the source features only."""
+        return 0 if self.tok_table is None else int(self.tok_table.shape[1])
+
+    def extra_flops_per_token(self) -> int:
+        """FLOPs per target token beyond the source maps: the token features' K and V maps of every layer."""
+        if self.tok_table is None:
+            return 0
+        lt, r, d_t = self.wk_tok.shape
+        return 2 * 2 * lt * r * d_t
+
+    def token_features(self, target_ids: torch.Tensor) -> torch.Tensor | None:
+        """[T] target ids -> [T, r] float32 token features, or None without token features."""
+        if self.tok_table is None:
+            return None
+        ids = torch.as_tensor(target_ids, dtype=torch.int64).to(self.tok_table.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.tok_table.shape[0]):
+            raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
+        return self.tok_table[ids].float()
+
     def to(self, device: torch.device | str) -> "Adapter":
-        move = {n: getattr(self, n).to(device) for n in ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")}
-        start = self.start_kv.to(device) if self.start_kv is not None else None
-        return Adapter(meta=self.meta, start_kv=start, **move)
+        names = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok")
+        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in names}
+        return Adapter(meta=self.meta, **move)
 
     def check_models(self, source: ModelSpec, target: ModelSpec) -> None:
         """Raise ValueError unless these are the models (config and RoPE) the adapter was fitted for."""
@@ -121,18 +164,28 @@ def mix_layers(x: torch.Tensor, layer_map: torch.Tensor, mix: torch.Tensor) -> t
     return (dense @ x.reshape(ls, t * d)).reshape(-1, t, d)
 
 
-def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True,
+               target_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The linear part, batched over target layers.
 
     xk, xv: [L_s, T, d_s] un-rotated source keys / values (already gathered to target tokens)
+    target_ids: [T], needed when the adapter has token features
     returns yk, yv: [L_t, T, d_t] un-rotated target keys / values
     """
     work = torch.float32 if accumulate_fp32 else xk.dtype
+    tok = None
+    if adapter.tok_table is not None:
+        if target_ids is None:
+            raise ValueError(f"adapter {adapter.name!r} reads the target's token ids: pass target_ids")
+        tok = adapter.token_features(target_ids).to(device=xk.device, dtype=work)  # [T, r]
     out = []
-    for x, mix, w, b in ((xk, adapter.mix_k, adapter.wk, adapter.bk), (xv, adapter.mix_v, adapter.wv, adapter.bv)):
+    for x, mix, w, b, w_tok in ((xk, adapter.mix_k, adapter.wk, adapter.bk, adapter.wk_tok),
+                                (xv, adapter.mix_v, adapter.wv, adapter.bv, adapter.wv_tok)):
         mixed = mix_layers(x.to(work), adapter.layer_map, mix.to(work))  # [L_t, T, d_s]
-        out.append(torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work)))  # [L_t, T, d_t]
+        y = torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work))  # [L_t, T, d_t]
+        if tok is not None:
+            y = y + torch.matmul(tok, w_tok.to(work))  # [T, r] @ [L_t, r, d_t]
+        out.append(y)
     return out[0], out[1]
 
 
@@ -144,7 +197,8 @@ def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_i
     segment: source KV, rotated, [L_s, 2, H_s, T_s, D_s]; alignment: target -> source token indices ([T_t]);
     target_ids: [T_t]. The result sits at target positions offset .. offset + T_t - 1, rotated, in `dtype`
     (default: the segment's). The target's start token (when not covered by source text) takes its exact stored
-    KV; other target tokens without a source token take the map's bias (zero input).
+    KV; other target tokens without a source token take the map's bias (zero source input; token features, when the
+    adapter has them, still apply).
     """
     adapter.check_models(source_rope.spec, target_rope.spec)
     if segment.model != source_rope.spec.identity:
@@ -173,7 +227,7 @@ def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_i
     gather = idx.clamp(min=0)
     xk = xk[:, gather] * mapped[None, :, None]  # [L_s, T_t, d_s]; unmapped tokens get zero input
     xv = xv[:, gather] * mapped[None, :, None]
-    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32)  # [L_t, T_t, d_t]
+    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, target_ids)  # [L_t, T_t, d_t]
     lt, ht, dt = tgt.num_layers, tgt.num_kv_heads, tgt.head_dim
     yk = yk.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)  # [L_t, H_t, T_t, D_t]
     yv = yv.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)

@@ -51,6 +51,7 @@ def parse_stages(text: str) -> tuple[tuple[str, int], ...]:
 class ChainConfig:
     stages: tuple[tuple[str, int], ...] = (("attention", 300), ("kl", 600))
     fuser_rank: int = 0  # > 0: train a fuser of this rank (stages "ce" only) instead of a projection
+    token_rank: int = 0  # > 0: the projection's maps also read the target's token features of this rank
     train_windows: int = 1400  # training windows put in the teacher cache (in the seeded shuffle's order)
     ridge_windows: int = 200  # of them, for the ridge statistics
     dev_per_corpus: int = 12  # held-out windows per corpus file: λ/α, and the stages' best-checkpoint choice
@@ -71,6 +72,10 @@ class ChainConfig:
                 raise ValueError(f"bad stage {name}:{steps}")
             if self.fuser_rank and name != "ce":
                 raise ValueError(f"a fuser trains on stage 'ce' only, got {name!r}")
+        if self.fuser_rank and self.token_rank:
+            raise ValueError("token features are for projections: a fuser adds to the target's own KV, which has them")
+        if self.token_rank < 0:
+            raise ValueError(f"token_rank must be >= 0, got {self.token_rank}")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
 
@@ -107,10 +112,14 @@ def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: 
     if (folder / "ridge.safetensors").exists():
         info = json.loads((folder / "fit.json").read_text())
         stats = RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors")))
-        return load_adapter(folder / "ridge.safetensors"), stats, info["seconds"]
+        adapter = load_adapter(folder / "ridge.safetensors")
+        if adapter.token_rank != config.token_rank:
+            raise ValueError(f"{folder} holds a ridge fit with token features of rank {adapter.token_rank}, this run "
+                             f"asks for {config.token_rank}: use another work folder (its teacher/ can be reused)")
+        return adapter, stats, info["seconds"]
     t0 = time.perf_counter()
     adapter, stats = fit_ridge(cache, train_idx[:config.ridge_windows], dev_idx, target, config.layer_map, config.k,
-                               progress=progress)
+                               progress=progress, token_rank=config.token_rank)
     seconds = time.perf_counter() - t0
     folder.mkdir(parents=True, exist_ok=True)
     save_file(stats.state_dict(), str(folder / "stats.safetensors"))

@@ -40,6 +40,9 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--ridge-windows", type=int, default=200, help="chain/fuser: of them, for the ridge fit")
     p.add_argument("--dev-per-corpus", type=int, default=12, help="chain/fuser: held-out dev windows per file")
     p.add_argument("--fuser-rank", type=int, default=64, help="fuser: rank of the residual per layer and map")
+    p.add_argument("--token-rank", type=int, default=64,
+                   help="chain: the maps also read the target's own token features of this rank (adapter format 2; "
+                        "0: source features only)")
     p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "
                                   "default KVBRIDGE_HOME/train/<pair>")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -172,6 +175,7 @@ def run_chain(args: argparse.Namespace) -> int:
     fuser = args.trainer == "fuser"
     stages = parse_stages(args.stages or ("ce:600" if fuser else "attention:300,kl:600"))
     config = ChainConfig(stages=stages, fuser_rank=args.fuser_rank if fuser else 0,
+                         token_rank=0 if fuser else args.token_rank,
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed)

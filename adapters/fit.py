@@ -1,9 +1,10 @@
 """Fitting adapters in closed form: stream aligned KV pairs, accumulate XᵀX and XᵀY in float64, solve ridge.
 
 For target layer j with source layers N(j) = (s_1..s_k), the augmented input is x = [x_{s_1}, ..., x_{s_k}, 1]
-(k·d_s + 1). Train and held-out statistics are kept apart: `RidgeStats` holds, per distinct N, the Gram
-G = Σ xxᵀ; per target layer, C = Σ x yᵀ and Σ‖y‖². A convex mix α of the k layers with a map W (and bias)
-is a ridge problem in the mixed input whose Gram and cross terms follow from G and C (MᵀGM, MᵀC with M = α ⊗ I
+(k·d_s + 1), or [x_{s_1}, ..., x_{s_k}, f, 1] with the target's token features f (d_tok) when the adapter
+has them (they pass the mix unchanged). Train and held-out statistics are kept apart: `RidgeStats` holds, per
+distinct N, the Gram G = Σ xxᵀ; per target layer, C = Σ x yᵀ and Σ‖y‖². A convex mix α of the k layers with a
+map W (and bias) is a ridge problem in the mixed input whose Gram and cross terms follow from G and C (MᵀGM, MᵀC with M = α ⊗ I
 plus the bias), so every (α, λ) candidate is solved and scored on held-out statistics without touching data
 again. Held-out SSE of W: Σ‖y‖² − 2 tr(WᵀC_h) + tr(WᵀG_hW).
 """
@@ -22,16 +23,18 @@ class RidgeStats:
     """Float64 sufficient statistics for the K and V maps of every target layer under one layer map.
 
     groups: for each target layer j, the tuple of source layers N(j) (all of one length k).
+    d_tok: width of the token features appended to every layer's input (0: none).
     """
 
-    def __init__(self, groups: list[tuple[int, ...]], d_s: int, d_t: int, device: torch.device | str = "cpu"):
+    def __init__(self, groups: list[tuple[int, ...]], d_s: int, d_t: int, device: torch.device | str = "cpu",
+                 d_tok: int = 0):
         if not groups or len({len(g) for g in groups}) != 1:
             raise ValueError("every target layer needs the same number k >= 1 of source layers")
         self.groups = [tuple(g) for g in groups]
         self.unique = sorted(set(self.groups))
         self.k = len(self.groups[0])
-        self.d_s, self.d_t = d_s, d_t
-        n_in = self.k * d_s + 1
+        self.d_s, self.d_t, self.d_tok = d_s, d_t, d_tok
+        n_in = self.k * d_s + d_tok + 1
         f64 = dict(dtype=torch.float64, device=device)
         self.gram = {m: torch.zeros(len(self.unique), n_in, n_in, **f64) for m in "kv"}  # [G, n_in, n_in]
         self.cross = {m: torch.zeros(len(self.groups), n_in, d_t, **f64) for m in "kv"}  # [L_t, n_in, d_t]
@@ -40,18 +43,26 @@ class RidgeStats:
         self._gidx = torch.tensor([self.unique.index(g) for g in self.groups])
         self._unique_layers = torch.tensor(self.unique)  # [G, k]
 
-    def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [L_s, n, d_s] -> [G, n, k*d_s + 1] in float64
+    def _augment(self, x: torch.Tensor, tok: torch.Tensor | None) -> torch.Tensor:
+        # x: [L_s, n, d_s], tok: [n, d_tok] or None -> [G, n, k*d_s + d_tok + 1] in float64
         sel = x.to(torch.float64)[self._unique_layers.to(x.device)]  # [G, k, n, d_s]
         g, k, n, d = sel.shape
-        flat = sel.permute(0, 2, 1, 3).reshape(g, n, k * d)
-        return torch.cat((flat, torch.ones(g, n, 1, dtype=torch.float64, device=x.device)), dim=2)
+        parts = [sel.permute(0, 2, 1, 3).reshape(g, n, k * d)]
+        if self.d_tok:
+            parts.append(tok.to(device=x.device, dtype=torch.float64)[None].expand(g, n, self.d_tok))
+        parts.append(torch.ones(g, n, 1, dtype=torch.float64, device=x.device))
+        return torch.cat(parts, dim=2)
 
-    def add(self, xk: torch.Tensor, xv: torch.Tensor, yk: torch.Tensor, yv: torch.Tensor) -> None:
-        """xk, xv: [L_s, n, d_s]; yk, yv: [L_t, n, d_t] (one window's aligned pairs)."""
+    def add(self, xk: torch.Tensor, xv: torch.Tensor, yk: torch.Tensor, yv: torch.Tensor,
+            tok: torch.Tensor | None = None) -> None:
+        """xk, xv: [L_s, n, d_s]; yk, yv: [L_t, n, d_t] (one window's aligned pairs); tok: [n, d_tok] when the
+        statistics have token features."""
+        if (tok is None) != (self.d_tok == 0) or (tok is not None and tuple(tok.shape) != (xk.shape[1], self.d_tok)):
+            raise ValueError(f"these statistics take token features of width {self.d_tok}, got "
+                             f"{None if tok is None else tuple(tok.shape)}")
         device = self.gram["k"].device
         for m, x, y in (("k", xk, yk), ("v", xv, yv)):
-            xa = self._augment(x.to(device))  # [G, n, n_in]
+            xa = self._augment(x.to(device), tok)  # [G, n, n_in]
             self.gram[m] += xa.transpose(1, 2) @ xa
             y64 = y.to(device=device, dtype=torch.float64)  # [L_t, n, d_t]
             self.cross[m] += xa[self._gidx.to(device)].transpose(1, 2) @ y64
@@ -60,7 +71,7 @@ class RidgeStats:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {"count": torch.tensor(self.count), "groups": torch.tensor(self.groups),
-               "dims": torch.tensor([self.d_s, self.d_t])}
+               "dims": torch.tensor([self.d_s, self.d_t, self.d_tok])}
         for m in "kv":
             out[f"gram_{m}"] = self.gram[m].cpu()
             out[f"cross_{m}"] = self.cross[m].cpu()
@@ -69,8 +80,8 @@ class RidgeStats:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> "RidgeStats":
-        d_s, d_t = state["dims"].tolist()
-        stats = cls([tuple(g) for g in state["groups"].tolist()], d_s, d_t, device)
+        d_s, d_t, *rest = state["dims"].tolist()  # statistics saved before token features: [d_s, d_t]
+        stats = cls([tuple(g) for g in state["groups"].tolist()], d_s, d_t, device, d_tok=rest[0] if rest else 0)
         for m in "kv":
             for name in ("gram", "cross", "yy"):
                 want = getattr(stats, name)[m]
@@ -91,20 +102,21 @@ def simplex_grid(k: int, step: float) -> list[tuple[float, ...]]:
     return [tuple(c / n for c in combo) for combo in itertools.product(range(n + 1), repeat=k) if sum(combo) == n]
 
 
-def mixing_matrix(alpha: torch.Tensor, d_s: int) -> torch.Tensor:
-    # alpha: [k] -> M: [k*d_s + 1, d_s + 1] with x_mix_aug = x_aug @ M
+def mixing_matrix(alpha: torch.Tensor, d_s: int, d_tok: int = 0) -> torch.Tensor:
+    # alpha: [k] -> M: [k*d_s + d_tok + 1, d_s + d_tok + 1] with x_mix_aug = x_aug @ M (token features and the bias
+    # input pass through)
     k = alpha.numel()
     eye = torch.eye(d_s, dtype=torch.float64)
-    m = torch.zeros(k * d_s + 1, d_s + 1, dtype=torch.float64)
+    m = torch.zeros(k * d_s + d_tok + 1, d_s + d_tok + 1, dtype=torch.float64)
     for i in range(k):
         m[i * d_s:(i + 1) * d_s, :d_s] = alpha[i] * eye
-    m[-1, -1] = 1.0
+    m[k * d_s:, d_s:] = torch.eye(d_tok + 1, dtype=torch.float64)
     return m
 
 
 @dataclass(frozen=True)
 class LayerFit:
-    w: torch.Tensor  # [d_s, d_t] float64
+    w: torch.Tensor  # [d_s + d_tok, d_t] float64 (the token features' rows last)
     b: torch.Tensor  # [d_t] float64
     alpha: tuple[float, ...]
     lam: float  # the chosen λ (relative)
@@ -128,14 +140,14 @@ def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: in
     if train.count == 0 or n_h == 0:
         raise ValueError("fitting needs training and held-out tokens; the corpus gave "
                          f"{train.count} and {n_h}")
-    d_s = train.d_s
+    d_s = train.d_s + train.d_tok  # the width of the mixed input
     sum_y = h_cross[-1]
     sst = float(h_yy - (sum_y @ sum_y) / n_h)
     best: LayerFit | None = None
     lams = torch.tensor(lambdas, dtype=torch.float64)
     n = train.count
     for alpha in simplex_grid(train.k, mix_step):
-        m = mixing_matrix(torch.tensor(alpha, dtype=torch.float64), d_s)
+        m = mixing_matrix(torch.tensor(alpha, dtype=torch.float64), train.d_s, train.d_tok)
         gm, cm = m.T @ gram @ m, m.T @ cross  # augmented: the last row/column is the bias input
         hgm, hcm = m.T @ h_gram @ m, m.T @ h_cross
         # Centre, so the bias falls out and the ridge is (Gc + λ·s·I) W = Cc, solved for every λ at once through
@@ -159,3 +171,54 @@ def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: in
                             heldout_sse=float(sse[i]))
     assert best is not None
     return best
+
+
+
+def normalised_embeddings(embedding: torch.Tensor) -> torch.Tensor:
+    """[V, d_model] input embeddings -> [V, d_model] float64, each row RMS-normalised (as the target's first norm
+    sees it, without its gain): what the token features are made of."""
+    u = embedding.detach().to(torch.float64)
+    return u * (u.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+
+
+def token_basis(train: RidgeStats, heldout: RidgeStats, rank: int, lambdas=DEFAULT_LAMBDAS,
+                mix_step: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank-`rank` basis of the full token inputs (statistics with d_tok = d_model) chosen for what the maps need
+    (reduced-rank regression): fit every layer's K and V map on [source, u], stack their token parts W_u
+    [d_model, 2·L_t·d_t], and keep the top directions of Σ^½ W_u (Σ: the token inputs' covariance). Returns
+    P [d_model, rank] and the mean [d_model]; the features (u − mean) @ P have identity covariance."""
+    d, n = train.d_tok, train.count
+    if not 1 <= rank <= d:
+        raise ValueError(f"token feature rank must be in [1, {d}], got {rank}")
+    ws = [solve_layer(train, heldout, m, j, lambdas, mix_step).w[train.d_s:] for m in "kv"
+          for j in range(len(train.groups))]
+    gram = train.gram["k"][0].cpu()
+    tok = slice(train.k * train.d_s, train.k * train.d_s + d)
+    mean = gram[tok, -1] / n
+    cov = gram[tok, tok] / n - torch.outer(mean, mean)
+    evals, q = torch.linalg.eigh(cov)
+    evals = evals.clamp(min=float(evals.max()) * 1e-9)
+    half, inv_half = q @ torch.diag(evals.sqrt()) @ q.T, q @ torch.diag(evals.rsqrt()) @ q.T
+    left, _, _ = torch.linalg.svd(half @ torch.cat(ws, dim=1), full_matrices=False)
+    # singular vectors have an arbitrary sign: fix it (largest-magnitude entry positive) so a refit is reproducible
+    left = left[:, :rank]
+    left = left * torch.sign(left.gather(0, left.abs().argmax(0, keepdim=True)))
+    return inv_half @ left, mean
+
+
+def with_token_basis(stats: RidgeStats, basis: torch.Tensor, mean: torch.Tensor) -> RidgeStats:
+    """The statistics of [source, (u − mean) @ basis] from those of [source, u]: exact, no data read again."""
+    kd, d = stats.k * stats.d_s, stats.d_tok
+    r = basis.shape[1]
+    m = torch.zeros(kd + d + 1, kd + r + 1, dtype=torch.float64)
+    m[:kd, :kd] = torch.eye(kd, dtype=torch.float64)
+    m[kd:kd + d, kd:kd + r] = basis.to(torch.float64)
+    m[-1, kd:kd + r] = -mean.to(torch.float64) @ basis.to(torch.float64)
+    m[-1, -1] = 1.0
+    out = RidgeStats(stats.groups, stats.d_s, stats.d_t, d_tok=r)
+    for name in "kv":
+        out.gram[name] = m.T @ stats.gram[name].cpu() @ m
+        out.cross[name] = m.T @ stats.cross[name].cpu()
+        out.yy[name] = stats.yy[name].cpu().clone()
+    out.count = stats.count
+    return out

@@ -85,6 +85,8 @@ class FuserMaps(nn.Module):
     @classmethod
     def from_ridge(cls, ridge: Adapter, stats: RidgeStats, config: FuserConfig) -> "FuserMaps":
         """Mixes from a fitted ridge adapter, whitening and scales from its training statistics."""
+        if ridge.token_rank or stats.d_tok:
+            raise ValueError("a fuser is built from a ridge fit without token features (token_rank 0)")
         lt = ridge.wk.shape[0]
         mu, white, sigma = {}, {}, {}
         for m in "kv":

@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import torch
-from kvbridge.adapters.adapter import FORMAT_VERSION, Adapter, AdapterMeta
+from kvbridge.adapters.adapter import FORMAT_VERSION, READ_VERSIONS, TOKENS_FORMAT_VERSION, Adapter, AdapterMeta
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")
+OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok")
 
 
 def save_adapter(adapter: Adapter, path: str | Path) -> Path:
@@ -19,10 +20,12 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"adapter files end in .safetensors, got {path.name!r}")
-    tensors = {name: getattr(adapter, name).detach().cpu().contiguous() for name in TENSORS}
-    if adapter.start_kv is not None:
-        tensors["start_kv"] = adapter.start_kv.detach().cpu().contiguous()
-    meta = {"kvbridge_adapter": json.dumps(dataclasses.asdict(adapter.meta), sort_keys=True)}
+    tensors = {name: getattr(adapter, name).detach().cpu().contiguous() for name in TENSORS + OPTIONAL
+               if getattr(adapter, name) is not None}
+    record = dataclasses.asdict(adapter.meta)
+    # version 1 when nothing of version 2 is in the file, so older kvbridge releases keep reading plain adapters
+    record["format_version"] = TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION
+    meta = {"kvbridge_adapter": json.dumps(record, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -53,13 +56,13 @@ def load_adapter(path: str | Path, device: torch.device | str = "cpu") -> Adapte
     if "kvbridge_adapter" not in header:
         raise ValueError(f"{path} is a safetensors file but not a kvbridge adapter (no kvbridge_adapter metadata)")
     data = json.loads(header["kvbridge_adapter"])
-    if data.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: adapter format version {data.get('format_version')}, this kvbridge reads "
-                         f"{FORMAT_VERSION}")
+    if data.get("format_version") not in READ_VERSIONS or data.get("kind", "projection") != "projection":
+        raise ValueError(f"{path}: adapter format version {data.get('format_version')} kind {data.get('kind')!r}, "
+                         f"this kvbridge reads projection adapters of versions {READ_VERSIONS}")
     fields = {f.name for f in dataclasses.fields(AdapterMeta)}
     meta = AdapterMeta(**{k: v for k, v in data.items() if k in fields})
     missing = [n for n in TENSORS if n not in tensors]
     if missing:
         raise ValueError(f"{path}: adapter tensors missing: {missing}")
-    adapter = Adapter(meta=meta, start_kv=tensors.get("start_kv"), **{n: tensors[n] for n in TENSORS})
+    adapter = Adapter(meta=meta, **{n: tensors[n] for n in TENSORS}, **{n: tensors.get(n) for n in OPTIONAL})
     return adapter.to(device)

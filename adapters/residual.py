@@ -12,6 +12,9 @@ about lr standard deviations whatever the layer's scale (a raw-weight step of 1e
 |x| and wrecked the ridge map). With `joint`, the MLP of K and of V both read [z_k, z_v]. The linear part folds
 back into a plain `Adapter` exactly (`to_adapter`); the MLP needs the adapter format 2 (not there yet).
 
+With token features (adapter format 2), x is [mix(x_source), tok_table[id]] (d_in = d_s + r) throughout: the ridge
+map, the whitening and the residual read both; `to_adapter` splits the map back into wk and wk_tok.
+
 Shapes: L_t target layers, k source layers per target layer, d_s / d_t flattened KV widths, H_t target KV heads.
 """
 
@@ -25,7 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, mix_layers
-from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, mixing_matrix, solve_layer
+from kvbridge.adapters.fit import (
+    DEFAULT_LAMBDAS,
+    RidgeStats,
+    mixing_matrix,
+    normalised_embeddings,
+    solve_layer,
+    token_basis,
+    with_token_basis,
+)
 from torch import nn
 
 
@@ -52,9 +63,9 @@ def whitening(stats: RidgeStats, map_name: str, layer: int, alpha: torch.Tensor,
     """Mean [d_s], ZCA whitening matrix [d_s, d_s] of the mixed input, and the target's std (a scalar) for one
     target layer, from accumulated ridge statistics."""
     g = stats.unique.index(stats.groups[layer])
-    m = mixing_matrix(alpha.to(torch.float64), stats.d_s)
-    gm = m.T @ stats.gram[map_name][g].cpu() @ m  # [d_s + 1, d_s + 1], the last row/column: the bias input
-    n, d = stats.count, stats.d_s
+    m = mixing_matrix(alpha.to(torch.float64), stats.d_s, stats.d_tok)
+    gm = m.T @ stats.gram[map_name][g].cpu() @ m  # [d_in + 1, d_in + 1], the last row/column: the bias input
+    n, d = stats.count, stats.d_s + stats.d_tok
     mu = gm[:d, d] / n
     cov = gm[:d, :d] / n - torch.outer(mu, mu)
     evals, q = torch.linalg.eigh(cov)
@@ -72,11 +83,21 @@ class ResidualMaps(nn.Module):
         super().__init__()
         self.config = config
         self.num_heads = ridge.meta.target["num_kv_heads"]
-        lt, d_s, d_t = ridge.wk.shape
-        self.d_s, self.d_t = d_s, d_t
-        for name in ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv"):
+        lt, d_src, d_t = ridge.wk.shape
+        d_s = d_src + ridge.token_rank  # the width of the maps' input: mixed source features, token features
+        if stats.d_tok != ridge.token_rank:
+            raise ValueError(f"the ridge statistics have token features of width {stats.d_tok}, the adapter "
+                             f"{ridge.token_rank}")
+        self.d_src, self.d_s, self.d_t = d_src, d_s, d_t
+        for name in ("layer_map", "mix_k", "mix_v", "bk", "bv"):
             self.register_buffer(name, getattr(ridge, name).detach().clone().float() if name != "layer_map"
                                  else ridge.layer_map.clone())
+        for m in "kv":  # the ridge map over [mixed source, token features]
+            w = getattr(ridge, f"w{m}").float()
+            if ridge.token_rank:
+                w = torch.cat((w, getattr(ridge, f"w{m}_tok").float()), dim=1)
+            self.register_buffer(f"w{m}", w.detach().clone())
+        self.register_buffer("tok_table", None if ridge.tok_table is None else ridge.tok_table.detach().float().clone())
         for m in "kv":
             mix = getattr(ridge, f"mix_{m}")
             rows = [whitening(stats, m, j, mix[j], config.eps) for j in range(lt)]
@@ -94,13 +115,22 @@ class ResidualMaps(nn.Module):
                 setattr(self, f"b_{m}", nn.Parameter(torch.zeros(lt, config.rank, d_t)))
                 setattr(self, f"gate_{m}", nn.Parameter(torch.ones(lt, self.num_heads)))
 
-    def mixed(self, x: torch.Tensor, m: str) -> torch.Tensor:
-        return mix_layers(x.float(), self.layer_map, getattr(self, f"mix_{m}"))  # [L_s, T, d_s] -> [L_t, T, d_s]
+    def mixed(self, x: torch.Tensor, m: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[L_s, T, d_src] -> [L_t, T, d_s]: the mix of source layers, then the token features of ids [T]."""
+        out = mix_layers(x.float(), self.layer_map, getattr(self, f"mix_{m}"))
+        if self.tok_table is None:
+            return out
+        if ids is None:
+            raise ValueError("these maps read the target's token ids: pass ids")
+        tok = self.tok_table[torch.as_tensor(ids, dtype=torch.int64).to(self.tok_table.device)]  # [T, r]
+        return torch.cat((out, tok[None].expand(out.shape[0], -1, -1)), dim=-1)
 
-    def forward(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """xk, xv: [L_s, T, d_s] (as `adapter.map_tokens` takes) -> yk, yv: [L_t, T, d_t] un-rotated."""
+    def forward(self, xk: torch.Tensor, xv: torch.Tensor, ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """xk, xv: [L_s, T, d_src] (as `adapter.map_tokens` takes), ids: [T] target ids (token features) ->
+        yk, yv: [L_t, T, d_t] un-rotated."""
         cfg = self.config
-        x = {m: self.mixed(xx, m) for m, xx in (("k", xk), ("v", xv))}
+        x = {m: self.mixed(xx, m, ids) for m, xx in (("k", xk), ("v", xv))}
         z = {m: torch.bmm(x[m] - getattr(self, f"mu_{m}")[:, None], getattr(self, f"white_{m}")) for m in "kv"}
         out = []
         for m in "kv":
@@ -135,7 +165,9 @@ class ResidualMaps(nn.Module):
                     w = w + sigma * dw
                     mu = getattr(self, f"mu_{m}")[:, None]  # [L_t, 1, d_s]
                     b = b + sigma[:, 0] * (getattr(self, f"db_{m}") - torch.bmm(mu, dw)[:, 0])
-                maps[f"w{m}"], maps[f"b{m}"] = w.cpu(), b.cpu()
+                maps[f"w{m}"], maps[f"b{m}"] = w[:, :self.d_src].cpu(), b.cpu()
+                if self.tok_table is not None:
+                    maps[f"w{m}_tok"] = w[:, self.d_src:].cpu()
         meta = dataclasses.replace(ridge.meta, metrics=dict(ridge.meta.metrics))
         return dataclasses.replace(ridge, meta=meta, **maps)
 
@@ -146,6 +178,8 @@ class ResidualMaps(nn.Module):
         """Bytes of the saved map in float32: the ridge tensors plus, when present, the MLP (the linear residual
         folds into the ridge weights)."""
         ridge = sum(getattr(self, n).numel() * 4 for n in ("mix_k", "mix_v", "wk", "bk", "wv", "bv"))
+        if self.tok_table is not None:
+            ridge += self.tok_table.numel() * 4
         mlp = sum(p.numel() * 4 for n, p in self.named_parameters() if n.split("_")[0] in ("norm", "a", "b", "gate")
                   and not n.startswith("db"))
         extra = 0
@@ -155,11 +189,13 @@ class ResidualMaps(nn.Module):
 
 
 def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer_map: str = "mix", k: int = 3,
-              lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25, progress: bool = True) -> tuple[Adapter, RidgeStats]:
+              lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25, progress: bool = True, token_rank: int = 0
+              ) -> tuple[Adapter, RidgeStats]:
     """`train.train_adapter`'s closed-form fit, on cached teacher windows (no model runs again): the statistics of
     the training windows, λ and α chosen on the held-out ones. Returns the adapter and the training statistics
-    (the residual's whitening comes from them)."""
-    from kvbridge.adapters.adapter import AdapterMeta, model_record
+    (the residual's whitening comes from them). token_rank > 0: the maps also read the target's token features of
+    that rank (`fit.token_basis`: the directions of the normalised embeddings the maps use most)."""
+    from kvbridge.adapters.adapter import FORMAT_VERSION, TOKENS_FORMAT_VERSION, AdapterMeta, model_record
     from kvbridge.adapters.layer_map import build_layer_map
     from kvbridge.adapters.pairs import flatten_heads, start_kv
     from tqdm import tqdm
@@ -170,27 +206,39 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
     groups = [tuple(g) for g in build_layer_map(layer_map, sspec_layers, tspec.num_layers, k)]
     first = cache.load(train_idx[0])
     d_s, d_t = first["xk"].shape[2], tspec.num_kv_heads * tspec.head_dim
-    stats = {name: RidgeStats(groups, d_s, d_t) for name in ("train", "heldout")}
+    u = None
+    if token_rank:
+        u = normalised_embeddings(target.model.get_input_embeddings().weight.float().cpu())  # [V, d_model]
+    d_u = 0 if u is None else u.shape[1]
+    stats = {name: RidgeStats(groups, d_s, d_t, d_tok=d_u) for name in ("train", "heldout")}
     for name, idx in (("train", train_idx), ("heldout", heldout_idx)):
         for i in tqdm(idx, desc=f"ridge statistics ({name})", disable=not progress):
             w = cache.load(i)
             use = w["has_text"].nonzero()[:, 0]
             keys = target.rope.unrotate_all(w["k"].float(), torch.arange(w["k"].shape[2]))
             stats[name].add(w["xk"][:, use].float(), w["xv"][:, use].float(), flatten_heads(keys)[:, use],
-                            flatten_heads(w["v"].float())[:, use])
+                            flatten_heads(w["v"].float())[:, use], None if u is None else u[w["ids"][use]])
+    table = None
+    if token_rank:  # the full token inputs -> the rank the maps need (reduced-rank regression), then the table
+        basis, mean = token_basis(stats["train"], stats["heldout"], token_rank, lambdas, mix_step)
+        stats = {name: with_token_basis(st, basis, mean) for name, st in stats.items()}
+        table = ((u - mean) @ basis).float()
     fits = {m: [solve_layer(stats["train"], stats["heldout"], m, j, lambdas, mix_step) for j in range(len(groups))]
             for m in "kv"}
     source_record = header.get("source_record") or {}
     f32 = dict(dtype=torch.float32)
     adapter = Adapter(
         meta=AdapterMeta(source=source_record, target=model_record(tspec), layer_map=layer_map,
+                         format_version=TOKENS_FORMAT_VERSION if token_rank else FORMAT_VERSION,
                          start_token=header["start_token"], lambdas={m: [f.lam for f in fits[m]] for m in "kv"},
                          corpus={"teacher_cache": str(cache.root), "train_windows": len(train_idx),
                                  "heldout_windows": len(heldout_idx), "train_tokens": stats["train"].count}),
         layer_map=torch.tensor(groups, dtype=torch.int64),
         mix_k=torch.tensor([f.alpha for f in fits["k"]], **f32),
         mix_v=torch.tensor([f.alpha for f in fits["v"]], **f32),
-        wk=torch.stack([f.w for f in fits["k"]]).to(**f32), bk=torch.stack([f.b for f in fits["k"]]).to(**f32),
-        wv=torch.stack([f.w for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
-        start_kv=start_kv(target, header["start_token"]).cpu())
+        wk=torch.stack([f.w[:d_s] for f in fits["k"]]).to(**f32), bk=torch.stack([f.b for f in fits["k"]]).to(**f32),
+        wv=torch.stack([f.w[:d_s] for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
+        start_kv=start_kv(target, header["start_token"]).cpu(), tok_table=table,
+        wk_tok=torch.stack([f.w[d_s:] for f in fits["k"]]).to(**f32) if token_rank else None,
+        wv_tok=torch.stack([f.w[d_s:] for f in fits["v"]]).to(**f32) if token_rank else None)
     return adapter, stats["train"]

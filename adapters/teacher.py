@@ -32,6 +32,7 @@ from kvbridge.adapters.adapter import has_text_source, model_record
 from kvbridge.adapters.pairs import flatten_heads, pair_text
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -230,6 +231,11 @@ class TeacherCache:
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.root / self.entries[i]["file"]))
+
+    def load_tensor(self, i: int, name: str) -> torch.Tensor:
+        """One tensor of window i, read without the rest of its file."""
+        with safe_open(str(self.root / self.entries[i]["file"]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
 
     def select(self, heldout: bool, fraction: float) -> list[int]:
         """Indices of the held-out (or training) windows under the document-id split."""

@@ -90,11 +90,13 @@ def get_lr(config: TrainerConfig, it: int, progress: float) -> float:
 # ------------------------------------------------------------------------------------------------ projected windows
 
 def project_window(maps: ResidualMaps, start_kv: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
-                   start_mask: torch.Tensor, target: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `adapter.project` computes, differentiable. xk, xv: [L_s, T, d_s]; start_mask: [T];
-    start_kv: [L_t, 2, H_t, D_t] (keys un-rotated) -> keys (rotated at 0..T-1), values: [L_t, H_t, T, D_t]."""
+                   start_mask: torch.Tensor, target: LoadedModel, ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `adapter.project` computes, differentiable. xk, xv: [L_s, T, d_s]; start_mask, ids: [T] (target ids:
+    the token features); start_kv: [L_t, 2, H_t, D_t] (keys un-rotated) -> keys (rotated at 0..T-1), values:
+    [L_t, H_t, T, D_t]."""
     spec = target.spec
-    yk, yv = maps(xk, xv)  # [L_t, T, d_t]
+    yk, yv = maps(xk, xv, ids)  # [L_t, T, d_t]
     lt, t, _ = yk.shape
     k = yk.view(lt, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     v = yv.view(lt, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -105,15 +107,15 @@ def project_window(maps: ResidualMaps, start_kv: torch.Tensor, xk: torch.Tensor,
 
 
 def context_kv(maps, start_kv: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, start_mask: torch.Tensor,
-               target: LoadedModel, own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               target: LoadedModel, ids: torch.Tensor, own_k: torch.Tensor | None = None,
+               own_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache a map gives for start + context: projected (ResidualMaps) or fused with the target's own K/V
     (FuserMaps; own_k, own_v needed) -> keys (rotated), values [L_t, H_t, T, D_t]."""
     if isinstance(maps, FuserMaps):
         if own_k is None or own_v is None:
             raise ValueError("a fuser needs the target's own K/V of the context")
         return maps.fuse(xk, xv, own_k, own_v, target, keep=start_mask)
-    return project_window(maps, start_kv, xk, xv, start_mask, target)
+    return project_window(maps, start_kv, xk, xv, start_mask, target, ids)
 
 
 class AttentionGeometry:
@@ -143,7 +145,7 @@ def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, geometr
 
 def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: AttentionGeometry,
                    context_tokens: int, queries: str = "continuation") -> torch.Tensor:
-    k_p, v_p = project_window(maps, start_kv, window["xk"], window["xv"], window["start_mask"], target)
+    k_p, v_p = project_window(maps, start_kv, window["xk"], window["xv"], window["start_mask"], target, window["ids"])
     k_own, v_own = window["k"].float(), window["v"].float()
     t = k_own.shape[2]
     ctx = torch.zeros(t, dtype=torch.bool)
@@ -167,7 +169,7 @@ def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, 
     for w in windows:
         own = (w["k"][:, :, :1 + c], w["v"][:, :, :1 + c]) if isinstance(maps, FuserMaps) else (None, None)
         k, v = context_kv(maps, start_kv, w["xk"][:, :1 + c], w["xv"][:, :1 + c], w["start_mask"][:1 + c], target,
-                          *own)
+                          w["ids"][:1 + c], *own)
         segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:1 + c],
                                   positions=torch.arange(1 + c), model=target.spec.identity, rotated=True))
     cache = kvcache.to_cache(segments, target.model, target.spec)
@@ -261,7 +263,8 @@ class RecoveryProbe:
             src = self.items[(i + shift) % n]
             if src.xk.shape != it.xk.shape:
                 raise ValueError("the wrong-document control needs contexts of one length")
-            k, v = context_kv(maps, self.start_kv, src.xk, src.xv, it.start_mask, self.target, it.k, it.v)
+            k, v = context_kv(maps, self.start_kv, src.xk, src.xv, it.start_mask, self.target, src.context_ids, it.k,
+                              it.v)
             seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids,
                             positions=torch.arange(it.context_ids.numel()), model=self.target.spec.identity,
                             rotated=True)

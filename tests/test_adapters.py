@@ -10,7 +10,7 @@ import pytest
 import torch
 import zoo
 from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record, project
-from kvbridge.adapters.fit import RidgeStats, simplex_grid, solve_layer
+from kvbridge.adapters.fit import RidgeStats, simplex_grid, solve_layer, token_basis, with_token_basis
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.layer_map import build_layer_map
 from kvbridge.adapters.pairs import pair_text, start_kv, start_token_id
@@ -83,6 +83,67 @@ def test_ridge_recovers_a_planted_linear_map_exactly():
         assert torch.allclose(fit.w, w[j], atol=1e-9) and torch.allclose(fit.b, b[j], atol=1e-9)
         fit_v = solve_layer(train, held, "v", j, lambdas=(0.0,))
         assert torch.allclose(fit_v.w, 2 * w[j], atol=1e-9) and torch.allclose(fit_v.b, -b[j], atol=1e-9)
+
+
+def test_ridge_with_token_features_recovers_a_planted_token_map():
+    """Target KV that depends on the token as well as on the source features: the source features alone cannot
+    fit it, source + token features fit it exactly, and the solution's last rows are the token map."""
+    gen = torch.Generator().manual_seed(3)
+    l_s, d_s, d_t, r, vocab = 2, 5, 4, 3, 40
+    groups = [(0,), (1,)]
+    table = torch.randn(vocab, r, generator=gen, dtype=torch.float64)
+    w = torch.randn(2, d_s, d_t, generator=gen, dtype=torch.float64)
+    w_tok = torch.randn(2, r, d_t, generator=gen, dtype=torch.float64)
+    plain = {n: RidgeStats(groups, d_s, d_t) for n in ("train", "held")}
+    with_tok = {n: RidgeStats(groups, d_s, d_t, d_tok=r) for n in ("train", "held")}
+    for name, n in (("train", 300), ("held", 100)):
+        x = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        y = torch.stack([x[j] @ w[j] + table[ids] @ w_tok[j] for j in range(2)])
+        plain[name].add(x, x, y, y)
+        with_tok[name].add(x, x, y, y, table[ids])
+    with pytest.raises(ValueError, match="token features of width 3"):
+        with_tok["train"].add(x, x, y, y)
+    for j in range(2):
+        fit = solve_layer(with_tok["train"], with_tok["held"], "k", j, lambdas=(0.0,))
+        assert fit.heldout_r2 > 1 - 1e-10
+        assert torch.allclose(fit.w[:d_s], w[j], atol=1e-8) and torch.allclose(fit.w[d_s:], w_tok[j], atol=1e-8)
+        assert solve_layer(plain["train"], plain["held"], "k", j, lambdas=(0.0,)).heldout_r2 < 0.9
+    again = RidgeStats.from_state_dict(with_tok["train"].state_dict())
+    assert again.d_tok == r and torch.equal(again.gram["k"], with_tok["train"].gram["k"])
+
+
+def test_token_basis_finds_the_planted_directions_and_compresses_statistics_exactly():
+    """Targets that read only 2 directions of a 6-wide token input: a rank-2 basis keeps the fit exact, and the
+    compressed statistics equal those accumulated on the compressed features directly."""
+    gen = torch.Generator().manual_seed(4)
+    l_s, d_s, d_t, d_u, n = 2, 3, 4, 6, 400
+    groups = [(0,), (1,)]
+    used = torch.randn(d_u, 2, generator=gen, dtype=torch.float64)
+    maps = torch.randn(2, 2, d_t, generator=gen, dtype=torch.float64)
+    stats = {name: RidgeStats(groups, d_s, d_t, d_tok=d_u) for name in ("train", "held")}
+    data = {}
+    for name in stats:
+        x = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64)
+        u = torch.randn(n, d_u, generator=gen, dtype=torch.float64) + 0.5
+        y = torch.stack([x[j, :, :1] + (u @ used) @ maps[j] for j in range(2)])
+        stats[name].add(x, x, y, y, u)
+        data[name] = (x, u, y)
+    basis, mean = token_basis(stats["train"], stats["held"], 2, lambdas=(0.0,))
+    again = token_basis(stats["train"], stats["held"], 2, lambdas=(0.0,))
+    assert torch.equal(basis, again[0]) and basis.shape == (d_u, 2)
+    small = {name: with_token_basis(st, basis, mean) for name, st in stats.items()}
+    for j in range(2):
+        assert solve_layer(small["train"], small["held"], "v", j, lambdas=(0.0,)).heldout_r2 > 1 - 1e-9
+    x, u, y = data["train"]
+    direct = RidgeStats(groups, d_s, d_t, d_tok=2)
+    direct.add(x, x, y, y, (u - mean) @ basis)
+    torch.testing.assert_close(small["train"].gram["k"], direct.gram["k"])
+    torch.testing.assert_close(small["train"].cross["v"], direct.cross["v"])
+    features = (u - mean) @ basis  # identity covariance over the training inputs
+    torch.testing.assert_close(features.T @ features / n, torch.eye(2, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="rank must be in"):
+        token_basis(stats["train"], stats["held"], 7)
 
 
 def test_ridge_finds_a_planted_convex_mix():
@@ -182,6 +243,37 @@ def test_save_load_apply_is_bit_identical(tmp_path, tiny_source, tiny_target):
     b = project(again, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
     assert torch.equal(a.kv, b.kv)
     assert b"pickle" not in path.read_bytes()[:200]
+
+
+def test_token_features_change_the_projection_save_as_format_2_and_load(tmp_path, tiny_source, tiny_target):
+    adapter = random_adapter(tiny_source, tiny_target)
+    gen = torch.Generator().manual_seed(1)
+    lt, _, d_t = adapter.wk.shape
+    vocab = tiny_target.model.get_input_embeddings().weight.shape[0]
+    tok = dataclasses.replace(adapter, tok_table=torch.randn(vocab, 3, generator=gen),
+                              wk_tok=torch.randn(lt, 3, d_t, generator=gen),
+                              wv_tok=torch.randn(lt, 3, d_t, generator=gen))
+    paired = pair_text("import os\nos.getcwd()", tiny_source.tokenizer, tiny_target.tokenizer)
+    seg = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)
+    base = project(adapter, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
+    got = project(tok, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
+    # values are not rotated: the difference is exactly the token map of each token
+    want = torch.einsum("tr,lrd->ltd", tok.tok_table[paired.target_ids], tok.wv_tok)
+    want = want.view(lt, -1, tiny_target.spec.num_kv_heads, tiny_target.spec.head_dim).permute(0, 2, 1, 3)
+    start = (paired.alignment.source_index < 0) & (paired.target_ids == adapter.meta.start_token)
+    want[:, :, start] = 0  # the start token keeps its exact KV
+    torch.testing.assert_close(got.values - base.values, want, atol=1e-4, rtol=1e-4)
+    path = save_adapter(tok, tmp_path / "tok.safetensors")
+    assert json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["kvbridge_adapter"])[
+        "format_version"] == 2
+    again = load_adapter(path)
+    assert again.token_rank == 3 and again.extra_flops_per_token() == 2 * 2 * lt * 3 * d_t
+    assert torch.equal(project(again, seg, paired.alignment, paired.target_ids, tiny_source.rope,
+                               tiny_target.rope).kv, got.kv)
+    with pytest.raises(ValueError, match="wk_tok has shape"):
+        dataclasses.replace(tok, wk_tok=tok.wk_tok[:, :2])
+    with pytest.raises(ValueError, match="outside the adapter's vocabulary"):
+        tok.token_features(torch.tensor([vocab]))
 
 
 def test_mismatched_adapters_and_files_are_refused(tmp_path, tiny_source, tiny_target):

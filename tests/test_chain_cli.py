@@ -64,12 +64,13 @@ def test_dev_windows_come_from_held_out_documents_only(corpus, tiny_target):
 def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path, capsys):
     work, out = tmp_path / "work", tmp_path / "a.safetensors"
     args = _args(corpus, work, out, "--trainer", "chain", "--stages", "attention:3,kl:2", "--save-dtype",
-                 "bfloat16")
+                 "bfloat16", "--token-rank", "8")
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "stage attention: 3 steps" in printed and "recovery projected" in printed
     meta = read_adapter_meta(out)
-    assert meta["format_version"] == 1 and meta["training"]["trainer"] == "chain"
+    assert meta["format_version"] == 2 and meta["training"]["trainer"] == "chain"
+    assert load_adapter(out).token_rank == 8
     assert [s["objective"] for s in meta["training"]["record"]["stages"]] == ["attention", "kl"]
     for f in corpus[0]:
         name = f.rsplit("/", 1)[1]
@@ -81,6 +82,10 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     assert main(args) == 0
     assert json.loads((work / "teacher" / "index.json").read_text()) == index
     assert torch.equal(load_adapter(out).wk, first.wk)
+    # the work folder's ridge fit has token features of rank 8: another rank is refused by name
+    assert main(_args(corpus, work, out, "--trainer", "chain", "--stages", "attention:3,kl:2",
+                      "--token-rank", "0")) == 2
+    assert "token features of rank 8, this run asks for 0" in capsys.readouterr().err
 
 
 def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):

@@ -51,7 +51,7 @@ def _fuser(ridge, rank=8, seed=0) -> FuserMaps:
 
 def _fused(maps, w, target):
     return context_kv(maps, None, w["xk"][:, :1 + C].float(), w["xv"][:, :1 + C].float(), w["start_mask"][:1 + C],
-                      target, w["k"][:, :, :1 + C].float(), w["v"][:, :, :1 + C].float())
+                      target, w["ids"][:1 + C], w["k"][:, :, :1 + C].float(), w["v"][:, :, :1 + C].float())
 
 
 def test_untrained_fuser_is_the_targets_own_cache(pair, cache, ridge):

@@ -57,6 +57,17 @@ def ridge(pair, cache):
     return adapter, stats
 
 
+@pytest.fixture(scope="module")
+def ridge_tok(pair, cache):
+    _, target = pair
+    return fit_ridge(cache, list(range(12)), list(range(12, 16)), target, progress=False, token_rank=4)
+
+
+@pytest.fixture(params=["source features", "with token features"])
+def either_ridge(request, ridge, ridge_tok):
+    return ridge if request.param == "source features" else ridge_tok
+
+
 def _maps(ridge, capacity=None, seed=0):
     torch.manual_seed(seed)
     return ResidualMaps(ridge[0], ridge[1], capacity or CapacityConfig())
@@ -82,7 +93,8 @@ def test_teacher_cache_holds_the_targets_own_kv_and_is_resumable(pair, cache):
     assert stats["windows"] == 0 and len(again) == before
 
 
-def test_zero_residual_projects_like_adapter_project(pair, ridge):
+def test_zero_residual_projects_like_adapter_project(pair, either_ridge):
+    ridge = either_ridge
     source, target = pair
     maps = _maps(ridge, CapacityConfig(rank=8, joint=True))
     text = _text(random.Random(5))
@@ -92,12 +104,13 @@ def test_zero_residual_projects_like_adapter_project(pair, ridge):
     from kvbridge.adapters.teacher import source_features
     xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
     start = (paired.alignment.source_index < 0) & (paired.target_ids == start_token_id(target.tokenizer))
-    k, v = project_window(maps, ridge[0].start_kv, xk, xv, start, target)
+    k, v = project_window(maps, ridge[0].start_kv, xk, xv, start, target, paired.target_ids)
     torch.testing.assert_close(k, want.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v, want.values, atol=1e-4, rtol=1e-4)
 
 
-def test_linear_residual_folds_into_an_exact_adapter(pair, ridge):
+def test_linear_residual_folds_into_an_exact_adapter(pair, either_ridge):
+    ridge = either_ridge
     maps = _maps(ridge)
     with torch.no_grad():
         for p in maps.parameters():
@@ -105,8 +118,10 @@ def test_linear_residual_folds_into_an_exact_adapter(pair, ridge):
     folded = maps.to_adapter(ridge[0])
     x = torch.randn(ridge[0].layer_map.max() + 1, 7, ridge[0].wk.shape[1])
     from kvbridge.adapters.adapter import map_tokens
-    yk, yv = maps(x, 2 * x)
-    fk, fv = map_tokens(folded, x, 2 * x)
+    ids = torch.randint(0, pair[1].model.get_input_embeddings().weight.shape[0], (7,))
+    yk, yv = maps(x, 2 * x, ids)
+    fk, fv = map_tokens(folded, x, 2 * x, target_ids=ids)
+    assert folded.token_rank == ridge[0].token_rank
     torch.testing.assert_close(yk, fk, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(yv, fv, atol=1e-3, rtol=1e-4)
 
@@ -161,7 +176,7 @@ def test_attention_matching_recovers_a_planted_optimum(pair, cache, ridge, tmp_p
         w = cache.load(i)
         with torch.no_grad():
             k, v = project_window(planted, ridge[0].start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"],
-                                  target)
+                                  target, w["ids"])
         w["k"], w["v"] = k.to(torch.bfloat16), v.to(torch.bfloat16)
         w["xk"], w["xv"] = w["xk"], w["xv"]
         save_file({n: t.contiguous() for n, t in w.items()}, str(root / e["file"]))
