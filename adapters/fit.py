@@ -1,12 +1,12 @@
 """Fitting adapters in closed form: stream aligned KV pairs, accumulate XᵀX and XᵀY in float64, solve ridge.
 
 For target layer j with source layers N(j) = (s_1..s_k), the augmented input is x = [x_{s_1}, ..., x_{s_k}, 1]
-(k·d_s + 1), or [x_{s_1}, ..., x_{s_k}, f, 1] with the target's token features f (d_tok) when the adapter
-has them (they pass the mix unchanged). Train and held-out statistics are kept apart: `RidgeStats` holds, per
+(k·d_s + 1), or [x_{s_1}, ..., x_{s_k}, f, 1] with the target's token features f (d_tok) when the adapter has
+them (they pass the mix unchanged). Train and held-out statistics are kept apart: `RidgeStats` holds, per
 distinct N, the Gram G = Σ xxᵀ; per target layer, C = Σ x yᵀ and Σ‖y‖². A convex mix α of the k layers with a
-map W (and bias) is a ridge problem in the mixed input whose Gram and cross terms follow from G and C (MᵀGM, MᵀC with M = α ⊗ I
-plus the bias), so every (α, λ) candidate is solved and scored on held-out statistics without touching data
-again. Held-out SSE of W: Σ‖y‖² − 2 tr(WᵀC_h) + tr(WᵀG_hW).
+map W (and bias) is a ridge problem in the mixed input whose Gram and cross terms follow from G and C (MᵀGM,
+MᵀC with M = α ⊗ I plus the bias), so every (α, λ) candidate is solved and scored on held-out statistics
+without touching data again. Held-out SSE of W: Σ‖y‖² − 2 tr(WᵀC_h) + tr(WᵀG_hW).
 """
 
 from __future__ import annotations
