@@ -422,6 +422,7 @@ def test_health_and_reflection_answer(server):
 
 
 def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
+    alice.ingest(TEXT)  # its own Ingest, so the test does not lean on an earlier one
     alice.fetch_projected(text=TEXT)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     assert 'kvbridge_requests_total{code="OK",method="GetProjectedCache"}' in body
