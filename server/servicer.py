@@ -255,6 +255,14 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
                 n_layers, _, h, t, d = kv.shape
                 ranges = plan_chunks(n_layers, t, 2 * h * d * kv.element_size(), size)
+                header = pb2.CacheHeader(
+                    model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
+                    dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
+                    token_ids=seg.token_ids.tolist(), positions=seg.positions.tolist(), rotated=seg.rotated,
+                    entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
+                    num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
+                    text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
+                    exact_coverage=result.exact_coverage)
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)
@@ -262,14 +270,6 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     pending.discard()
             if failure is not None:
                 context.abort(*failure)
-            header = pb2.CacheHeader(
-                model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
-                dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
-                token_ids=seg.token_ids.tolist(), positions=seg.positions.tolist(), rotated=seg.rotated,
-                entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
-                num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
-                text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
-                exact_coverage=result.exact_coverage)
             if pending is not None:
                 shared = self._publish(method, pending, kv)
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
