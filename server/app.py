@@ -24,6 +24,7 @@ from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.admission import IdleWatchdog, StreamSlots
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
+from kvbridge.server.gather_buffers import GatherBuffers
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import check_message, clip_details
 from kvbridge.server.service import KVBridgeService, ServiceLimits
@@ -303,7 +304,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
                         config.shm_dir, exc)
     servicer = KVBridgeServicer(service, auth, metrics,
                                 uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
-                                watchdog=watchdog, segments=segments)
+                                watchdog=watchdog, segments=segments, buffers=GatherBuffers())
     server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
     health_servicer = health.HealthServicer()
     server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))

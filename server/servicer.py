@@ -23,6 +23,7 @@ from kvbridge.server.chunks import (
 )
 from kvbridge.server.config import is_loopback
 from kvbridge.server.errors import FailedPrecondition
+from kvbridge.server.gather_buffers import GatherBuffers
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import clip_details
 from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
@@ -61,13 +62,14 @@ def _entry(info, start: int, model: str) -> pb2.Entry:
 class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics,
                  uploads: StreamSlots | None = None, watchdog: IdleWatchdog | None = None,
-                 segments: SegmentRegistry | None = None):
+                 segments: SegmentRegistry | None = None, buffers: GatherBuffers | None = None):
         self.service = service
         self.auth = auth
         self.metrics = metrics
         self.uploads = uploads or StreamSlots(per_tenant=4, total=4)  # open PutSourceKV calls
         self.watchdog = watchdog or IdleWatchdog(idle_s=60.0)  # streams that move nothing are cancelled
         self.segments = segments  # same-host fetches' shared-memory files; None: every fetch streams
+        self.buffers = buffers  # reused buffers streamed fetches gather into; None: a new tensor each
 
     # ------------------------------------------------------------------------------------------ plumbing
 
@@ -244,12 +246,14 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def _stream(self, method: str, context, fetch, dtype: str, chunk_bytes: int, transport: int):
         with self.metrics.observe(method) as outcome:
             tenant = self._tenant(context)
-            pending = None  # a same-host segment the fetch may gather its KV straight into
+            pending = lent = None  # a same-host segment, or a lent buffer, the fetch may gather its KV into
             try:
                 out_dtype = wire_dtype(dtype, "dtype") if dtype else None
                 size = self.service.chunk_bytes(chunk_bytes)
                 if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
                     pending = self.segments.reserve(tenant, out_dtype)
+                elif self.buffers is not None:  # streamed: gathered into a reused buffer, lent until the last chunk
+                    pending = lent = self.buffers.lend(out_dtype)
                 result = fetch(tenant, pending)
                 seg = result.segment
                 kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
@@ -270,7 +274,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     pending.discard()
             if failure is not None:
                 context.abort(*failure)
-            if pending is not None:
+            if pending is not None and lent is None:
                 shared = self._publish(method, pending, kv)
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
                     header.shared.CopyFrom(shared)
@@ -294,6 +298,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                         watched.touch()
                 except GeneratorExit:  # grpc closes the generator of a call that ended (cancelled, client gone)
                     pass
+                finally:
+                    if lent is not None:
+                        lent.discard()
             if sent == len(ranges):
                 outcome["code"] = "OK"
             else:
