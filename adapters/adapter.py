@@ -182,10 +182,12 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
     for x, mix, w, b, w_tok in ((xk, adapter.mix_k, adapter.wk, adapter.bk, adapter.wk_tok),
                                 (xv, adapter.mix_v, adapter.wv, adapter.bv, adapter.wv_tok)):
         mixed = mix_layers(x.to(work), adapter.layer_map, mix.to(work))  # [L_t, T, d_s]
-        y = torch.baddbmm(b.to(work)[:, None, :], mixed, w.to(work))  # [L_t, T, d_t]
-        if tok is not None:
-            y = y + torch.matmul(tok, w_tok.to(work))  # [T, r] @ [L_t, r, d_t]
-        out.append(y)
+        base = b.to(work)[:, None, :]
+        if tok is not None:  # every layer's token map in one [T, r] @ [r, L_t·d_t] product, added as the bias
+            lt, r, d_t = w_tok.shape
+            flat = w_tok.to(work).transpose(0, 1).reshape(r, lt * d_t)
+            base = base + (tok @ flat).view(-1, lt, d_t).transpose(0, 1)  # [L_t, T, d_t]
+        out.append(torch.baddbmm(base, mixed, w.to(work)))  # [L_t, T, d_t]
     return out[0], out[1]
 
 
