@@ -117,7 +117,7 @@ def store_rows(r: dict) -> list[Row]:
 
 
 def grpc_rows(r: dict) -> list[Row]:
-    return [Row("gRPC stream grpc/raw", f"{r['ratio_grpc_over_raw']:.2f}", ">= 0.7",
+    return [Row("gRPC stream grpc/raw", f"{r['ratio_grpc_over_raw']:.2f}", ">= 0.5",
                 f"{r['grpc_mbs']:,.0f} vs {r['raw_mbs']:,.0f} MB/s ({r['stream_bytes'] / 1e6:.1f} MB, "
                 f"{r['target_tokens']} tokens, {r['preset']} pair, {r['layout']})", r["ratio_grpc_over_raw"]),
             Row("gRPC wire projected/source", f"{r['ratio_projected_over_source_wire']:.2f}", "-",

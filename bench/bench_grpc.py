@@ -8,7 +8,7 @@ each reported time is a median.
 
 1. stream: a warm GetProjectedCache of a ~2048-target-token entry (projected entry already in the server's store),
    timed on the client from the call to the assembled tensor, vs a raw loopback TCP socket moving the same bytes in
-   the same chunk sizes (MB/s; goal grpc/raw >= 0.7). Both sides have the same process layout: the sender (the
+   the same chunk sizes (MB/s; goal grpc/raw >= 0.5, issue 16). Both sides have the same process layout: the sender (the
    kvbridge server, or the raw socket's sender) is a separate process and the receiver is this one; with
    --in-process both senders are threads of this process instead. The cold first fetch (projection included) as
    information.
@@ -452,7 +452,7 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
           f"wire ({total / 1e6:.1f} MB in {len(payloads)} chunks of <= {biggest / 1024:.0f} KiB), loopback, "
           f"{layout}: gRPC fetch to the assembled tensor {mbs['grpc']:,.0f} MB/s ({times['grpc'] * 1e3:.0f} ms), "
           f"raw TCP socket same chunks {mbs['raw']:,.0f} MB/s ({times['raw'] * 1e3:.0f} ms) -> ratio grpc/raw "
-          f"{ratio:.2f} (goal >= 0.7, {verdict(ratio >= 0.7)}; medians of {rounds} interleaved rounds)", flush=True)
+          f"{ratio:.2f} (goal >= 0.5, {verdict(ratio >= 0.5)}; medians of {rounds} interleaved rounds)", flush=True)
     print(f"stream  cold first fetch (projection + store put + stream) {cold_s * 1e3:,.0f} ms = "
           f"{cold_s / times['grpc']:.1f}x the warm fetch; before it, Ingest (source prefill of {entry.num_tokens} "
           f"tokens) {ingest_s * 1e3:,.0f} ms; {note} (information, no goal)", flush=True)
