@@ -70,7 +70,7 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     assert "stage attention: 3 steps" in printed and "recovery projected" in printed
     meta = read_adapter_meta(out)
     assert meta["format_version"] == 2 and meta["training"]["trainer"] == "chain"
-    assert load_adapter(out).token_rank == 8
+    assert load_adapter(out).token_rank == 8 and load_adapter(out).tok_table.dtype == torch.bfloat16
     assert [s["objective"] for s in meta["training"]["record"]["stages"]] == ["attention", "kl"]
     for f in corpus[0]:
         name = f.rsplit("/", 1)[1]
