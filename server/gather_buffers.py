@@ -33,11 +33,10 @@ class GatherBuffers:
 
     def _take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fitting = [b for b in self._free if b.numel() >= nbytes]
+            # by position, never list.remove: that compares tensors with ==, elementwise (and fails on two sizes)
+            fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fitting:
-                buffer = min(fitting, key=torch.Tensor.numel)
-                self._free.remove(buffer)
-                return buffer
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def _give_back(self, buffer: torch.Tensor) -> None:

@@ -33,3 +33,18 @@ def test_the_buffers_kept_stay_under_max_bytes_and_other_dtypes_are_refused():
     assert pool.kept_bytes == nbytes  # one kept: two would pass max_bytes
     assert pool.lend(torch.bfloat16).tensor(SHAPE, torch.float32) is None  # the wire wants bf16: not this one
     assert pool.lend().tensor((1000, 2, 2, 17, 8), torch.float32) is None  # bigger than anything kept
+
+
+def test_taking_one_of_several_kept_buffers_of_different_sizes():
+    """Kept buffers of two sizes, the smallest fitting one taken: it leaves the pool by position (list.remove
+    compared tensors elementwise and raised on two sizes: INTERNAL in the load test and bench_all)."""
+    pool = GatherBuffers(max_bytes=1 << 20)
+    small, large = pool.lend(), pool.lend()
+    a = small.tensor((1, 2, 1, 10, 8), torch.float32)
+    b = large.tensor((1, 2, 1, 40, 8), torch.float32)
+    small.discard()
+    large.discard()
+    got = pool.lend().tensor((1, 2, 1, 20, 8), torch.float32)  # only the large one fits
+    assert got.data_ptr() == b.data_ptr()
+    assert pool.lend().tensor((1, 2, 1, 10, 8), torch.float32).data_ptr() == a.data_ptr()
+    assert pool.kept_bytes == 0
