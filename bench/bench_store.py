@@ -8,9 +8,10 @@ time is a median, because other processes share the machine.
 2. lookup: `PagedStore.lookup` of a long cached prefix with >= 1M blocks indexed (us per block), and the share
    of it spent in `hash_chain`.
 3. capacity: tokens a fixed pool holds before its first eviction, by prefix-sharing pattern.
-4. redis: `RedisTier.put_many` / `get_many` vs raw redis-py pipelined SET / MGET of the same sizes (MB/s).
+4. redis: `RedisTier.put_many` / `get_many` vs raw redis-py pipelined SET / MGET of the same sizes (MB/s); the
+   put sends blocks whose sum64 the CPU tier took as it copied them, and also blocks without one.
 
-(One file of ~430 lines: four benchmarks of one store that share its layouts, sizes and machine line.)
+(One file of ~460 lines: four benchmarks of one store that share its layouts, sizes and machine line.)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvbridge.transfer.spec import ModelIdentity, config_hash
 from kvbridge.transfer.store import PagedStore, StoreConfig
 from kvbridge.transfer.store.block_pool import PoolLayout
 from kvbridge.transfer.store.kv_blocks import Namespace, chain_root, hash_chain
-from kvbridge.transfer.store.tiers import RedisTier
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier, block_sums
 from machine import device_label
 from machine import machine_line as _machine_line
 
@@ -330,6 +331,23 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[di
     raw_keys = [b"bench:raw:" + h.hex().encode() for h in hashes]
     batches = [range(i, min(i + REDIS_BATCH, n)) for i in range(0, n, REDIS_BATCH)]
 
+    def cpu_tier_copies(checksums: bool) -> CpuTier:
+        cpu = CpuTier(n * pl.block_bytes, checksums=checksums)
+        for i in range(n):
+            cpu.put(hashes[i], pl.key, blocks[i])
+        return cpu
+
+    # what the store sends: the CPU tier's copies, each with the sum64 taken as it was copied (in cache); the cost
+    # of taking it there is timed here, apart from the put
+    sum_t = interleaved({"summing": lambda: cpu_tier_copies(True), "plain": lambda: cpu_tier_copies(False)},
+                        sizes.redis_rounds, 2, device)
+    cpu = cpu_tier_copies(True)
+    carried = [cpu.pop(h)[1] for h in hashes]  # [L, 2, H_kv, bs, D] each
+    del cpu
+    gc.collect()
+    if any(block_sums.get(b) is None for b in carried):
+        raise AssertionError("a CPU tier copy carries no sum64: the put would read it again")
+
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-redis-") as tmp:
         server = RedisProcess(Path(tmp))
         server.start()
@@ -338,9 +356,9 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[di
             client = redis.Redis.from_url(server.url, socket_timeout=30.0)
             version = client.info("server").get("redis_version", "?")
 
-            def tier_put():
+            def tier_put(source: list[torch.Tensor]):
                 for batch in batches:
-                    if not tier.put_many([(hashes[i], pl.key, blocks[i]) for i in batch]):
+                    if not tier.put_many([(hashes[i], pl.key, source[i]) for i in batch]):
                         raise AssertionError(f"RedisTier.put_many failed: {tier.stats.last_error}")
 
             def tier_get():
@@ -362,11 +380,15 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[di
                     if any(v is None for v in values):
                         raise AssertionError("raw MGET missed a key")
 
-            tier_put()
-            if not torch.equal(tier.get_many(hashes[:1], pl.key)[hashes[0]], blocks[0]):
-                raise AssertionError("RedisTier round trip changed a block")
+            views = list(blocks)  # the same bytes without a sum64 kept: summed in the put
+            for source in (views, carried):
+                tier_put(source)
+                back = tier.get_many([hashes[0], hashes[-1]], pl.key)
+                if not (torch.equal(back[hashes[0]], blocks[0]) and torch.equal(back[hashes[-1]], blocks[-1])):
+                    raise AssertionError("RedisTier round trip changed a block")
             # puts first (each round overwrites the same keys), then gets of what is there
-            put_t = interleaved({"tier": tier_put, "raw": raw_put}, sizes.redis_rounds, 1, device)
+            put_t = interleaved({"tier": lambda: tier_put(carried), "summing": lambda: tier_put(views),
+                                 "raw": raw_put}, sizes.redis_rounds, 1, device)
             get_t = interleaved({"tier": tier_get, "raw": raw_get}, sizes.redis_rounds, 1, device)
         finally:
             server.stop()
@@ -375,12 +397,21 @@ def bench_redis(layout: KVLayout, sizes: Sizes, device: torch.device) -> list[di
     for op, t in (("put", put_t), ("get", get_t)):
         tier_mbs, raw_mbs = total / t["tier"] / 1e6, total / t["raw"] / 1e6
         raw_op = "pipelined SET ex=" if op == "put" else "MGET"
+        result = {"op": op, "blocks": n, "tier_mbs": tier_mbs, "raw_mbs": raw_mbs,
+                  "ratio_tier_over_raw": tier_mbs / raw_mbs}
+        extra = ""
+        if op == "put":
+            result["summing_mbs"] = total / t["summing"] / 1e6
+            result["ratio_summing_over_raw"] = result["summing_mbs"] / raw_mbs
+            result["sum_at_copy_us"] = (sum_t["summing"] - sum_t["plain"]) / n * 1e6
+            extra = (f"; the blocks carry the sum64 CpuTier.put took as it copied them (+{result['sum_at_copy_us']:.0f}"
+                     f" us a block there, not in the ratio); blocks without one, summed in the put: "
+                     f"{result['summing_mbs']:.0f} MB/s, ratio {result['ratio_summing_over_raw']:.2f}")
         print(f"redis   {op} {n} blocks of {layout.describe()} ({pl.block_bytes / 1e3:.0f} kB each) in batches of "
               f"{REDIS_BATCH}, redis-server {version} on loopback: RedisTier.{op}_many {tier_mbs:.0f} MB/s, raw "
               f"{raw_op} {raw_mbs:.0f} MB/s -> ratio tier/raw {tier_mbs / raw_mbs:.2f} (goal: near 1, the "
-              f"cost of encoding and checksums)", flush=True)
-        results.append({"op": op, "blocks": n, "tier_mbs": tier_mbs, "raw_mbs": raw_mbs,
-                        "ratio_tier_over_raw": tier_mbs / raw_mbs})
+              f"cost of encoding and checksums){extra}", flush=True)
+        results.append(result)
     return results
 
 

@@ -46,7 +46,7 @@ from kvbridge.transfer.store.config import (
 from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of, parse_record
 from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest
-from kvbridge.transfer.store.tiers import CpuTier, RedisTier
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier, block_sums
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 DEFAULT_CONFIG = StoreConfig()
 _ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
 _REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
+_SUM_CHUNK_BYTES = 1 << 20  # blocks written through to Redis are read back this much at a time: summed in cache
 
 
 def _sends_redis_writes(method):
@@ -80,8 +81,8 @@ class PagedStore:
         self.pools: dict[str, BlockPool] = {}
         self.registry = EntryRegistry()
         self._stats = StoreStats()
-        cpu = CpuTier(config.cpu_capacity_bytes, pin_memory=self.device.type == "cuda") \
-            if config.cpu_capacity_bytes else None
+        cpu = CpuTier(config.cpu_capacity_bytes, pin_memory=self.device.type == "cuda",
+                      checksums=config.redis_url is not None) if config.cpu_capacity_bytes else None
         redis = RedisTier(config.redis_url, ttl_s=config.redis_ttl_s, retry_s=config.redis_retry_s,
                           clock=clock) if config.redis_url else None
         self.residency = Residency(self.registry, cpu, redis, self._stats.evictions)
@@ -349,8 +350,15 @@ class PagedStore:
         if not (self.config.share_entries and self.redis is not None):
             return
         if new:
-            data = pool.read_blocks(torch.tensor([i for _, i in new])).to("cpu")
-            self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
+            items = []
+            step = max(1, _SUM_CHUNK_BYTES // pool.layout.block_bytes)
+            for at in range(0, len(new), step):
+                part = new[at:at + step]
+                data = pool.read_blocks(torch.tensor([i for _, i in part])).to("cpu")
+                for (h, _), block in zip(part, data):
+                    block_sums.take(block)  # while it is in cache: the put then sends it without reading it again
+                    items.append((h, pool.layout.key, block))
+            self.residency.outbox.append(("put", items))
         self.residency.outbox.append(("entries", [(entry.key, entry_record(entry), entry.source_key)]))
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
