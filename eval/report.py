@@ -159,25 +159,30 @@ def markdown_table(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path, title: str) -> Path | None:
-    """ROUGE-L and NLL recovery against the fraction of document tokens the target prefills itself: recompute:r
-    (projected head, the last r recomputed; 0 = replace, 1 = full), blend:r (r chosen by deviation, sinks and
-    tail) and tail:r (only the last r tokens; 0 = none)."""
+    """ROUGE-L and NLL recovery against the target's prefill FLOPs as a share of full's (what each mode computes
+    itself, selection passes included): recompute:r (projected head, the last r recomputed; from replace to full),
+    blend:r (r chosen by the attention of the last tokens, from replace to full) and tail:r (only the last r
+    tokens; from none to full)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = summary["modes"]
+
+    def share(name: str) -> float:
+        saved = modes[name].get("flops_saved_vs_full")
+        return 1 - saved if saved is not None else 0.0
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in ((axes[0], "rougeL", "ROUGE-L F1"), (axes[1], "nll_recovery", "NLL recovery")):
         key = "value" if metric == "nll_recovery" else "mean"
         curves = (("recompute", "replace", "o-"), ("tail", "none", "s--"), ("blend", "replace", "^-"))
         for kind, anchor, style in curves:
-            points = [(0.0, modes[anchor].get(metric))] if anchor in modes else []
-            points += [(float(n.split(":")[1]), e.get(metric)) for n, e in modes.items() if n.startswith(kind + ":")]
-            if "full" in modes:
-                points.append((1.0, modes["full"].get(metric)))
-            points = sorted(((x, v) for x, v in points if v), key=lambda p: p[0])
+            names = [anchor] if anchor in modes else []
+            names += [n for n in modes if n.startswith(kind + ":")] + (["full"] if "full" in modes else [])
+            points = sorted(((share(n), modes[n].get(metric)) for n in names if modes[n].get(metric)),
+                            key=lambda p: p[0])
             if len(points) < 2:
                 continue
             xs = [x for x, _ in points]
@@ -187,7 +192,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
         for name, color in (("full", "green"), ("none", "gray"), ("fuse", "purple")):
             if name in modes and modes[name].get(metric):
                 ax.axhline(modes[name][metric][key], color=color, linestyle=":", label=name)
-        ax.set_xlabel("fraction of document tokens the target prefills itself (r)")
+        ax.set_xlabel("target prefill FLOPs, share of full's (selection passes included)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

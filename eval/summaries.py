@@ -14,11 +14,13 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 ((1 - g) · own + g · projected, fitted by eval.gates)
   fuser         the target prefills start + document and a learned fuser (adapters.fuser, --fuser FILE) adds what the
                 source read: the source model runs here, beside the target
-  blend:r       replace, then CacheBlend (transfer.suffix.blend): the target runs its first layer over the document
-                (that layer's KV becomes exact), and recomputes r of the document's tokens through every layer in one
-                forward over the projected KV: the first 4 (sinks), the last 4, and the most deviating at that layer.
-                blend-dev:r, blend-last:r and blend-random:r choose by deviation alone, the last r, or at random
-                (a control)
+  blend:r       replace, then CacheBlend over the projected KV (transfer.suffix.blend): r of the document's tokens are
+                recomputed through every layer in one forward over the projected KV: the last 16 (they also run once
+                first, through every layer, and the attention their queries give the others in the deeper half of
+                the layers scores them), the first 4 (sinks), and the highest scored.
+                blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
+                exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
+                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
 first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
 prediction at each of those positions is kept (its agreement with `full`'s is reported).
@@ -46,15 +48,16 @@ from kvbridge.transfer.suffix.reuse import prefill_after
 log = logging.getLogger(__name__)
 
 DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
-NEEDS_PROJECTION = ("replace", "recompute", "fuse", "blend", "blend-dev", "blend-last", "blend-random")
-BLEND_RULES = {"blend": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last", "blend-random": "random"}
+BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last",
+               "blend-random": "random"}
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-dev|-last|-random]
+    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random]
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
 
 
@@ -79,7 +82,7 @@ def parse_modes(spec: str) -> list[Mode]:
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
-                             "blend:R, blend-dev:R, blend-last:R, blend-random:R")
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R")
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)
@@ -368,8 +371,10 @@ class SummaryEvaluator:
             config = BlendConfig(fraction=k / d, rule=BLEND_RULES[mode.kind])
             blended = blend(self.target, projected.slice(0, 1), projected.slice(1, d + 1), config)
             seg = KVSegment.concat([projected.slice(0, 1), blended.segment])
-            # the selection pass (first layer over the document), then the selected tokens through every layer
-            forwards = [(d, 1, config.layers), (blended.selected.numel(), d + 1 - blended.selected.numel())]
+            # the selection pass (a window through every layer, or the first layer over the document), then the
+            # selected tokens through every layer; a forward through every layer counts its tokens as prefilled
+            layers = self.target.spec.num_layers
+            forwards = [f[:2] if f[2] == layers else f for f in blended.forwards]
             return seg, fetch_s + time.perf_counter() - t0, forwards, wire
         if mode.kind == "fuse":
             t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """CacheBlend over KV the target did not compute (transfer.suffix.blend): the selection pass makes the first layers
-exact and finds planted deviations; each rule picks what it says; recomputing everything is exact; the FLOPs of a
-selection pass add up."""
+exact and finds planted deviations; the attention rule's scores are the model's own attention weights and find
+tokens planted to draw it; each rule picks what it says; recomputing everything is exact for every layer mix; the
+forwards and FLOPs of a selection pass add up."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 import zoo
 from kvbridge.eval.flops import FlopModel
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.suffix.blend import BlendConfig, blend, first_layers_kv, kv_deviation, select_tokens
+from kvbridge.transfer.suffix.blend import (
+    BlendConfig,
+    attention_received,
+    blend,
+    first_layers_kv,
+    kv_deviation,
+    select_tokens,
+)
 from kvbridge.transfer.suffix.reuse import prefill_after
 
 
@@ -44,6 +52,8 @@ def test_deviation_finds_the_planted_tokens_and_each_rule_picks_what_it_says():
     with_sinks = select_tokens(deviation, 10, BlendConfig(0.25, rule="sinks+deviation", sinks=2, tail=3))
     assert {0, 1, 5, 17, 30, 37, 38, 39} <= set(with_sinks.tolist()) and with_sinks.numel() == 10
     assert select_tokens(deviation, 4, BlendConfig(0.1, rule="last")).tolist() == [36, 37, 38, 39]
+    by_attention = select_tokens(deviation, 10, BlendConfig(0.25, rule="attention", window=5, sinks=2))
+    assert by_attention.tolist() == [0, 1, 5, 17, 30, 35, 36, 37, 38, 39]  # window, sinks, then the top scores
     random = select_tokens(deviation, 4, BlendConfig(0.1, rule="random", seed=3))
     assert random.numel() == 4 and torch.equal(random, select_tokens(deviation, 4, BlendConfig(0.1, rule="random",
                                                                                               seed=3)))
@@ -51,11 +61,13 @@ def test_deviation_finds_the_planted_tokens_and_each_rule_picks_what_it_says():
     assert select_tokens(deviation, 99, BlendConfig(1.0)).tolist() == list(range(40))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3-sliding", "qwen2"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3-sliding", "qwen2", "mistral-sliding"])
 def test_blending_everything_is_exact_and_blending_some_fixes_those(name):
     lm, context, exact, wrong = _setup(name)
-    whole = blend(lm, context, wrong, BlendConfig(1.0))
-    assert torch.allclose(whole.segment.kv, exact.kv, atol=1e-5, rtol=1e-4)
+    for rule in ("attention", "sinks+deviation", "random"):
+        whole = blend(lm, context, wrong, BlendConfig(1.0, rule=rule))
+        assert whole.selected.tolist() == list(range(40))
+        assert torch.allclose(whole.segment.kv, exact.kv, atol=1e-5, rtol=1e-4), rule
     some = blend(lm, context, wrong, BlendConfig(0.1, rule="deviation", layers=1))
     assert {5, 17, 30} <= set(some.selected.tolist()) and some.selected.numel() == 4
     assert torch.allclose(some.segment.kv[:1], exact.kv[:1], atol=1e-5)  # the selection pass's layer is exact
@@ -63,11 +75,56 @@ def test_blending_everything_is_exact_and_blending_some_fixes_those(name):
     assert (some.segment.kv[1:] - exact.kv[1:]).norm() < err_before
 
 
+@pytest.mark.parametrize("name", ["gemma3", "phi3-sliding", "qwen2"])
+def test_attention_received_is_the_models_own_attention_over_exact_kv(name):
+    """Over exact KV, the window's forward sees what a full prefill shows those rows: the scores are the eager
+    attention weights of the last `window` queries on the earlier placed tokens, summed over the deeper layers."""
+    lm, context, exact, _ = _setup(name)
+    c, t, window, start = context.num_tokens, exact.num_tokens, 6, 1
+    score = attention_received(lm, context, exact, window, from_layer=start)
+    assert lm.model.config._attn_implementation == "sdpa"  # switched back
+    ids = torch.cat((context.token_ids, exact.token_ids))
+    with kvcache.eager_attention(lm.model):
+        weights = lm.model(input_ids=ids[None], output_attentions=True).attentions
+    want = sum(a[0, :, c + t - window:, c:c + t - window].sum(dim=(0, 1)) for a in weights[start:])
+    assert torch.allclose(score[:t - window], want, atol=1e-4, rtol=1e-4)
+    assert torch.isinf(score[t - window:]).all()
+
+
+def test_the_attention_rule_finds_tokens_planted_to_draw_attention():
+    """Keys of three tokens aligned with the window's queries in every deeper layer draw its attention: the rule
+    recomputes them (and the window), and leaves the rest projected."""
+    lm, context, exact, _ = _setup("qwen2")
+    t, window, planted = exact.num_tokens, 4, (8, 21, 27)
+    kv = exact.kv.clone()
+    for i in planted:
+        kv[:, 0, :, i] = 40.0 * kv[:, 0, :, t - window:].mean(dim=2)  # a key along the window's mean key
+    drawn = replace(exact, kv=kv)
+    score = attention_received(lm, context, drawn, window, from_layer=1)
+    assert set(score[:t - window].topk(3).indices.tolist()) == set(planted)
+    result = blend(lm, context, drawn, BlendConfig(7 / t, rule="attention", window=window, sinks=0))
+    assert result.selected.tolist() == [*planted, *range(t - window, t)]
+
+
 def test_config_is_checked():
-    for kwargs, words in (({"fraction": 1.5}, "fraction"), ({"fraction": 0.1, "layers": 0}, "layers"),
-                          ({"fraction": 0.1, "rule": "best"}, "rule"), ({"fraction": 0.1, "sinks": -1}, "sinks")):
+    for kwargs, words in (({"fraction": 1.5}, "fraction"),
+                          ({"fraction": 0.1, "rule": "deviation", "layers": 0}, "layers"),
+                          ({"fraction": 0.1, "rule": "best"}, "rule"), ({"fraction": 0.1, "sinks": -1}, "sinks"),
+                          ({"fraction": 0.1, "window": 0}, "window"),
+                          ({"fraction": 0.1, "attention_from": 1.0}, "attention_from")):
         with pytest.raises(ValueError, match=words):
             BlendConfig(**kwargs)
+    assert BlendConfig(0.1).exact_layers == 0 and BlendConfig(0.1, rule="deviation").exact_layers == 1
+
+
+def test_the_forwards_a_blend_runs_are_what_it_reports():
+    lm, context, exact, wrong = _setup("qwen2")
+    c, t, layers = context.num_tokens, exact.num_tokens, lm.spec.num_layers
+    attention = blend(lm, context, wrong, BlendConfig(0.25, rule="attention", window=4))
+    assert attention.forwards == ((4, c + t - 4, layers), (10, c + t - 10, layers))
+    deviation = blend(lm, context, wrong, BlendConfig(0.25, rule="sinks+deviation", layers=2))
+    assert deviation.forwards == ((t, c, 2), (10, c + t - 10, layers))
+    assert blend(lm, context, wrong, BlendConfig(0.0)).forwards == ()
 
 
 def test_a_partial_pass_costs_its_share_of_the_layers(tiny_target):

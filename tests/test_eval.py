@@ -19,7 +19,8 @@ from kvbridge.transfer.data import data_path
 from rouge_score import rouge_scorer
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
-ALL_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,fuse"
+ALL_MODES = ("full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,blend-sdev:0.25,"
+             "fuse")
 TINY = EvalConfig(max_doc_tokens=96, continuation_tokens=16, max_new_tokens=10, fuse_steps=3)
 
 
@@ -133,11 +134,17 @@ def test_eval_writes_the_table_json_and_plot(identity_run, tiny_target):
     # replace prefills only the instruction; recompute adds its share of the document; fuse prefills everything
     assert modes["replace"]["flops_saved_vs_full"] > modes["recompute:0.1"]["flops_saved_vs_full"] > \
         modes["recompute:0.25"]["flops_saved_vs_full"] > 0
-    # blend recomputes as many tokens as recompute does, and pays for its selection pass (one layer of a prefill)
+    # blend recomputes as many tokens as recompute does, and pays for its selection pass: the attention rule a
+    # window of 16 tokens through every layer (none when r covers no more than the window: then it is recompute), the
+    # deviation rule one layer of a prefill
     flops = FlopModel.from_config(tiny_target.model.config)
     for doc in identity_run["results"]:
-        extra = doc.modes["blend:0.1"].prefill_flops - doc.modes["recompute:0.1"].prefill_flops
-        assert extra == flops.prefill(doc.doc_tokens, 1, layers=1), doc.id
+        d, modes_of = doc.doc_tokens, doc.modes
+        assert round(0.1 * d) <= 16 and modes_of["blend:0.1"].prefill_flops == modes_of["recompute:0.1"].prefill_flops
+        extra = modes_of["blend:0.25"].prefill_flops - modes_of["recompute:0.25"].prefill_flops
+        assert extra == flops.prefill(16, d + 1 - 16), doc.id
+        extra = modes_of["blend-sdev:0.25"].prefill_flops - modes_of["recompute:0.25"].prefill_flops
+        assert extra == flops.prefill(d, 1, layers=1), doc.id
     assert modes["fuse"]["flops_saved_vs_full"] == 0 and modes["replace"]["kv_bytes_mean"] > 0
     assert modes["none"]["nll_recovery"]["value"] == 0 and modes["full"]["nll_recovery"]["value"] == 1
     assert identity_run["meta"]["gates"]["windows"] == 8

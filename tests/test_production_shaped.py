@@ -105,13 +105,15 @@ def test_ingest_fetch_over_grpc_generate_and_recompute(pair, served, long_text):
     r = 32
     tail = prefill_after(target, seg.slice(0, t - r), seg.token_ids[t - r:])
     assert tail.kv.shape == (3, 2, 32, r, 96) and not torch.allclose(tail.kv, own.kv[:, :, :, t - r:], atol=1e-3)
-    # selective recompute: exact at r = 100% (one window on every layer: one mask), and the first layer exact always
+    # selective recompute: exact at r = 100% (one window on every layer: one mask); the attention rule's window
+    # through every layer (eager attention on Phi3) and the deviation rules' first layer exact
     head, rest = seg.slice(0, 1), seg.slice(1, t)
     whole = blend(target, head, rest, BlendConfig(1.0))
     assert torch.allclose(whole.segment.kv, own.kv[:, :, :, 1:], atol=1e-4, rtol=1e-3)
     some = blend(target, head, rest, BlendConfig(0.1))
-    assert some.selected.numel() == round(0.1 * (t - 1))
-    assert torch.allclose(some.segment.kv[:1], own.kv[:1, :, :, 1:], atol=1e-4, rtol=1e-3)
+    assert some.selected.numel() == round(0.1 * (t - 1)) and some.selected[-16:].tolist() == list(range(t - 17, t - 1))
+    by_deviation = blend(target, head, rest, BlendConfig(0.1, rule="sinks+deviation"))
+    assert torch.allclose(by_deviation.segment.kv[:1], own.kv[:1, :, :, 1:], atol=1e-4, rtol=1e-3)
 
 
 def test_suffix_reuse_with_a_projected_document(pair, served, long_text):

@@ -1,17 +1,23 @@
 """CacheBlend for KV the target did not compute itself (projected from another model, or reused at a new place):
-measure where it deviates, then recompute the tokens that matter most in one forward.
+find the tokens that matter most, then recompute them through every layer in one forward.
 
-1. Selection pass: the target runs only its first m layers over the placed tokens after the exact context
-   (≈ m/L of a prefill). Those layers' K/V are then exact for every token and replace the placed ones.
-2. Per token, the deviation of the placed K/V from those exact K/V over the m layers:
-   ||K_placed - K_own|| / ||K_own|| + ||V_placed - V_own|| / ||V_own|| (norms over heads and head_dim), summed over
-   the layers.
-3. The tokens to recompute, `count` of them: the first `sinks` tokens (attention sinks, EPIC) and the last `tail`
-   (the ones the request reads first) are taken first, then the most deviating (rule "sinks+deviation", the
-   default); or the most deviating alone ("deviation"), the last `count` ("last", what recompute:r does), or a
-   seeded random choice ("random", the control).
-4. One forward recomputes them through every layer over the rest (`reuse.recompute_selected`: exact causal
-   attention to the context, to the placed KV of the unselected tokens before them and to each other).
+Selection, by rule (`count` tokens in all):
+- "attention" (the default): the last `window` placed tokens, the ones the request reads first, run through every
+  layer over the placed KV (≈ window/T of a prefill; eager attention, weights kept). Each other token's score is
+  the attention those queries give it in the deeper layers (from `attention_from` of the depth on), summed over
+  heads and queries; the window and the `sinks` first tokens are taken, then the highest scores. What the next
+  queries will read is what matters: a cross-model projection is a little wrong everywhere (per-layer R² 0.5-0.7),
+  not badly wrong at a few places, so the deviation of a token says little about its effect (docs/eval-small).
+- the deviation rules, as CacheBlend for reused chunks: a selection pass runs only the target's first m layers over
+  the placed tokens after the exact context (≈ m/L of a prefill); those layers' K/V become exact for every token.
+  Per token, the deviation of the placed K/V from them over the m layers, ||K_placed - K_own|| / ||K_own|| +
+  ||V_placed - V_own|| / ||V_own|| (norms over heads and head_dim). "sinks+deviation" takes the first `sinks` and the
+  last `tail` tokens (attention sinks, EPIC; the ones the request reads first), then the most deviating;
+  "deviation" the most deviating alone.
+- "last": the last `count` (what recompute:r does); "random": a seeded random choice (a control). With `layers` > 0
+  they also make the first layers exact.
+Then one forward recomputes the chosen tokens through every layer over the rest (`reuse.recompute_selected`: exact
+causal attention to the context, to the placed KV of the unselected tokens before them and to each other).
 """
 
 from __future__ import annotations
@@ -19,38 +25,56 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.reuse import first_layers_kv, recompute_selected
 
-RULES = ("sinks+deviation", "deviation", "last", "random")
+SINKS = 4  # first tokens the attention and sinks+deviation rules always take
+
+RULES = ("attention", "sinks+deviation", "deviation", "last", "random")
+DEVIATION_RULES = ("sinks+deviation", "deviation")
 
 
 @dataclass(frozen=True)
 class BlendConfig:
     fraction: float  # share of the placed tokens recomputed through every layer
-    layers: int = 1  # m: layers the selection pass runs (their K/V become exact for every token)
-    sinks: int = 4  # first tokens always recomputed (rule sinks+deviation)
+    rule: str = "attention"  # see RULES
+    window: int = 16  # attention: the last tokens whose queries score the others (always recomputed)
+    attention_from: float = 0.5  # attention: the share of the depth from which the layers' attention counts
+    sinks: int = SINKS  # first tokens always recomputed (rules attention and sinks+deviation)
     tail: int = 4  # last tokens always recomputed (rule sinks+deviation)
-    rule: str = "sinks+deviation"  # see RULES
+    layers: int | None = None  # m: layers of the exact selection pass; None: 1 for the deviation rules, else 0
     seed: int = 0  # the random rule's
 
     def __post_init__(self):
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
-        if self.layers < 1:
-            raise ValueError(f"layers must be >= 1, got {self.layers}")
-        if self.sinks < 0 or self.tail < 0:
-            raise ValueError(f"sinks and tail must be >= 0, got {self.sinks}, {self.tail}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.layers is not None and (self.layers < 0 or (self.layers == 0 and self.rule in DEVIATION_RULES)):
+            raise ValueError(f"layers must be >= {1 if self.rule in DEVIATION_RULES else 0} for rule {self.rule!r}, "
+                             f"got {self.layers}")
+        if self.sinks < 0 or self.tail < 0 or self.window < 1:
+            raise ValueError(f"sinks and tail must be >= 0 and window >= 1, got {self.sinks}, {self.tail}, "
+                             f"{self.window}")
+        if not 0 <= self.attention_from < 1:
+            raise ValueError(f"attention_from must be in [0, 1), got {self.attention_from}")
+
+    @property
+    def exact_layers(self) -> int:
+        """m, the layers the selection pass makes exact (0: no such pass)."""
+        if self.layers is not None:
+            return self.layers
+        return 1 if self.rule in DEVIATION_RULES else 0
 
 
 @dataclass(frozen=True)
 class BlendResult:
     segment: KVSegment  # the placed tokens, blended (first m layers exact, the selected tokens recomputed)
     selected: torch.Tensor  # [S] int64, sorted: indices of the recomputed tokens
-    deviation: torch.Tensor  # [T] float32: per token, before blending
+    score: torch.Tensor  # [T] float32: what the rule ranked by (attention received, or deviation; zeros otherwise)
+    forwards: tuple[tuple[int, int, int], ...]  # the target's forwards: (new tokens, past tokens, layers run)
 
 
 def kv_deviation(placed: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -60,9 +84,9 @@ def kv_deviation(placed: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return (diff / scale).sum(dim=(0, 1))
 
 
-def select_tokens(deviation: torch.Tensor, count: int, config: BlendConfig) -> torch.Tensor:
-    """[count] sorted token indices under the config's rule (deviation: [T])."""
-    t = deviation.numel()
+def select_tokens(score: torch.Tensor, count: int, config: BlendConfig) -> torch.Tensor:
+    """[count] sorted token indices under the config's rule (score: [T], deviation or attention received)."""
+    t = score.numel()
     count = min(count, t)
     if count <= 0:
         return torch.zeros(0, dtype=torch.int64)
@@ -71,27 +95,59 @@ def select_tokens(deviation: torch.Tensor, count: int, config: BlendConfig) -> t
     if config.rule == "random":
         return torch.randperm(t, generator=torch.Generator().manual_seed(config.seed))[:count].sort().values
     chosen = torch.zeros(t, dtype=torch.bool)
-    if config.rule == "sinks+deviation":
-        chosen[:min(config.sinks, count)] = True
+    if config.rule in ("sinks+deviation", "attention"):
+        tail = config.window if config.rule == "attention" else config.tail
+        chosen[t - min(tail, count):] = True
         room = count - int(chosen.sum())
-        if room > 0 and config.tail:
-            chosen[t - min(config.tail, room):] = True
+        if room > 0:
+            chosen[:min(config.sinks, room)] = True
     room = count - int(chosen.sum())
     if room > 0:
-        order = deviation.float().masked_fill(chosen, float("-inf")).topk(room).indices
+        order = score.float().masked_fill(chosen, float("-inf")).topk(room).indices
         chosen[order] = True
     return chosen.nonzero()[:, 0]
+
+
+@torch.no_grad()
+def attention_received(lm: LoadedModel, context: KVSegment, placed: KVSegment, window: int,
+                       from_layer: int) -> torch.Tensor:
+    """[T]: per placed token before the last `window`, the attention the last `window` placed tokens give it in
+    layers from_layer.. (summed over heads and queries), from one forward of those tokens over the context and the
+    placed KV before them, with eager attention (the weights are needed); the window's own entries are +inf."""
+    t, c = placed.num_tokens, context.num_tokens
+    window = min(window, t)
+    param = next(lm.model.parameters())
+    head = torch.cat((context.kv, placed.kv[:, :, :, :t - window].to(context.kv)), dim=3)
+    cache = kvcache.build_cache(head.to(device=param.device, dtype=param.dtype)[:, :, None])
+    with kvcache.eager_attention(lm.model):
+        out = lm.model(input_ids=placed.token_ids[t - window:][None].to(param.device),
+                       position_ids=torch.arange(c + t - window, c + t)[None].to(param.device), cache=cache,
+                       use_cache=True, output_attentions=True, logits_to_keep=1)
+    mass = sum(a[0, :, :, c:c + t - window].float().sum(dim=(0, 1)) for a in out.attentions[from_layer:])
+    return torch.cat((mass.cpu(), torch.full((window,), float("inf"))))
 
 
 def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig) -> BlendResult:
     """`placed` (KV the model did not compute, right after `context`, which is exact) blended as the module says."""
     if int(placed.positions[0]) != context.num_tokens:
         raise ValueError("place the segment right after the context first")
-    m = min(config.layers, lm.spec.num_layers)
-    own = first_layers_kv(lm, context, placed.token_ids, m)  # [m, 2, H, T, D]
-    deviation = kv_deviation(placed.kv[:m].to(own.device), own).cpu()
-    kv = placed.kv.clone()
-    kv[:m] = own.to(kv)
-    exact_head = replace(placed, kv=kv)
-    selected = select_tokens(deviation, round(config.fraction * placed.num_tokens), config)
-    return BlendResult(recompute_selected(lm, context, exact_head, selected), selected, deviation)
+    t, c, layers = placed.num_tokens, context.num_tokens, lm.spec.num_layers
+    count = min(round(config.fraction * t), t)
+    m = min(config.exact_layers, layers)
+    forwards, score = [], torch.zeros(t)
+    if m:
+        own = first_layers_kv(lm, context, placed.token_ids, m)  # [m, 2, H, T, D]
+        forwards.append((t, c, m))
+        if config.rule in DEVIATION_RULES:
+            score = kv_deviation(placed.kv[:m].to(own.device), own).cpu()
+        kv = placed.kv.clone()
+        kv[:m] = own.to(kv)
+        placed = replace(placed, kv=kv)
+    if config.rule == "attention" and count > min(config.window, t):
+        window = min(config.window, t)
+        score = attention_received(lm, context, placed, window, int(config.attention_from * layers))
+        forwards.append((window, c + t - window, layers))
+    selected = select_tokens(score, count, config)
+    if selected.numel():
+        forwards.append((selected.numel(), c + t - selected.numel(), layers))
+    return BlendResult(recompute_selected(lm, context, placed, selected), selected, score, tuple(forwards))

@@ -4,8 +4,9 @@ rest, then generates; with per-request metrics.
 
 A request is a list of parts. Every part but the last is context:
 - a `projected` part's KV comes from the context source (the gRPC client, or anything with `projected_segment`);
-  with `recompute_fraction` > 0 it is blended as CacheBlend does (`blend`): the target's first layer made exact
-  over it, and that fraction of its tokens (sinks, the last few, the most deviating) recomputed;
+  with `recompute_fraction` > 0 it is blended (`blend`, its default rule): that fraction of its tokens
+  recomputed through every layer in one forward, its last 16, its first 4 and those its last tokens' queries
+  attend to most in the deeper layers;
 - another part is reused from the session's segments when the manager has its tokens: exact when it was
   computed after the same tokens at the same positions, otherwise placed by RoPE shift (an approximation: its
   KV saw another prefix) with its first `recompute_k` tokens and its `recompute_fraction` most deviating tokens
@@ -152,7 +153,7 @@ class SuffixReuseGenerator:
                     raise ValueError(f"the context source returned KV of {seg.model.name!r} for "
                                      f"{seg.num_tokens} tokens at position {int(seg.positions[0])}, expected "
                                      f"{lm.name!r}'s {b - a} tokens of the part at {a}")
-                if self.recompute_fraction:  # CacheBlend over the projected KV: first layer exact, r recomputed
+                if self.recompute_fraction:  # blend the projected KV: r recomputed, chosen by attention
                     blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
                                     BlendConfig(fraction=self.recompute_fraction))
                     seg, redone = blended.segment, blended.selected.numel()
