@@ -10,8 +10,9 @@ running in this process (loopback port 0). Then, over several rounds (the order 
   already in the server's store), turns it into a cache, and the target prefills only the question over it;
 - replace, cold: the same after the projected entry was deleted from the server's store (untimed), so the server
   aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed);
-- blend:0.1, warm: replace, then CacheBlend (`transfer.suffix.blend`): the target's first layer over the context
-  and 10% of its tokens recomputed through every layer in one forward, then the question.
+- blend:0.1, warm: replace, then `transfer.suffix.blend` (its default rule): the context's last 16 tokens once through
+  every layer to score the others by attention, then 10% of its tokens recomputed through every layer in one
+  forward, then the question.
 
     .venv/bin/python bench/bench_ttft.py [--quick] [--tokens 256 1024 2048] [--rounds 5] [--adapter FILE]
                                          [--threads 1]
@@ -53,7 +54,7 @@ QUICK_TOKENS = (256, 512)
 FULL_ROUNDS = 5
 QUICK_ROUNDS = 3
 ADAPTER_NAME = "bench-adapter"
-BLEND_FRACTION = 0.1  # blend:0.1, the CacheBlend mode the eval compares at this share
+BLEND_FRACTION = 0.1  # blend:0.1, the selective-recompute mode the eval compares at this share
 GOAL = 1 / 20  # the goal on the CPU: TTFT(replace) <= TTFT(full) / 20 at 2k tokens of context
 GOAL_TOKENS = 2048
 

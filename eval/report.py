@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from dataclasses import asdict
 from functools import cache
 from pathlib import Path
@@ -196,7 +197,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,160 @@
+"""NLL recovery of selective-recompute variants on the projected documents build.py cached (one run per row group
+of docs/eval-blend/README.md; the docs' indices in pydoc_summaries.jsonl, 100-226 the tuning pages).
+python variants.py START END VARIANT[,VARIANT...]   (ratio of sums over the documents, as eval's report)
+Variants: replace; recompute:r (the last r over the projected head); tail:r; blend:r[/m=M][/s=S][/t=T][/tf=F]
+[/rule=R] (transfer.suffix.blend as it was before the attention rule: m exact layers, S sinks, T tail or a share F
+of r as tail); attn:r[/w=W][/s=S][/t=T][/m=M][/lay=A-B][/hn=1][/dev=1] (the last W tokens' attention over the
+projected KV in layers A..B-1 scores the rest; the attention rule of transfer.suffix.blend is
+attn:r/w=16/s=4/m=0/lay=15-30); odev:r[/tf=F] and oatt:r[/tf=F]: oracles that choose by the true all-layer
+deviation, or by the attention the held-out continuation itself gives each token in the target's own prefill."""
+import sys, time, math, random, torch
+import torch.nn.functional as F
+from dataclasses import replace as dc_replace
+from pathlib import Path
+torch.set_num_threads(int(__import__("os").environ.get("THREADS", "2")))
+from kvbridge.transfer.presets import load_pair
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.suffix.blend import BlendConfig, blend, kv_deviation, select_tokens
+from kvbridge.transfer.suffix.reuse import prefill_after, recompute_selected, first_layers_kv
+from kvbridge.eval.summaries import continuation_scores
+
+_, target = load_pair("small")
+L = target.spec.num_layers
+
+def seg_of(kv, ids):
+    return KVSegment(kv=kv, token_ids=ids, positions=torch.arange(ids.numel()), model=target.spec.identity, rotated=True)
+
+@torch.no_grad()
+def tail_attention(ctx, placed, w, layers=None, hn=False):
+    """[T] attention mass from the last w placed tokens (recomputed over the rest) onto each placed token,
+    summed over heads, queries and layers (eager attention on a throwaway forward)."""
+    t = placed.num_tokens
+    c = ctx.num_tokens
+    head = KVSegment.concat([ctx, placed.slice(0, t - w)])
+    cache = kvcache.build_cache(head.kv[:, :, None].to(torch.float32))
+    target.model.set_attn_implementation("eager")
+    try:
+        out = target.model(input_ids=placed.token_ids[t - w:][None], position_ids=torch.arange(c + t - w, c + t)[None],
+                           cache=cache, use_cache=True, output_attentions=True, logits_to_keep=1)
+    finally:
+        target.model.set_attn_implementation("sdpa")
+    att = torch.stack([a[0].float() for a in out.attentions])  # [L, H, w, c + t]
+    if layers is not None:
+        att = att[layers]
+    att = att[..., c:c + t - w]
+    if hn:
+        att = att / att.sum(-1, keepdim=True).clamp(min=1e-9)
+    mass = torch.cat((att.sum(dim=(0, 1, 2)), torch.full((w,), 1e9)))  # [t]
+    return mass
+
+@torch.no_grad()
+def tail_attention_of(own, cont):
+    """[C] attention mass of the continuation's queries (full prefill cache) onto each context token."""
+    c = own.num_tokens
+    cache = kvcache.build_cache(own.kv[:, :, None].float())
+    target.model.set_attn_implementation("eager")
+    try:
+        out = target.model(input_ids=cont[None], position_ids=torch.arange(c, c + cont.numel())[None],
+                           cache=cache, use_cache=True, output_attentions=True, logits_to_keep=1)
+    finally:
+        target.model.set_attn_implementation("sdpa")
+    att = torch.stack([a[0].float() for a in out.attentions])
+    return att.sum(dim=(0, 1, 2))[:c]
+
+def run_variant(name, d):
+    ids, kv, cont = d["ids"], d["kv"], d["cont"]
+    n = ids.numel() - 1  # document tokens
+    proj = seg_of(kv, ids)
+    ctx, placed = proj.slice(0, 1), proj.slice(1, n + 1)
+    kind, _, arg = name.partition(":")
+    parts = arg.split("/")
+    r = float(parts[0] or 0)
+    opts = dict(p.split("=") for p in parts[1:])
+    k = max(1, round(r * n))
+    share = 0.0
+    if kind == "recompute":
+        head = proj.slice(0, n + 1 - k)
+        tail = prefill_after(target, head, ids[n + 1 - k:])
+        seg = KVSegment.concat([head, tail.to(dtype=head.dtype)])
+        share = k / n
+    elif kind == "tail":
+        seg = kvcache.extract(target.model, target.spec, torch.cat((ids[:1], ids[n + 1 - k:])))
+        share = k / n
+    elif kind == "blend":
+        m = int(opts.get("m", 1))
+        cfg = BlendConfig(fraction=k / n, layers=m, sinks=int(opts.get("s", 4)), tail=int(opts.get("t", 4)),
+                          rule=opts.get("rule", "sinks+deviation"))
+        if "tf" in opts:  # tail share of k
+            cfg = dc_replace(cfg, tail=round(float(opts["tf"]) * k))
+        b = blend(target, ctx, placed, cfg)
+        seg = KVSegment.concat([ctx, b.segment])
+        share = m / L + k / n
+    elif kind == "attn":  # selection by attention mass of the last w tokens (and optional deviation weighting)
+        m = int(opts.get("m", 1)); w = int(opts.get("w", 16)); sinks = int(opts.get("s", 4)); t_forced = int(opts.get("t", w))
+        exact_head = placed
+        if m:
+            own = first_layers_kv(target, ctx, placed.token_ids, m)
+            kv2 = placed.kv.clone(); kv2[:m] = own.to(kv2)
+            exact_head = dc_replace(placed, kv=kv2)
+        lay = opts.get("lay")
+        layers = None if lay is None else list(range(int(lay.split("-")[0]), int(lay.split("-")[1])))
+        mass = tail_attention(ctx, exact_head, w, layers, opts.get("hn") == "1")
+        score = mass
+        if opts.get("dev") == "1":
+            score = mass * kv_deviation(placed.kv[:m], own)
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[:min(sinks, k)] = True
+        tt = min(t_forced, k - int(chosen.sum()))
+        if tt:
+            chosen[n - tt:] = True
+        room = k - int(chosen.sum())
+        if room > 0:
+            chosen[score.masked_fill(chosen, float("-inf")).topk(room).indices] = True
+        sel = chosen.nonzero()[:, 0]
+        seg = KVSegment.concat([ctx, recompute_selected(target, ctx, exact_head, sel)])
+        share = m / L + k / n + w / n
+    elif kind in ("odev", "oatt"):  # oracles: true all-layer deviation / the continuation's own attention
+        own = kvcache.extract(target.model, target.spec, ids)
+        tf = float(opts.get("tf", 0))
+        if kind == "odev":
+            score = kv_deviation(placed.kv, own.kv[:, :, :, 1:])
+        else:
+            score = tail_attention_of(own, cont)[1:n + 1]
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[n - round(tf * k):] = True if round(tf * k) else False
+        room = k - int(chosen.sum())
+        if room > 0:
+            chosen[score.masked_fill(chosen, float("-inf")).topk(room).indices] = True
+        sel = chosen.nonzero()[:, 0]
+        seg = KVSegment.concat([ctx, recompute_selected(target, ctx, placed, sel)])
+        share = k / n
+    elif kind == "replace":
+        seg = proj
+    else:
+        raise ValueError(name)
+    nll, _ = continuation_scores(target, seg, cont)
+    return nll, share
+
+a, b = int(sys.argv[1]), int(sys.argv[2])
+names = sys.argv[3].split(",")
+files = sorted(Path("/work/exp15/cache").glob("*.pt"))
+files = [f for f in files if a <= int(f.stem) < b]
+rows = []
+t0 = time.time()
+for f in files:
+    d = torch.load(f)
+    row = {"full": d["nll_full"], "none": d["nll_none"]}
+    for nm in names:
+        row[nm] = run_variant(nm, d)
+    rows.append(row)
+def rec(rs, nm):
+    none = sum(r["none"] for r in rs); full = sum(r["full"] for r in rs); x = sum(r[nm][0] for r in rs)
+    return (none - x) / (none - full)
+rng = random.Random(0)
+samples = [[rng.choice(rows) for _ in rows] for _ in range(300)]
+print(f"{len(rows)} docs [{a},{b}) {time.time()-t0:.0f}s")
+for nm in names:
+    boot = sorted(rec(s, nm) for s in samples)
+    share = sum(r[nm][1] for r in rows) / len(rows)
+    print(f"{nm:40s} recovery {rec(rows, nm):.3f} [{boot[7]:.3f}, {boot[292]:.3f}]  prefill share {share:.3f}", flush=True)
