@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import redis
 import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
@@ -31,7 +32,7 @@ def _store(redis_url: str, blocks: int = 4) -> PagedStore:
 def test_no_redis_call_is_made_under_the_store_lock(redis_url):
     store = _store(redis_url)
     calls = []
-    for name in ("put_many", "get_many", "exists_many", "delete_many"):
+    for name in ("put_many", "refresh_many", "get_many", "exists_many", "delete_many"):
         real = getattr(store.redis, name)
 
         def watched(*args, _real=real, _name=name, **kwargs):
@@ -45,11 +46,11 @@ def test_no_redis_call_is_made_under_the_store_lock(redis_url):
     found = store.lookup(torch.arange(0, 80), "t", M, torch.float32)  # a longer text: the prefix path
     assert found.tier == "redis" and found.num_tokens == 64
     assert torch.equal(store.get(ka, "t").kv, a.kv)  # back from Redis (and B down to it)
-    assert torch.equal(store.get(kb, "t").kv, b.kv)
+    assert torch.equal(store.get(kb, "t").kv, b.kv)  # B back, A down again: already in Redis (refresh_many)
     store.pin(ka, "t")
     store.refresh(kb, "t", pin=False)
     assert store.delete(ka, "t") == 1 and store.delete(kb, "t") == 1
-    assert {name for name, _ in calls} == {"put_many", "get_many", "exists_many", "delete_many"}
+    assert {name for name, _ in calls} == {"put_many", "refresh_many", "get_many", "exists_many", "delete_many"}
     assert [c for c in calls if c[1]] == []  # not one of them with the lock held
     assert store.check() == [] and store.residency.pending == {} and not store.residency.outbox
 
@@ -94,6 +95,12 @@ def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
 
 def _sharing(redis_url: str) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
+                                  device="cpu", share_entries=True))
+
+
+def _sharing_small(redis_url: str) -> PagedStore:
+    """Shared entries, a 4-block device pool, no CPU tier."""
+    return PagedStore(StoreConfig(capacity_bytes=4 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
                                   device="cpu", share_entries=True))
 
 
@@ -203,3 +210,90 @@ def test_a_delete_keeps_the_redis_blocks_that_entries_it_does_not_hold_may_share
     third = _sharing(redis_url)
     assert torch.equal(third.get(extended, "t").kv, longer.kv)
     assert second.check() == [] and third.check() == []
+
+
+def _sends(store: PagedStore) -> list[int]:
+    """For each RedisTier SET the store sends from now on, its block's bytes."""
+    sent: list[int] = []
+    real = store.redis._send_sets
+
+    def counted(items):
+        sent.extend(len(data) for _, _, data in items)
+        return real(items)
+
+    store.redis._send_sets = counted
+    return sent
+
+
+def test_a_written_through_block_is_not_sent_again_when_the_device_evicts_it(redis_url):
+    """Shared entries with no CPU tier (the server's defaults): a block written through to Redis is already there
+    when the device evicts it; only its TTL is restarted (as its SET would have), and it reads back."""
+    store = _sharing_small(redis_url)
+    sent = _sends(store)
+    a = _seg(0)
+    ka = store.put(a, "t").key  # 4 blocks written through
+    client = redis.Redis.from_url(redis_url)
+    keys = [store.redis._key(h) for h in store.registry.get(ka).hashes]
+    for k in keys:
+        client.expire(k, 5)  # as if written through long ago
+    store.put(_seg(1000), "t")  # B written through; A evicted from the device
+    assert sent == [BLOCK_BYTES] * 8  # A's 4 and B's 4, each once
+    assert all(client.ttl(k) > 5 for k in keys)  # A's TTLs restarted
+    assert torch.equal(store.get(ka, "t").kv, a.kv)
+    assert store.check() == [] and store.residency.pending == {} and not store.residency.outbox
+
+
+def test_a_written_through_block_gone_from_redis_is_sent_again_on_eviction(redis_url):
+    """The write-through may have expired (or been evicted by Redis) before the device evicts the block: then its
+    bytes go again, and the entry still reads back."""
+    store = _sharing_small(redis_url)
+    sent = _sends(store)
+    a = _seg(0)
+    ka = store.put(a, "t").key
+    client = redis.Redis.from_url(redis_url)
+    hashes = store.registry.get(ka).hashes
+    client.delete(*[store.redis._key(h) for h in hashes[:2]])  # two of its blocks expired
+    store.put(_seg(1000), "t")
+    assert sent == [BLOCK_BYTES] * 10  # A's 4 and B's 4 written through, A's 2 expired ones again
+    assert torch.equal(store.get(ka, "t").kv, a.kv)
+    assert store.check() == [] and store.residency.pending == {}
+
+
+def test_a_block_read_back_from_redis_is_not_sent_again_when_evicted(redis_url):
+    """Without shared entries: a block demoted to Redis, read back, then evicted again is already there."""
+    store = _store(redis_url)
+    sent = _sends(store)
+    a, b = _seg(0), _seg(1000)
+    ka, kb = store.put(a, "t").key, store.put(b, "t").key  # A to Redis
+    assert torch.equal(store.get(ka, "t").kv, a.kv)  # A back from Redis, B down to it
+    assert torch.equal(store.get(kb, "t").kv, b.kv)  # B back, A evicted again: already in Redis
+    assert sent == [BLOCK_BYTES] * 8
+    assert torch.equal(store.get(ka, "t").kv, a.kv)
+    assert store.check() == [] and store.residency.pending == {}
+
+
+def test_a_failed_ttl_restart_loses_its_blocks_cleanly(redis_url):
+    store = _sharing_small(redis_url)
+    ka = store.put(_seg(0), "t").key
+    store.redis.refresh_many = lambda hashes: None  # the tier went down before the keep was sent
+    store.put(_seg(1000), "t")
+    assert store.keys("t") != [] and ka not in store.keys("t")
+    assert store.residency.pending == {} and store.check() == []
+    assert store.residency.in_redis <= set(store.registry.users)
+
+
+def test_a_deleted_block_stored_again_is_sent_again_on_eviction(redis_url):
+    """A Delete takes the block from Redis (no shared entries): the same tokens stored again with other KV go down
+    with their own bytes, not a TTL restart of a key that is gone."""
+    store = _store(redis_url)
+    sent = _sends(store)
+    ka = store.put(_seg(0), "t").key
+    store.put(_seg(1000), "t")  # A to Redis
+    assert store.delete(ka, "t") == 1
+    again = _seg(0)
+    again.kv.mul_(2)  # same tokens, other KV
+    assert store.put(again, "t").key == ka
+    store.put(_seg(2000), "t")  # the new A to Redis
+    assert sent == [BLOCK_BYTES] * 12  # A, B, the new A
+    assert torch.equal(store.get(ka, "t").kv, again.kv)
+    assert store.check() == [] and store.residency.in_redis <= set(store.registry.users)

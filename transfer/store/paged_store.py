@@ -255,15 +255,26 @@ class PagedStore:
                         with self._lock:
                             self._forgetting -= Counter(items)
                         continue
-                    sent = residency.redis.put_many(items)
+                    if op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
+                        found = residency.redis.refresh_many([h for h, _, _ in items])
+                        failed = items if found is None else [item for item, there in zip(items, found)
+                                                              if not there]
+                        if found is not None and residency.redis.put_many(failed):
+                            failed = []
+                    else:
+                        failed = [] if residency.redis.put_many(items) else items
                     with self._lock:
                         for h, _, block in items:
                             waiting = residency.pending.get(h)
                             if waiting is not None and waiting[1] is block:
                                 del residency.pending[h]
-                        if not sent:  # blocks not back on a local tier (nor demoted again) are gone
-                            self._lose([h for h, key, _ in items if h not in residency.pending
-                                        and residency.tier_of(self.pools.get(key), h) is None])
+                        gone = {h for h, _, _ in failed}
+                        # (a block deleted meanwhile is no entry's now: not kept; its delete follows in the outbox)
+                        residency.in_redis.update(h for h, _, _ in items if h not in gone and h in self.registry.users)
+                        residency.in_redis.difference_update(gone)
+                        # blocks not back on a local tier (nor demoted again) are gone
+                        self._lose([h for h, key, _ in failed if h not in residency.pending
+                                    and residency.tier_of(self.pools.get(key), h) is None])
             finally:
                 self._sending.release()
 

@@ -7,7 +7,9 @@ Only blocks some entry uses (`registry.users`) are ever moved. No locking: the s
 
 No Redis round trip happens here: the store's lock covers every call, and Redis I/O must not run under it.
 Writes go to `outbox` (in order: puts of demoted blocks, deletes) and the store sends them after releasing its
-lock; until a put is sent its blocks sit in `pending` and count as in Redis. Reads that need Redis raise
+lock; until a put is sent its blocks sit in `pending` and count as in Redis. A demoted block whose bytes Redis held
+when last seen (`in_redis`: sent there, or read from there) is not sent again: a "keep" restarts its TTL, and only
+the blocks Redis no longer has go with it (from `pending`, like a put). Reads that need Redis raise
 `NeedRemote` naming the blocks; the store fetches them without its lock and calls again with them `prefetched`
 (a hash mapped to None: Redis does not have it).
 """
@@ -54,10 +56,14 @@ class Residency:
         self.cpu = cpu
         self.redis = redis
         self.evictions = evictions  # the store's counters: blocks pushed down from each tier
-        # oldest first: ("put", [(hash, layout_key, block)]), ("delete", [hash]), ("entries", [(key, record)]),
-        # ("forget", [key])
+        # oldest first: ("put", [(hash, layout_key, block)]), ("keep", [(hash, layout_key, block)]),
+        # ("delete", [hash]), ("entries", [(key, record)]), ("forget", [key])
         self.outbox: deque = deque()
         self.pending: dict[BlockHash, tuple[str, torch.Tensor]] = {}  # demoted blocks not yet sent to Redis
+        # blocks some entry uses whose bytes Redis had when last seen (a put of them sent, a keep answered, a read
+        # of them): a hint, never trusted alone, since Redis may have expired or evicted them since; a keep asks.
+        # Any newer put of the same hash sits before the keep in the outbox.
+        self.in_redis: set[BlockHash] = set()
 
     def tier_of(self, pool: BlockPool | None, h: BlockHash) -> str | None:
         """"device" or "cpu" where the block is held locally, else None (in Redis, or gone)."""
@@ -71,6 +77,7 @@ class Residency:
         """Drop blocks no entry uses from the local tiers, and from Redis too when drop_remote (deletes and expiry:
         the data must be gone; not for losses, where Redis has it or not)."""
         for h in orphans:
+            self.in_redis.discard(h)
             block = pool.lookup(h) if pool is not None else None
             if block is not None:
                 pool.drop(block)
@@ -104,7 +111,11 @@ class Residency:
         if self.redis is not None and self.redis.usable():
             for h, key, block in below:
                 self.pending[h] = (key, block)
-            self.outbox.append(("put", below))  # sent after the lock; a failed send loses them then
+            kept = [item for item in below if item[0] in self.in_redis]
+            sent = [item for item in below if item[0] not in self.in_redis]
+            for op, items in (("keep", kept), ("put", sent)):
+                if items:
+                    self.outbox.append((op, items))  # sent after the lock; a failed send loses them then
             return []  # Redis expires blocks itself (TTL); its own evictions are not seen from here
         return [h for h, _, _ in below]
 
@@ -165,9 +176,12 @@ class Residency:
         if redis_wanted and self.redis is not None:
             for i in redis_wanted:
                 waiting = self.pending.get(hashes[i])
-                block = waiting[1] if waiting is not None and waiting[0] == layout_key else prefetched.get(hashes[i])
-                if block is not None:
-                    data[i] = block
+                if waiting is not None and waiting[0] == layout_key:
+                    data[i] = waiting[1]
+                elif prefetched.get(hashes[i]) is not None:
+                    data[i] = prefetched[hashes[i]]
+                    if hashes[i] in self.registry.users:  # these very bytes are in Redis
+                        self.in_redis.add(hashes[i])
         absent = [i for i in missing if i not in data]
         if absent:
             restore()

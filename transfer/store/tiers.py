@@ -196,6 +196,7 @@ with warnings.catch_warnings():
 @dataclass
 class RedisStats:
     puts: int = 0
+    refreshes: int = 0  # blocks not sent again: Redis still had them, their TTL restarted
     gets: int = 0
     hits: int = 0
     corrupt: int = 0
@@ -293,6 +294,23 @@ class RedisTier:
         self._ok()
         self.stats.puts += len(items)
         return True
+
+    def refresh_many(self, hashes: list[BlockHash]) -> list[bool] | None:
+        """EXPIRE each block's key with the tier's TTL, as a SET of it would: for each hash, whether Redis still had
+        it (False: expired, evicted or deleted there; send it again). None when the tier is down."""
+        if not hashes or not self._usable():
+            return [] if not hashes else None
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash in hashes:
+                pipe.expire(self._key(block_hash), self.ttl_s)
+            found = [bool(x) for x in pipe.execute()]
+        except self._errors as exc:
+            self._failed(exc)
+            return None
+        self._ok()
+        self.stats.refreshes += sum(found)
+        return found
 
     def exists_many(self, hashes: list[BlockHash]) -> list[bool]:
         if not hashes or not self._usable():
