@@ -174,12 +174,29 @@ def test_blocks_written_through_for_replicas_go_with_their_sums(redis_url, sent)
 
 
 @pytest.mark.integration
-def test_blocks_demoted_straight_from_the_device_are_summed_in_the_put(redis_url, sent):
+def test_blocks_demoted_straight_from_the_device_go_with_their_sums(redis_url, sent):
     first = _store(redis_url, blocks=4)  # no CPU tier
     a = _seg(0, 64)
     first.put(a, "t")
     first.put(_seg(100, 64), "t")
-    assert sent == [False] * 4
+    assert sent == [True] * 4  # summed as they were read from the device
     other = _store(redis_url, blocks=8)
     other.put(_seg(5000, 10), "t")
     assert torch.equal(other.get_prefix(torch.arange(70), "t", M, torch.float32, 64).kv, a.kv)
+
+
+@pytest.mark.integration
+def test_blocks_redis_holds_already_are_not_summed_on_eviction(redis_url, sent):
+    """A written-through block the device evicts is only refreshed in Redis: no sum is taken for it then; one that
+    Redis no longer has is summed in the put that sends it again."""
+    import redis
+
+    st = _store(redis_url, blocks=4, share=True)
+    a = _seg(0, 64)
+    info = st.put(a, "t")
+    gone = st.registry.get(info.key).hashes[:1]
+    redis.Redis.from_url(redis_url).delete(*[st.redis._key(h) for h in gone])  # expired there
+    st.put(_seg(100, 64), "t")  # A evicted (3 refreshed, 1 sent again, summed then), B written through
+    assert sent == [True] * 4 + [False] + [True] * 4
+    assert st.redis.stats.refreshes == 3
+    assert torch.equal(st.get(info.key, "t").kv, a.kv) and st.check() == []

@@ -45,8 +45,8 @@ from kvbridge.transfer.store.config import (
 )
 from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of, parse_record
-from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest
-from kvbridge.transfer.store.tiers import CpuTier, RedisTier, block_sums
+from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest, read_to_cpu
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 DEFAULT_CONFIG = StoreConfig()
 _ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
 _REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
-_SUM_CHUNK_BYTES = 1 << 20  # blocks written through to Redis are read back this much at a time: summed in cache
 
 
 def _sends_redis_writes(method):
@@ -361,15 +360,8 @@ class PagedStore:
         if not (self.config.share_entries and self.redis is not None):
             return
         if new:
-            items = []
-            step = max(1, _SUM_CHUNK_BYTES // pool.layout.block_bytes)
-            for at in range(0, len(new), step):
-                part = new[at:at + step]
-                data = pool.read_blocks(torch.tensor([i for _, i in part])).to("cpu")
-                for (h, _), block in zip(part, data):
-                    block_sums.take(block)  # while it is in cache: the put then sends it without reading it again
-                    items.append((h, pool.layout.key, block))
-            self.residency.outbox.append(("put", items))
+            data = read_to_cpu(pool, [i for _, i in new], [True] * len(new))
+            self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
         self.residency.outbox.append(("entries", [(entry.key, entry_record(entry), entry.source_key)]))
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:

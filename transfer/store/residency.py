@@ -24,9 +24,10 @@ from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.store.block_pool import BlockPool
 from kvbridge.transfer.store.kv_blocks import Block, BlockHash
 from kvbridge.transfer.store.registry import EntryRegistry
-from kvbridge.transfer.store.tiers import CpuTier, RedisTier
+from kvbridge.transfer.store.tiers import CpuTier, RedisTier, block_sums
 
 TIER_ORDER = ("device", "cpu", "redis")  # fastest first
+_SUM_CHUNK_BYTES = 1 << 20  # blocks bound for Redis are read from the pool this much at a time: summed in cache
 
 
 def lowest(tiers: set) -> str | None:
@@ -35,6 +36,21 @@ def lowest(tiers: set) -> str | None:
         if tier in tiers:
             return tier
     return None
+
+
+def read_to_cpu(pool: BlockPool, block_ids: list[int], summed: list[bool]) -> list[torch.Tensor]:
+    """CPU copies of pool blocks, [L, 2, H_kv, bs, D] each. Those marked `summed` (bound for a Redis put) have their
+    sum64 taken while in cache (`block_sums`: the put then sends them without reading them again): the pool is
+    then read 1 MiB at a time, else in one go."""
+    step = max(1, _SUM_CHUNK_BYTES // pool.layout.block_bytes) if any(summed) else max(1, len(block_ids))
+    out = []
+    for at in range(0, len(block_ids), step):
+        data = pool.read_blocks(torch.tensor(block_ids[at:at + step])).to("cpu")
+        for block, take in zip(data, summed[at:at + step]):
+            if take:
+                block_sums.take(block)
+            out.append(block)
+    return out
 
 
 class NeedRemote(Exception):
@@ -97,7 +113,9 @@ class Residency:
         live = [(h, i) for h, i in evicted if h in users]
         if not live:
             return []
-        data = pool.read_blocks(torch.tensor([i for _, i in live])).to("cpu")
+        # straight down to Redis (no CPU tier, which sums its own copies): summed now, unless Redis holds it already
+        straight = self.cpu is None and self.redis is not None and self.redis.usable()
+        data = read_to_cpu(pool, [i for _, i in live], [straight and h not in self.in_redis for h, _ in live])
         below: list[tuple[BlockHash, str, torch.Tensor]] = []
         if self.cpu is not None:
             for (h, _), block in zip(live, data):
