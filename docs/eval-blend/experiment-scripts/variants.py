@@ -143,7 +143,7 @@ files = [f for f in files if a <= int(f.stem) < b]
 rows = []
 t0 = time.time()
 for f in files:
-    d = torch.load(f)
+    d = torch.load(f, weights_only=True)
     row = {"full": d["nll_full"], "none": d["nll_none"]}
     for nm in names:
         row[nm] = run_variant(nm, d)
