@@ -12,6 +12,7 @@ import torch
 import zoo
 from kvbridge.eval.flops import FlopModel
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import GROUPED_SDPA
 from kvbridge.transfer.suffix.blend import (
     BlendConfig,
     attention_received,
@@ -82,7 +83,7 @@ def test_attention_received_is_the_models_own_attention_over_exact_kv(name):
     lm, context, exact, _ = _setup(name)
     c, t, window, start = context.num_tokens, exact.num_tokens, 6, 1
     score = attention_received(lm, context, exact, window, from_layer=start)
-    assert lm.model.config._attn_implementation == "sdpa"  # switched back
+    assert lm.model.config._attn_implementation == GROUPED_SDPA  # switched back
     ids = torch.cat((context.token_ids, exact.token_ids))
     with kvcache.eager_attention(lm.model):
         weights = lm.model(input_ids=ids[None], output_attentions=True).attentions

@@ -10,6 +10,7 @@ import zoo
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.models import (
+    GROUPED_SDPA,
     PACKAGED,
     attention_implementation,
     converted_path,
@@ -58,9 +59,48 @@ def test_missing_models_fail_clearly_without_network(tmp_path, monkeypatch):
         load_pair("production", source=str(tmp_path / "absent"), target=str(tmp_path / "absent"), device="cpu")
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3-sliding", "mistral-sliding"])
+def test_grouped_sdpa_equals_transformers_sdpa_over_a_cache_and_reads_the_kv_heads_in_place(name, monkeypatch):
+    """A prefill over a cache (a mask, several queries, KV heads shared by query heads): the same logits as
+    transformers' SDPA, which repeats K and V per query head, with every layer through SDPA's grouped path."""
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.models import random_model
+
+    config = zoo.configs()[name]
+    config.num_key_value_heads = 2  # of 4 query heads (the zoo's Phi3 has 4, Gemma3 1)
+    lm = random_model(config, name, device="cpu")
+    assert lm.model.config._attn_implementation == GROUPED_SDPA
+    assert lm.model.config.num_attention_heads > lm.model.config.num_key_value_heads  # grouped
+    ids = torch.randint(3, lm.spec.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    past = kvcache.extract(lm.model, lm.spec, ids[:29])
+
+    def logits():
+        cache = kvcache.to_cache(past, lm.model, lm.spec)
+        return lm.model(input_ids=ids[None, 29:], position_ids=torch.arange(29, 40)[None], cache=cache,
+                        use_cache=True).logits
+
+    grouped = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        grouped.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    with torch.no_grad():
+        ours = logits()
+        assert grouped == [True] * lm.spec.num_layers
+        lm.model.set_attn_implementation("sdpa")
+        try:
+            theirs = logits()
+        finally:
+            lm.model.set_attn_implementation(GROUPED_SDPA)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_device_dtype_and_attention_choices():
     assert resolve_device("cpu") == torch.device("cpu")
-    assert attention_implementation(torch.device("cpu")) == "sdpa"
+    assert attention_implementation(torch.device("cpu")) == GROUPED_SDPA
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ValueError, match="CUDA is not available"):
@@ -69,10 +109,10 @@ def test_device_dtype_and_attention_choices():
     assert resolve_dtype("auto", "cpu") == torch.float32  # bfloat16 on CUDA
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("float8")
-    assert tiny_source(device="cpu").model.config._attn_implementation == "sdpa"
+    assert tiny_source(device="cpu").model.config._attn_implementation == GROUPED_SDPA
     # flash-attn only for half precision on CUDA (it refuses float32 at the first forward)
     for dtype in (torch.float32, torch.bfloat16):
-        assert attention_implementation(torch.device("cpu"), dtype) == "sdpa"
+        assert attention_implementation(torch.device("cpu"), dtype) == GROUPED_SDPA
     assert attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"
 
 

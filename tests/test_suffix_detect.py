@@ -6,16 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 from kvbridge.eval.suffix_labels import CLOSINGS, boundary_accuracy, labelled_set
+from kvbridge.transfer.models import GROUPED_SDPA
 from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector, attention_entropy, segment_starts
 
 
 def _reference_entropy(lm, ids: torch.Tensor) -> torch.Tensor:
     # [L, T] straight from the model's eager attention probabilities, all at once
+    before = lm.model.config._attn_implementation
     lm.model.set_attn_implementation("eager")
     try:
         attentions = lm.model(input_ids=ids[None], output_attentions=True).attentions
     finally:
-        lm.model.set_attn_implementation("sdpa")
+        lm.model.set_attn_implementation(before)
     return torch.stack([-torch.special.xlogy(a[0].float(), a[0].float()).sum(-1).mean(0) for a in attentions])
 
 
@@ -29,7 +31,7 @@ def test_chunked_profile_equals_full_attention(which, request):
         torch.testing.assert_close(per_layer, reference, atol=1e-5, rtol=1e-5)
     some = attention_entropy(lm.model, lm.spec, ids, layers=[2, 1], chunk_tokens=32)
     torch.testing.assert_close(some, reference[1:3].mean(0), atol=1e-5, rtol=1e-5)
-    assert lm.model.config._attn_implementation == "sdpa"  # restored
+    assert lm.model.config._attn_implementation == GROUPED_SDPA  # restored
     with pytest.raises(ValueError, match="layers must be indices"):
         attention_entropy(lm.model, lm.spec, ids, layers=[lm.spec.num_layers])
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.models import SDPA_NAMES, LoadedModel
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
 
@@ -162,7 +162,7 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
     t = placed.num_tokens
     if int(selected[0]) < 0 or int(selected[-1]) >= t:
         raise ValueError(f"selected indices must lie in [0, {t})")
-    if lm.model.config._attn_implementation not in ("sdpa", "eager"):
+    if lm.model.config._attn_implementation not in (*SDPA_NAMES, "eager"):
         raise ValueError(f"selective recompute needs sdpa or eager attention, not "
                          f"{lm.model.config._attn_implementation!r} (it passes a custom mask)")
     c = context.num_tokens
