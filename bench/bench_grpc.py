@@ -10,12 +10,16 @@ each reported time is a median.
    timed on the client from the call to the assembled tensor, vs a raw loopback TCP socket moving the same bytes in
    the same chunk sizes (MB/s; goal grpc/raw >= 0.5, issue 16). Both sides have the same process layout: the sender (the
    kvbridge server, or the raw socket's sender) is a separate process and the receiver is this one; with
-   --in-process both senders are threads of this process instead. The cold first fetch (projection included) as
-   information.
+   --in-process both senders are threads of this process instead. The server keeps the messages of the first warm
+   fetch (server/wire_cache.py), so the timed fetches send those again, as the raw sender sends its prepared
+   payloads; with --stream-keep-mb 0 each timed fetch gathers from the store and encodes its chunks. The cold first
+   fetch (projection included) as information.
 2. shm: the same warm fetch on the same host through shared memory (transport="shared_memory": the server writes
    the KV to a 0600 file under /dev/shm, the client maps it and checks its size and checksum), timed from the call
    to the mapped tensor, vs a numpy copy of the same bytes (a fresh array: a `memcpy` into new memory; goal
-   shm/memcpy >= 0.8) and vs the stream of 1.; a copy into an already-touched buffer as information.
+   shm/memcpy >= 0.8) and vs the stream of 1.; a copy into an already-touched buffer as information. The server
+   keeps the first fetch's file, so the timed fetches link it (a new name, nothing written); with --shm-keep-s 0
+   each timed fetch gathers the KV from the store into a new file.
 3. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
    and the production pair's ratio computed from DESIGN.md's model numbers (not measured).
 
@@ -306,6 +310,13 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of this process and of the server process (default 1: they "
                              "share the machine's cores; see bench/README.md)")
+    parser.add_argument("--shm-keep-s", type=float, default=None,
+                        help="the server's --shm-keep-s (default: its default, 30): 0 makes every shm fetch gather "
+                             "the KV into a new file; otherwise the timed fetches link the file the first one wrote")
+    parser.add_argument("--stream-keep-mb", type=float, default=None,
+                        help="the server's --stream-keep-mb (default: its default, 256): 0 makes every streamed fetch "
+                             "gather and encode its chunks; otherwise the timed fetches send the messages kept from "
+                             "the warm-up fetch")
     parser.add_argument("--in-process", action="store_true",
                         help="run the server (and the raw baseline's sender) as threads of this process instead of "
                              "separate processes: one GIL for both ends")
@@ -326,7 +337,11 @@ def run(argv: list[str] | None = None) -> dict:
     corpus = str(data_path("pydoc_corpus_sample.txt"))
     chunk_bytes = args.chunk_kb * 1024
     message_mb = max(8.0, chunk_bytes / (1 << 20) + 1)  # a chunk and its message framing fit in one message
-    common = dict(dtype=args.dtype, chunk_bytes=chunk_bytes, rounds=rounds)
+    common = dict(dtype=args.dtype, chunk_bytes=chunk_bytes, rounds=rounds, shm_keep_s=args.shm_keep_s)
+    keep = {} if args.shm_keep_s is None else {"shm_keep_s": args.shm_keep_s}
+    if args.stream_keep_mb is not None:
+        keep["stream_keep_mb"] = args.stream_keep_mb
+    common["stream_keep_mb"] = args.stream_keep_mb
     if args.in_process:
         source, target = load_pair(preset)
         machine = machine_line(target.device, mode)
@@ -335,7 +350,7 @@ def run(argv: list[str] | None = None) -> dict:
         text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
             config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
-                                 store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb)
+                                 store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb, **keep)
             service = build_service(config, source=source, targets=[target])
             service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
             running = start_server(service, config)
@@ -367,7 +382,9 @@ def run(argv: list[str] | None = None) -> dict:
             server = ServerProcess(
                 ["--preset", preset, "--adapters", str(folder / "adapters"), "--default-adapter", ADAPTER_NAME,
                  "--no-selfcheck", "--device", "cpu", "--store-capacity-mb", "1024", "--chunk-kb",
-                 str(args.chunk_kb), "--max-message-mb", str(message_mb)], folder, args.threads)
+                 str(args.chunk_kb), "--max-message-mb", str(message_mb),
+                 *[arg for name, value in keep.items() for arg in (f"--{name.replace('_', '-')}", str(value))]],
+                folder, args.threads)
             try:
                 client = KVBridgeClient(server.address, timeout_s=600, max_message_mb=message_mb)
                 try:
@@ -407,7 +424,7 @@ def get_adapter(path: str | None, source, target, corpus: str):
 
 def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_bytes: int, rounds: int,
                           layout: str, raw_sender: Callable[[list[bytes]], RawServer | RawSenderProcess],
-                          note: str) -> dict:
+                          note: str, shm_keep_s: float | None = None, stream_keep_mb: float | None = None) -> dict:
     """Prints the `stream` and `wire` lines and returns their numbers: warm projected fetch vs raw socket (medians
     of interleaved rounds), the cold first fetch and the Ingest before it, and the bytes on the wire."""
     t0 = time.perf_counter()
@@ -448,8 +465,10 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
     ratio = mbs["grpc"] / mbs["raw"]
     biggest = max(len(p) for p in payloads)
     source_name, target_name = entry.model, cold.segment.model.name
+    how = ("every fetch gathers and encodes its chunks (--stream-keep-mb 0)" if stream_keep_mb == 0 else
+           "the fetches send the messages kept from the first warm one")
     print(f"stream  warm GetProjectedCache {source_name} -> {target_name}, {t} target tokens, {dtype} on the "
-          f"wire ({total / 1e6:.1f} MB in {len(payloads)} chunks of <= {biggest / 1024:.0f} KiB), loopback, "
+          f"wire ({total / 1e6:.1f} MB in {len(payloads)} chunks of <= {biggest / 1024:.0f} KiB; {how}), loopback, "
           f"{layout}: gRPC fetch to the assembled tensor {mbs['grpc']:,.0f} MB/s ({times['grpc'] * 1e3:.0f} ms), "
           f"raw TCP socket same chunks {mbs['raw']:,.0f} MB/s ({times['raw'] * 1e3:.0f} ms) -> ratio grpc/raw "
           f"{ratio:.2f} (goal >= 0.5, {verdict(ratio >= 0.5)}; medians of {rounds} interleaved rounds)", flush=True)
@@ -457,7 +476,7 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
           f"{cold_s / times['grpc']:.1f}x the warm fetch; before it, Ingest (source prefill of {entry.num_tokens} "
           f"tokens) {ingest_s * 1e3:,.0f} ms; {note} (information, no goal)", flush=True)
 
-    shm = bench_shared_memory(client, entry.key, kv, dtype, rounds, fetch_projected)
+    shm = bench_shared_memory(client, entry.key, kv, dtype, rounds, fetch_projected, shm_keep_s)
 
     src = client.fetch_source(key=entry.key, dtype=dtype, chunk_bytes=chunk_bytes)
     t_s = src.segment.num_tokens
@@ -477,11 +496,12 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
             "raw_s": times["raw"], "grpc_mbs": mbs["grpc"], "raw_mbs": mbs["raw"], "ratio_grpc_over_raw": ratio,
             "cold_fetch_s": cold_s, "ingest_s": ingest_s, "projected_wire_bytes": cold.wire_bytes,
             "source_wire_bytes": src.wire_bytes,
-            "ratio_projected_over_source_wire": cold.wire_bytes / src.wire_bytes, **shm}
+            "ratio_projected_over_source_wire": cold.wire_bytes / src.wire_bytes, "stream_keep_mb": stream_keep_mb,
+            **shm}
 
 
 def bench_shared_memory(client: KVBridgeClient, key: str, kv: torch.Tensor, dtype: str, rounds: int,
-                        fetch_stream: Callable[[], object]) -> dict:
+                        fetch_stream: Callable[[], object], keep_s: float | None = None) -> dict:
     """Prints the `shm` line and returns its numbers: a warm same-host projected fetch through shared memory vs a
     numpy copy of the same bytes (fresh memory, as a memcpy into a new buffer) and vs the stream (medians of
     interleaved rounds); kv [L, 2, H, T, D] is the streamed fetch's KV, which the shared one must equal."""
@@ -501,14 +521,17 @@ def bench_shared_memory(client: KVBridgeClient, key: str, kv: torch.Tensor, dtyp
     nbytes = source.nbytes
     vs_copy, vs_warm, vs_stream = (times["memcpy"] / times["shm"], times["memcpy_warm"] / times["shm"],
                                    times["stream"] / times["shm"])
-    print(f"shm     warm GetProjectedCache through shared memory ({nbytes / 1e6:.1f} MB, {dtype}, same host): fetch "
-          f"to the mapped, checked tensor {nbytes / times['shm'] / 1e6:,.0f} MB/s ({times['shm'] * 1e3:.1f} ms), "
+    how = ("every fetch gathers the KV into a new file (--shm-keep-s 0)" if keep_s == 0 else
+           "the fetches link the file the first one wrote (kept files)")
+    print(f"shm     warm GetProjectedCache through shared memory ({nbytes / 1e6:.1f} MB, {dtype}, same host; "
+          f"{how}): fetch to the mapped, checked tensor {nbytes / times['shm'] / 1e6:,.0f} MB/s "
+          f"({times['shm'] * 1e3:.1f} ms), "
           f"numpy copy of the same bytes into fresh memory {times['memcpy'] * 1e3:.1f} ms -> ratio memcpy/shm "
           f"{vs_copy:.2f} (goal >= 0.8, {verdict(vs_copy >= 0.8)}); the stream {times['stream'] * 1e3:.0f} ms -> "
           f"shm {vs_stream:.1f}x faster; copy into a touched buffer {times['memcpy_warm'] * 1e3:.1f} ms -> ratio "
           f"{vs_warm:.2f} (information; medians of {rounds} interleaved rounds)", flush=True)
     return {"shm_s": times["shm"], "memcpy_s": times["memcpy"], "memcpy_warm_s": times["memcpy_warm"],
-            "ratio_memcpy_over_shm": vs_copy, "ratio_stream_over_shm": vs_stream}
+            "ratio_memcpy_over_shm": vs_copy, "ratio_stream_over_shm": vs_stream, "shm_keep_s": keep_s}
 
 
 if __name__ == "__main__":

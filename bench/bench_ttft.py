@@ -7,7 +7,13 @@ running in this process (loopback port 0). Then, over several rounds (the order 
 - full: the target (SmolLM2-135M-Instruct) prefills its start token + the context + a short fixed question, and
   picks its first token (greedy argmax of the last logits);
 - replace, warm: the client fetches the context's projected KV from the server by key (the projected entry is
-  already in the server's store), turns it into a cache, and the target prefills only the question over it;
+  already in the server's store) by the gRPC stream, turns it into a cache, and the target prefills only the
+  question over it;
+- replace, warm, same host: the same through shared memory (transport="shared_memory": the client maps the file the
+  server names), fetched again: the server links the file it wrote for the previous fetch of this projection
+  (server/shm_segments.py, kept files) — the issue's goal (replace/full <= 0.04 at 2k tokens, warm, same host) is
+  judged on this one; and the first same-host fetch (the server's kept files dropped first, untimed: the store
+  gathers the projection into a new file), as information;
 - replace, cold: the same after the projected entry was deleted from the server's store (untimed), so the server
   aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed);
 - blend:0.1, warm: replace, then `transfer.suffix.blend` (its default rule): the context's last 16 tokens once through
@@ -38,6 +44,7 @@ from kvbridge.adapters.pairs import start_token_id
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
+from kvbridge.server.shm_segments import SegmentRegistry
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.models import LoadedModel
@@ -55,7 +62,7 @@ FULL_ROUNDS = 5
 QUICK_ROUNDS = 3
 ADAPTER_NAME = "bench-adapter"
 BLEND_FRACTION = 0.1  # blend:0.1, the selective-recompute mode the eval compares at this share
-GOAL = 1 / 20  # the issue's goal on the CPU: TTFT(replace) <= TTFT(full) / 20 at 2k tokens of context
+GOAL = 0.04  # issue 16's goal: TTFT(replace, warm, same host) <= 0.04 TTFT(full) at 2k tokens of context
 GOAL_TOKENS = 2048
 
 
@@ -86,6 +93,11 @@ class TTFTResult:
     warm_fetch_s: float  # of warm_s: the gRPC fetch of the projected KV to the assembled tensor
     warm_cache_s: float  # of warm_s: FetchedCache.to_cache
     warm_prefill_s: float  # of warm_s: the question's prefill over the cache, to the first token
+    shm_s: float  # replace, warm, through shared memory (same host)
+    shm_fetch_s: float  # of shm_s: the fetch to the mapped, checked tensor
+    shm_prefill_s: float  # of shm_s: the question's prefill over the cache, to the first token
+    shm_first_s: float  # replace, warm, the first same-host fetch of the projection (gathered into a new file)
+    shm_first_fetch_s: float  # of shm_first_s: the fetch
     blend_s: float  # blend:0.1 (warm): replace, plus the selection pass and the recompute of 10% of the context
     wire_bytes: int  # chunk bytes of one projected fetch
     same_first_token: bool  # replace (warm) and full picked the same first token
@@ -93,6 +105,10 @@ class TTFTResult:
     @property
     def ratio_warm(self) -> float:
         return self.warm_s / self.full_s
+
+    @property
+    def ratio_shm(self) -> float:
+        return self.shm_s / self.full_s
 
     @property
     def ratio_cold(self) -> float:
@@ -103,11 +119,13 @@ class TTFTResult:
         return self.blend_s / self.full_s
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_cold_over_full": self.ratio_cold,
+        return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_shm_over_full": self.ratio_shm,
+                "ratio_cold_over_full": self.ratio_cold,
                 "ratio_blend_over_full": self.ratio_blend}
 
 
-def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int) -> TTFTResult:
+def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int,
+                 segments: SegmentRegistry) -> TTFTResult:
     """Ingest `context`, check that the server projects exactly the target's tokens of it, then time full prefill,
     warm replace and cold replace to the first token, interleaved over `rounds` rounds (the order alternates)."""
     tokenizer, model = target.tokenizer, target.model
@@ -131,10 +149,12 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
     wire_bytes = 0
 
     @torch.no_grad()
-    def replace() -> tuple[int, dict[str, float]]:
+    def replace(transport: str = "stream") -> tuple[int, dict[str, float]]:
         nonlocal wire_bytes
         t0 = time.perf_counter()
-        fetched = client.fetch_projected(key=entry.key, target_model=target.name)
+        fetched = client.fetch_projected(key=entry.key, target_model=target.name, transport=transport)
+        if fetched.transport != transport:
+            raise AssertionError(f"asked for a fetch by {transport}, got one by {fetched.transport}")
         t1 = time.perf_counter()
         cache = fetched.to_cache(target)
         t2 = time.perf_counter()
@@ -143,7 +163,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         logits = model(input_ids=q[None].to(device), position_ids=torch.arange(t, t + q.numel())[None].to(device),
                        cache=cache, use_cache=True, logits_to_keep=1).logits  # [1, 1, V]
         token = int(logits[0, -1].argmax())
-        wire_bytes = fetched.wire_bytes
+        wire_bytes = max(wire_bytes, fetched.wire_bytes)
         return token, {"fetch": t1 - t0, "cache": t2 - t1, "prefill": time.perf_counter() - t2}
 
     @torch.no_grad()
@@ -175,12 +195,27 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         if client.delete(projected_key) < 1:
             raise AssertionError(f"the server did not delete the projected entry {projected_key[:16]}...")
 
+    def replace_shm() -> tuple[int, dict[str, float]]:
+        return replace("shared_memory")
+
+    def fetched_before() -> None:  # the server writes a file for this projection and keeps it
+        client.fetch_projected(key=entry.key, target_model=target.name, transport="shared_memory")
+
+    def nothing_kept() -> None:
+        segments.drop_kept()
+
     full_token, _ = full()  # warm-up: first-call costs of this length
     warm_token, _ = replace()
+    shm_token, _ = replace_shm()  # the server keeps this fetch's file for the timed ones
+    if shm_token != warm_token:
+        raise AssertionError("the same projection by shared memory and by stream gave different first tokens")
     steps: dict[str, tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]] = {
-        "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace), "blend": (None, blended)}
+        "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace),
+        "shm": (fetched_before, replace_shm), "shm_first": (nothing_kept, replace_shm), "blend": (None, blended)}
     samples: dict[str, list[float]] = {name: [] for name in steps}
     parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
+    shm_parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
+    first_fetch: list[float] = []
     names = list(steps)
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
@@ -190,26 +225,36 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
             t0 = time.perf_counter()
             _, split = fn()
             samples[name].append(time.perf_counter() - t0)
-            if name == "warm":
+            if name in ("warm", "shm"):
                 for part, seconds in split.items():
-                    parts[part].append(seconds)
+                    (parts if name == "warm" else shm_parts)[part].append(seconds)
+            elif name == "shm_first":
+                first_fetch.append(split["fetch"])
     med = {name: statistics.median(s) for name, s in samples.items()}
     return TTFTResult(context_tokens=context_ids.numel(), question_tokens=question_ids.numel(), rounds=rounds,
                       ingest_s=ingest_s, first_fetch_s=first_fetch_s, full_s=med["full"], warm_s=med["warm"],
                       cold_s=med["cold"], warm_fetch_s=statistics.median(parts["fetch"]),
                       warm_cache_s=statistics.median(parts["cache"]),
-                      warm_prefill_s=statistics.median(parts["prefill"]), blend_s=med["blend"], wire_bytes=wire_bytes,
+                      warm_prefill_s=statistics.median(parts["prefill"]), shm_s=med["shm"],
+                      shm_fetch_s=statistics.median(shm_parts["fetch"]),
+                      shm_prefill_s=statistics.median(shm_parts["prefill"]), shm_first_s=med["shm_first"],
+                      shm_first_fetch_s=statistics.median(first_fetch), blend_s=med["blend"],
+                      wire_bytes=wire_bytes,
                       same_first_token=full_token == warm_token)
 
 
 def print_result(r: TTFTResult, pair: str) -> None:
-    goal = (f"goal <= {GOAL:.2f} at {GOAL_TOKENS}, {'meets goal' if r.ratio_warm <= GOAL else 'BELOW GOAL'}"
+    goal = (f"goal <= {GOAL:.2f} at {GOAL_TOKENS} warm same host, "
+            f"{'meets goal' if r.ratio_shm <= GOAL else 'BELOW GOAL'}"
             if r.context_tokens == GOAL_TOKENS else "no goal at this length")
     print(f"ttft    {pair}, {r.context_tokens} context tokens + {r.question_tokens} question tokens: full prefill "
           f"{r.full_s:.3f} s; replace warm {r.warm_s:.3f} s (fetch {r.warm_fetch_s:.3f} s of "
-          f"{r.wire_bytes / 1e6:.1f} MB, to_cache {r.warm_cache_s:.3f} s, question prefill {r.warm_prefill_s:.3f} s), "
-          f"cold {r.cold_s:.3f} s, blend:{BLEND_FRACTION:g} warm {r.blend_s:.3f} s -> ratio replace/full warm "
-          f"{r.ratio_warm:.3f}, cold {r.ratio_cold:.3f} ({goal}), ratio blend/full {r.ratio_blend:.3f}; "
+          f"{r.wire_bytes / 1e6:.1f} MB by stream, to_cache {r.warm_cache_s:.3f} s, question prefill "
+          f"{r.warm_prefill_s:.3f} s), same host through shared memory {r.shm_s:.3f} s (fetch {r.shm_fetch_s:.3f} s, "
+          f"question prefill {r.shm_prefill_s:.3f} s; the first such fetch {r.shm_first_s:.3f} s, its fetch "
+          f"{r.shm_first_fetch_s:.3f} s), cold {r.cold_s:.3f} s, blend:{BLEND_FRACTION:g} warm "
+          f"{r.blend_s:.3f} s -> ratio replace/full warm same host {r.ratio_shm:.3f} ({goal}), by stream "
+          f"{r.ratio_warm:.3f}, cold {r.ratio_cold:.3f}, ratio blend/full {r.ratio_blend:.3f}; "
           f"same first token {'yes' if r.same_first_token else 'no'}; Ingest {r.ingest_s:.1f} s, first fetch "
           f"{r.first_fetch_s:.2f} s (information); medians of {r.rounds} interleaved rounds", flush=True)
 
@@ -232,10 +277,14 @@ def run_ttft(source: LoadedModel, target: LoadedModel, adapter: Adapter, token_c
         service = build_service(config, source=source, targets=[target])
         service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
         running = start_server(service, config)
+        if running.segments is None:
+            raise RuntimeError(f"no same-host data plane here (the server could not make a folder in "
+                               f"{config.shm_dir}): the warm same-host TTFT needs one")
         client = KVBridgeClient(running.address, timeout_s=600)
         try:
             for n in token_counts:
-                result = measure_ttft(client, target, cut_text(target.tokenizer, corpus, n), rounds)
+                result = measure_ttft(client, target, cut_text(target.tokenizer, corpus, n), rounds,
+                                      running.segments)
                 print_result(result, pair)
                 results.append(result)
         finally:

@@ -30,6 +30,7 @@ from kvbridge.server.request_limits import check_message, clip_details
 from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.server.servicer import KVBridgeServicer
 from kvbridge.server.shm_segments import SegmentRegistry
+from kvbridge.server.wire_cache import WireCache
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
 from kvbridge.transfer.store import PagedStore, StoreConfig
 
@@ -164,6 +165,7 @@ class RunningServer:
     pools: dict[str, futures.ThreadPoolExecutor]  # the thread budgets: health, unary, stream, other
     watchdog: IdleWatchdog
     segments: SegmentRegistry | None  # same-host fetches' shared-memory files; None: off
+    wire: WireCache | None = None  # recent streamed fetches' messages, for the next fetch of the same KV
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop taking calls; in-flight calls and streams get grace_s to finish; shared-memory segments go."""
@@ -298,13 +300,15 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     if config.shm_dir:
         try:
             segments = SegmentRegistry(config.shm_dir, ttl_s=config.shm_ttl_s,
-                                       max_bytes=int(config.shm_max_mb * (1 << 20)))
+                                       max_bytes=int(config.shm_max_mb * (1 << 20)), keep_s=config.shm_keep_s)
         except OSError as exc:
             log.warning("no same-host data plane (fetches stream): cannot make a folder in %s (%s)",
                         config.shm_dir, exc)
     servicer = KVBridgeServicer(service, auth, metrics,
                                 uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
-                                watchdog=watchdog, segments=segments, buffers=GatherBuffers())
+                                watchdog=watchdog, segments=segments, buffers=GatherBuffers(),
+                                wire=WireCache(int(config.stream_keep_mb * (1 << 20)), config.stream_keep_s)
+                                if config.stream_keep_mb else None)
     server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
     health_servicer = health.HealthServicer()
     server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
@@ -334,7 +338,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
              "tokens" if tokens else "open", f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
     return RunningServer(server=server, port=bound, address=address, service=service, metrics=metrics,
                          metrics_port=metrics_port, health=health_servicer, pools=pools, watchdog=watchdog,
-                         segments=segments)
+                         segments=segments, wire=servicer.wire)
 
 
 def serve(config: ServeConfig, ready_file: str | None = None) -> int:

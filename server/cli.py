@@ -17,7 +17,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
-        "detector_layers", "shm_ttl_s", "shm_max_mb")}
+        "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s",
+        "stream_keep_mb", "stream_keep_s")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
@@ -75,6 +76,14 @@ def add_parsers(sub) -> None:
                    help="remove a shared-memory segment never released after this long (default 30)")
     p.add_argument("--shm-max-mb", type=float, default=None,
                    help="live shared-memory segments hold at most this much; then fetches stream (default 4096)")
+    p.add_argument("--shm-keep-s", type=float, default=None,
+                   help="keep a finished segment this long after its last fetch, so that the next same-host fetch "
+                        "of the same KV copies nothing (default 30; 0: never)")
+    p.add_argument("--stream-keep-mb", type=float, default=None,
+                   help="keep the messages of recent streamed fetches, up to this much, so that the next streamed "
+                        "fetch of the same KV sends them again without gathering or encoding (default 256; 0: off)")
+    p.add_argument("--stream-keep-s", type=float, default=None,
+                   help="a streamed fetch's messages are kept this long after their last use (default 30)")
     p.add_argument("--metrics-listen", help="host:port of a Prometheus /metrics endpoint (default: off)")
     p.add_argument("--grace-s", type=float, default=None, help="shutdown drain time (default 10)")
     p.add_argument("--detector-layers", type=int, nargs="+", default=None,

@@ -55,6 +55,9 @@ class ServeConfig:
     shm_dir: str | None = "/dev/shm"  # same-host fetches' KV goes through a private folder made here; None: off
     shm_ttl_s: float = 30.0  # a shared-memory segment the client never releases is removed after this long
     shm_max_mb: float = 4096  # live segments hold at most this much; past it, fetches go by stream
+    shm_keep_s: float = 30.0  # a finished segment is kept this long after its last fetch, for the next; 0: never
+    stream_keep_mb: float = 256  # recent streamed fetches' messages kept for the next fetch of the same KV; 0: off
+    stream_keep_s: float = 30.0  # ... this long after their last use
     metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
     detector_layers: list[int] | None = None  # layers of Ingest's segment detector; None: every layer
     detector_strict: bool = False  # 5 positions below 0.75 nats instead of 3 below 0.8
@@ -75,6 +78,9 @@ class ServeConfig:
                      "max_projections", "block_size", "grace_s", "shm_ttl_s", "shm_max_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("shm_keep_s", "stream_keep_mb", "stream_keep_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.stream_workers < 2:
             raise ValueError(f"stream_workers must be >= 2 (uploads may hold half of them), got {self.stream_workers}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):

@@ -62,6 +62,9 @@ class LentBuffer:
         self._buffer = self.pool._take(nbytes)
         return self._buffer[:nbytes].view(dtype).view(shape)
 
+    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # a stream sends copies: nothing of a fetch is kept for the next
+
     def written(self, start: int, end: int) -> None:
         pass
 

@@ -93,6 +93,10 @@ class SourceUpload:
 class KVOut(Protocol):
     """Where a fetch may write its KV straight away (a same-host shared-memory segment) instead of a new tensor."""
 
+    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The KV named by tag (the store entry and its serial) when the destination holds it already from an earlier
+        fetch (in the fetch's dtype; `dtype` is the KV's own): nothing to read from the store; None: fill tensor()."""
+
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A contiguous CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill; None: make a tensor as usual."""
 
@@ -506,9 +510,13 @@ class KVBridgeService:
         for info in self.store.derived(source_key, tenant):
             if info.adapter == namespace and info.model == spec.identity.key:
                 shape = (spec.num_layers, 2, spec.num_kv_heads, info.num_tokens, spec.head_dim)
-                buffer = out.tensor(shape, getattr(torch, spec.dtype)) \
-                    if out is not None and self.store.device.type == "cpu" else None
+                dtype = getattr(torch, spec.dtype)
+                held = out is not None and self.store.device.type == "cpu"
                 try:
+                    kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
+                    if kept is not None:  # the destination has this entry's KV from an earlier fetch
+                        return info, self.store.touch(info.key, tenant, kept, info.serial)
+                    buffer = out.tensor(shape, dtype) if held else None
                     return info, self.store.get(info.key, tenant, out=buffer,
                                                 written=out.written if buffer is not None else None)
                 except NotFound:  # evicted or expired in between: project again

@@ -29,6 +29,7 @@ from kvbridge.server.request_limits import clip_details
 from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
 from kvbridge.server.shm_layout import LAYOUT
 from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
+from kvbridge.server.wire_cache import StreamOut, WireCache
 from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.store import QuotaExceeded
 
@@ -62,7 +63,8 @@ def _entry(info, start: int, model: str) -> pb2.Entry:
 class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
     def __init__(self, service: KVBridgeService, auth: Authenticator, metrics: Metrics,
                  uploads: StreamSlots | None = None, watchdog: IdleWatchdog | None = None,
-                 segments: SegmentRegistry | None = None, buffers: GatherBuffers | None = None):
+                 segments: SegmentRegistry | None = None, buffers: GatherBuffers | None = None,
+                 wire: WireCache | None = None):
         self.service = service
         self.auth = auth
         self.metrics = metrics
@@ -70,6 +72,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
         self.watchdog = watchdog or IdleWatchdog(idle_s=60.0)  # streams that move nothing are cancelled
         self.segments = segments  # same-host fetches' shared-memory files; None: every fetch streams
         self.buffers = buffers  # reused buffers streamed fetches gather into; None: a new tensor each
+        self.wire = wire  # recent streamed fetches' messages, sent again to the next fetch of the same KV; None: off
 
     # ------------------------------------------------------------------------------------------ plumbing
 
@@ -252,11 +255,15 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 size = self.service.chunk_bytes(chunk_bytes)
                 if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
                     pending = self.segments.reserve(tenant, out_dtype)
-                elif self.buffers is not None:  # streamed: gathered into a reused buffer, lent until the last chunk
-                    pending = lent = self.buffers.lend(out_dtype)
+                else:  # streamed: gathered into a reused buffer (lent until the last chunk), or sent as before
+                    pending = lent = StreamOut(self.wire, self.buffers.lend(out_dtype) if self.buffers else None,
+                                               tenant, out_dtype, size)
                 result = fetch(tenant, pending)
                 seg = result.segment
-                kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
+                if lent is not None and lent.messages is not None:  # sent before: seg.kv is a meta tensor
+                    kv = seg.kv
+                else:
+                    kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
                 n_layers, _, h, t, d = kv.shape
                 ranges = plan_chunks(n_layers, t, 2 * h * d * kv.element_size(), size)
                 header = pb2.CacheHeader(
@@ -285,15 +292,24 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     return
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
             sent = 0
+            before = lent.messages if lent is not None else None  # the messages of an earlier fetch of this KV
+            if before is not None and len(before) != len(ranges):
+                raise AssertionError(f"{len(before)} kept messages for {len(ranges)} chunks")
+            messages = []
             with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
                 try:
                     first = pb2.CacheChunk(header=header).SerializeToString()
                     for r in ranges:
                         if not context.is_active():
                             break
-                        head, data = encode_parts(kv, r)
-                        self.metrics.bytes_streamed.labels(method, "out").inc(len(head) + len(data))
-                        yield chunk_message(r, head, data, first if sent == 0 else b"")
+                        if before is not None:
+                            message = before[sent]
+                        else:
+                            head, data = encode_parts(kv, r)
+                            message = chunk_message(r, head, data)
+                            messages.append(message)
+                        self.metrics.bytes_streamed.labels(method, "out").inc(len(message))
+                        yield first + message if sent == 0 else message
                         sent += 1
                         watched.touch()
                 except GeneratorExit:  # grpc closes the generator of a call that ended (cancelled, client gone)
@@ -303,6 +319,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                         lent.discard()
             if sent == len(ranges):
                 outcome["code"] = "OK"
+                if lent is not None:
+                    lent.keep(messages)
             else:
                 log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for {self.watchdog.idle_s:g} s, "
                          "cancelled" if watched.expired else "client left", sent, len(ranges))

@@ -52,7 +52,7 @@ def _element_size(dtype: torch.dtype) -> int:
 
 class Filling:
     """A segment file being written in place: `kv` [L, 2, H, T, D] is a shared map of the open file (resized to
-    the segment's size, its pages populated in one call: a spare file's pages are already there), the header is
+    the segment's size, its pages mapped writable in one call: a spare file's are already allocated), the header is
     written; fill kv's layers in order and call `written(a, b)` after each group, which sums those bytes while they
     are still in cache; `finish()` gives (size, checksum) and lets go of the map (it goes with the last view)."""
 
@@ -63,7 +63,7 @@ class Filling:
         head = _header(shape, dtype)
         self.shape, self.size = tuple(shape), len(head) + int(np.prod(shape)) * _element_size(dtype)
         os.ftruncate(fd, self.size)
-        mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        mapped = map_for_writing(fd, self.size)
         mapped[:len(head)] = head
         self._words = np.frombuffer(mapped, dtype="<u8", count=self.size // 8)
         self._mapped = mapped
@@ -97,6 +97,20 @@ class Filling:
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read-fault every page in one call
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14: write-fault every page in one call
+
+
+def map_for_writing(fd: int, nbytes: int) -> mmap.mmap:
+    """A shared map of the file's first nbytes with every page mapped writable now, in one call. MAP_POPULATE
+    alone maps a shared file's pages read-only, and the first write to each 4 KiB page then faults (on a 94 MB
+    segment, 69 ms of copying instead of 24)."""
+    mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    try:
+        mapped.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14: populated read-only, each page faults again on its first write
+        mapped.close()
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+    return mapped
 
 
 def create(path: str | os.PathLike) -> int:
@@ -110,7 +124,7 @@ def make_spare(path: str | os.PathLike, nbytes: int) -> None:
     fd = create(path)
     try:
         os.ftruncate(fd, nbytes)
-        mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
+        map_for_writing(fd, nbytes).close()
     except BaseException:
         os.unlink(path)
         raise
@@ -139,6 +153,18 @@ def copy_layers(filling: Filling, kv: torch.Tensor) -> None:
     for layer in range(kv.shape[0]):
         filling.kv[layer].copy_(kv[layer])
         filling.written(layer, layer + 1)
+
+
+def map_file(path: str | os.PathLike, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The server's own view of a finished segment file it keeps: kv [L, 2, H, T, D], a copy-on-write map, no page
+    touched (nothing is read or checked: the server wrote the file and never writes it again)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    numel = int(np.prod(shape))
+    return torch.frombuffer(mapped, dtype=dtype, count=numel, offset=size - numel * _element_size(dtype)).view(shape)
 
 
 def check_path(path: str, name: str) -> None:

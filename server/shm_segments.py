@@ -5,6 +5,12 @@ server stops. The file is a spare when one is ready: tmpfs allocates and zeroes 
 costs more than the copy into it, so after a segment is released a thread makes spare files of its size (pages
 allocated, zeroed and unnamed, never told to anyone) for the next fetches.
 
+A finished file is also kept (a second, private name: `kept-*`) for `keep_s` after the last fetch that used it, tagged
+by what it holds (the tenant, the store entry and its serial, shape and dtype): the next same-host fetch of the same
+KV by the same tenant gets a new name linked to it (a hard link, nothing copied or written) instead of a new file.
+The server never writes a file once it is named, and clients map it copy-on-write, so every name sees the KV the
+first fetch wrote. Kept files give way (least recently used first, after the spares) to new segments at max_bytes.
+
 Invariants:
 - the folder is the server's own (mkdtemp: a random name, mode 0700) and every file in it is 0600: only the server's
   OS user (and root) can list or open them. Same host therefore means same OS user, or a trusted one.
@@ -13,8 +19,11 @@ Invariants:
 - while the server lives, its folder holds `.lock`, flock-ed by it (the kernel drops the lock when the process dies,
   SIGKILL included): a new registry removes the folders under its root whose `.lock` it can take (left by a server
   that was killed), and no other.
-- `held_bytes` is the sum of the sizes of the live segments, the spares and the files being filled, and never
-  exceeds max_bytes: spares go first, then a fetch that would pass it is streamed instead (SegmentsFull).
+- `held_bytes` is the sum of the sizes of the live segments, the kept files, the spares and the files being filled
+  (a live name of a kept file counts again: an upper bound of the memory they hold), and never exceeds max_bytes:
+  spares go first, then kept files, then a fetch that would pass it is streamed instead (SegmentsFull).
+- a kept file is lent only to its own tenant, under its own tag; a tenant's client is told a fresh name, never the
+  kept one.
 """
 
 from __future__ import annotations
@@ -40,6 +49,16 @@ class SegmentsFull(Exception):
     """The live segments hold max_bytes already: this fetch goes by stream."""
 
 
+@dataclass(slots=True)
+class KeptFile:
+    """A finished segment file kept under a private name for the next fetches of the same KV."""
+
+    path: Path  # folder / f"kept-{token}": never told to a client
+    size: int
+    checksum: str
+    last_used: float  # on the registry's clock
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     name: str  # unguessable; the file is folder / f"{name}.safetensors"
@@ -52,10 +71,11 @@ class Segment:
 
 class SegmentRegistry:
     def __init__(self, root: str | Path = "/dev/shm", ttl_s: float = 30.0, max_bytes: int = 4 << 30,
-                 clock=time.monotonic, spares: int = 2):
-        if ttl_s <= 0 or max_bytes <= 0:
-            raise ValueError(f"ttl_s and max_bytes must be > 0, got {ttl_s} and {max_bytes}")
+                 clock=time.monotonic, spares: int = 2, keep_s: float = 30.0):
+        if ttl_s <= 0 or max_bytes <= 0 or keep_s < 0:
+            raise ValueError(f"ttl_s and max_bytes must be > 0 and keep_s >= 0, got {ttl_s}, {max_bytes} and {keep_s}")
         self.ttl_s = ttl_s
+        self.keep_s = keep_s  # a finished file is kept this long after its last fetch; 0: never kept
         self.max_bytes = max_bytes
         self.clock = clock
         remove_stale_folders(root)
@@ -64,6 +84,8 @@ class SegmentRegistry:
         self.spares = spares  # spare files kept ready (made only once start() runs the thread that makes them)
         self.held_bytes = 0
         self._live: dict[str, Segment] = {}
+        self._kept: dict[tuple, KeptFile] = {}  # (tenant, tag) -> file; in least-recently-used order
+        self.kept_hits = 0  # fetches served by linking a kept file
         self._spares: list[tuple[Path, int]] = []  # (path, bytes allocated)
         self._wanted: list[int] = []  # sizes of spares to make
         self._lock = threading.Lock()
@@ -89,8 +111,7 @@ class SegmentRegistry:
             spare = self._take_spare(nbytes)  # its bytes become this segment's (resized to nbytes)
             if spare is not None:
                 self.held_bytes -= spare[1]
-            while self._spares and self.held_bytes + nbytes > self.max_bytes:
-                self._drop_spare(self._spares[-1])
+            self._make_room(nbytes)
             if self.held_bytes + nbytes > self.max_bytes:
                 if spare is not None:
                     self._spares.append(spare)
@@ -120,6 +141,83 @@ class SegmentRegistry:
             self.held_bytes += size - reserved
             self._live[name] = segment
         return segment
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop spares, then the least recently used kept files, until nbytes more fit (or none is left); under the
+        lock."""
+        while self._spares and self.held_bytes + nbytes > self.max_bytes:
+            self._drop_spare(self._spares[-1])
+        while self._kept and self.held_bytes + nbytes > self.max_bytes:
+            self._drop_kept(next(iter(self._kept)))
+
+    # kept files: a finished segment's file under a second name, for the next fetch of the same KV
+
+    def _find_kept(self, tenant: str, tag: tuple) -> KeptFile | None:
+        if not self.keep_s:
+            return None
+        with self._lock:
+            kept = self._kept.pop((tenant, tag), None)
+            if kept is not None:
+                kept.last_used = self.clock()
+                self._kept[(tenant, tag)] = kept  # now the most recently used
+            return kept
+
+    def _keep(self, tenant: str, tag: tuple, segment: Segment) -> None:
+        """Keep segment's file (just published, not yet told to its client) under a private name for tag."""
+        if not self.keep_s:
+            return
+        with self._lock:
+            if (tenant, tag) in self._kept or self._stop.is_set():
+                return
+            self._make_room(segment.size)
+            if self.held_bytes + segment.size > self.max_bytes:
+                return
+            path = self.folder / f"{KEPT_PREFIX}{secrets.token_urlsafe(12)}"
+            try:
+                os.link(segment.path, path)
+            except OSError as exc:
+                log.info("shared-memory segment not kept (%s)", exc)
+                return
+            self.held_bytes += segment.size
+            self._kept[(tenant, tag)] = KeptFile(path=path, size=segment.size, checksum=segment.checksum,
+                                                 last_used=self.clock())
+
+    def _link(self, tenant: str, kept: KeptFile) -> Segment:
+        """A new segment of `tenant`: a fresh name linked to a kept file, nothing copied. SegmentsFull; OSError
+        (FileNotFoundError: the kept file went in the meantime)."""
+        name = secrets.token_urlsafe(24)
+        final = self.folder / f"{name}.safetensors"
+        with self._lock:
+            self._make_room(kept.size)
+            if self.held_bytes + kept.size > self.max_bytes:
+                raise SegmentsFull(f"shared-memory segments hold {self.held_bytes} of {self.max_bytes} bytes")
+            if self._stop.is_set():
+                raise FileNotFoundError(f"{kept.path}: the registry is closing")
+            os.link(kept.path, final)
+            segment = Segment(name=name, path=final, tenant=tenant, size=kept.size, checksum=kept.checksum,
+                              expires_at=self.clock() + self.ttl_s)
+            self.held_bytes += kept.size
+            self._live[name] = segment
+            self.kept_hits += 1
+        return segment
+
+    def _drop_kept(self, key: tuple) -> None:
+        kept = self._kept.pop(key)
+        self.held_bytes -= kept.size
+        kept.path.unlink(missing_ok=True)
+
+    def drop_kept(self) -> int:
+        """Remove every kept file (the next fetches write new ones); how many."""
+        with self._lock:
+            keys = list(self._kept)
+            for key in keys:
+                self._drop_kept(key)
+        return len(keys)
+
+    @property
+    def kept_files(self) -> int:
+        with self._lock:
+            return len(self._kept)
 
     def _give_back(self, path: Path, reserved: int) -> None:
         path.unlink(missing_ok=True)
@@ -193,12 +291,14 @@ class SegmentRegistry:
         return True
 
     def sweep(self) -> int:
-        """Remove the segments whose TTL has passed; how many."""
+        """Remove the segments whose TTL has passed, and the kept files unused for keep_s; how many segments."""
         now = self.clock()
         with self._lock:
             expired = [s for s in self._live.values() if s.expires_at <= now]
             for segment in expired:
                 self._drop(segment)
+            for key in [k for k, kept in self._kept.items() if kept.last_used + self.keep_s <= now]:
+                self._drop_kept(key)
         if expired:
             log.info("removed %d shared-memory segment(s) never released within %g s", len(expired), self.ttl_s)
         return len(expired)
@@ -242,6 +342,8 @@ class SegmentRegistry:
                 self._drop(segment)
             for spare in list(self._spares):
                 self._drop_spare(spare)
+            for key in list(self._kept):
+                self._drop_kept(key)
         shutil.rmtree(self.folder, ignore_errors=True)
         os.close(self._lock_fd)
 
@@ -249,13 +351,15 @@ class SegmentRegistry:
 FOLDER_PREFIX = "kvbridge-"
 LOCK_NAME = ".lock"
 SPARE_PREFIX = "spare-"  # files being made or filled: never named to a client (no .safetensors)
+KEPT_PREFIX = "kept-"  # kept files' private names (no .safetensors): clients get other names linked to them
 
 
 class PendingSegment:
     """One fetch's segment before it is published: `tensor(shape, dtype)` gives a [L, 2, H, T, D] buffer that is the
     file itself (the caller fills its layers in order and calls `written(a, b)`; None when this segment cannot be
     made: full, no space, another dtype), `publish(kv)` names it (copying kv in first unless kv is that buffer) and
-    `discard()` removes it. The file is 0600 and named only once it is complete."""
+    `discard()` removes it. The file is 0600 and named only once it is complete. `reuse(tag, ...)` first: the KV of
+    a kept file with that tag when there is one (publish then links it), else publish keeps the new file under tag."""
 
     def __init__(self, registry: SegmentRegistry, tenant: str, dtype: torch.dtype | None):
         self.registry, self.tenant, self.dtype = registry, tenant, dtype
@@ -263,6 +367,26 @@ class PendingSegment:
         self._filling: shm_layout.Filling | None = None
         self._path: Path | None = None
         self._reserved = 0
+        self._tag: tuple | None = None  # what the KV is, when the caller said (reuse)
+        self._lent: tuple[KeptFile, torch.Tensor] | None = None  # the kept file reuse() gave, and its map
+
+    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """kv [L, 2, H, T, D] that a kept file of this tenant already holds for `tag` (hashable: what the KV is, e.g.
+        a store entry and its serial), in this fetch's dtype (`dtype`: the KV's own, used when the fetch asked for
+        none): the file mapped, no page read. None when no file is kept for it; publish() then keeps the file it
+        makes under the tag."""
+        if self._filling is not None or self._tag is not None:
+            raise AssertionError("reuse() comes once, before tensor()")
+        self._tag = (tag, tuple(shape), str(self.dtype or dtype))
+        kept = self.registry._find_kept(self.tenant, self._tag)
+        if kept is None:
+            return None
+        try:
+            kv = shm_layout.map_file(kept.path, kept.size, tuple(shape), self.dtype or dtype)
+        except OSError:  # dropped in the meantime
+            return None
+        self._lent = (kept, kv)
+        return kv
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         # -> [L, 2, H, T, D] of dtype, a shared map of the segment's file
@@ -295,6 +419,19 @@ class PendingSegment:
     def publish(self, kv: torch.Tensor) -> Segment:
         """The segment holding kv [L, 2, H, T, D] (CPU), registered for this tenant. SegmentsFull or OSError when
         it cannot be made (nothing is left behind)."""
+        # keep the file for the tag only when it holds the KV the tag names: gathered in place after reuse() found
+        # nothing, or the lent file's (not a fetch that fell back to another KV after reuse())
+        in_place = self._filling is not None and self._filling.kv is not None \
+            and kv.data_ptr() == self._filling.kv.data_ptr()
+        lent = self._lent is not None and kv.data_ptr() == self._lent[1].data_ptr()
+        keep = self._tag is not None and (in_place or lent)
+        if self._lent is not None:
+            kept, self._lent = self._lent[0], None
+            if lent:
+                try:
+                    return self.registry._link(self.tenant, kept)
+                except FileNotFoundError:  # the kept file went meanwhile: kv still maps its pages; copied below
+                    pass
         if self._filling is None or self._filling.kv is None or kv.data_ptr() != self._filling.kv.data_ptr():
             if self._filling is not None:
                 self.discard()
@@ -312,10 +449,13 @@ class PendingSegment:
             self.discard()
             raise
         self._path, self._filling, self._reserved = None, None, 0  # the registry's now
+        if keep:
+            self.registry._keep(self.tenant, self._tag, segment)
         return segment
 
     def discard(self) -> None:
         """Remove the file (a fetch that failed, or streams instead) and give its bytes back."""
+        self._lent = None
         if self._path is not None:
             self.registry._give_back(self._path, self._reserved)
             self._path, self._filling, self._reserved = None, None, 0

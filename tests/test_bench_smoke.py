@@ -17,8 +17,10 @@ BENCH_ALL = BENCH.with_name("bench_all.py")
 TABLE_HEADER = "| measurement | ratio | goal | detail |"
 # bench_all --quick's table: one row per ratio (TTFT at its quick context lengths, 256 and 512 tokens)
 ALL_QUICK_ROWS = (
-    "TTFT replace/full @256 (warm)", "TTFT replace/full @256 (cold)", "TTFT blend:0.1/full @256 (warm)",
-    "TTFT replace/full @512 (warm)", "TTFT replace/full @512 (cold)", "TTFT blend:0.1/full @512 (warm)",
+    "TTFT replace/full @256 (warm, same host)", "TTFT replace/full @256 (warm, stream)",
+    "TTFT replace/full @256 (cold)", "TTFT blend:0.1/full @256 (warm)",
+    "TTFT replace/full @512 (warm, same host)", "TTFT replace/full @512 (warm, stream)",
+    "TTFT replace/full @512 (cold)", "TTFT blend:0.1/full @512 (warm)",
     "projection/prefill speed @", "store get/copy source @2048",
     "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
     "store lookup per block", "store hash_chain/lookup", "store tokens/pool (distinct entries)",

@@ -3,7 +3,8 @@
 The file layout and the server's registry are tested alone (a fake clock for the TTL); then a real `kvbridge serve`
 process (the tiny pair) against the project's client and raw grpcio stubs: bit-identical KV to the stream, the
 file's mode, its removal once read and after its TTL, the fallback to the stream, another tenant, and no segment
-left after the server stops.
+left after the server stops. A finished file is kept for the next fetch of the same KV (kept files): linked under a
+new name, never for another tenant or another entry.
 """
 
 from __future__ import annotations
@@ -237,6 +238,134 @@ def test_a_new_registry_removes_the_folders_of_dead_servers_only(tmp_path):
     assert not live.folder.exists()
 
 
+# ------------------------------------------------------------------------------------------------ kept files
+
+
+def _gathered(registry: SegmentRegistry, tenant: str, tag: tuple, kv: torch.Tensor):
+    """A fetch of `tag`'s KV as the service makes it: reuse() first, else the store gathers into tensor()."""
+    pending = registry.reserve(tenant)
+    buffer = pending.reuse(tag, tuple(kv.shape), kv.dtype)
+    if buffer is None:
+        buffer = pending.tensor(tuple(kv.shape), kv.dtype)
+        for layer in range(kv.shape[0]):
+            buffer[layer].copy_(kv[layer])
+            pending.written(layer, layer + 1)
+    return pending.publish(buffer), buffer
+
+
+def test_a_kept_file_serves_the_next_fetch_of_the_same_kv_by_a_new_name_without_a_copy(tmp_path):
+    clock = FakeClock()
+    kv = _kv()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20, clock=clock, keep_s=5.0)
+    first, _ = _gathered(registry, "alice", ("entry", 1), kv)
+    assert registry.kept_files == 1 and registry.kept_hits == 0
+    kept = [p for p in registry.folder.iterdir() if p.name.startswith("kept-")]
+    assert len(kept) == 1 and _mode(kept[0]) == 0o600 and not kept[0].name.endswith(".safetensors")
+    assert registry.release("alice", first.name) and not first.path.exists() and kept[0].exists()
+
+    clock.now = 4.0
+    second, buffer = _gathered(registry, "alice", ("entry", 1), kv)
+    assert registry.kept_hits == 1 and second.name != first.name and second.checksum == first.checksum
+    assert os.stat(second.path).st_ino == os.stat(kept[0]).st_ino  # the same file: nothing written
+    assert torch.equal(buffer, kv)
+    assert torch.equal(shm_layout.map_kv(second.path, second.size, second.checksum, tuple(kv.shape), kv.dtype), kv)
+    assert registry.held_bytes == 2 * first.size  # the kept file and the live name of it
+    # another tenant, another entry serial, another dtype: not this file
+    for tenant, tag, dtype in (("bob", ("entry", 1), None), ("alice", ("entry", 2), None),
+                               ("alice", ("entry", 1), torch.bfloat16)):
+        assert registry.reserve(tenant, dtype).reuse(tag, tuple(kv.shape), kv.dtype) is None
+    registry.release("alice", second.name)
+    third, _ = _gathered(registry, "alice", ("entry", 7), kv)
+    registry.release("alice", third.name)
+    assert registry.kept_files == 2 and registry.drop_kept() == 2 and registry.held_bytes == 0
+    registry.release("alice", _gathered(registry, "alice", ("entry", 1), kv)[0].name)  # written again, kept again
+
+    clock.now = 4.0 + 5.0  # keep_s after its last use: swept
+    registry.sweep()
+    assert registry.kept_files == 0 and not kept[0].exists() and registry.held_bytes == 0
+    assert [p.name for p in registry.folder.iterdir()] == [".lock"]
+    registry.close()
+
+
+def test_a_fetch_that_falls_back_to_other_kv_after_reuse_publishes_that_kv_and_keeps_nothing(tmp_path):
+    kv, other = _kv(), _kv().neg()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20)
+    registry.release("alice", _gathered(registry, "alice", ("entry", 1), kv)[0].name)
+    pending = registry.reserve("alice")
+    assert pending.reuse(("entry", 1), tuple(kv.shape), kv.dtype) is not None
+    segment = pending.publish(other)  # e.g. the entry went meanwhile and was projected again: a copy of that KV
+    assert torch.equal(load_file(str(segment.path))["kv"], other) and registry.kept_hits == 0
+    assert registry.kept_files == 1  # still the first fetch's file, for the first KV
+    again, buffer = _gathered(registry, "alice", ("entry", 1), kv)
+    assert torch.equal(buffer, kv) and registry.kept_hits == 1
+    registry.close()
+
+
+def test_a_kept_file_removed_between_reuse_and_publish_is_copied_from_its_map(tmp_path):
+    kv = _kv()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20)
+    registry.release("alice", _gathered(registry, "alice", ("entry", 1), kv)[0].name)
+    pending = registry.reserve("alice")
+    buffer = pending.reuse(("entry", 1), tuple(kv.shape), kv.dtype)
+    with registry._lock:  # as when it gives way to another segment in the meantime
+        registry._drop_kept(next(iter(registry._kept)))
+    segment = pending.publish(buffer)
+    assert torch.equal(load_file(str(segment.path))["kv"], kv) and registry.kept_hits == 0
+    assert registry.kept_files == 1 and registry.held_bytes == 2 * segment.size  # the copy is kept for the tag now
+    registry.close()
+
+
+def test_kept_files_give_way_to_new_segments_least_recently_used_first_and_keep_s_0_keeps_none(tmp_path):
+    kv = _kv()
+    size = shm_layout.segment_size(tuple(kv.shape), kv.dtype)
+    clock = FakeClock()
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=4 * size, clock=clock)
+    for serial in (1, 2, 3):
+        clock.now += 1
+        registry.release("alice", _gathered(registry, "alice", ("entry", serial), kv)[0].name)
+    assert registry.kept_files == 3 and registry.held_bytes == 3 * size
+    clock.now += 1
+    registry.release("alice", _gathered(registry, "alice", ("entry", 1), kv)[0].name)  # 1 is now the most recent
+    live = [registry.publish("bob", kv)]  # fits beside the three
+    live.append(registry.publish("bob", kv))  # no room: the least recently used kept file (2) goes
+    assert registry.kept_files == 2 and registry.held_bytes == 4 * size
+    assert registry.reserve("alice").reuse(("entry", 2), tuple(kv.shape), kv.dtype) is None
+    assert registry.reserve("alice").reuse(("entry", 1), tuple(kv.shape), kv.dtype) is not None
+    for segment in live:
+        registry.release("bob", segment.name)
+    registry.close()
+
+    off = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20, keep_s=0)
+    off.release("alice", _gathered(off, "alice", ("entry", 1), kv)[0].name)
+    assert off.kept_files == 0 and off.held_bytes == 0
+    off.close()
+
+
+def test_the_store_touches_an_entry_by_its_serial_and_refuses_another(tmp_path):
+    from kvbridge.transfer.errors import NotFound
+    from kvbridge.transfer.segment import KVSegment
+    from kvbridge.transfer.spec import ModelIdentity
+    from kvbridge.transfer.store import PagedStore, StoreConfig
+
+    store = PagedStore(StoreConfig(capacity_bytes=8 << 20, block_size=4, device="cpu"))
+    kv = _kv(shape=(3, 2, 2, 10, 8))
+    segment = KVSegment(kv=kv, token_ids=torch.arange(10), positions=torch.arange(10),
+                        model=ModelIdentity("m", "0" * 64), rotated=True)
+    info = store.put(segment, "alice")
+    held = kv.clone()
+    touched = store.touch(info.key, "alice", held, info.serial)
+    assert touched.kv is held and torch.equal(touched.token_ids, segment.token_ids)
+    with pytest.raises(ValueError, match="shape"):
+        store.touch(info.key, "alice", held[:, :, :, :5], info.serial)
+    with pytest.raises(NotFound):
+        store.touch(info.key, "bob", held, info.serial)
+    store.delete(info.key, "alice")
+    again = store.put(segment, "alice")  # the same key, a new entry
+    assert again.key == info.key and again.serial != info.serial
+    with pytest.raises(NotFound, match="stored again"):
+        store.touch(info.key, "alice", held, info.serial)
+
+
 # ------------------------------------------------------------------------------------------------ a real server
 
 
@@ -311,6 +440,36 @@ def test_same_host_fetches_are_bit_identical_to_the_stream_and_leave_no_file(ser
     assert [p.name for p in folder.glob("*.safetensors")] == [Path(header.shared.path).name]  # the client's went
     assert _release(serve, ALICE, header.shared.name) is True
     assert not Path(header.shared.path).exists() and not any(folder.glob("*.safetensors"))
+
+
+def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_entry_is_made_again(serve):
+    """A warm same-host fetch of a projection fetched before gets the first fetch's file under a new name (the same
+    inode, nothing written); once the source entry is deleted and ingested again (a new projected entry, same key),
+    the fetch gets a new file."""
+    with KVBridgeClient(serve.address, token=ALICE) as client:
+        key = client.ingest(TEXT + " Kept.").entries[0].key
+        expected = client.fetch_projected(key=key, transport="stream").segment.kv
+    first = _raw_fetch(serve, ALICE, key)
+    inode = os.stat(first.shared.path).st_ino
+    assert _release(serve, ALICE, first.shared.name) is True
+    second = _raw_fetch(serve, ALICE, key)
+    assert second.shared.name != first.shared.name and os.stat(second.shared.path).st_ino == inode
+    assert second.shared.checksum == first.shared.checksum
+    shape = (second.num_layers, 2, second.num_kv_heads, len(second.token_ids), second.head_dim)
+    mapped = shm_layout.map_kv(second.shared.path, second.shared.size, second.shared.checksum, shape,
+                               expected.dtype)
+    assert torch.equal(mapped, expected)
+    assert _release(serve, ALICE, second.shared.name) is True
+    assert not Path(first.shared.path).exists() and not Path(second.shared.path).exists()
+    with KVBridgeClient(serve.address, token=ALICE) as client:
+        assert client.delete(key) >= 2  # the source entry and its projection
+        assert client.ingest(TEXT + " Kept.").entries[0].key == key
+        client.fetch_projected(key=key, transport="stream")  # projected again: a new entry, same key
+    third = _raw_fetch(serve, ALICE, key)
+    assert os.stat(third.shared.path).st_ino != inode
+    assert torch.equal(shm_layout.map_kv(third.shared.path, third.shared.size, third.shared.checksum, shape,
+                                         expected.dtype), expected)
+    assert _release(serve, ALICE, third.shared.name) is True
 
 
 def test_a_client_that_cannot_open_the_segment_streams_and_the_server_drops_it(serve, entry_key, monkeypatch):

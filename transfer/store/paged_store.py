@@ -520,6 +520,30 @@ class PagedStore:
 
         return self._run(locked)
 
+    def touch(self, key: str, tenant: str, kv: torch.Tensor, serial: int) -> KVSegment:
+        """The stored segment with `kv` for its KV: a copy of it the caller holds already (a same-host segment of
+        this entry kept by the server), valid while the entry's `serial` is the one given. Counts as a get (a hit,
+        the entry and its blocks on the device just used) without reading a block. NotFound when the entry is gone
+        or is another one now (another serial); ValueError when kv is not of its shape."""
+        def locked(prefetched):
+            self._expire()
+            entry = self._entry_for(key, tenant, prefetched)
+            if entry.serial != serial:
+                raise NotFound(f"entry {key[:16]}... was stored again since")
+            shape = (entry.layout.num_layers, 2, entry.layout.num_kv_heads, entry.token_ids.numel(),
+                     entry.layout.head_dim)
+            if tuple(kv.shape) != shape:
+                raise ValueError(f"kv of shape {tuple(kv.shape)} for entry {key[:16]}... of shape {shape}")
+            pool = self.pools[entry.layout.key]
+            pool.touch([pool.hash_to_block[h] for h in entry.hashes if h in pool.hash_to_block])
+            entry.last_access = self.clock()
+            self._stats.hits += 1
+            self._stats.hit_tokens += entry.token_ids.numel()
+            return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
+                             model=entry.model, rotated=entry.rotated)
+
+        return self._run(locked)
+
     @_sends_redis_writes
     def lookup(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
                adapter: str = "", kind: str = "prefix") -> LookupResult:

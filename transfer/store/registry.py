@@ -12,6 +12,7 @@ Invariants (`check`): `users` and `derived` are exactly what the entries' page t
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from kvbridge.transfer.store.block_pool import PoolLayout
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace
 
 KINDS = ("prefix", "segment")
+_SERIALS = itertools.count(1)  # Entry.serial: one per Entry object made in this process
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class Entry:
     source_key: str | None = None  # a derived entry (a projection): the entry it was made from
     annotations: dict = field(default_factory=dict)  # small JSON-able facts the caller keeps with it
     generation: int = 0  # 0 when stored; +1 on every later put or refresh of it (someone else stored it too)
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # this object's, never another's: its KV's identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class EntryInfo:
     text: str | None = None  # the text it was made from, when known
     annotations: dict = field(default_factory=dict)
     generation: int = 0  # 0: this put created it; more: stored (or refreshed) again since
+    serial: int = 0  # the entry's serial: while it is the same, so is its KV (a new entry of the key gets another)
 
 
 class EntryRegistry:
@@ -206,4 +210,5 @@ def info_of(entry: Entry, new_blocks: int, tier: str) -> EntryInfo:
                      num_blocks=len(entry.hashes), new_blocks=new_blocks, pinned=entry.pinned,
                      expires_at=entry.expires_at, tier=tier, model=entry.model.key,
                      adapter=entry.namespace.adapter, source_key=entry.source_key, text=entry.text,
-                     annotations=dict(entry.annotations), generation=entry.generation)
+                     annotations=dict(entry.annotations), generation=entry.generation,
+                     serial=entry.serial)
