@@ -512,13 +512,17 @@ class PagedStore:
                                   written=written)
             finally:
                 pool.unref(blocks)
-            entry.last_access = self.clock()
-            self._stats.hits += 1
-            self._stats.hit_tokens += entry.token_ids.numel()
-            return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
-                             model=entry.model, rotated=entry.rotated)
+            return self._hit(entry, kv)
 
         return self._run(locked)
+
+    def _hit(self, entry: Entry, kv: torch.Tensor) -> KVSegment:
+        """A get of entry answered with kv: the entry just used, counted as a hit (under the lock)."""
+        entry.last_access = self.clock()
+        self._stats.hits += 1
+        self._stats.hit_tokens += entry.token_ids.numel()
+        return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
+                         model=entry.model, rotated=entry.rotated)
 
     def touch(self, key: str, tenant: str, kv: torch.Tensor, serial: int) -> KVSegment:
         """The stored segment with `kv` for its KV: a copy of it the caller holds already (a same-host segment of
@@ -536,11 +540,7 @@ class PagedStore:
                 raise ValueError(f"kv of shape {tuple(kv.shape)} for entry {key[:16]}... of shape {shape}")
             pool = self.pools[entry.layout.key]
             pool.touch([pool.hash_to_block[h] for h in entry.hashes if h in pool.hash_to_block])
-            entry.last_access = self.clock()
-            self._stats.hits += 1
-            self._stats.hit_tokens += entry.token_ids.numel()
-            return KVSegment(kv=kv, token_ids=entry.token_ids.clone(), positions=entry.positions.clone(),
-                             model=entry.model, rotated=entry.rotated)
+            return self._hit(entry, kv)
 
         return self._run(locked)
 
