@@ -626,7 +626,9 @@ def test_redis_killed_and_restarted_while_clients_run(tiny_source, tiny_target, 
     # clients' projections alone need ~80 target blocks, so blocks go down to Redis and come back all the time.
     store = PagedStore(StoreConfig(capacity_bytes=4 << 20, cpu_capacity_bytes=256 << 10, redis_url=redis_server.url,
                                    redis_retry_s=retry_s, device="cpu"), clock=clock)
-    running = _start(tiny_source, [tiny_target], adapters_dir, store=store)
+    # No kept wire messages or same-host files: a repeated fetch would be answered from them without reading a
+    # block, and this test is about blocks going down to Redis and coming back.
+    running = _start(tiny_source, [tiny_target], adapters_dir, store=store, stream_keep_mb=0, shm_keep_s=0)
     n_clients, texts_each = 4, 5
     texts = [[_text(100 + c * texts_each + j, words=15) for j in range(texts_each)] for c in range(n_clients)]
     expected = {t: _expected_projection(t, tiny_source, tiny_target, adapter) for ts in texts for t in ts}

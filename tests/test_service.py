@@ -109,6 +109,9 @@ class BufferOut:
     def __init__(self, accept: bool = True):
         self.accept, self.buffer, self.layers = accept, None, []
 
+    def reuse(self, tag, shape, dtype):
+        return None  # keeps nothing from an earlier fetch: every warm fetch is gathered into tensor()'s buffer
+
     def tensor(self, shape, dtype):
         if not self.accept:
             return None
