@@ -300,7 +300,8 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
     if config.shm_dir:
         try:
             segments = SegmentRegistry(config.shm_dir, ttl_s=config.shm_ttl_s,
-                                       max_bytes=int(config.shm_max_mb * (1 << 20)), keep_s=config.shm_keep_s)
+                                       max_bytes=int(config.shm_max_mb * (1 << 20)), keep_s=config.shm_keep_s,
+                                       headroom=config.shm_headroom_tokens)
         except OSError as exc:
             log.warning("no same-host data plane (fetches stream): cannot make a folder in %s (%s)",
                         config.shm_dir, exc)

@@ -84,12 +84,14 @@ def iter_chunks(kv: torch.Tensor, chunk_bytes: int):
 
 class ChunkAssembler:
     """Receives chunks into one preallocated [L, 2, H, T, D] tensor; every (layer, token) must arrive exactly once.
+    With headroom, `kv` is the first T slots of each row of `room` [L, 2, H, T + headroom, D] (a client's cache
+    writes its next tokens after them in place).
 
     Bad chunks raise ChunkError and leave what was received so far unchanged.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype,
-                 max_bytes: int | None = None, check_finite: bool = True):
+                 max_bytes: int | None = None, check_finite: bool = True, headroom: int = 0):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("num_tokens", num_tokens),
                             ("head_dim", head_dim)):
             if value <= 0:
@@ -100,7 +102,8 @@ class ChunkAssembler:
                              f"{num_kv_heads} heads x {head_dim}), more than the {max_bytes} allowed")
         self.shape = (num_layers, 2, num_kv_heads, num_tokens, head_dim)
         self.dtype = dtype
-        self.kv = torch.empty(self.shape, dtype=dtype)
+        self.room = torch.empty((num_layers, 2, num_kv_heads, num_tokens + headroom, head_dim), dtype=dtype)
+        self.kv = self.room[:, :, :, :num_tokens]
         self._seen = torch.zeros(num_layers, num_tokens, dtype=torch.bool)  # [L, T] cells received
         self.nbytes = total
         self.check_finite = check_finite  # NaN/inf check (the server checks uploads; clients trust their server)

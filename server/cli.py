@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
-        "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s",
+        "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s", "shm_headroom_tokens",
         "stream_keep_mb", "stream_keep_s")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
@@ -79,6 +79,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--shm-keep-s", type=float, default=None,
                    help="keep a finished segment this long after its last fetch, so that the next same-host fetch "
                         "of the same KV copies nothing (default 30; 0: never)")
+    p.add_argument("--shm-headroom-tokens", type=int, default=None,
+                   help="token slots left after each row of a same-host segment's KV, where the client writes its "
+                        "next tokens instead of copying the cache at its first forward (default 64; 0: none)")
     p.add_argument("--stream-keep-mb", type=float, default=None,
                    help="keep the messages of recent streamed fetches, up to this much, so that the next streamed "
                         "fetch of the same KV sends them again without gathering or encoding (default 256; 0: off)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,6 +33,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
 log = logging.getLogger(__name__)
+HEADROOM_TOKENS = 64  # slots a streamed fetch leaves after each row of its KV, for the cache's next tokens
 
 __all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply", "ProjectedContext"]
 
@@ -81,6 +82,8 @@ class FetchedCache:
     wire_bytes: int  # bytes of chunk data received (0 through shared memory)
     num_chunks: int
     transport: str = "stream"  # how the KV came: "stream" or "shared_memory" (then segment.kv maps the file)
+    # [L, 2, H, T + headroom, D] whose first T slots of each row are segment.kv, until a cache takes it
+    room: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def dtype(self) -> str:
@@ -89,10 +92,13 @@ class FetchedCache:
         return dtype_name(self.segment.dtype)
 
     def to_cache(self, lm):
-        """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1)."""
+        """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1). The first cache made
+        of a fetch writes the next tokens into the slots the fetch left after each row (no copy of the cache at the
+        first forward; the segment's own slots are never written); later ones copy at their first forward."""
         from kvbridge.transfer import kvcache
 
-        return kvcache.to_cache(self.segment, lm.model, lm.spec)
+        room = self.room.pop() if self.room else None
+        return kvcache.to_cache(self.segment, lm.model, lm.spec, room=room)
 
 
 def _entry(e: pb2.Entry) -> Entry:
@@ -173,13 +179,16 @@ class KVBridgeClient:
         return self._fetch_once(method, request, timeout_s)
 
     def _mapped(self, method: str, header, timeout_s: float | None) -> torch.Tensor | None:
-        """The shared segment's kv [L, 2, H, T, D] mapped (None when it cannot be opened or checked here); the server
-        is told either way, so it removes the file now."""
+        """The shared segment's tensor [L, 2, H, T + headroom, D] mapped, the KV in the first T slots of each row
+        (None when it cannot be opened or checked here); the server is told either way, so it removes the file now."""
         s = header.shared
-        shape = (header.num_layers, 2, header.num_kv_heads, len(header.token_ids), header.head_dim)
+        shape = (header.num_layers, 2, header.num_kv_heads, len(header.token_ids) + s.headroom_tokens,
+                 header.head_dim)
         try:
             if s.layout != shm_layout.LAYOUT:
                 raise shm_layout.SegmentError(f"layout {s.layout!r} is not {shm_layout.LAYOUT!r}")
+            if s.headroom_tokens < 0:
+                raise shm_layout.SegmentError(f"headroom_tokens {s.headroom_tokens} < 0")
             shm_layout.check_path(s.path, s.name)
             kv = shm_layout.map_kv(s.path, s.size, s.checksum, shape, wire_dtype(header.dtype))
         except OSError as exc:
@@ -214,7 +223,8 @@ class KVBridgeClient:
                         if header.HasField("shared"):  # the KV is in shared memory: no chunk follows
                             continue
                         assembler = ChunkAssembler(header.num_layers, header.num_kv_heads, len(header.token_ids),
-                                                   header.head_dim, wire_dtype(header.dtype), check_finite=False)
+                                                   header.head_dim, wire_dtype(header.dtype), check_finite=False,
+                                                   headroom=HEADROOM_TOKENS)
                     if assembler is None:
                         raise KVBridgeError(grpc.StatusCode.INTERNAL, "a chunk arrived before the header", method)
                     c = c or ChunkView()
@@ -228,14 +238,15 @@ class KVBridgeClient:
                 if header is not None and header.HasField("shared"):
                     if received != 1:
                         raise KVBridgeError(grpc.StatusCode.INTERNAL, "chunks came after a shared segment", method)
-                    kv = self._mapped(method, header, timeout_s)
-                    if kv is None:
+                    room = self._mapped(method, header, timeout_s)
+                    if room is None:
                         return None
+                    kv = room[:, :, :, :len(header.token_ids)]
                 elif header is None or not assembler.complete:
                     raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "
                                         + (assembler.missing() if assembler else "no header"), method)
                 else:
-                    kv = assembler.kv
+                    kv, room = assembler.kv, assembler.room
                 segment = KVSegment(kv=kv, token_ids=torch.tensor(list(header.token_ids)),
                                     positions=torch.tensor(list(header.positions)),
                                     model=ModelIdentity(header.model.name, header.model.config_hash),
@@ -245,7 +256,8 @@ class KVBridgeClient:
                 return FetchedCache(segment=segment, entry_key=header.entry_key, source_key=header.source_key,
                                     adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
                                     wire_bytes=wire, num_chunks=received,
-                                    transport="shared_memory" if header.HasField("shared") else "stream")
+                                    transport="shared_memory" if header.HasField("shared") else "stream",
+                                    room=[room])
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
                     self._sleep(attempt)

@@ -56,6 +56,7 @@ class ServeConfig:
     shm_ttl_s: float = 30.0  # a shared-memory segment the client never releases is removed after this long
     shm_max_mb: float = 4096  # live segments hold at most this much; past it, fetches go by stream
     shm_keep_s: float = 30.0  # a finished segment is kept this long after its last fetch, for the next; 0: never
+    shm_headroom_tokens: int = 64  # token slots after each row of a segment's KV: the client's next tokens go there
     stream_keep_mb: float = 256  # recent streamed fetches' messages kept for the next fetch of the same KV; 0: off
     stream_keep_s: float = 30.0  # ... this long after their last use
     metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
@@ -78,7 +79,7 @@ class ServeConfig:
                      "max_projections", "block_size", "grace_s", "shm_ttl_s", "shm_max_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("shm_keep_s", "stream_keep_mb", "stream_keep_s"):
+        for name in ("shm_keep_s", "shm_headroom_tokens", "stream_keep_mb", "stream_keep_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.stream_workers < 2:

@@ -98,7 +98,8 @@ class KVOut(Protocol):
         fetch (in the fetch's dtype; `dtype` is the KV's own): nothing to read from the store; None: fill tensor()."""
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A contiguous CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill; None: make a tensor as usual."""
+        """A CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill, contiguous or the first T slots of each
+        row of a larger one; None: make a tensor as usual."""
 
     def written(self, start: int, end: int) -> None:
         """Layers [start, end) of the buffer are final (they are written in order)."""

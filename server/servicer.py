@@ -335,7 +335,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             log.info("%s: streaming instead of shared memory: %s", method, exc)
             return None
         return pb2.SharedSegment(name=segment.name, path=str(segment.path), size=segment.size,
-                                 checksum=segment.checksum, layout=LAYOUT, ttl_s=self.segments.ttl_s)
+                                 checksum=segment.checksum, layout=LAYOUT, ttl_s=self.segments.ttl_s,
+                                 headroom_tokens=self.segments.headroom)
 
 
 def is_local_peer(peer: str) -> bool:

@@ -1,7 +1,8 @@
 """One fetch's KV as a same-host shared-memory file: the safetensors layout of one tensor "kv" [L, 2, H_kv, T, D]
-with its data 8-byte aligned, filled in place by the server through a shared map of the file (`Filling`: the store
-gathers its blocks straight into it, each layer summed while still in cache) and checked (size, mode, header, sum64
-checksum) then mapped without a copy by the client (`map_kv`).
+with its data 8-byte aligned (with `headroom` slots after each row: [L, 2, H_kv, T + headroom, D], the KV in the
+first T, zeros after, so a client's map can take its next tokens in place), filled in place by the server through
+a shared map of the file (`Filling`: the store gathers its blocks straight into it, each layer summed while still
+in cache) and checked (size, mode, header, sum64 checksum) then mapped without a copy by the client (`map_kv`).
 
 The checksum guards against a truncated, stale or foreign file, not against an attacker: whoever can write the file
 (the server's OS user) can read every segment anyway. It is `sum64` (kvbridge.transfer.checksum) of the whole file,
@@ -41,8 +42,15 @@ def _header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
     return tensor_blob.header("kv", dtype, tuple(shape))
 
 
-def segment_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of the segment file holding kv of this shape and dtype (header included)."""
+def file_shape(shape: tuple[int, ...], headroom: int = 0) -> tuple[int, ...]:
+    """The file's tensor [L, 2, H, T + headroom, D] for kv [L, 2, H, T, D]."""
+    return (*shape[:3], shape[3] + headroom, *shape[4:])
+
+
+def segment_size(shape: tuple[int, ...], dtype: torch.dtype, headroom: int = 0) -> int:
+    """Bytes of the segment file holding kv of this shape and dtype with `headroom` slots after each row (header
+    included)."""
+    shape = file_shape(shape, headroom)
     return len(_header(shape, dtype)) + int(np.prod(shape)) * _element_size(dtype)
 
 
@@ -52,16 +60,18 @@ def _element_size(dtype: torch.dtype) -> int:
 
 class Filling:
     """A segment file being written in place: `kv` [L, 2, H, T, D] is a shared map of the open file (resized to
-    the segment's size, its pages mapped writable in one call: a spare file's are already allocated), the header is
-    written; fill kv's layers in order and call `written(a, b)` after each group, which sums those bytes while they
-    are still in cache; `finish()` gives (size, checksum) and lets go of the map (it goes with the last view)."""
+    the segment's size, its pages mapped writable in one call: a spare file's are already allocated; with headroom,
+    a view of the first T slots of each row, the others zeroed), the header is written; fill kv's layers in order
+    and call `written(a, b)` after each group, which sums those bytes while they are still in cache; `finish()`
+    gives (size, checksum) and lets go of the map (it goes with the last view)."""
 
-    def __init__(self, fd: int, shape: tuple[int, ...], dtype: torch.dtype):
-        if len(shape) != 5 or shape[1] != 2 or dtype not in _ST_DTYPES:
-            raise ValueError(f"a segment holds a CPU [L, 2, H, T, D] tensor in {sorted(map(str, _ST_DTYPES))}, got "
-                             f"{tuple(shape)} {dtype}")
-        head = _header(shape, dtype)
-        self.shape, self.size = tuple(shape), len(head) + int(np.prod(shape)) * _element_size(dtype)
+    def __init__(self, fd: int, shape: tuple[int, ...], dtype: torch.dtype, headroom: int = 0):
+        if len(shape) != 5 or shape[1] != 2 or dtype not in _ST_DTYPES or headroom < 0:
+            raise ValueError(f"a segment holds a CPU [L, 2, H, T, D] tensor in {sorted(map(str, _ST_DTYPES))} with "
+                             f"headroom >= 0, got {tuple(shape)} {dtype}, headroom {headroom}")
+        full = file_shape(shape, headroom)
+        head = _header(full, dtype)
+        self.shape, self.size = tuple(shape), len(head) + int(np.prod(full)) * _element_size(dtype)
         os.ftruncate(fd, self.size)
         mapped = map_for_writing(fd, self.size)
         mapped[:len(head)] = head
@@ -72,7 +82,10 @@ class Filling:
         self._summed_words = 0  # words [0, _summed_words) are in _total
         self._total = 0
         self._layers_done = 0
-        self.kv = torch.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=len(head)).view(shape)
+        self.kv = torch.frombuffer(mapped, dtype=dtype, count=int(np.prod(full)), offset=len(head)).view(full)
+        if headroom:
+            self.kv[:, :, :, shape[3]:].zero_()  # zeros, whatever the file held before
+            self.kv = self.kv[:, :, :, :shape[3]]
 
     def written(self, start: int, end: int) -> None:
         """Layers [start, end) of kv are final (layers are written in order)."""
@@ -155,16 +168,20 @@ def copy_layers(filling: Filling, kv: torch.Tensor) -> None:
         filling.written(layer, layer + 1)
 
 
-def map_file(path: str | os.PathLike, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The server's own view of a finished segment file it keeps: kv [L, 2, H, T, D], a copy-on-write map, no page
-    touched (nothing is read or checked: the server wrote the file and never writes it again)."""
+def map_file(path: str | os.PathLike, size: int, shape: tuple[int, ...], dtype: torch.dtype,
+             headroom: int = 0) -> torch.Tensor:
+    """The server's own view of a finished segment file it keeps: kv [L, 2, H, T, D] (the first T slots of each
+    row), a copy-on-write map, no page touched (nothing is read or checked: the server wrote the file and never
+    writes it again)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    numel = int(np.prod(shape))
-    return torch.frombuffer(mapped, dtype=dtype, count=numel, offset=size - numel * _element_size(dtype)).view(shape)
+    full = file_shape(shape, headroom)
+    numel = int(np.prod(full))
+    kv = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=size - numel * _element_size(dtype)).view(full)
+    return kv[:, :, :, :shape[3]]
 
 
 def check_path(path: str, name: str) -> None:
@@ -178,8 +195,9 @@ def check_path(path: str, name: str) -> None:
 
 def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tuple[int, ...],
            dtype: torch.dtype) -> torch.Tensor:
-    """The segment's kv [L, 2, H, T, D], a copy-on-write map of the file (no copy of the data; the map outlives
-    the file's removal). SegmentError when the file is not exactly what the fetch's header described; OSError
+    """The segment's tensor of this shape ([L, 2, H, T + headroom, D]: the KV in the first T slots of each row),
+    a copy-on-write map of the file (no copy of the data; the map outlives the file's removal; what the caller
+    writes into it stays its own). SegmentError when the file is not exactly what the fetch's header described; OSError
     (PermissionError, FileNotFoundError) when it cannot be opened here."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

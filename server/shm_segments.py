@@ -71,10 +71,12 @@ class Segment:
 
 class SegmentRegistry:
     def __init__(self, root: str | Path = "/dev/shm", ttl_s: float = 30.0, max_bytes: int = 4 << 30,
-                 clock=time.monotonic, spares: int = 2, keep_s: float = 30.0):
-        if ttl_s <= 0 or max_bytes <= 0 or keep_s < 0:
-            raise ValueError(f"ttl_s and max_bytes must be > 0 and keep_s >= 0, got {ttl_s}, {max_bytes} and {keep_s}")
+                 clock=time.monotonic, spares: int = 2, keep_s: float = 30.0, headroom: int = 0):
+        if ttl_s <= 0 or max_bytes <= 0 or keep_s < 0 or headroom < 0:
+            raise ValueError(f"ttl_s and max_bytes must be > 0, keep_s and headroom >= 0, got {ttl_s}, {max_bytes}, "
+                             f"{keep_s} and {headroom}")
         self.ttl_s = ttl_s
+        self.headroom = headroom  # token slots after each row of a segment's KV, for the client's next tokens
         self.keep_s = keep_s  # a finished file is kept this long after its last fetch; 0: never kept
         self.max_bytes = max_bytes
         self.clock = clock
@@ -106,7 +108,7 @@ class SegmentRegistry:
     def _open(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Path, int, int]:
         """(path, fd, bytes reserved) of a file for a new segment: a spare when one is there, else a new file.
         SegmentsFull when the segments (and spares) would pass max_bytes even without spares."""
-        nbytes = shm_layout.segment_size(shape, dtype)
+        nbytes = shm_layout.segment_size(shape, dtype, self.headroom)
         with self._lock:  # reserve the bytes first: concurrent fetches never pass max_bytes together
             spare = self._take_spare(nbytes)  # its bytes become this segment's (resized to nbytes)
             if spare is not None:
@@ -382,7 +384,7 @@ class PendingSegment:
         if kept is None:
             return None
         try:
-            kv = shm_layout.map_file(kept.path, kept.size, tuple(shape), self.dtype or dtype)
+            kv = shm_layout.map_file(kept.path, kept.size, tuple(shape), self.dtype or dtype, self.registry.headroom)
         except OSError:  # dropped in the meantime
             return None
         self._lent = (kept, kv)
@@ -401,7 +403,7 @@ class PendingSegment:
             return None
         self._path = path
         try:
-            self._filling = shm_layout.Filling(fd, shape, dtype)
+            self._filling = shm_layout.Filling(fd, shape, dtype, self.registry.headroom)
         except BaseException as exc:
             self.discard()
             if not isinstance(exc, OSError):

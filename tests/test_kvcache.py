@@ -3,6 +3,8 @@ clear errors for bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import zoo
@@ -113,6 +115,57 @@ def test_to_cache_of_one_segment_holds_views_of_it_and_generation_leaves_it_unch
                             max_new_tokens=3, do_sample=False)
     assert torch.equal(out[0, 30:], kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=3))
     assert torch.equal(seg.kv, kept)  # the cache grew into new tensors
+
+
+def test_growing_layer_writes_the_next_tokens_in_place_and_moves_when_full():
+    g = torch.Generator().manual_seed(0)
+    room_k, room_v = torch.randn(1, 2, 10, 4, generator=g), torch.randn(1, 2, 10, 4, generator=g)
+    layer = kvcache.GrowingLayer()
+    layer.adopt(room_k[:, :, :6], room_v[:, :, :6], room_k, room_v)
+    before = room_k[:, :, :6].clone()
+    new_k, new_v = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)
+    keys, values = layer.update(new_k, new_v)
+    assert keys.data_ptr() == room_k.data_ptr() and values.data_ptr() == room_v.data_ptr()  # in place: no copy
+    assert torch.equal(keys, torch.cat((before, new_k), dim=2)) and layer.get_seq_length() == 9
+    assert torch.equal(room_v[:, :, 6:9], new_v)
+    more_k, more_v = torch.randn(1, 2, 2, 4, generator=g), torch.randn(1, 2, 2, 4, generator=g)
+    keys, values = layer.update(more_k, more_v)  # 11 > 10 slots: moved, with room to spare
+    assert keys.data_ptr() != room_k.data_ptr() and layer._room_k.shape[2] >= 11 + kvcache.GrowingLayer.MIN_ROOM
+    assert torch.equal(keys, torch.cat((before, new_k, more_k), dim=2))
+    assert torch.equal(values[:, :, 6:9], new_v) and torch.equal(values[:, :, 9:], more_v)
+    moved = keys.data_ptr()
+    layer.crop(-4)  # 7 tokens left; the next update reuses the cropped slots
+    keys, _ = layer.update(more_k, more_v)
+    assert keys.data_ptr() == moved and torch.equal(keys, torch.cat((before, new_k[:, :, :1], more_k), dim=2))
+    layer.reorder_cache(torch.tensor([0]))  # new tensors: the next update copies them into new buffers
+    keys, _ = layer.update(new_k, new_v)
+    assert keys.data_ptr() != moved and torch.equal(keys[:, :, -3:], new_k) and layer.get_seq_length() == 12
+
+
+def test_to_cache_with_room_generates_in_place_and_exactly(tiny_target):
+    """A segment handed over with slots to spare (as a same-host fetch maps it): generation writes its tokens there,
+    leaves the segment's own slots unchanged, and gives the tokens of a plain generate, also beyond the room."""
+    lm = tiny_target
+    ids = check_tokens(lm, 30)
+    seg = kvcache.extract(lm.model, lm.spec, ids[:-4])
+    t = seg.num_tokens
+    room = torch.full((*seg.kv.shape[:3], t + 5, seg.kv.shape[-1]), float("nan"))
+    room[:, :, :, :t] = seg.kv
+    held = dataclasses.replace(seg, kv=room[:, :, :, :t])
+    cache = kvcache.to_cache(held, lm.model, lm.spec, room=room)
+    attention = torch.ones(1, 30, dtype=torch.long)
+    out = lm.model(input_ids=ids[None, -4:], position_ids=torch.arange(t, 30)[None], cache=cache, use_cache=True)
+    for i, layer in enumerate(cache.layers):
+        assert layer.keys.data_ptr() == room[i, 0].data_ptr() and layer.get_seq_length() == 30
+    assert torch.equal(room[:, :, :, :t], seg.kv)  # the segment's own slots are never written
+    assert torch.equal(out.logits[0, -1], lm.model(input_ids=ids[None], use_cache=False).logits[0, -1])
+    cache = kvcache.to_cache(held, lm.model, lm.spec, room=room)
+    out = lm.model.generate(input_ids=ids[None], attention_mask=attention, cache=cache, max_new_tokens=9,
+                            min_new_tokens=9, do_sample=False)  # 4 + 9 tokens: past the 5 spare slots
+    ref = kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=9, min_new_tokens=9)
+    assert torch.equal(out[0, 30:], ref)
+    with pytest.raises(ValueError, match="beginning with the segment's kv"):
+        kvcache.to_cache(seg, lm.model, lm.spec, room=room)  # seg.kv is not room's first slots
 
 
 def test_to_cache_batches_segments_and_casts_dtype(tiny_target):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import threading
@@ -201,6 +202,38 @@ def test_a_bfloat16_target_gets_bfloat16_on_the_wire_by_default(tmp_path):
         assert torch.equal(shared.segment.kv, default.segment.kv)
     finally:
         running.stop(1)
+
+
+@pytest.mark.parametrize("transport", ["stream", "shared_memory"])
+def test_a_fetched_cache_writes_the_next_tokens_after_the_fetched_kv_without_a_copy(server, alice, tiny_target,
+                                                                                    transport):
+    """The first cache made of a fetch takes the prompt's tokens into the slots the fetch left after each row (a
+    same-host segment's file mapped copy-on-write, or the stream's buffer): the layers still begin at the fetched
+    KV, which is unchanged, and the logits are those of a cache of a plain copy. A second cache of the same fetch
+    copies at its first forward."""
+    key = alice.ingest(_text(7)).entries[0].key
+    fetched = alice.fetch_projected(key=key, transport=transport)
+    assert fetched.transport == transport
+    kept = fetched.segment.kv.clone()
+    t, prompt = fetched.segment.num_tokens, _prompt(tiny_target)
+    positions = torch.arange(t, t + prompt.numel())[None]
+
+    def forward(cache):
+        return tiny_target.model(input_ids=prompt[None], position_ids=positions, cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        cache = fetched.to_cache(tiny_target)
+        logits = forward(cache)
+        plain = forward(kvcache.to_cache(dataclasses.replace(fetched.segment, kv=kept.clone()), tiny_target.model,
+                                         tiny_target.spec))
+        for i, layer in enumerate(cache.layers):
+            assert layer.keys.data_ptr() == fetched.segment.kv[i, 0].data_ptr()  # in place, after the fetched KV
+            assert layer.values.data_ptr() == fetched.segment.kv[i, 1].data_ptr()
+            assert layer.get_seq_length() == t + prompt.numel()
+        assert torch.equal(fetched.segment.kv, kept) and torch.equal(logits, plain)
+        again = fetched.to_cache(tiny_target)
+        assert torch.equal(forward(again), plain)
+        assert again.layers[0].keys.data_ptr() != fetched.segment.kv[0, 0].data_ptr()
 
 
 # ------------------------------------------------------------------------------------------------ uploads

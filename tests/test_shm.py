@@ -442,6 +442,15 @@ def test_same_host_fetches_are_bit_identical_to_the_stream_and_leave_no_file(ser
     assert not Path(header.shared.path).exists() and not any(folder.glob("*.safetensors"))
 
 
+def _mapped_kv(header, dtype: torch.dtype) -> torch.Tensor:
+    """The KV [L, 2, H, T, D] of a fetch's shared segment, read as a client does; its headroom slots are zeros."""
+    t, room = len(header.token_ids), header.shared.headroom_tokens
+    shape = (header.num_layers, 2, header.num_kv_heads, t + room, header.head_dim)
+    mapped = shm_layout.map_kv(header.shared.path, header.shared.size, header.shared.checksum, shape, dtype)
+    assert not mapped[:, :, :, t:].any()
+    return mapped[:, :, :, :t]
+
+
 def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_entry_is_made_again(serve):
     """A warm same-host fetch of a projection fetched before gets the first fetch's file under a new name (the same
     inode, nothing written); once the source entry is deleted and ingested again (a new projected entry, same key),
@@ -455,10 +464,7 @@ def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_ent
     second = _raw_fetch(serve, ALICE, key)
     assert second.shared.name != first.shared.name and os.stat(second.shared.path).st_ino == inode
     assert second.shared.checksum == first.shared.checksum
-    shape = (second.num_layers, 2, second.num_kv_heads, len(second.token_ids), second.head_dim)
-    mapped = shm_layout.map_kv(second.shared.path, second.shared.size, second.shared.checksum, shape,
-                               expected.dtype)
-    assert torch.equal(mapped, expected)
+    assert torch.equal(_mapped_kv(second, expected.dtype), expected)
     assert _release(serve, ALICE, second.shared.name) is True
     assert not Path(first.shared.path).exists() and not Path(second.shared.path).exists()
     with KVBridgeClient(serve.address, token=ALICE) as client:
@@ -467,8 +473,7 @@ def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_ent
         client.fetch_projected(key=key, transport="stream")  # projected again: a new entry, same key
     third = _raw_fetch(serve, ALICE, key)
     assert os.stat(third.shared.path).st_ino != inode
-    assert torch.equal(shm_layout.map_kv(third.shared.path, third.shared.size, third.shared.checksum, shape,
-                                         expected.dtype), expected)
+    assert torch.equal(_mapped_kv(third, expected.dtype), expected)
     assert _release(serve, ALICE, third.shared.name) is True
 
 

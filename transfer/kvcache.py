@@ -18,6 +18,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelSpec
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:
@@ -38,32 +39,118 @@ def _as_ids(token_ids, what: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True) -> DynamicCache:
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends in place. Its keys and values ([B, H_kv, T, D]) are views of the
+    first T slots of buffers [B, H_kv, capacity, D]; update() writes the new tokens into the slots after them and
+    returns longer views, where transformers' DynamicLayer concatenates the whole layer into a new tensor on every
+    update (at 2k tokens of SmolLM2 in float32, 94 MB copied per forward: 34 ms of an 11-token question's 177 ms,
+    and the same again for every generated token). When the room runs out the layer moves to buffers a quarter
+    larger than it needs (at least MIN_ROOM slots more), so the copies are amortised.
+
+    Invariants: the slots before T are never written again by this layer unless the cache was cropped below them
+    (then the cropped slots are reused, as a new DynamicLayer's would be replaced); keys and values that stop being
+    views of the buffers (reorder_cache, batch_select_indices, ... give new tensors) are moved to new buffers at the
+    next update. The buffers are this layer's own, or room a caller hands over with `adopt` and never uses again.
+    """
+
+    MIN_ROOM = 64  # slots added at least when a layer moves: a few generated tokens do not move it again
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._room_k: torch.Tensor | None = None  # [B, H_kv, capacity, D]
+        self._room_v: torch.Tensor | None = None
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, room_k: torch.Tensor | None = None,
+              room_v: torch.Tensor | None = None) -> None:
+        """Hold keys and values ([B, H_kv, T, D]) without copying them; room_k / room_v ([B, H_kv, C >= T, D],
+        whose first T slots are keys / values) are buffers the next tokens may be written into in place."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self._room_k = self._room_v = None
+        if room_k is not None and room_v is not None:
+            self._room_k, self._room_v = room_k, room_v
+            assert self._in_room(), "room_k / room_v must begin with keys / values"
+
+    def _in_room(self) -> bool:
+        """Whether keys and values are the first slots of this layer's buffers."""
+        def prefix_of(t: torch.Tensor, room: torch.Tensor | None) -> bool:
+            return (room is not None and t.data_ptr() == room.data_ptr() and t.stride() == room.stride()
+                    and t.shape[:-2] == room.shape[:-2] and t.shape[-1] == room.shape[-1]
+                    and t.shape[-2] <= room.shape[-2] and t.dtype == room.dtype and t.device == room.device)
+
+        return prefix_of(self.keys, self._room_k) and prefix_of(self.values, self._room_v)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, H_kv, S, D] -> keys, values [B, H_kv, T + S, D]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t, s = self.get_seq_length(), key_states.shape[-2]
+        if t == 0 or not self._in_room() or t + s > self._room_k.shape[-2]:
+            self._move(key_states, value_states, t, t + s)
+        self._room_k[..., t:t + s, :].copy_(key_states)
+        self._room_v[..., t:t + s, :].copy_(value_states)
+        self.keys, self.values = self._room_k[..., :t + s, :], self._room_v[..., :t + s, :]
+        return self.keys, self.values
+
+    def _move(self, key_states: torch.Tensor, value_states: torch.Tensor, t: int, needed: int) -> None:
+        capacity = needed + max(needed // 4, self.MIN_ROOM)
+        b, h, _, d = key_states.shape
+        room_k = key_states.new_empty((b, h, capacity, d))
+        room_v = value_states.new_empty((b, h, capacity, value_states.shape[-1]))
+        if t:
+            room_k[..., :t, :].copy_(self.keys)
+            room_v[..., :t, :].copy_(self.values)
+        self._room_k, self._room_v = room_k, room_v
+
+    def reset(self) -> None:
+        super().reset()
+        self._room_k = self._room_v = None
+
+
+def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True,
+                room: torch.Tensor | None = None) -> DynamicCache:
     """A transformers DynamicCache holding kv ([L, 2, B, H_kv, T, D]; None: empty).
 
     config None: every layer keeps every token, sliding-window layers too (the model still masks them by position):
     what extraction and recompute over long contexts need. With the model's config the cache is the one generation
-    uses: sliding layers keep their last window - 1 tokens. copy=False (with a config): the layers hold views of kv
-    instead of copies (a layer's update() concatenates new tokens into a new tensor and never writes into kv).
+    uses: sliding layers keep their last window - 1 tokens, full-attention layers are GrowingLayers (new tokens
+    written in place). copy=False (with a config): the layers hold views of kv instead of copies; kv is never
+    written. room ([L, 2, B, H_kv, C >= T, D] whose first T slots are kv; copy=False only): buffers the caller hands
+    over for the next tokens to be written into in place (the caller must not use its slots after T again).
     """
     if kv is None:
-        return DynamicCache(config=config) if config is not None else DynamicCache()
+        return _growing(DynamicCache(config=config)) if config is not None else DynamicCache()
     if kv.ndim != 6 or kv.shape[1] != 2:
         raise ValueError(f"build_cache takes kv [L, 2, B, H_kv, T, D], got shape {tuple(kv.shape)}")
-    if copy:
-        return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], config=config)
+    if room is not None and (copy or room.shape[:4] != kv.shape[:4] or room.shape[5] != kv.shape[5]
+                             or room.shape[4] < kv.shape[4]):
+        raise ValueError(f"room {tuple(room.shape)} must be [L, 2, B, H_kv, C >= T, D] around kv {tuple(kv.shape)}, "
+                         "with copy=False")
+    if copy and config is None:
+        return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
     if config is None:
         raise ValueError("build_cache(copy=False) needs the model's config (it makes the cache's layers)")
-    cache = DynamicCache(config=config)
+    cache = _growing(DynamicCache(config=config))
     if len(cache.layers) != kv.shape[0]:
         raise ValueError(f"the config makes {len(cache.layers)} cache layers, kv has {kv.shape[0]}")
-    for layer, (k, v) in zip(cache.layers, kv.unbind(0)):
-        # what update() does to an empty layer, without its torch.cat onto an empty tensor (a copy)
-        layer.lazy_initialization(k, v)
-        if getattr(layer, "is_sliding", False):
-            layer.cumulative_length = k.shape[-2]
-            k, v = k[..., -(layer.sliding_window - 1):, :], v[..., -(layer.sliding_window - 1):, :]
-        layer.keys, layer.values = k, v
+    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kv.unbind(0))):
+        if copy:
+            layer.update(k, v)  # a copy (a GrowingLayer's into buffers with room)
+        elif isinstance(layer, GrowingLayer):
+            layer.adopt(k, v, *((room[i, 0], room[i, 1]) if room is not None else ()))
+        else:  # what update() does to an empty layer, without its torch.cat onto an empty tensor (a copy)
+            layer.lazy_initialization(k, v)
+            if getattr(layer, "is_sliding", False):
+                layer.cumulative_length = k.shape[-2]
+                k, v = k[..., -(layer.sliding_window - 1):, :], v[..., -(layer.sliding_window - 1):, :]
+            layer.keys, layer.values = k, v
+    return cache
+
+
+def _growing(cache: DynamicCache) -> DynamicCache:
+    """The cache with its plain full-attention layers (DynamicLayer itself) made GrowingLayers."""
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -198,13 +285,18 @@ def check_compatible(segment: KVSegment, spec: ModelSpec) -> None:
         raise ValueError(f"segment layout {tuple(segment.kv.shape)} does not match {spec.name!r}: expected {expected}")
 
 
-def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: ModelSpec) -> DynamicCache:
+def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: ModelSpec,
+             room: torch.Tensor | None = None) -> DynamicCache:
     """A transformers DynamicCache the model continues from, holding one segment per batch row.
 
     Every segment must be rotated KV of this model at positions 0..T-1 (shift it first otherwise), all of one
     length. Tensors are converted to the model's dtype and device; one segment already in them is not copied: the
     cache's layers are views of its kv (generation never writes into them). Sliding-window layers keep their last
-    `window - 1` tokens and count all T (their `cumulative_length`), so the next position is T.
+    `window - 1` tokens and count all T (their `cumulative_length`), so the next position is T. Full-attention
+    layers write the next tokens in place (GrowingLayer): into `room` ([L, 2, H_kv, C >= T, D] whose first T slots
+    are the one segment's kv, handed over by the caller, e.g. a same-host fetch's file mapped with slots to spare)
+    when it is given and no conversion is needed, else into buffers made at the first forward (one copy, as
+    transformers' own concatenation).
     """
     if isinstance(segments, KVSegment):
         segments = [segments]
@@ -227,7 +319,15 @@ def to_cache(segments: KVSegment | Sequence[KVSegment], model: nn.Module, spec: 
     param = next(model.parameters())
     # [L, 2, B, H, T, D]; one segment already in the model's dtype and device is used as it is (no copy)
     kv = segments[0].kv[:, :, None] if len(segments) == 1 else torch.stack([seg.kv for seg in segments], dim=2)
-    cache = build_cache(kv.to(device=param.device, dtype=param.dtype), config=model.config, copy=False)
+    converted = kv.to(device=param.device, dtype=param.dtype)
+    if room is not None:
+        if len(segments) != 1:
+            raise ValueError("room is for a cache of one segment")
+        head, kv0 = room[:, :, :, :t], segments[0].kv
+        if room.ndim != 5 or (head.data_ptr(), head.shape, head.stride()) != (kv0.data_ptr(), kv0.shape, kv0.stride()):
+            raise ValueError(f"room {tuple(room.shape)} must be [L, 2, H_kv, C, D] beginning with the segment's kv")
+    keep_room = room is not None and converted.data_ptr() == kv.data_ptr()
+    cache = build_cache(converted, config=model.config, copy=False, room=room[:, :, None] if keep_room else None)
     for i, layer in enumerate(cache.layers):  # sliding layers count all T (cumulative_length), not what they keep
         assert layer.get_seq_length() == t, f"layer {i} reports {layer.get_seq_length()} cached tokens, expected {t}"
     return cache

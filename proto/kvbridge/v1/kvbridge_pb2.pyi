@@ -240,20 +240,22 @@ class CacheHeader(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
 
 class SharedSegment(_message.Message):
-    __slots__ = ("name", "path", "size", "checksum", "layout", "ttl_s")
+    __slots__ = ("name", "path", "size", "checksum", "layout", "ttl_s", "headroom_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     size: int
     checksum: str
     layout: str
     ttl_s: float
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ..., layout: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    headroom_tokens: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ..., layout: _Optional[str] = ..., ttl_s: _Optional[float] = ..., headroom_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseSegmentRequest(_message.Message):
     __slots__ = ("name", "read")
