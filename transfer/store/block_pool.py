@@ -155,8 +155,9 @@ class BlockPool:
         """Gather blocks into the segment layout: block_ids [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous.
 
         One index_select of the whole blocks written straight into the output (plus one copy of the partial tail
-        block), the same number of kernels whatever n is. `out` (contiguous, that shape and dtype, on the pool's
-        device) is filled instead of a fresh tensor: large fresh CPU allocations page-fault on first write. With
+        block), the same number of kernels whatever n is. `out` (that shape and dtype, on the pool's device; each
+        [T, D] row dense: contiguous, or the first T slots of each row of a longer buffer) is filled instead of a
+        fresh tensor: large fresh CPU allocations page-fault on first write. With
         `written`, the layers are gathered one at a time and written(l, l + 1) is called after each (a caller can
         checksum a layer while it is still in cache).
         """
@@ -168,9 +169,9 @@ class BlockPool:
         if out is None:
             out = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
         elif tuple(out.shape) != shape or out.dtype != self.kv.dtype or out.device != self.kv.device \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {self.kv.dtype} tensor of shape {shape} on {self.device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+                or out.stride()[3:] != (layout.head_dim, 1):
+            raise ValueError(f"out must be a {self.kv.dtype} tensor of shape {shape} on {self.device} with dense "
+                             f"[T, D] rows, got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
         view = self.kv.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, N, bs, D], no copy
         block_ids = block_ids.to(self.device)
         steps = [(0, layout.num_layers)] if written is None else [(i, i + 1) for i in range(layout.num_layers)]
