@@ -141,6 +141,15 @@ def test_growing_layer_writes_the_next_tokens_in_place_and_moves_when_full():
     keys, _ = layer.update(new_k, new_v)
     assert keys.data_ptr() != moved and torch.equal(keys[:, :, -3:], new_k) and layer.get_seq_length() == 12
 
+    bare = kvcache.GrowingLayer()  # no room handed over: the first update concatenates as DynamicLayer's would,
+    bare.adopt(before, before)  # the second moves to buffers with room, the third writes in place
+    first, _ = bare.update(new_k, new_v)
+    assert first.is_contiguous() and first.shape[2] == 9 and bare._room_k is None
+    second, _ = bare.update(more_k, more_v)
+    third, _ = bare.update(new_k, new_v)
+    assert second.data_ptr() == third.data_ptr() != first.data_ptr()
+    assert torch.equal(third, torch.cat((before, new_k, more_k, new_k), dim=2))
+
 
 def test_to_cache_with_room_generates_in_place_and_exactly(tiny_target):
     """A segment handed over with slots to spare (as a same-host fetch maps it): generation writes its tokens there,

@@ -43,9 +43,10 @@ class GrowingLayer(DynamicLayer):
     """A full-attention cache layer that appends in place. Its keys and values ([B, H_kv, T, D]) are views of the
     first T slots of buffers [B, H_kv, capacity, D]; update() writes the new tokens into the slots after them and
     returns longer views, where transformers' DynamicLayer concatenates the whole layer into a new tensor on every
-    update (at 2k tokens of SmolLM2 in float32, 94 MB copied per forward: 34 ms of an 11-token question's 177 ms,
-    and the same again for every generated token). When the room runs out the layer moves to buffers a quarter
-    larger than it needs (at least MIN_ROOM slots more), so the copies are amortised.
+    update (at 2k tokens of SmolLM2 in float32, 94 MB copied per forward, for the question and again for every
+    generated token). A layer that never had room (none handed over) concatenates at its first update, as
+    DynamicLayer does, so a single forward costs what it costs there; when there is no room left the layer moves to
+    buffers a quarter larger than it needs (at least MIN_ROOM slots more), so decoding copies the cache rarely.
 
     Invariants: the slots before T are never written again by this layer unless the cache was cropped below them
     (then the cropped slots are reused, as a new DynamicLayer's would be replaced); keys and values that stop being
@@ -59,6 +60,7 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self._room_k: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self._room_v: torch.Tensor | None = None
+        self._concatenated = False  # an update without room concatenated (the next one without room moves)
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, room_k: torch.Tensor | None = None,
               room_v: torch.Tensor | None = None) -> None:
@@ -67,6 +69,7 @@ class GrowingLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
         self._room_k = self._room_v = None
+        self._concatenated = False
         if room_k is not None and room_v is not None:
             self._room_k, self._room_v = room_k, room_v
             assert self._in_room(), "room_k / room_v must begin with keys / values"
@@ -87,6 +90,11 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         t, s = self.get_seq_length(), key_states.shape[-2]
         if t == 0 or not self._in_room() or t + s > self._room_k.shape[-2]:
+            if self._room_k is None and not self._concatenated:  # as DynamicLayer: a tensor of T + S slots
+                self._concatenated = True
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+                return self.keys, self.values
             self._move(key_states, value_states, t, t + s)
         self._room_k[..., t:t + s, :].copy_(key_states)
         self._room_v[..., t:t + s, :].copy_(value_states)
@@ -106,6 +114,7 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._room_k = self._room_v = None
+        self._concatenated = False
 
 
 def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True,
