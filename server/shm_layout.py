@@ -109,7 +109,6 @@ class Filling:
 
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: read-fault every page in one call
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14: write-fault every page in one call
 
 
@@ -221,10 +220,8 @@ def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tu
     want = {"dtype": _ST_DTYPES.get(dtype), "shape": list(shape), "data_offsets": [0, nbytes]}
     if set(meta) - {"__metadata__"} != {"kv"} or meta["kv"] != want:
         raise SegmentError(f"{path}: the file holds {meta}, the fetch's header says kv {want}")
-    try:  # map every page now, read-only (copy-on-write stays): one call instead of a fault per 4 KiB page
-        mapped.madvise(_MADV_POPULATE_READ)
-    except OSError:  # before Linux 5.14
-        pass
+    # no MADV_POPULATE_READ first: the checksum's read faults 16 pages at a time (the kernel maps around a fault)
+    # and was faster than populating every page on the AMD EPYC VM (97 MB: 19 ms against 25 ms, map and sum)
     got = checksum(mapped)
     if got != expected_checksum:
         raise SegmentError(f"{path}: checksum {got}, the header says {expected_checksum}")
