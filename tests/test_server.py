@@ -236,6 +236,38 @@ def test_a_fetched_cache_writes_the_next_tokens_after_the_fetched_kv_without_a_c
         assert again.layers[0].keys.data_ptr() != fetched.segment.kv[0, 0].data_ptr()
 
 
+def test_a_same_host_fetch_returns_before_its_release_is_answered_and_close_waits_for_it(server, alice,
+                                                                                         monkeypatch):
+    """The file is mapped before ReleaseSegment goes out, so the fetch does not wait for its answer (a release held
+    in the server stays pending after the fetch returns); the client's close() waits, and the file is gone."""
+    segments, gate, arrived, released = server.segments, threading.Event(), [], threading.Event()
+    real = segments.release
+
+    def held_release(tenant, name):
+        arrived.append(name)
+        gate.wait(10)
+        try:
+            return real(tenant, name)
+        finally:
+            released.set()
+
+    monkeypatch.setattr(segments, "release", held_release)
+    key = alice.ingest(_text(8)).entries[0].key
+    expected = alice.fetch_projected(key=key, transport="stream").segment.kv
+    with KVBridgeClient(server.address, token=ALICE) as client:
+        fetched = client.fetch_projected(key=key, transport="shared_memory")
+        assert fetched.transport == "shared_memory" and torch.equal(fetched.segment.kv, expected)
+        assert not released.is_set()  # the fetch did not wait for its release
+        deadline = time.monotonic() + 10
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)
+        path = segments.folder / f"{arrived[0]}.safetensors"
+        assert path.exists()
+        gate.set()
+    assert released.is_set() and not path.exists()  # close() waited for the release
+    assert torch.equal(fetched.segment.kv, expected)  # the map outlives the file
+
+
 # ------------------------------------------------------------------------------------------------ uploads
 
 
