@@ -28,7 +28,15 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server import shm_layout
 from kvbridge.server.chunk_wire import ChunkView, WireError, read_chunk_message
-from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, ChunkError, dtype_name, iter_chunks, wire_dtype
+from kvbridge.server.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    ChunkError,
+    dtype_name,
+    int64_tensor,
+    iter_chunks,
+    wire_dtype,
+)
 from kvbridge.server.config import is_loopback, split_address
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
@@ -280,8 +288,8 @@ class KVBridgeClient:
                                         + (assembler.missing() if assembler else "no header"), method)
                 else:
                     kv, room = assembler.kv, assembler.room
-                segment = KVSegment(kv=kv, token_ids=torch.tensor(list(header.token_ids)),
-                                    positions=torch.tensor(list(header.positions)),
+                segment = KVSegment(kv=kv, token_ids=int64_tensor(header.token_ids),
+                                    positions=int64_tensor(header.positions),
                                     model=ModelIdentity(header.model.name, header.model.config_hash),
                                     rotated=header.rotated)
                 log.info("%s: %d tokens of %s KV in %s, %d bytes in %d messages", method, segment.num_tokens,
@@ -310,7 +318,7 @@ class KVBridgeClient:
         _set_input(request, text, token_ids)
         reply = self._unary("Ingest", request, timeout_s)
         return IngestReply(entries=[_entry(e) for e in reply.entries],
-                           source_token_ids=torch.tensor(list(reply.source_token_ids), dtype=torch.int64),
+                           source_token_ids=int64_tensor(reply.source_token_ids),
                            model=reply.model)
 
     def put_source_kv(self, segment: KVSegment, kind: str = "prefix", ttl_s: float | None = None, pin: bool = False,

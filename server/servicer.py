@@ -18,6 +18,7 @@ from kvbridge.server.chunks import (
     ChunkError,
     dtype_name,
     encode_parts,
+    int64_tensor,
     plan_chunks,
     wire_dtype,
 )
@@ -356,8 +357,8 @@ def _upload_of(h: pb2.KVHeader) -> SourceUpload:
     return SourceUpload(model=h.model.name, config_hash=h.model.config_hash,
                         dtype=wire_dtype(h.dtype, "header.dtype"), num_layers=h.num_layers,
                         num_kv_heads=h.num_kv_heads, head_dim=h.head_dim,
-                        token_ids=torch.tensor(list(h.token_ids), dtype=torch.int64),
-                        positions=torch.tensor(list(h.positions), dtype=torch.int64) if len(h.positions) else None,
+                        token_ids=int64_tensor(h.token_ids),
+                        positions=int64_tensor(h.positions) if len(h.positions) else None,
                         rotated=h.rotated, kind=h.kind or "prefix",
                         ttl_s=h.options.ttl_s if h.options.ttl_s else None, pin=h.options.pin)
 
