@@ -32,6 +32,7 @@ def test_extend_prefix_equals_a_full_prefill(tiny_source):
     for p in (16, 48, ids.numel() - 1):
         extended = extend_prefix(tiny_source, full.slice(0, p), ids)
         assert torch.equal(extended.token_ids, ids) and torch.equal(extended.positions, torch.arange(ids.numel()))
+        assert extended.kv.is_contiguous()  # written in place after the prefix: one buffer, nothing reassembled
         torch.testing.assert_close(extended.kv, full.kv, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="the prefix must be the first"):
         extend_prefix(tiny_source, full.slice(0, 16), ids.flip(0))

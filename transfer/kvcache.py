@@ -124,9 +124,10 @@ def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True,
     config None: every layer keeps every token, sliding-window layers too (the model still masks them by position):
     what extraction and recompute over long contexts need. With the model's config the cache is the one generation
     uses: sliding layers keep their last window - 1 tokens, full-attention layers are GrowingLayers (new tokens
-    written in place). copy=False (with a config): the layers hold views of kv instead of copies; kv is never
-    written. room ([L, 2, B, H_kv, C >= T, D] whose first T slots are kv; copy=False only): buffers the caller hands
-    over for the next tokens to be written into in place (the caller must not use its slots after T again).
+    written in place). copy=False: the layers hold views of kv instead of copies (GrowingLayers, and sliding ones
+    with a config); kv is never written. room ([L, 2, B, H_kv, C >= T, D] whose first T slots are kv; copy=False
+    only): buffers the caller hands over for the next tokens to be written into in place (the caller must not use
+    its slots after T again).
     """
     if kv is None:
         return _growing(DynamicCache(config=config)) if config is not None else DynamicCache()
@@ -138,9 +139,9 @@ def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True,
                          "with copy=False")
     if copy and config is None:
         return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
-    if config is None:
-        raise ValueError("build_cache(copy=False) needs the model's config (it makes the cache's layers)")
-    cache = _growing(DynamicCache(config=config))
+    # no config and no copy: every layer a GrowingLayer that keeps every token (as DynamicLayer without a config)
+    cache = _growing(DynamicCache(config=config) if config is not None
+                     else DynamicCache(ddp_cache_data=[(None, None)] * kv.shape[0]))
     if len(cache.layers) != kv.shape[0]:
         raise ValueError(f"the config makes {len(cache.layers)} cache layers, kv has {kv.shape[0]}")
     for i, (layer, (k, v)) in enumerate(zip(cache.layers, kv.unbind(0))):
@@ -158,7 +159,8 @@ def build_cache(kv: torch.Tensor | None = None, config=None, copy: bool = True,
 
 
 def _growing(cache: DynamicCache) -> DynamicCache:
-    """The cache with its plain full-attention layers (DynamicLayer itself) made GrowingLayers."""
+    """The cache with its plain full-attention layers (DynamicLayer itself) made GrowingLayers (every layer, for a
+    cache built without a config)."""
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
