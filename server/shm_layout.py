@@ -61,7 +61,7 @@ def _element_size(dtype: torch.dtype) -> int:
 class Filling:
     """A segment file being written in place: `kv` [L, 2, H, T, D] is a shared map of the open file (resized to
     the segment's size, its pages mapped writable in one call: a spare file's are already allocated; with headroom,
-    a view of the first T slots of each row, the others zeroed), the header is written; fill kv's layers in order
+    a view of the first T slots of each row, the others left zero), the header is written; fill kv's layers in order
     and call `written(a, b)` after each group, which sums those bytes while they are still in cache; `finish()`
     gives (size, checksum) and lets go of the map (it goes with the last view)."""
 
@@ -83,9 +83,9 @@ class Filling:
         self._total = 0
         self._layers_done = 0
         self.kv = torch.frombuffer(mapped, dtype=dtype, count=int(np.prod(full)), offset=len(head)).view(full)
-        if headroom:
-            self.kv[:, :, :, shape[3]:].zero_()  # zeros, whatever the file held before
-            self.kv = self.kv[:, :, :, :shape[3]]
+        # the headroom slots are never written: zeros, as every file is new (made by `create` or a spare by
+        # `make_spare`, both zero-filled by the kernel; a segment's file is never reused)
+        self.kv = self.kv[:, :, :, :shape[3]]
 
     def written(self, start: int, end: int) -> None:
         """Layers [start, end) of kv are final (layers are written in order)."""

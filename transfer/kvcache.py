@@ -89,7 +89,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t, s = self.get_seq_length(), key_states.shape[-2]
-        if t == 0 or not self._in_room() or t + s > self._room_k.shape[-2]:
+        if not self._in_room() or t + s > self._room_k.shape[-2]:  # (an empty layer's keys are in no room)
             if self._room_k is None and not self._concatenated:  # as DynamicLayer: a tensor of T + S slots
                 self._concatenated = True
                 self.keys = torch.cat([self.keys, key_states], dim=-2)
