@@ -362,7 +362,10 @@ def serve(config: ServeConfig, ready_file: str | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    done.wait()
+    # Python runs a handler in the main thread, but the kernel may deliver the signal to any thread (grpc's, torch's):
+    # then nothing wakes a plain done.wait(). Waking every half second lets the main thread run the handler.
+    while not done.wait(0.5):
+        pass
     running.stop(config.grace_s)
     print("kvbridge server stopped", flush=True)
     return 0

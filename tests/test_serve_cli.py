@@ -74,6 +74,37 @@ def test_serve_tiny_with_tokens_fits_an_adapter_serves_and_stops_cleanly(tmp_pat
     assert any(r["message"].startswith("signal 15: draining") for r in logs)
 
 
+def _thread_taking(pid: int, signum: int) -> int:
+    """A thread of process pid other than its main one that does not block signum."""
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        if tid == pid:
+            continue
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+        if not blocked & (1 << (signum - 1)):
+            return tid
+    pytest.fail(f"process {pid} has no thread but its main one that takes signal {signum}")
+
+
+def test_serve_stops_when_sigterm_reaches_another_thread(tmp_path):
+    """The kernel may hand a process's SIGTERM to any of its threads (grpc's, torch's); Python then runs the handler
+    only when the main thread wakes. The server must still drain and exit, not wait for a SIGKILL."""
+    import ctypes
+
+    proc, ready = _serve(tmp_path, "--preset", "tiny", "--no-selfcheck", env={"KVBRIDGE_HOME": str(tmp_path)})
+    try:
+        tid = _thread_taking(proc.pid, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.tgkill(proc.pid, tid, int(signal.SIGTERM)) == 0, os.strerror(ctypes.get_errno())
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"SIGTERM to thread {tid} did not stop the server within 30 s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "signal 15: draining" in err and "kvbridge server stopped" in out
+
+
 def test_serve_refuses_an_open_server_on_a_public_address():
     proc = subprocess.run([sys.executable, "-m", "kvbridge.cli", "serve", "--preset", "tiny", "--listen",
                            "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
