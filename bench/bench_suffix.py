@@ -100,10 +100,14 @@ def load_document(tokenizer, max_tokens: int | None) -> str:
 
 
 def get_adapter(path: str | None, source: LoadedModel, target: LoadedModel):
-    """(adapter, note): loaded from `path`, else a ridge fit on 2048 tokens of the packaged corpus."""
+    """(adapter, note): loaded from `path`, else the pair's shipped adapter (what users get), else a ridge fit on
+    2048 tokens of the packaged corpus."""
+    from kvbridge.adapters.shipped import find_shipped
+
     t0 = time.perf_counter()
-    if path:
-        adapter, how = load_adapter(path), f"loaded from {path}"
+    shipped = None if path else find_shipped(source.spec, target.spec)
+    if path or shipped:
+        adapter, how = load_adapter(path or shipped), f"loaded from {path}" if path else f"shipped ({shipped.name})"
     else:
         corpus = str(data_path("pydoc_corpus_sample.txt"))
         adapter, _ = train_adapter(source, target, [corpus], TrainConfig(max_tokens=2048), progress=False)

@@ -1,6 +1,6 @@
-"""bench/bench_store.py --quick, bench/bench_grpc.py --quick, bench/bench_suffix.py --quick, bench/bench_prefix.py
---quick and bench/bench_all.py --quick run to the end and print every benchmark; `kvbridge bench` forwards to
-bench_all. No timing is asserted (STYLE 9): the numbers belong to the machine that printed them."""
+"""bench/bench_all.py --quick (which runs bench_store.py, bench_grpc.py and bench_suffix.py --quick as pieces) and
+bench/bench_prefix.py --quick run to the end and print every benchmark; `kvbridge bench` forwards to bench_all.
+No timing is asserted (STYLE 9): the numbers belong to the machine that printed them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_store.py"
-BENCH_GRPC = BENCH.with_name("bench_grpc.py")
 BENCH_ALL = BENCH.with_name("bench_all.py")
 TABLE_HEADER = "| measurement | ratio | goal | detail |"
 # bench_all --quick's table: one row per ratio (TTFT at its quick context lengths, 256 and 512 tokens)
@@ -33,38 +32,20 @@ ALL_QUICK_ROWS = (
 BENCHMARKS = ("get", "lookup", "capacity", "redis")
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_bench_store_quick_runs_and_prints_every_benchmark(tmp_path):
-    from redisproc import redis_available
-
-    if not redis_available():
-        pytest.fail("no redis-server (or valkey-server) on PATH: the bench's Redis line needs a real one. "
-                    "Install it with apt-get install redis-server.")
-    # a few seconds of work; the bound leaves room for converting the packaged models on a fresh machine
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=BENCH.parents[1], capture_output=True,
-                          text=True, timeout=600, check=False)
-    out = proc.stdout
-    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
-    lines = out.splitlines()
+def _check_store_piece(lines: list[str], out: str) -> None:
+    """bench_store --quick's lines: its machine line, a ratio and a goal for every benchmark, nothing skipped."""
     assert lines and lines[0].startswith("machine: "), out
     assert "quick run" in lines[0] and "device " in lines[0] and "torch " in lines[0], lines[0]
     for tag in BENCHMARKS:
         mine = [line for line in lines if line.split(" ", 1)[0] == tag]
         assert any("ratio" in line for line in mine), f"no {tag!r} ratio line in:\n{out}"
         assert any("goal" in line for line in mine), f"no {tag!r} goal in:\n{out}"
-    assert "skipped" not in out, out
+    assert not any("skipped" in line for line in lines), out
     assert lines[-1].startswith("done in "), out
 
 
-@pytest.mark.integration
-def test_bench_grpc_quick_runs_and_prints_every_benchmark():
-    # tiny random models and a real `kvbridge serve` process on a loopback port 0: seconds of work
-    proc = subprocess.run([sys.executable, str(BENCH_GRPC), "--quick"], cwd=BENCH_GRPC.parents[1],
-                          capture_output=True, text=True, timeout=600, check=False)
-    out = proc.stdout
-    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
-    lines = out.splitlines()
+def _check_grpc_piece(lines: list[str], out: str) -> None:
+    """bench_grpc --quick's lines: the stream against a server in its own process, shm and wire ratios."""
     assert lines and lines[0].startswith("machine: "), out
     assert "quick run" in lines[0], lines[0]
     stream = [line for line in lines if line.split(" ", 1)[0] == "stream"]
@@ -77,15 +58,8 @@ def test_bench_grpc_quick_runs_and_prints_every_benchmark():
     assert lines[-1].startswith("done in "), out
 
 
-@pytest.mark.integration
-def test_bench_suffix_quick_runs_and_prints_every_line():
-    # tiny random models, a real server on a loopback port 0, 4 turns: seconds of work
-    bench = BENCH.with_name("bench_suffix.py")
-    proc = subprocess.run([sys.executable, str(bench), "--quick"], cwd=bench.parents[1], capture_output=True,
-                          text=True, timeout=600, check=False)
-    out = proc.stdout
-    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
-    lines = out.splitlines()
+def _check_suffix_piece(lines: list[str], out: str) -> None:
+    """bench_suffix --quick's lines: prefill and TTFT ratios, the reuse and answers lines."""
     assert lines and lines[0].startswith("machine:"), out
     for tag in ("prefill", "ttft"):
         mine = [line for line in lines if line.split(" ", 1)[0] == tag]
@@ -93,6 +67,18 @@ def test_bench_suffix_quick_runs_and_prints_every_line():
     for tag in ("reuse", "answers"):
         assert any(line.split(" ", 1)[0] == tag for line in lines), f"no {tag!r} line in:\n{out}"
     assert lines[-1].startswith("done in "), out
+
+
+def _pieces(out: str) -> dict[str, list[str]]:
+    """bench_all's output cut at its `### name: title` headers: each piece's non-empty lines under its name."""
+    pieces, name = {}, None
+    for line in out.splitlines():
+        if line.startswith("### "):
+            name = line[4:].split(":", 1)[0]
+            pieces[name] = []
+        elif name is not None and line.strip() and not line.startswith("json written to "):  # bench_all's own
+            pieces[name].append(line)
+    return pieces
 
 
 @pytest.mark.integration
@@ -135,6 +121,12 @@ def test_bench_all_quick_prints_one_row_per_ratio(tmp_path):
     assert len(names) == len(ALL_QUICK_ROWS), f"unexpected rows {names}"
     for row in cells:
         assert len(row) == 4 and row[1] not in ("FAILED", "skipped"), row
+    # bench_all runs bench_store, bench_grpc and bench_suffix --quick as their own command lines do: each prints
+    # every benchmark (these pieces are checked here rather than run a second time on their own)
+    pieces = _pieces(out)
+    _check_store_piece(pieces["store"], out)
+    _check_grpc_piece(pieces["grpc"], out)
+    _check_suffix_piece(pieces["suffix"], out)
     report = json.loads(out_json.read_text())
     assert report["machine"] == lines[0] and report["errors"] == {}, report["errors"]
     assert [row["measurement"] for row in report["rows"]] == names
