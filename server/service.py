@@ -115,27 +115,10 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
 
 
-@torch.no_grad()
 def extend_prefix(lm: LoadedModel, prefix: KVSegment, ids: torch.Tensor) -> KVSegment:
     """Source KV of ids ([T]) computed over the cached KV of its first P tokens (prefix: [L, 2, H, P, D] at 0..P-1):
-    the model runs on ids[P:] only. The same KV as a prefill of all of ids, up to the float error of a different
-    split of the same sums. (Belongs beside kvcache.extract, as its `prefix=` option.)"""
-    p, t = prefix.num_tokens, ids.numel()
-    if not 0 < p < t or not torch.equal(prefix.token_ids, ids[:p]):
-        raise ValueError(f"the prefix must be the first 1..{t - 1} tokens of ids, got {p} tokens")
-    param = next(lm.model.parameters())
-    # the whole segment's KV [L, 2, H, T, D]: the prefix copied in, the new tokens written after it in place by the
-    # forward (the cache's layers are views with room up to T, every token kept): no concatenation, no reassembly
-    kv = prefix.kv.new_empty((*prefix.kv.shape[:3], t, prefix.kv.shape[-1]), dtype=param.dtype, device=param.device)
-    kv[:, :, :, :p] = prefix.kv
-    cache = kvcache.build_cache(kv[:, :, None, :, :p], copy=False, room=kv[:, :, None])
-    positions = torch.arange(p, t, dtype=torch.int64)
-    lm.model(input_ids=ids[p:][None].to(param.device), position_ids=positions[None].to(param.device), cache=cache,
-             use_cache=True, logits_to_keep=1)
-    if any(layer.keys.data_ptr() != kv[i, 0].data_ptr() for i, layer in enumerate(cache.layers)):
-        return kvcache.from_cache(cache, lm.spec, ids, torch.arange(t, dtype=torch.int64))  # a layer moved
-    return KVSegment(kv=kv, token_ids=ids.to(torch.int64).cpu(), positions=torch.arange(t, dtype=torch.int64),
-                     model=lm.spec.identity, rotated=True)
+    the model runs on ids[P:] only, writing after the prefix in place (kvcache.extract's `prefix=`)."""
+    return kvcache.extract(lm.model, lm.spec, ids, prefix=prefix)
 
 
 def _max_positions(lm: LoadedModel) -> int:

@@ -83,6 +83,39 @@ def test_extract_layout_and_metadata(tiny_source):
         assert torch.equal(layer.keys[0], seg.keys[i]) and torch.equal(layer.values[0], seg.values[i])
 
 
+@pytest.mark.parametrize("name", ["qwen2", "phi3-partial", "gemma3", "mistral-sliding"])
+def test_extract_writes_every_layer_in_place_and_equals_a_plain_prefill(name, monkeypatch):
+    """One [L, 2, H, T, D] buffer the forward writes into (no per-layer concatenation, no stacking at the end: the
+    from_cache fallback never runs), equal to what a plain DynamicCache keeps; with a prefix, only the rest runs."""
+    lm = zoo.build(name)
+    ids = ids_for(lm, 40)
+    plain = DynamicCache()
+    lm.model(input_ids=ids[None], position_ids=torch.arange(40)[None], cache=plain, use_cache=True)
+    expected = kvcache.from_cache(plain, lm.spec, ids)
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("extract fell back to stacking the cache's layers")
+
+    monkeypatch.setattr(kvcache, "from_cache", no_fallback)
+    seg = kvcache.extract(lm.model, lm.spec, ids)
+    assert seg.kv.is_contiguous() and seg.kv.dtype == expected.kv.dtype
+    torch.testing.assert_close(seg.kv, expected.kv, atol=1e-5, rtol=1e-5)
+    calls = []
+    forward = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward",
+                        lambda *a, **kw: calls.append(kw["input_ids"].shape[1]) or forward(*a, **kw))
+    extended = kvcache.extract(lm.model, lm.spec, ids, prefix=seg.slice(0, 25))
+    assert calls == [15]
+    torch.testing.assert_close(extended.kv, expected.kv, atol=1e-5, rtol=1e-5)
+    assert torch.equal(extended.kv[:, :, :, :25], seg.kv[:, :, :, :25])  # the prefix copied as it was
+    for bad, match in [(seg.slice(0, 40), "the prefix must be the first 1..39"),
+                       (seg.slice(5, 20), "the prefix must be the first"),
+                       (dataclasses.replace(seg.slice(0, 10), positions=torch.arange(3, 13)),
+                        "the prefix must lie at positions 0..9")]:
+        with pytest.raises(ValueError, match=match):
+            kvcache.extract(lm.model, lm.spec, ids, prefix=bad)
+
+
 def test_sliding_layers_are_captured_in_full():
     lm = zoo.build("gemma3")  # window 16: the model's own cache keeps only the last 15 tokens of sliding layers
     ids = ids_for(lm, 50)

@@ -77,7 +77,9 @@ class GrowingLayer(DynamicLayer):
     def _in_room(self) -> bool:
         """Whether keys and values are the first slots of this layer's buffers."""
         def prefix_of(t: torch.Tensor, room: torch.Tensor | None) -> bool:
-            return (room is not None and t.data_ptr() == room.data_ptr() and t.stride() == room.stride()
+            # storage and offset rather than data_ptr(), which is 0 for the empty view of a layer with no tokens yet
+            return (room is not None and t.storage_offset() == room.storage_offset() and t.stride() == room.stride()
+                    and t.untyped_storage().data_ptr() == room.untyped_storage().data_ptr()
                     and t.shape[:-2] == room.shape[:-2] and t.shape[-1] == room.shape[-1]
                     and t.shape[-2] <= room.shape[-2] and t.dtype == room.dtype and t.device == room.device)
 
@@ -220,21 +222,43 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 0) -> KVSegment:
+def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 0,
+            prefix: KVSegment | None = None) -> KVSegment:
     """Prefill `token_ids` ([T]) at positions start_position.. and return the full KV of every layer.
 
     The KV is exactly what the model caches (keys rotated), in the model's dtype, on the model's device — for
-    sliding-window layers too: all T tokens, not only the last window.
+    sliding-window layers too: all T tokens, not only the last window. With `prefix` (this model's KV of the first
+    P < T of token_ids, at the same positions) the model runs only on the other T - P tokens, over it: the same KV
+    as a prefill of all of them, up to the float error of a different split of the same sums.
+
+    The forward writes every layer's new K/V in place into one [L, 2, H_kv, T, D] buffer (the cache's layers are
+    views of it with room up to T, every token kept): no concatenation per layer, no second copy at the end.
     """
     ids = _as_ids(token_ids, "token_ids", spec.vocab_size)
     if start_position < 0:
         raise ValueError(f"start_position must be >= 0, got {start_position}")
-    device = _model_device(model)
-    positions = torch.arange(start_position, start_position + ids.numel(), dtype=torch.int64)
-    cache = build_cache()  # no config: every layer keeps every token
-    model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, use_cache=True,
-          logits_to_keep=1)
-    return from_cache(cache, spec, ids, positions)
+    t, p = ids.numel(), 0
+    positions = torch.arange(start_position, start_position + t, dtype=torch.int64)
+    if prefix is not None:
+        p = prefix.num_tokens
+        if not 0 < p < t or not torch.equal(prefix.token_ids, ids[:p]):
+            raise ValueError(f"the prefix must be the first 1..{t - 1} tokens of token_ids, got {p} tokens")
+        if not torch.equal(prefix.positions, positions[:p]):
+            raise ValueError(f"the prefix must lie at positions {start_position}..{start_position + p - 1}")
+        check_compatible(prefix, spec)
+    param = next(model.parameters())
+    kv = torch.empty((spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim), dtype=param.dtype,
+                     device=param.device)
+    if p:
+        kv[:, :, :, :p] = prefix.kv
+    cache = build_cache(kv[:, :, None, :, :p], copy=False, room=kv[:, :, None])
+    model(input_ids=ids[p:][None].to(param.device), position_ids=positions[p:][None].to(param.device), cache=cache,
+          use_cache=True, logits_to_keep=1)
+    if any(layer.keys.data_ptr() != kv[i, 0].data_ptr() or layer.keys.shape[-2] != t
+           for i, layer in enumerate(cache.layers)):
+        return from_cache(cache, spec, ids, positions)  # a layer moved out of the buffer (or a model of its own mind)
+    return KVSegment(kv=kv, token_ids=ids.to(torch.int64).cpu(), positions=positions, model=spec.identity,
+                     rotated=True)
 
 
 def extract_text(model: nn.Module, spec: ModelSpec, tokenizer, text: str, add_special_tokens: bool = True,
