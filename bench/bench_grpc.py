@@ -49,8 +49,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
-from kvbridge.adapters.io import load_adapter, save_adapter
-from kvbridge.adapters.train import TrainConfig, train_adapter
+from bench_suffix import get_adapter  # the --adapter file, else the shipped one, else a ridge fit
+from kvbridge.adapters.io import save_adapter
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.chunks import encode, plan_chunks
 from kvbridge.server.client import KVBridgeClient
@@ -346,7 +346,7 @@ def run(argv: list[str] | None = None) -> dict:
         source, target = load_pair(preset)
         machine = machine_line(target.device, mode)
         print(machine, flush=True)
-        adapter, adapter_note = get_adapter(args.adapter, source, target, corpus)
+        adapter, adapter_note = get_adapter(args.adapter, source, target)
         text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
             config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
@@ -370,10 +370,10 @@ def run(argv: list[str] | None = None) -> dict:
             folder = Path(folder)
             (folder / "adapters").mkdir()
             if args.adapter:
-                adapter, adapter_note = get_adapter(args.adapter, None, None, corpus)
+                adapter, adapter_note = get_adapter(args.adapter, None, None)
             else:
                 source, target = load_pair(preset, device="cpu")
-                adapter, adapter_note = get_adapter(None, source, target, corpus)
+                adapter, adapter_note = get_adapter(None, source, target)
                 del source, target
             save_adapter(adapter, folder / "adapters" / f"{ADAPTER_NAME}.safetensors")
             del adapter
@@ -407,22 +407,6 @@ def run(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     run(argv)
     return 0
-
-
-def get_adapter(path: str | None, source, target, corpus: str):
-    """(adapter, note): loaded from `path`, else the pair's shipped adapter, else a ridge fit on a small corpus
-    slice (about a second for the tiny pair). Throughput does not depend on the adapter's quality, only on its
-    shapes; a real adapter keeps the server's path the one users get."""
-    from kvbridge.adapters.shipped import find_shipped
-
-    t0 = time.perf_counter()
-    shipped = None if path or source is None else find_shipped(source.spec, target.spec)
-    if path or shipped:
-        adapter, how = load_adapter(path or shipped), f"loaded from {path}" if path else f"shipped ({shipped.name})"
-    else:
-        adapter, _ = train_adapter(source, target, [corpus], TrainConfig(max_tokens=2048), progress=False)
-        how = "ridge, fitted on 2048 corpus tokens"
-    return adapter, f"adapter {how} in {time.perf_counter() - t0:.1f} s"
 
 
 def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_bytes: int, rounds: int,

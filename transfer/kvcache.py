@@ -256,7 +256,7 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
           use_cache=True, logits_to_keep=1)
     if any(layer.keys.data_ptr() != kv[i, 0].data_ptr() or layer.keys.shape[-2] != t
            for i, layer in enumerate(cache.layers)):
-        return from_cache(cache, spec, ids, positions)  # a layer moved out of the buffer (or a model of its own mind)
+        return from_cache(cache, spec, ids, positions)  # a layer moved out of the buffer, or kept fewer tokens
     return KVSegment(kv=kv, token_ids=ids.to(torch.int64).cpu(), positions=positions, model=spec.identity,
                      rotated=True)
 
