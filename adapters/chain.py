@@ -5,7 +5,11 @@ the teacher cache (dev windows from held-out documents, then training windows in
 the first `ridge_windows` training windows (λ and α chosen on the dev windows) -> the stages in order, each starting
 from the previous stage's best weights (by dev recovery) -> a folded format-1 adapter (chain) or a format-2 fuser.
 
-Everything lands under one work folder (teacher/, ridge/, stage-N-OBJECTIVE/), so a rerun of the same command
+With `init` (a trained adapter of this pair) the ridge fit is skipped: the stages train a residual on that adapter,
+whitened by statistics of the ridge windows read through its own layer groups and token table (init/), e.g. to
+fine-tune the shipped adapter with exact tails (`exact_tail`: trainer.py) for selective recompute.
+
+Everything lands under one work folder (teacher/, ridge/ or init/, stage-N-OBJECTIVE/), so a rerun of the same command
 resumes where it stopped: finished teacher windows are skipped, the ridge fit is read back, a stage continues
 from its last checkpoint. Stages are given in optimiser steps, so a run is a function of the command and the seed,
 not of how busy the machine was.
@@ -14,6 +18,7 @@ not of how busy the machine was.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import time
@@ -26,7 +31,7 @@ from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.pairs import start_token_id
-from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
 from kvbridge.adapters.trainer import OBJECTIVES, RecoveryProbe, TrainerConfig, train
 from kvbridge.transfer.models import LoadedModel
@@ -60,6 +65,8 @@ class ChainConfig:
     layer_map: str = "mix"
     k: int = 3
     batch_windows: int = 4
+    init: str = ""  # a trained adapter of this pair to start from (no ridge fit); its token rank is the run's
+    exact_tail: float = 0.0  # the kl/ce stages' exact tails (trainer.TrainerConfig.exact_tail)
     lr: dict = field(default_factory=lambda: dict(DEFAULT_LR))
     teacher: TeacherConfig = TeacherConfig()
     seed: int = 0
@@ -76,6 +83,10 @@ class ChainConfig:
             raise ValueError("token features are for projections: a fuser adds to the target's own KV, which has them")
         if self.token_rank < 0:
             raise ValueError(f"token_rank must be >= 0, got {self.token_rank}")
+        if self.init and self.fuser_rank:
+            raise ValueError("init starts a projection from a trained adapter; a fuser starts from its own KV")
+        if self.exact_tail and not any(name in ("kl", "ce") for name, _ in self.stages):
+            raise ValueError("exact_tail applies to the kl and ce stages; there is none")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
 
@@ -128,6 +139,32 @@ def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: 
     return adapter, stats, seconds
 
 
+def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, target: LoadedModel,
+          config: ChainConfig, progress: bool) -> tuple[Adapter, RidgeStats, float]:
+    """The trained adapter `config.init` (float32) and the whitening statistics of the ridge windows through it."""
+    adapter = load_adapter(config.init)
+    adapter.check_models(source.spec, target.spec)
+    adapter = dataclasses.replace(adapter, **{n: getattr(adapter, n).float() for n in (
+        "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok")
+        if getattr(adapter, n) is not None})
+    folder = work / "init"
+    record = {"adapter": str(Path(config.init).resolve()), "windows": config.ridge_windows,
+              "sha256": hashlib.sha256(Path(config.init).read_bytes()).hexdigest()}
+    if (folder / "stats.safetensors").exists():
+        info = json.loads((folder / "init.json").read_text())
+        if {k: info.get(k) for k in record} != record:
+            raise ValueError(f"{folder} holds the statistics of {info.get('adapter')} over {info.get('windows')} "
+                             f"windows, not of {config.init}: use another work folder (its teacher/ can be reused)")
+        return adapter, RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors"))), info["seconds"]
+    t0 = time.perf_counter()
+    stats = adapter_stats(adapter, cache, train_idx[:config.ridge_windows], target, progress)
+    seconds = time.perf_counter() - t0
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stats.state_dict(), str(folder / "stats.safetensors"))
+    (folder / "init.json").write_text(json.dumps(record | {"seconds": seconds}))
+    return adapter, stats, seconds
+
+
 def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path], config: ChainConfig,
                 work: str | Path, progress: bool = True) -> tuple[Adapter | FuserMaps, dict]:
     """Run (or resume) the recipe; returns the trained adapter (chain: folded, format 1) or fuser, and a record of
@@ -142,7 +179,10 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
     train_idx = [pos[w.id] for w in train_w if w.id in pos]
-    ridge, stats, ridge_s = _ridge(work, cache, train_idx, dev_idx, target, config, progress)
+    if config.init:
+        ridge, stats, ridge_s = _init(work, cache, train_idx, source, target, config, progress)
+    else:
+        ridge, stats, ridge_s = _ridge(work, cache, train_idx, dev_idx, target, config, progress)
     torch.manual_seed(config.seed)
     if config.fuser_rank:
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
@@ -156,7 +196,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         lr = config.lr.get(objective, DEFAULT_LR[objective])
         tc = TrainerConfig(objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1),
                            max_iters=steps, batch_windows=config.batch_windows,
-                           eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n)
+                           eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
+                           exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0)
         out = train(maps, ridge.start_kv, target, cache, train_idx, probe, tc, config.teacher.context_tokens,
                     work / f"stage-{n}-{objective}", resume=True, progress=progress)
         record["stages"].append({"objective": objective, "steps": out["iters"], "best_step": out["best_iter"],

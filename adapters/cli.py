@@ -43,6 +43,12 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--token-rank", type=int, default=64,
                    help="chain: the maps also read the target's own token features of this rank (adapter format 2; "
                         "0: source features only)")
+    p.add_argument("--init", metavar="ADAPTER",
+                   help="chain: start from this trained adapter of the pair (no ridge fit; its token rank is kept), "
+                        "e.g. to fine-tune it with --exact-tail")
+    p.add_argument("--exact-tail", type=float, default=0.0, metavar="F",
+                   help="chain/fuser: in half the kl/ce steps the context's last k tokens (k up to F of it) are "
+                        "prefilled exactly after the projected rest, as selective recompute does (0: never)")
     p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "
                                   "default KVBRIDGE_HOME/train/<pair>")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -178,7 +184,8 @@ def run_chain(args: argparse.Namespace) -> int:
                          token_rank=0 if fuser else args.token_rank,
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
-                         else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed)
+                         else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,
+                         init=args.init or "", exact_tail=args.exact_tail)
     preset = args.preset or ("production" if (args.source or args.target) else "small")
     source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
     pair = f"{source.name}--{target.name}"
@@ -196,6 +203,13 @@ def run_chain(args: argparse.Namespace) -> int:
     training = {"command": "train-adapter " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
                 "trainer": args.trainer, "record": record, "machine": f"{platform.machine()}, "
                 f"{torch.get_num_threads()} torch threads", "seed": args.seed}
+    if args.init:  # what this run started from, so the chain of commands reproduces it from scratch
+        from kvbridge.adapters.io import read_adapter_meta
+
+        init_meta = read_adapter_meta(args.init) or {}
+        training["init"] = {"file": Path(args.init).name,
+                            "sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest(),
+                            "training": init_meta.get("training", {}), "metrics": init_meta.get("metrics", {})}
     metrics: dict = {}
     docs = []
     if args.eval_docs:

@@ -188,6 +188,32 @@ class ResidualMaps(nn.Module):
         return ridge + mlp + extra
 
 
+def accumulate(stats: RidgeStats, cache, indices: list[int], target, tok_table: torch.Tensor | None = None,
+               desc: str = "statistics", progress: bool = True) -> RidgeStats:
+    """Add the cached teacher windows' aligned pairs (source features -> the target's own un-rotated K, V) to
+    `stats`; tok_table [V, d_tok]: the token features of each target id (statistics with token inputs)."""
+    from kvbridge.adapters.pairs import flatten_heads
+    from tqdm import tqdm
+
+    for i in tqdm(indices, desc=desc, disable=not progress):
+        w = cache.load(i)
+        use = w["has_text"].nonzero()[:, 0]
+        keys = target.rope.unrotate_all(w["k"].float(), torch.arange(w["k"].shape[2]))
+        stats.add(w["xk"][:, use].float(), w["xv"][:, use].float(), flatten_heads(keys)[:, use],
+                  flatten_heads(w["v"].float())[:, use], None if tok_table is None else tok_table[w["ids"][use]])
+    return stats
+
+
+def adapter_stats(adapter: Adapter, cache, indices: list[int], target, progress: bool = True) -> RidgeStats:
+    """The statistics a residual on a trained adapter whitens with (`ResidualMaps(adapter, stats, ...)`): the
+    cached windows read through the adapter's own layer groups and token table."""
+    first = cache.load(indices[0])
+    groups = [tuple(int(x) for x in g) for g in adapter.layer_map.tolist()]
+    stats = RidgeStats(groups, first["xk"].shape[2], adapter.wk.shape[2], d_tok=adapter.token_rank)
+    table = None if adapter.tok_table is None else adapter.tok_table.float()
+    return accumulate(stats, cache, indices, target, table, "whitening statistics", progress)
+
+
 def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer_map: str = "mix", k: int = 3,
               lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25, progress: bool = True, token_rank: int = 0
               ) -> tuple[Adapter, RidgeStats]:
@@ -197,8 +223,7 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
     that rank (`fit.token_basis`: the directions of the normalised embeddings the maps use most)."""
     from kvbridge.adapters.adapter import FORMAT_VERSION, TOKENS_FORMAT_VERSION, AdapterMeta, model_record
     from kvbridge.adapters.layer_map import build_layer_map
-    from kvbridge.adapters.pairs import flatten_heads, start_kv
-    from tqdm import tqdm
+    from kvbridge.adapters.pairs import start_kv
 
     header = json.loads(cache.index_path.read_text())
     sspec_layers = cache.load(train_idx[0])["xk"].shape[0]
@@ -210,14 +235,9 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
     if token_rank:
         u = normalised_embeddings(target.model.get_input_embeddings().weight.float().cpu())  # [V, d_model]
     d_u = 0 if u is None else u.shape[1]
-    stats = {name: RidgeStats(groups, d_s, d_t, d_tok=d_u) for name in ("train", "heldout")}
-    for name, idx in (("train", train_idx), ("heldout", heldout_idx)):
-        for i in tqdm(idx, desc=f"ridge statistics ({name})", disable=not progress):
-            w = cache.load(i)
-            use = w["has_text"].nonzero()[:, 0]
-            keys = target.rope.unrotate_all(w["k"].float(), torch.arange(w["k"].shape[2]))
-            stats[name].add(w["xk"][:, use].float(), w["xv"][:, use].float(), flatten_heads(keys)[:, use],
-                            flatten_heads(w["v"].float())[:, use], None if u is None else u[w["ids"][use]])
+    stats = {name: accumulate(RidgeStats(groups, d_s, d_t, d_tok=d_u), cache, idx, target, u,
+                              f"ridge statistics ({name})", progress)
+             for name, idx in (("train", train_idx), ("heldout", heldout_idx))}
     table = None
     if token_rank:  # the full token inputs -> the rank the maps need (reduced-rank regression), then the table
         basis, mean = token_basis(stats["train"], stats["heldout"], token_rank, lambdas, mix_step)

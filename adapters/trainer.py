@@ -12,6 +12,13 @@ Objectives (`TrainerConfig.objective`):
   ce         end to end, as kl, but the cross-entropy of the true continuation tokens: the objective of the learned
              fuser (fuser.py), whose goal is to beat the target's own prefill, the KL's optimum.
 
+`exact_tail` (kl, ce): in half the steps, the last k context tokens (k drawn from 1..round(exact_tail * C)) are not
+projected but prefilled by the target over the projected rest, with the continuation, as `recompute:r` and
+`blend:r` do in use; the loss stays on the continuation. A map trained only with the continuation right after the
+projected tokens spends itself on the last tokens, which selective recompute replaces anyway; with exact tails it
+also learns what the continuation reads further back. The dev score is then the mean of the recovery with no exact
+tail and with round(exact_tail * C / 2) exact tokens.
+
 `maps` is a projection (residual.ResidualMaps: the context's K/V come from the source alone) or a fuser
 (fuser.FuserMaps: the target's own K/V of the context plus a residual from the source).
 
@@ -60,6 +67,7 @@ class TrainerConfig:
     weight_decay: float = 0.0  # decays the residual towards the ridge map
     eval_interval: int = 50
     patience: int = 0  # > 0: stop after this many evaluations without a better dev recovery
+    exact_tail: float = 0.0  # kl/ce: the largest share of the context prefilled exactly at its end (see above)
     seed: int = 0
 
     def __post_init__(self):
@@ -77,6 +85,21 @@ class TrainerConfig:
             raise ValueError(f"warmup_iters must be in [0, max_iters), got {self.warmup_iters}")
         if self.grad_clip <= 0 or self.max_seconds < 0 or self.weight_decay < 0 or self.patience < 0:
             raise ValueError("grad_clip must be > 0; max_seconds, weight_decay and patience >= 0")
+        if not 0 <= self.exact_tail < 1:
+            raise ValueError(f"exact_tail must be in [0, 1), got {self.exact_tail}")
+        if self.exact_tail and self.objective == "attention":
+            raise ValueError("exact_tail is for the end-to-end objectives (kl, ce); attention matching scores "
+                             "the target's own queries over the projected context, which have no exact tail")
+
+
+def exact_tail_tokens(config: TrainerConfig, it: int, context_tokens: int) -> int:
+    """Exact context tokens at step `it` (a function of the seed and `it`, so a resumed run draws the same): 0 in
+    half the steps, else uniform in 1..round(exact_tail * context_tokens)."""
+    most = round(config.exact_tail * context_tokens)
+    if most < 1:
+        return 0
+    rng = random.Random(config.seed * 1_000_003 + it)
+    return 0 if rng.random() < 0.5 else rng.randint(1, most)
 
 
 def get_lr(config: TrainerConfig, it: int, progress: float) -> float:
@@ -161,26 +184,32 @@ def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: 
     return ((got - own).pow(2).sum(-1).mean(-1) / power).mean()
 
 
-def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int
-                      ) -> torch.Tensor:
-    """Log-probs [B, N-1, V] the target gives the continuation's next tokens over the map's context cache."""
-    c = context_tokens
+def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int,
+                      exact: int = 0) -> torch.Tensor:
+    """Log-probs [B, N-1, V] the target gives the continuation's next tokens over the map's context cache; with
+    `exact` > 0 the cache holds start + the context's first C - exact tokens, and the last `exact` are prefilled
+    with the continuation (selective recompute's setting)."""
+    if not 0 <= exact < context_tokens:
+        raise ValueError(f"exact must be in [0, {context_tokens}) context tokens, got {exact}")
+    p = 1 + context_tokens - exact  # tokens in the map's cache
     segments = []
     for w in windows:
-        own = (w["k"][:, :, :1 + c], w["v"][:, :, :1 + c]) if isinstance(maps, FuserMaps) else (None, None)
-        k, v = context_kv(maps, start_kv, w["xk"][:, :1 + c], w["xv"][:, :1 + c], w["start_mask"][:1 + c], target,
-                          w["ids"][:1 + c], *own)
-        segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:1 + c],
-                                  positions=torch.arange(1 + c), model=target.spec.identity, rotated=True))
+        own = (w["k"][:, :, :p], w["v"][:, :, :p]) if isinstance(maps, FuserMaps) else (None, None)
+        k, v = context_kv(maps, start_kv, w["xk"][:, :p], w["xv"][:, :p], w["start_mask"][:p], target,
+                          w["ids"][:p], *own)
+        segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p],
+                                  positions=torch.arange(p), model=target.spec.identity, rotated=True))
     cache = kvcache.to_cache(segments, target.model, target.spec)
-    cont = torch.stack([w["ids"][1 + c:] for w in windows]).to(target.device)  # [B, N]
-    pos = torch.arange(1 + c, 1 + c + cont.shape[1], device=target.device)[None].expand_as(cont)
-    return target.model(input_ids=cont, position_ids=pos, cache=cache).logits[:, :-1].float().log_softmax(-1)
+    rest = torch.stack([w["ids"][p:] for w in windows]).to(target.device)  # [B, exact + N]
+    pos = torch.arange(p, p + rest.shape[1], device=target.device)[None].expand_as(rest)
+    logits = target.model(input_ids=rest, position_ids=pos, cache=cache).logits[:, exact:-1]
+    return logits.float().log_softmax(-1)
 
 
-def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int) -> torch.Tensor:
+def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
+            ) -> torch.Tensor:
     """KL(teacher top-k || student) per scored position, averaged over the batch's positions."""
-    logp = continuation_logp(maps, start_kv, windows, target, context_tokens)
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
     top_logp = torch.stack([w["top_logp"] for w in windows])  # [B, N-1, k]
     top_idx = torch.stack([w["top_idx"] for w in windows])
     p = top_logp.log_softmax(-1)  # renormalised over the top-k
@@ -188,9 +217,10 @@ def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_to
     return (p.exp() * (p - student)).sum(-1).mean()
 
 
-def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int) -> torch.Tensor:
+def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
+            ) -> torch.Tensor:
     """Cross-entropy of the true continuation tokens 1..N-1, averaged over the batch's positions."""
-    logp = continuation_logp(maps, start_kv, windows, target, context_tokens)
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
     truth = torch.stack([w["ids"][2 + context_tokens:] for w in windows]).to(logp.device)  # [B, N-1]
     return -logp.gather(-1, truth[..., None]).mean()
 
@@ -254,36 +284,42 @@ class RecoveryProbe:
         return cls(target, start_kv, items)
 
     @torch.no_grad()
-    def per_document(self, maps, shift: int = 0) -> list[float]:
+    def per_document(self, maps, shift: int = 0, exact: int = 0) -> list[float]:
         """Summed continuation NLL per document. shift > 0: the wrong-document control, document i's context
-        cache built from document (i + shift)'s source features (a fuser keeps document i's own K/V)."""
+        cache built from document (i + shift)'s source features (a fuser keeps document i's own K/V). exact > 0:
+        the context's last `exact` tokens are prefilled by the target with the continuation (`recompute:r`)."""
         out = []
         n = len(self.items)
         for i, it in enumerate(self.items):
             src = self.items[(i + shift) % n]
             if src.xk.shape != it.xk.shape:
                 raise ValueError("the wrong-document control needs contexts of one length")
-            k, v = context_kv(maps, self.start_kv, src.xk, src.xv, it.start_mask, self.target, src.context_ids, it.k,
-                              it.v)
-            seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids,
-                            positions=torch.arange(it.context_ids.numel()), model=self.target.spec.identity,
-                            rotated=True)
-            out.append(self._cached(seg, it.continuation))
+            p = it.context_ids.numel() - exact
+            if not 1 < p <= it.context_ids.numel():
+                raise ValueError(f"exact must leave start + one context token projected, got {exact}")
+            own = (it.k[:, :, :p], it.v[:, :, :p]) if it.k is not None else (None, None)
+            k, v = context_kv(maps, self.start_kv, src.xk[:, :p], src.xv[:, :p], it.start_mask[:p], self.target,
+                              src.context_ids[:p], *own)
+            seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids[:p], positions=torch.arange(p),
+                            model=self.target.spec.identity, rotated=True)
+            out.append(self._cached(seg, torch.cat((it.context_ids[p:], it.continuation)), exact))
         return out
 
-    def _cached(self, seg: KVSegment, continuation: torch.Tensor) -> float:
+    def _cached(self, seg: KVSegment, rest: torch.Tensor, scored_from: int = 0) -> float:
+        """NLL of rest[scored_from + 1:] with `rest` prefilled over the cache `seg`."""
         cache = kvcache.to_cache(seg, self.target.model, self.target.spec)
         t = seg.num_tokens
-        pos = torch.arange(t, t + continuation.numel(), device=self.target.device)[None]
-        logits = self.target.model(input_ids=continuation[None].to(self.target.device), position_ids=pos,
-                                   cache=cache).logits[0]
-        return float(F.cross_entropy(logits[:-1].float(), continuation[1:].to(logits.device), reduction="sum"))
+        pos = torch.arange(t, t + rest.numel(), device=self.target.device)[None]
+        logits = self.target.model(input_ids=rest[None].to(self.target.device), position_ids=pos,
+                                   cache=cache).logits[0, scored_from:]
+        return float(F.cross_entropy(logits[:-1].float(), rest[scored_from + 1:].to(logits.device), reduction="sum"))
 
-    def recovery(self, maps, seed: int = 0, wrong: bool = False) -> dict:
+    def recovery(self, maps, seed: int = 0, wrong: bool = False, exact: int = 0) -> dict:
         """Recovery with a bootstrap 95% interval over documents; wrong: also the wrong-document control and the
-        paired difference (own document minus wrong document) with its interval."""
-        got = self.per_document(maps)
-        columns = [self.none, self.full, got] + ([self.per_document(maps, shift=1)] if wrong else [])
+        paired difference (own document minus wrong document) with its interval. exact: the context's last
+        `exact` tokens prefilled by the target (see per_document)."""
+        got = self.per_document(maps, exact=exact)
+        columns = [self.none, self.full, got] + ([self.per_document(maps, shift=1, exact=exact)] if wrong else [])
         rows = list(zip(*columns))
 
         def rec(sample, col=2):
@@ -375,7 +411,13 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         if dev is not None:
             r = dev.recovery(maps)
             row |= {"dev_recovery": r["recovery"], "dev_interval": r["interval"]}
-            improved = r["recovery"] > state["best"]
+            if config.exact_tail:  # the score: the mean of no exact tail and the middle of the range trained on
+                tail = round(config.exact_tail * context_tokens / 2)
+                r_tail = dev.recovery(maps, exact=tail)
+                row |= {"dev_recovery_replace": r["recovery"], f"dev_recovery_exact_{tail}": r_tail["recovery"],
+                        "dev_recovery": (r["recovery"] + r_tail["recovery"]) / 2}
+                row.pop("dev_interval")
+            improved = row["dev_recovery"] > state["best"]
         state["record"].append(row)
         if improved:
             state.update(best=row.get("dev_recovery", 0.0), best_iter=it, stale=0)
@@ -414,7 +456,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                        for w in windows)
             loss = loss / len(windows)
         else:
-            loss = (kl_loss if config.objective == "kl" else ce_loss)(maps, start_kv, windows, target, context_tokens)
+            loss = (kl_loss if config.objective == "kl" else ce_loss)(
+                maps, start_kv, windows, target, context_tokens, exact_tail_tokens(config, it, context_tokens))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(maps.parameters(), config.grad_clip)

@@ -104,3 +104,42 @@ def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
 def test_chain_without_a_corpus_is_refused(capsys):
     assert main(["--preset", "tiny", "--trainer", "chain"]) == 2
     assert "needs --corpus" in capsys.readouterr().err
+
+
+def test_chain_fine_tunes_a_trained_adapter_with_exact_tails(corpus, tmp_path, capsys):
+    """--init: no ridge fit, the stages train a residual on the given adapter (its token rank kept) with the
+    whitening statistics of the ridge windows through it; another adapter in the same work folder, or one of
+    another pair, is refused by name."""
+    import dataclasses
+
+    from kvbridge.adapters.io import save_adapter
+
+    first = tmp_path / "a.safetensors"
+    assert main(_args(corpus, tmp_path / "work-a", first, "--trainer", "chain", "--stages", "kl:2",
+                      "--token-rank", "8")) == 0
+    work, out = tmp_path / "work-b", tmp_path / "b.safetensors"
+    assert main(_args(corpus, work, out, "--trainer", "chain", "--init", str(first), "--stages", "kl:3",
+                      "--stage-lr", "kl=1e-2", "--exact-tail", "0.25", "--token-rank", "0")) == 0
+    assert "stage kl: 3 steps" in capsys.readouterr().out
+    assert not (work / "ridge").exists() and (work / "init" / "stats.safetensors").exists()
+    a, b = load_adapter(first), load_adapter(out)
+    assert b.token_rank == 8 and torch.equal(b.tok_table, a.tok_table) and torch.equal(b.layer_map, a.layer_map)
+    assert not torch.equal(b.wk, a.wk)
+    init = read_adapter_meta(out)["training"]["init"]  # what it started from: the chain of commands
+    assert init["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert init["training"]["command"] == read_adapter_meta(first)["training"]["command"]
+    record = json.loads((work / "stage-0-kl" / "record.json").read_text())
+    assert "dev_recovery_replace" in record[-1] and any(k.startswith("dev_recovery_exact_") for k in record[-1])
+
+    other = tmp_path / "other.safetensors"
+    save_adapter(dataclasses.replace(a, wk=a.wk * 2), other)
+    assert main(_args(corpus, work, out, "--trainer", "chain", "--init", str(other), "--stages", "kl:3")) == 2
+    assert "holds the statistics of" in capsys.readouterr().err
+    target = dict(a.meta.target, config_hash="0" * 64)
+    save_adapter(dataclasses.replace(a, meta=dataclasses.replace(a.meta, target=target)), other)
+    assert main(_args(corpus, tmp_path / "work-c", out, "--trainer", "chain", "--init", str(other),
+                      "--stages", "kl:3")) == 2
+    assert "was fitted for target" in capsys.readouterr().err
+    assert main(_args(corpus, tmp_path / "work-c", out, "--trainer", "chain", "--stages", "attention:3",
+                      "--exact-tail", "0.2")) == 2
+    assert "exact_tail applies to the kl and ce stages" in capsys.readouterr().err

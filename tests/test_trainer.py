@@ -3,6 +3,7 @@ attention-matching and KL objectives; determinism, resume, and a planted attenti
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,6 +17,8 @@ from kvbridge.adapters.trainer import (
     RecoveryProbe,
     TrainerConfig,
     attention_loss,
+    continuation_logp,
+    exact_tail_tokens,
     project_window,
     train,
 )
@@ -212,3 +215,67 @@ def test_recovery_probe_brackets_full_and_none(pair, cache, ridge):
     assert set(r["nll"]) == {"none", "full", "projected"}
     assert r["wrong_interval"][0] <= r["wrong"] <= r["wrong_interval"][1]
     assert r["own_minus_wrong"] == pytest.approx(r["recovery"] - r["wrong"])
+
+
+def test_exact_tail_scores_the_continuation_after_an_exact_recompute(pair, cache, ridge):
+    """With the context's last k tokens prefilled exactly: an untrained fuser (the target's own cache) gives the
+    plain prefill's log-probs for every k, and a projection no longer depends on the source of those k tokens."""
+    from kvbridge.adapters.fuser import FuserConfig, FuserMaps
+
+    _, target = pair
+    c = TEACHER.context_tokens
+    windows = [cache.load(i) for i in (12, 13)]
+    for w in windows:  # the cache keeps the target's K/V in bf16: the exact ones here
+        seg = kvcache.extract(target.model, target.spec, w["ids"])
+        w["k"], w["v"] = seg.keys.float(), seg.values.float()
+    fuser = FuserMaps.from_ridge(ridge[0], ridge[1], FuserConfig(rank=4))
+    ids = torch.stack([w["ids"] for w in windows])
+    with torch.no_grad():
+        plain = target.model(input_ids=ids).logits[:, 1 + c:-1].float().log_softmax(-1)
+        for k in (0, 1, 7):
+            got = continuation_logp(fuser, None, windows, target, c, exact=k)
+            assert got.shape == plain.shape
+            torch.testing.assert_close(got, plain, atol=2e-4, rtol=0)
+    probe = RecoveryProbe.from_cache(target, None, cache, [12, 13, 14, 15], c)
+    for it in probe.items:
+        seg = kvcache.extract(target.model, target.spec, it.context_ids)
+        it.k, it.v = seg.keys.float(), seg.values.float()
+    assert probe.recovery(fuser, exact=7)["recovery"] == pytest.approx(1.0, abs=1e-4)
+
+    maps, k = _maps(ridge), 6
+    probe = RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, [12, 13, 14, 15], c)
+    before = {e: probe.per_document(maps, exact=e) for e in (0, k)}
+    for it in probe.items:  # another source for the last k context tokens only
+        it.xk[:, -k:] = torch.randn_like(it.xk[:, -k:]) * 3
+        it.xv[:, -k:] = torch.randn_like(it.xv[:, -k:]) * 3
+    assert probe.per_document(maps, exact=k) == pytest.approx(before[k], rel=1e-5)
+    assert probe.per_document(maps) != pytest.approx(before[0], rel=1e-3)
+    with pytest.raises(ValueError, match="exact must be in"):
+        continuation_logp(maps, ridge[0].start_kv, windows, target, c, exact=c)
+
+
+def test_exact_tail_draws_and_config():
+    config = TrainerConfig(objective="kl", exact_tail=0.25, warmup_iters=0, max_iters=10)
+    draws = [exact_tail_tokens(config, it, 192) for it in range(400)]
+    assert draws == [exact_tail_tokens(config, it, 192) for it in range(400)]  # a function of (seed, it)
+    assert 150 < draws.count(0) < 250 and max(draws) == 48 and min(d for d in draws if d) == 1
+    assert exact_tail_tokens(dataclasses.replace(config, exact_tail=0.0), 3, 192) == 0
+    with pytest.raises(ValueError, match="exact_tail is for the end-to-end objectives"):
+        dataclasses.replace(config, objective="attention")
+    with pytest.raises(ValueError, match="exact_tail must be in"):
+        dataclasses.replace(config, exact_tail=1.0)
+
+
+def test_training_with_exact_tails_scores_dev_on_both(pair, cache, ridge, tmp_path):
+    _, target = pair
+    c = TEACHER.context_tokens
+    probe = RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, [12, 13, 14, 15], c)
+    config = TrainerConfig(objective="kl", exact_tail=0.5, lr=1e-3, min_lr=1e-4, warmup_iters=0, max_iters=2,
+                           eval_interval=1)
+    out = train(_maps(ridge), ridge[0].start_kv, target, cache, list(range(12)), probe, config, c, tmp_path,
+                progress=False)
+    tail = round(0.5 * c / 2)
+    for row in out["record"]:
+        assert row["dev_recovery"] == pytest.approx((row["dev_recovery_replace"] + row[f"dev_recovery_exact_{tail}"])
+                                                    / 2)
+    assert out["best"] == max(row["dev_recovery"] for row in out["record"])
