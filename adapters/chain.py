@@ -87,6 +87,8 @@ class ChainConfig:
             raise ValueError("init starts a projection from a trained adapter; a fuser starts from its own KV")
         if self.exact_tail and not any(name in ("kl", "ce") for name, _ in self.stages):
             raise ValueError("exact_tail applies to the kl and ce stages; there is none")
+        if not self.teacher.queries and any(name == "attention" for name, _ in self.stages):
+            raise ValueError("an attention stage reads the target's queries: the teacher cache must keep them")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
 

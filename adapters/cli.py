@@ -170,6 +170,7 @@ def run_chain(args: argparse.Namespace) -> int:
     from kvbridge.adapters.fuser import save_fuser
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.pairs import start_token_id
+    from kvbridge.adapters.teacher import TeacherConfig
     from kvbridge.adapters.train import read_corpus
     from kvbridge.adapters.trainer import RecoveryProbe
     from kvbridge.transfer.models import kvbridge_home
@@ -180,7 +181,9 @@ def run_chain(args: argparse.Namespace) -> int:
                          "../shared/data/kernel_docs_corpus.txt)")
     fuser = args.trainer == "fuser"
     stages = parse_stages(args.stages or ("ce:600" if fuser else "attention:300,kl:600"))
-    config = ChainConfig(stages=stages, fuser_rank=args.fuser_rank if fuser else 0,
+    # the queries (45% of a teacher window) only for attention matching
+    teacher = TeacherConfig(queries=any(name == "attention" for name, _ in stages))
+    config = ChainConfig(stages=stages, teacher=teacher, fuser_rank=args.fuser_rank if fuser else 0,
                          token_rank=0 if fuser else args.token_rank,
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"

@@ -7,7 +7,9 @@ One window is `context_tokens + continuation_tokens` target text tokens behind t
   xk, xv      [L_s, T, d_s] bf16  source KV gathered to the target tokens (keys un-rotated; unmapped tokens zero),
                                   exactly the input `adapter.project` feeds to its maps
   k, v        [L_t, H_t, T, D_t] bf16  the target's own KV of the window (keys rotated, as cached)
-  q           [L_t, H_q, T, D_t] bf16  the target's own queries (rotated) of every layer
+  q           [L_t, H_q, T, D_t] bf16  the target's own queries (rotated) of every layer; only with
+                                  `TeacherConfig.queries` (attention matching reads them, nothing else does:
+                                  without them a window of the small pair takes 10.7 MB, not 19.6)
   has_text    [T] bool            a source text token covers the target token (the tokens ridge fits on)
   start_mask  [T] bool            positions that take the adapter's exact start KV (the start token)
   ids         [T] int64           target ids: start, context, continuation
@@ -122,6 +124,7 @@ class TeacherConfig:
     context_tokens: int = 192  # projected in training, as in evaluate.prepare_documents
     continuation_tokens: int = 64  # prefilled by the target; KL is taken on their next-token distributions
     topk: int = 32  # teacher log-probs kept per position (the KL is renormalised over them)
+    queries: bool = True  # keep the target's queries (attention matching needs them)
 
     def __post_init__(self):
         if self.context_tokens < 2 or self.continuation_tokens < 2:
@@ -170,9 +173,9 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     top = logp.topk(config.topk, dim=-1)
     layers = range(target.spec.num_layers)
     bf16 = torch.bfloat16
-    return {
+    queries = {"q": torch.stack([rec[j][1][0] for j in layers]).to(bf16).cpu()} if config.queries else {}
+    return queries | {  # q: [L_t, H_q, T, D]
         "xk": xk.to(bf16), "xv": xv.to(bf16),
-        "q": torch.stack([rec[j][1][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_q, T, D]
         "k": torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_t, T, D]
         "v": torch.stack([rec[j][3][0] for j in layers]).to(bf16).cpu(),
         "has_text": has_text_source(kind), "start_mask": (~has_text_source(kind)) & (ids == start_token),
@@ -196,13 +199,18 @@ class TeacherCache:
 
     def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config: TeacherConfig,
               start_token: int, progress: bool = True) -> dict:
-        """Teacher data of every window; returns timing {windows, seconds, per_window_s}."""
+        """Teacher data of every window; returns timing {windows, seconds, per_window_s}. A cache that keeps the
+        queries serves a run that does not need them (its new windows keep them too)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
+        if saved is not None:
+            saved["config"] = asdict(TeacherConfig(**saved["config"]))  # an index older than `queries` kept them
+            if saved["config"]["queries"] and not config.queries:
+                config = TeacherConfig(**saved["config"])
         header = {"version": CACHE_VERSION, "config": asdict(config), "source": source.spec.identity.key,
                   "target": target.spec.identity.key, "start_token": start_token,
                   "source_record": model_record(source.spec)}
-        if self.index_path.exists():
-            saved = json.loads(self.index_path.read_text())
+        if saved is not None:
             if {k: saved.get(k) for k in header} != header:
                 raise ValueError(f"{self.root} holds teacher data of another configuration or model pair; use "
                                  "another folder")

@@ -394,6 +394,9 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
     if config.objective == "attention" and isinstance(maps, FuserMaps):
         raise ValueError("a fuser trains end to end (objective 'ce'); attention matching is for projections")
     geometry = AttentionGeometry(target) if config.objective == "attention" else None
+    if geometry is not None and "q" not in cache.load(train_idx[0]):
+        raise ValueError(f"attention matching reads the target's queries, and the teacher cache {cache.root} was "
+                         "built without them (TeacherConfig.queries)")
     optimizer = torch.optim.AdamW(maps.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=config.weight_decay)
     state = {"iter": 0, "best": -math.inf, "best_iter": -1, "elapsed_s": 0.0, "stale": 0, "record": [],
              "config": asdict(config)}

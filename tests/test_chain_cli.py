@@ -14,7 +14,8 @@ from kvbridge.adapters.chain import ChainConfig, parse_stages, select_windows
 from kvbridge.adapters.cli import main
 from kvbridge.adapters.fuser import load_fuser
 from kvbridge.adapters.io import load_adapter, read_adapter_meta
-from kvbridge.adapters.teacher import is_heldout
+from kvbridge.adapters.teacher import TeacherConfig, is_heldout
+from safetensors.torch import load_file
 
 WORDS = ("the a model reads text once and keeps its cache in blocks while another model of a different family "
          "generates from the projected keys and values without reading the document again").split()
@@ -49,6 +50,8 @@ def test_stages_parse_and_bad_ones_are_named():
             parse_stages(bad)
     with pytest.raises(ValueError, match="fuser trains on stage 'ce' only"):
         ChainConfig(stages=(("kl", 3),), fuser_rank=8)
+    with pytest.raises(ValueError, match="the teacher cache must keep them"):
+        ChainConfig(stages=(("attention", 3),), teacher=TeacherConfig(queries=False))
 
 
 def test_dev_windows_come_from_held_out_documents_only(corpus, tiny_target):
@@ -122,6 +125,7 @@ def test_chain_fine_tunes_a_trained_adapter_with_exact_tails(corpus, tmp_path, c
                       "--stage-lr", "kl=1e-2", "--exact-tail", "0.25", "--token-rank", "0")) == 0
     assert "stage kl: 3 steps" in capsys.readouterr().out
     assert not (work / "ridge").exists() and (work / "init" / "stats.safetensors").exists()
+    assert "q" not in load_file(str(next((work / "teacher").glob("*.safetensors"))))  # no attention stage
     a, b = load_adapter(first), load_adapter(out)
     assert b.token_rank == 8 and torch.equal(b.tok_table, a.tok_table) and torch.equal(b.layer_map, a.layer_map)
     assert not torch.equal(b.wk, a.wk)

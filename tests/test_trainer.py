@@ -279,3 +279,35 @@ def test_training_with_exact_tails_scores_dev_on_both(pair, cache, ridge, tmp_pa
         assert row["dev_recovery"] == pytest.approx((row["dev_recovery_replace"] + row[f"dev_recovery_exact_{tail}"])
                                                     / 2)
     assert out["best"] == max(row["dev_recovery"] for row in out["record"])
+
+
+def test_a_teacher_cache_without_queries_serves_kl_and_refuses_attention(pair, cache, ridge, tmp_path):
+    import json
+
+    source, target = pair
+    rng = random.Random(1)
+    windows = [Window(f"doc:{i}/0", f"doc:{i}", _text(rng)) for i in range(3)]
+    light = TeacherCache(tmp_path / "light")
+    light.build(source, target, windows[:2], dataclasses.replace(TEACHER, queries=False),
+                start_token_id(target.tokenizer), progress=False)
+    assert "q" not in light.load(0) and {"k", "v", "xk", "top_logp"} <= set(light.load(0))
+    c = TEACHER.context_tokens
+    kl = TrainerConfig(objective="kl", warmup_iters=0, max_iters=1, eval_interval=1)
+    train(_maps(ridge), ridge[0].start_kv, target, light, [0, 1], None, kl, c, tmp_path / "kl", progress=False)
+    with pytest.raises(ValueError, match="built without them"):
+        train(_maps(ridge), ridge[0].start_kv, target, light, [0, 1], None,
+              dataclasses.replace(kl, objective="attention"), c, tmp_path / "att", progress=False)
+    # a cache that keeps the queries (one from before the option: no "queries" in its index) serves a run that
+    # does not need them, and its new windows keep them
+    full = TeacherCache(tmp_path / "full")
+    full.build(source, target, windows[:1], TEACHER, start_token_id(target.tokenizer), progress=False)
+    index = json.loads(full.index_path.read_text())
+    del index["config"]["queries"]
+    full.index_path.write_text(json.dumps(index))
+    full = TeacherCache(tmp_path / "full")
+    full.build(source, target, windows, dataclasses.replace(TEACHER, queries=False),
+               start_token_id(target.tokenizer), progress=False)
+    assert len(full) == 3 and all("q" in full.load(i) for i in range(3))
+    with pytest.raises(ValueError, match="another configuration"):
+        TeacherCache(tmp_path / "light").build(source, target, windows, TEACHER, start_token_id(target.tokenizer),
+                                               progress=False)
