@@ -1,6 +1,6 @@
 #!/bin/bash
-# Fine-tune the shipped adapter with exact tails on 2,000 training windows (the first run: --train-windows 600, its
-# own work folder; the dev rows of both are in ../../README.md). Stopped at step 100; ckpt_eval.py read last.safetensors.
+# Fine-tune the shipped adapter with exact tails on 2,000 training windows (the first run: --train-windows 600 in the same
+# work folder, before its cache grew; the dev rows of both are in ../../README.md). Stopped at step 100; ckpt_eval.py read last.safetensors.
 cd /work/main
 exec .venv/bin/train-adapter --preset small --trainer chain \
   --corpus ../shared/data/pydoc_corpus.txt ../shared/data/kernel_docs_corpus.txt \
