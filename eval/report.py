@@ -196,7 +196,8 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
         ax.set_xlabel("target prefill FLOPs, share of full's (selection passes included)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run of modes without curves or lines has nothing to label
+            ax.legend(fontsize=8)
     fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
