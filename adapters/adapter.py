@@ -18,6 +18,7 @@ fitted), and wk_tok, wv_tok [L_t, r, d_t] add tok_table[id] @ w_tok to the maps:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -130,6 +131,13 @@ class Adapter:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.tok_table.shape[0]):
             raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
         return self.tok_table[ids].float()
+
+    def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
+        """The same adapter with its maps (mixes, weights, biases, token table and maps) in `dtype`; the layer map
+        and the exact start KV are kept as they are."""
+        names = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok")
+        return dataclasses.replace(self, **{n: getattr(self, n).to(dtype) for n in names
+                                            if getattr(self, n) is not None})
 
     def to(self, device: torch.device | str) -> "Adapter":
         names = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok")

@@ -146,9 +146,8 @@ def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, targe
     """The trained adapter `config.init` (float32) and the whitening statistics of the ridge windows through it."""
     adapter = load_adapter(config.init)
     adapter.check_models(source.spec, target.spec)
-    adapter = dataclasses.replace(adapter, **{n: getattr(adapter, n).float() for n in (
-        "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok")
-        if getattr(adapter, n) is not None})
+    adapter = adapter.with_maps_dtype(torch.float32)
+    adapter = dataclasses.replace(adapter, start_kv=None if adapter.start_kv is None else adapter.start_kv.float())
     folder = work / "init"
     record = {"adapter": str(Path(config.init).resolve()), "windows": config.ridge_windows,
               "sha256": hashlib.sha256(Path(config.init).read_bytes()).hexdigest()}

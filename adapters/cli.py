@@ -253,9 +253,7 @@ def run_chain(args: argparse.Namespace) -> int:
         adapter = dataclasses.replace(adapter, meta=dataclasses.replace(adapter.meta, corpus=corpus,
                                                                        training=training, metrics=metrics))
         if dtype != torch.float32:
-            adapter = dataclasses.replace(adapter, **{n: getattr(adapter, n).to(dtype) for n in (
-                "mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok")
-                if getattr(adapter, n) is not None})
+            adapter = adapter.with_maps_dtype(dtype)
         save_adapter(adapter, out)
     print(f"{args.trainer} written to {out} ({out.stat().st_size / 1e6:.1f} MB)")
     if args.json:
