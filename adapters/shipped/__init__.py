@@ -8,7 +8,7 @@ from pathlib import Path
 from kvbridge.adapters.io import read_adapter_meta
 from kvbridge.transfer.spec import ModelSpec
 
-SHIPPED_FOLDER = Path(__file__).resolve().parent / "shipped"
+SHIPPED_FOLDER = Path(__file__).resolve().parent  # this package folder holds the files
 
 
 def find_shipped(source: ModelSpec, target: ModelSpec, folder: Path | None = None) -> Path | None:
