@@ -1,0 +1,29 @@
+# As run (2026-12-02): dev R² of per-layer maps reading a source basis (fit.source_basis) of each rank, from stats.pt.
+import sys, time, torch
+torch.set_num_threads(2)
+from kvbridge.adapters.fit import JointStats, source_basis
+t0 = time.time()
+S = torch.load("/work/exp17/stats.pt")
+js = JointStats.__new__(JointStats)
+js.ls, js.d_s, js.lt, js.d_t, js.d_tok = 18, 256, 30, 192, 576
+js.n_src = 9216; js.gram = S["G"]; js.cross = S["C"]; js.count = S["n"]; js.yy = S["n"] * (S["Yd"].var(0) + (S["C"][-1] / S["n"]) ** 2)
+Xd, Yd = S["Xd"], S["Yd"]; n = S["n"]
+LT, HD = 30, 192
+sst = ((Yd - Yd.mean(0)) ** 2).sum(0)
+def r2(sse):
+    return [sum(1 - float(sse[(m * LT + j) * HD:(m * LT + j + 1) * HD].sum() / sst[(m * LT + j) * HD:(m * LT + j + 1) * HD].sum()) for j in range(LT)) / LT for m in range(2)]
+for r in [int(a) for a in sys.argv[1].split(",")]:
+    B = source_basis(js, r)
+    print(f"basis {r} {time.time()-t0:.0f}s", flush=True)
+    F = js.gram.shape[0]
+    T = torch.zeros(F, r + 577, dtype=torch.float64); T[:9216, :r] = B; T[9216:, r:] = torch.eye(577, dtype=torch.float64)
+    g = T.T @ js.gram @ T; c = T.T @ js.cross
+    mu = g[-1, :-1] / n; ymu = c[-1] / n
+    gc = g[:-1, :-1] - n * torch.outer(mu, mu); cc = c[:-1] - n * torch.outer(mu, ymu)
+    s = gc.diagonal().div(n).clamp_min(1e-12).sqrt(); gc = gc / s[:, None] / s[None]; cc = cc / s[:, None]
+    x = ((Xd @ T)[:, :-1] - mu) / s; y = Yd - ymu
+    best = None
+    for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
+        W = torch.linalg.solve(gc + l2 * n * torch.eye(gc.shape[0], dtype=gc.dtype), cc)
+        e = ((x @ W - y) ** 2).sum(0); best = e if best is None else torch.minimum(best, e)
+    print("rank %d basis + full emb: K %.4f V %.4f (%.0fs)" % (r, *r2(best), time.time() - t0), flush=True)
