@@ -14,6 +14,12 @@ target's RMS-normalised input embeddings projected on their first r principal di
 fitted), and wk_tok, wv_tok [L_t, r, d_t] add tok_table[id] @ w_tok to the maps:
 
   y = mix(x) @ W + tok_table[id] @ W_tok + b
+
+Optional source basis (format 3): a per-layer mix of a few source layers of one kind (K for the K map, V for the V
+map) reads little of what the source knows. With src_basis [2 · L_s · d_s, r], every map reads instead the same r
+features of all source layers' keys and values, z = [xk of every layer, xv of every layer] @ src_basis, fitted by
+reduced-rank regression (`fit.source_basis`); layer_map is then [L_t, 1] of zeros and wk, wv [L_t, r, d_t]: the
+rest of the adapter (mix, token features, bias, start KV) works on z as on one source layer of width r.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from kvbridge.transfer.spec import ModelSpec
 
 FORMAT_VERSION = 1  # an adapter of the source maps only; version 2 adds token features (TOKENS_FORMAT_VERSION)
 TOKENS_FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+BASIS_FORMAT_VERSION = 3  # a source basis over all source layers (src_basis)
+READ_VERSIONS = (1, 2, 3)
 
 
 def rope_record(spec: ModelSpec) -> list[dict | None]:
@@ -78,12 +85,20 @@ class Adapter:
     tok_table: torch.Tensor | None = None  # [V_t, r] the target's token features (see the module docstring)
     wk_tok: torch.Tensor | None = None  # [L_t, r, d_t]
     wv_tok: torch.Tensor | None = None  # [L_t, r, d_t]
+    src_basis: torch.Tensor | None = None  # [2 · L_s · d_s, r_s]: the maps read r_s features of every source layer
 
     def __post_init__(self):
         s, t = self.meta.source, self.meta.target
         d_s = s["num_kv_heads"] * s["head_dim"]
         d_t = t["num_kv_heads"] * t["head_dim"]
         lt = t["num_layers"]
+        source_layers = s["num_layers"]
+        if self.src_basis is not None:
+            width = 2 * s["num_layers"] * d_s
+            if self.src_basis.ndim != 2 or self.src_basis.shape[0] != width:
+                raise ValueError(f"adapter src_basis has shape {tuple(self.src_basis.shape)}, expected "
+                                 f"({width}, r): the keys and values of all {s['num_layers']} source layers")
+            d_s, source_layers = int(self.src_basis.shape[1]), 1  # the maps read one "layer" of r_s features
         k = self.layer_map.shape[1] if self.layer_map.ndim == 2 else -1
         expect = {"layer_map": (lt, k), "mix_k": (lt, k), "mix_v": (lt, k), "wk": (lt, d_s, d_t), "wv": (lt, d_s, d_t),
                   "bk": (lt, d_t), "bv": (lt, d_t)}
@@ -101,8 +116,10 @@ class Adapter:
                 if tuple(getattr(self, name).shape) != (lt, r, d_t):
                     raise ValueError(f"adapter tensor {name} has shape {tuple(getattr(self, name).shape)}, expected "
                                      f"{(lt, r, d_t)} for token features of rank {r}")
-        if int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= s["num_layers"]:
-            raise ValueError(f"adapter layer_map refers to source layers outside [0, {s['num_layers']})")
+        if int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= source_layers:
+            raise ValueError(f"adapter layer_map refers to source layers outside [0, {source_layers})"
+                             + (" (with a source basis the maps read one layer of features)" if source_layers == 1
+                                and self.src_basis is not None else ""))
         if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
             raise ValueError(f"adapter start_kv has shape {tuple(self.start_kv.shape)}, expected "
                              f"{(lt, 2, t['num_kv_heads'], t['head_dim'])}")
@@ -116,12 +133,19 @@ class Adapter:
         """r of the token features; 0 when the maps read the source features only."""
         return 0 if self.tok_table is None else int(self.tok_table.shape[1])
 
+    @property
+    def source_rank(self) -> int:
+        """r_s of the source basis; 0 when the maps read a mix of source layers."""
+        return 0 if self.src_basis is None else int(self.src_basis.shape[1])
+
     def extra_flops_per_token(self) -> int:
-        """FLOPs per target token beyond the source maps: the token features' K and V maps of every layer."""
+        """FLOPs per target token beyond the per-layer maps: the token features' K and V maps of every layer, and
+        the source basis (once per token, shared by every layer)."""
+        flops = 0 if self.src_basis is None else 2 * self.src_basis.numel()
         if self.tok_table is None:
-            return 0
+            return flops
         lt, r, d_t = self.wk_tok.shape
-        return 2 * 2 * lt * r * d_t
+        return flops + 2 * 2 * lt * r * d_t
 
     def token_features(self, target_ids: torch.Tensor) -> torch.Tensor | None:
         """[T] target ids -> [T, r] float32 token features, or None without token features."""
@@ -133,14 +157,15 @@ class Adapter:
         return self.tok_table[ids].float()
 
     def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
-        """The same adapter with its maps (mixes, weights, biases, token table and maps) in `dtype`; the layer map
-        and the exact start KV are kept as they are."""
-        names = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok")
+        """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis) in `dtype`;
+        the layer map and the exact start KV are kept as they are."""
+        names = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok", "src_basis")
         return dataclasses.replace(self, **{n: getattr(self, n).to(dtype) for n in names
                                             if getattr(self, n) is not None})
 
     def to(self, device: torch.device | str) -> "Adapter":
-        names = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok")
+        names = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok",
+                 "src_basis")
         move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in names}
         return Adapter(meta=self.meta, **move)
 
@@ -172,6 +197,21 @@ def mix_layers(x: torch.Tensor, layer_map: torch.Tensor, mix: torch.Tensor) -> t
     return (dense @ x.reshape(ls, t * d)).reshape(-1, t, d)
 
 
+def source_inputs(src_basis: torch.Tensor | None, xk: torch.Tensor, xv: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the maps read: xk, xv [L_s, T, d_s] as they are, or with a source basis [2 · L_s · d_s, r] the one
+    "layer" z = [xk of every layer, xv of every layer] @ src_basis, [1, T, r], for both maps. Computed in the
+    basis's dtype (float32 accumulation inside the GEMM for bf16)."""
+    if src_basis is None:
+        return xk, xv
+    ls, t, d = xk.shape
+    flat = torch.cat((xk.transpose(0, 1).reshape(t, ls * d), xv.transpose(0, 1).reshape(t, ls * d)), dim=1)
+    if flat.shape[1] != src_basis.shape[0]:
+        raise ValueError(f"the source basis reads {src_basis.shape[0]} features, the source KV has {flat.shape[1]}")
+    z = (flat.to(src_basis.dtype) @ src_basis)[None]
+    return z, z
+
+
 def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True,
                target_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The linear part, batched over target layers.
@@ -188,6 +228,8 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
     work = torch.float32 if accumulate_fp32 else xk.dtype
     half = adapter.wk.dtype in (torch.bfloat16, torch.float16)
     gemm = adapter.wk.dtype if half else work
+    if adapter.src_basis is not None:
+        xk, xv = source_inputs(adapter.src_basis.to(gemm), xk.to(gemm), xv.to(gemm))
     tok = None
     if adapter.tok_table is not None:
         if target_ids is None:
