@@ -57,6 +57,7 @@ class ChainConfig:
     stages: tuple[tuple[str, int], ...] = (("attention", 300), ("kl", 600))
     fuser_rank: int = 0  # > 0: train a fuser of this rank (stages "ce" only) instead of a projection
     token_rank: int = 0  # > 0: the projection's maps also read the target's token features of this rank
+    source_rank: int = 0  # > 0: the maps read a basis of this rank over all source layers (format 3), not a mix
     train_windows: int = 1400  # training windows put in the teacher cache (in the seeded shuffle's order)
     ridge_windows: int = 200  # of them, for the ridge statistics
     dev_per_corpus: int = 12  # held-out windows per corpus file: λ/α, and the stages' best-checkpoint choice
@@ -81,8 +82,10 @@ class ChainConfig:
                 raise ValueError(f"a fuser trains on stage 'ce' only, got {name!r}")
         if self.fuser_rank and self.token_rank:
             raise ValueError("token features are for projections: a fuser adds to the target's own KV, which has them")
-        if self.token_rank < 0:
-            raise ValueError(f"token_rank must be >= 0, got {self.token_rank}")
+        if self.token_rank < 0 or self.source_rank < 0:
+            raise ValueError(f"token_rank and source_rank must be >= 0, got {self.token_rank}, {self.source_rank}")
+        if self.fuser_rank and self.source_rank:
+            raise ValueError("a source basis is for projections; the fuser reads a mix of source layers")
         if self.init and self.fuser_rank:
             raise ValueError("init starts a projection from a trained adapter; a fuser starts from its own KV")
         if self.exact_tail and not any(name in ("kl", "ce") for name, _ in self.stages):
@@ -126,13 +129,14 @@ def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: 
         info = json.loads((folder / "fit.json").read_text())
         stats = RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors")))
         adapter = load_adapter(folder / "ridge.safetensors")
-        if adapter.token_rank != config.token_rank:
-            raise ValueError(f"{folder} holds a ridge fit with token features of rank {adapter.token_rank}, this run "
-                             f"asks for {config.token_rank}: use another work folder (its teacher/ can be reused)")
+        if (adapter.token_rank, adapter.source_rank) != (config.token_rank, config.source_rank):
+            raise ValueError(f"{folder} holds a ridge fit with token features of rank {adapter.token_rank} and a "
+                             f"source basis of rank {adapter.source_rank}, this run asks for {config.token_rank} and "
+                             f"{config.source_rank}: use another work folder (its teacher/ can be reused)")
         return adapter, stats, info["seconds"]
     t0 = time.perf_counter()
     adapter, stats = fit_ridge(cache, train_idx[:config.ridge_windows], dev_idx, target, config.layer_map, config.k,
-                               progress=progress, token_rank=config.token_rank)
+                               progress=progress, token_rank=config.token_rank, source_rank=config.source_rank)
     seconds = time.perf_counter() - t0
     folder.mkdir(parents=True, exist_ok=True)
     save_file(stats.state_dict(), str(folder / "stats.safetensors"))

@@ -222,3 +222,125 @@ def with_token_basis(stats: RidgeStats, basis: torch.Tensor, mean: torch.Tensor)
         out.yy[name] = stats.yy[name].cpu().clone()
     out.count = stats.count
     return out
+
+
+class JointStats:
+    """Float64 statistics of [every source layer's K and V, token inputs, 1] against every target layer's K and V:
+    what a source basis is fitted from (`source_basis`). The `RidgeStats` of the maps that read the basis follow
+    from them exactly (`ridge_stats`), so the corpus is read once.
+
+    Memory: (F² + F·2·L_t·d_t) float64 with F = 2·L_s·d_s + d_tok + 1 (the small pair: 9,793 inputs, 1.7 GB);
+    refused above `max_bytes`, where per-layer mixes are the way (a production pair's F is ~30,000).
+    """
+
+    def __init__(self, source_layers: int, d_s: int, target_layers: int, d_t: int, d_tok: int = 0,
+                 max_bytes: int = 8 << 30):
+        self.ls, self.d_s, self.lt, self.d_t, self.d_tok = source_layers, d_s, target_layers, d_t, d_tok
+        self.n_src = 2 * source_layers * d_s
+        f, out = self.n_src + d_tok + 1, 2 * target_layers * d_t
+        need = 8 * (f * f + f * out)
+        if need > max_bytes:
+            raise ValueError(f"a source basis over {self.n_src} source features (K and V of {source_layers} layers "
+                             f"of width {d_s}) needs {need / 2**30:.1f} GiB of statistics, over the "
+                             f"{max_bytes / 2**30:.1f} GiB allowed: use per-layer mixes (source rank 0) for this pair")
+        self.gram = torch.zeros(f, f, dtype=torch.float64)
+        self.cross = torch.zeros(f, out, dtype=torch.float64)  # outputs: K of every layer, then V of every layer
+        self.yy = torch.zeros(out, dtype=torch.float64)
+        self.count = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # windows not yet in the sums
+
+    def add(self, xk: torch.Tensor, xv: torch.Tensor, yk: torch.Tensor, yv: torch.Tensor,
+            tok: torch.Tensor | None = None) -> None:
+        """As `RidgeStats.add`: xk, xv [L_s, n, d_s]; yk, yv [L_t, n, d_t]; tok [n, d_tok]. Windows are summed
+        in blocks of about 2,048 tokens: the products of a block in float32 (float64 inputs: float64), the sums
+        in float64 (a ~10,000-wide Gram added in float64 per window took longer than its product)."""
+        if (tok is None) != (self.d_tok == 0):
+            raise ValueError(f"these statistics take token features of width {self.d_tok}")
+        n = xk.shape[1]
+        parts = [xk.transpose(0, 1).reshape(n, -1), xv.transpose(0, 1).reshape(n, -1)]
+        if tok is not None:
+            parts.append(tok)
+        parts.append(torch.ones(n, 1, dtype=xk.dtype))
+        work = torch.float64 if xk.dtype == torch.float64 else torch.float32
+        x = torch.cat([p.to(work) for p in parts], dim=1)
+        y = torch.cat((yk.transpose(0, 1).reshape(n, -1), yv.transpose(0, 1).reshape(n, -1)), dim=1).to(work)
+        self._pending.append((x, y))
+        self.count += n
+        if sum(p[0].shape[0] for p in self._pending) >= 2048:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold the pending windows into the float64 sums (done by everything that reads them)."""
+        if not self._pending:
+            return
+        x = torch.cat([p[0] for p in self._pending])
+        y = torch.cat([p[1] for p in self._pending])
+        self._pending.clear()
+        self.gram += (x.T @ x).double()
+        self.cross += (x.T @ y).double()
+        self.yy += (y.double() ** 2).sum(0)
+
+    def ridge_stats(self, basis: torch.Tensor) -> RidgeStats:
+        """The statistics of the maps' inputs [x_src @ basis, tok, 1] (one group: every layer reads the same)."""
+        self.flush()
+        r, f = basis.shape[1], self.gram.shape[0]
+        m = torch.zeros(f, r + self.d_tok + 1, dtype=torch.float64)
+        m[:self.n_src, :r] = basis.to(torch.float64)
+        m[self.n_src:, r:] = torch.eye(self.d_tok + 1, dtype=torch.float64)
+        out = RidgeStats([(0,)] * self.lt, r, self.d_t, d_tok=self.d_tok)
+        gram = m.T @ self.gram @ m
+        cross = (m.T @ self.cross).view(-1, 2, self.lt, self.d_t)  # [n_in, map, L_t, d_t]
+        for i, name in enumerate("kv"):
+            out.gram[name] = gram[None].clone()
+            out.cross[name] = cross[:, i].permute(1, 0, 2).contiguous()
+            out.yy[name] = self.yy.view(2, self.lt, self.d_t)[i].sum(-1)
+        out.count = self.count
+        return out
+
+
+def source_basis(stats: JointStats, rank: int, lam: float = 1e-2) -> torch.Tensor:
+    """A rank-`rank` basis [2·L_s·d_s, rank] of all source layers' K and V for what the target's K and V need
+    (reduced-rank regression): the joint ridge map of the standardised inputs [source, token inputs] to every
+    layer's K and V (λ relative to the token count), its source rows W_s, and the top eigenvectors of the fitted
+    values' covariance W_sᵀ Σ_s W_s, every layer's K and V in units of its own standard deviation. The basis is
+    returned in the source's own units, scaled so each feature has unit variance over the training tokens.
+    Constant (zero-variance) source inputs get no weight."""
+    stats.flush()
+    n, ns = stats.count, stats.n_src
+    if not 1 <= rank <= ns:
+        raise ValueError(f"source rank must be in [1, {ns}], got {rank}")
+    if n == 0:
+        raise ValueError("a source basis needs training tokens; the statistics have none")
+    f = stats.gram.shape[0] - 1
+    mean = stats.gram[-1, :f] / n
+    cov = stats.gram[:f, :f] / n - torch.outer(mean, mean)
+    cross = stats.cross[:f] / n - torch.outer(mean, stats.cross[-1] / n)
+    var = cov.diagonal().clone()
+    live = var > var.max() * 1e-12
+    scale = torch.where(live, var.clamp(min=1e-300).rsqrt(), torch.zeros_like(var))
+    cs = cov * scale[:, None] * scale[None]
+    cs.diagonal().add_(lam + (~live).double())  # a dead input's row and column are zero: keep the system regular
+    w = torch.linalg.solve(cs, cross * scale[:, None])  # [F, outputs], standardised inputs
+    # every target layer's K and V map counts alike (the fit is judged by their mean R²): outputs in units of their
+    # map's standard deviation, so the basis does not follow the layers and the kind (K) of the largest values
+    var_y = stats.yy / n - (stats.cross[-1] / n) ** 2
+    block = var_y.view(2 * stats.lt, stats.d_t).mean(-1, keepdim=True).clamp(min=1e-30)
+    ws = w[:ns] * block.expand(-1, stats.d_t).reshape(-1).rsqrt()[None]
+    sigma = cs[:ns, :ns] - torch.diag(lam + (~live[:ns]).double())
+
+    def fitted(v: torch.Tensor) -> torch.Tensor:  # the fitted values' covariance W_sᵀ Σ_s W_s times v, never formed
+        return ws.T @ (sigma @ (ws @ v))
+
+    # its top eigenvectors by subspace iteration (seeded): a dense eigendecomposition of the [outputs, outputs]
+    # matrix takes minutes, the top `rank` of it seconds
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(fitted(torch.randn(ws.shape[1], rank + 32, generator=gen, dtype=torch.float64)))
+    for _ in range(8):
+        q, _ = torch.linalg.qr(fitted(q))
+    _, small = torch.linalg.eigh(q.T @ fitted(q))
+    basis = ws @ (q @ small[:, -rank:].flip(1))  # the strongest direction first
+    basis = basis * scale[:ns, None]  # back to the source's units
+    sd = (basis * (cov[:ns, :ns] @ basis)).sum(0).clamp(min=1e-30).sqrt()
+    basis = basis / sd
+    # eigenvectors have an arbitrary sign: fix it (largest-magnitude entry positive) so a refit is reproducible
+    return basis * torch.sign(basis.gather(0, basis.abs().argmax(0, keepdim=True)))

@@ -7,12 +7,19 @@ import json
 from pathlib import Path
 
 import torch
-from kvbridge.adapters.adapter import FORMAT_VERSION, READ_VERSIONS, TOKENS_FORMAT_VERSION, Adapter, AdapterMeta
+from kvbridge.adapters.adapter import (
+    BASIS_FORMAT_VERSION,
+    FORMAT_VERSION,
+    READ_VERSIONS,
+    TOKENS_FORMAT_VERSION,
+    Adapter,
+    AdapterMeta,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")
-OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok")
+OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok", "src_basis")
 
 
 def save_adapter(adapter: Adapter, path: str | Path) -> Path:
@@ -23,8 +30,9 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
     tensors = {name: getattr(adapter, name).detach().cpu().contiguous() for name in TENSORS + OPTIONAL
                if getattr(adapter, name) is not None}
     record = dataclasses.asdict(adapter.meta)
-    # version 1 when nothing of version 2 is in the file, so older kvbridge releases keep reading plain adapters
-    record["format_version"] = TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION
+    # the lowest version that has everything in the file, so older kvbridge releases keep reading what they can
+    record["format_version"] = (BASIS_FORMAT_VERSION if adapter.src_basis is not None else
+                                TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION)
     meta = {"kvbridge_adapter": json.dumps(record, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -15,6 +15,9 @@ back into a plain `Adapter` exactly (`to_adapter`); the MLP needs the adapter fo
 With token features (adapter format 2), x is [mix(x_source), tok_table[id]] (d_in = d_s + r) throughout: the ridge
 map, the whitening and the residual read both; `to_adapter` splits the map back into wk and wk_tok.
 
+With a source basis (adapter format 3), the source input is the one "layer" z = [xk, xv of every source layer] @
+src_basis (fixed, `fit.source_basis`), and everything above reads z as a mixed source layer of width r_s.
+
 Shapes: L_t target layers, k source layers per target layer, d_s / d_t flattened KV widths, H_t target KV heads.
 """
 
@@ -27,13 +30,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvbridge.adapters.adapter import Adapter, mix_layers
+from kvbridge.adapters.adapter import Adapter, mix_layers, source_inputs
 from kvbridge.adapters.fit import (
     DEFAULT_LAMBDAS,
+    JointStats,
     RidgeStats,
     mixing_matrix,
     normalised_embeddings,
     solve_layer,
+    source_basis,
     token_basis,
     with_token_basis,
 )
@@ -98,6 +103,7 @@ class ResidualMaps(nn.Module):
                 w = torch.cat((w, getattr(ridge, f"w{m}_tok").float()), dim=1)
             self.register_buffer(f"w{m}", w.detach().clone())
         self.register_buffer("tok_table", None if ridge.tok_table is None else ridge.tok_table.detach().float().clone())
+        self.register_buffer("src_basis", None if ridge.src_basis is None else ridge.src_basis.detach().float().clone())
         for m in "kv":
             mix = getattr(ridge, f"mix_{m}")
             rows = [whitening(stats, m, j, mix[j], config.eps) for j in range(lt)]
@@ -130,6 +136,7 @@ class ResidualMaps(nn.Module):
         """xk, xv: [L_s, T, d_src] (as `adapter.map_tokens` takes), ids: [T] target ids (token features) ->
         yk, yv: [L_t, T, d_t] un-rotated."""
         cfg = self.config
+        xk, xv = source_inputs(self.src_basis, xk.float(), xv.float())
         x = {m: self.mixed(xx, m, ids) for m, xx in (("k", xk), ("v", xv))}
         z = {m: torch.bmm(x[m] - getattr(self, f"mu_{m}")[:, None], getattr(self, f"white_{m}")) for m in "kv"}
         out = []
@@ -178,8 +185,9 @@ class ResidualMaps(nn.Module):
         """Bytes of the saved map in float32: the ridge tensors plus, when present, the MLP (the linear residual
         folds into the ridge weights)."""
         ridge = sum(getattr(self, n).numel() * 4 for n in ("mix_k", "mix_v", "wk", "bk", "wv", "bv"))
-        if self.tok_table is not None:
-            ridge += self.tok_table.numel() * 4
+        for name in ("tok_table", "src_basis"):
+            if getattr(self, name) is not None:
+                ridge += getattr(self, name).numel() * 4
         mlp = sum(p.numel() * 4 for n, p in self.named_parameters() if n.split("_")[0] in ("norm", "a", "b", "gate")
                   and not n.startswith("db"))
         extra = 0
@@ -188,10 +196,11 @@ class ResidualMaps(nn.Module):
         return ridge + mlp + extra
 
 
-def accumulate(stats: RidgeStats, cache, indices: list[int], target, tok_table: torch.Tensor | None = None,
-               desc: str = "statistics", progress: bool = True) -> RidgeStats:
+def accumulate(stats: RidgeStats | JointStats, cache, indices: list[int], target, tok_table: torch.Tensor | None = None,
+               desc: str = "statistics", progress: bool = True, src_basis: torch.Tensor | None = None):
     """Add the cached teacher windows' aligned pairs (source features -> the target's own un-rotated K, V) to
-    `stats`; tok_table [V, d_tok]: the token features of each target id (statistics with token inputs)."""
+    `stats`; tok_table [V, d_tok]: the token features of each target id (statistics with token inputs); src_basis:
+    the source features are read through it (`adapter.source_inputs`)."""
     from kvbridge.adapters.pairs import flatten_heads
     from tqdm import tqdm
 
@@ -199,7 +208,8 @@ def accumulate(stats: RidgeStats, cache, indices: list[int], target, tok_table: 
         w = cache.load(i)
         use = w["has_text"].nonzero()[:, 0]
         keys = target.rope.unrotate_all(w["k"].float(), torch.arange(w["k"].shape[2]))
-        stats.add(w["xk"][:, use].float(), w["xv"][:, use].float(), flatten_heads(keys)[:, use],
+        xk, xv = source_inputs(src_basis, w["xk"][:, use].float(), w["xv"][:, use].float())
+        stats.add(xk, xv, flatten_heads(keys)[:, use],
                   flatten_heads(w["v"].float())[:, use], None if tok_table is None else tok_table[w["ids"][use]])
     return stats
 
@@ -207,37 +217,56 @@ def accumulate(stats: RidgeStats, cache, indices: list[int], target, tok_table: 
 def adapter_stats(adapter: Adapter, cache, indices: list[int], target, progress: bool = True) -> RidgeStats:
     """The statistics a residual on a trained adapter whitens with (`ResidualMaps(adapter, stats, ...)`): the
     cached windows read through the adapter's own layer groups and token table."""
-    first = cache.load(indices[0])
     groups = [tuple(int(x) for x in g) for g in adapter.layer_map.tolist()]
-    stats = RidgeStats(groups, first["xk"].shape[2], adapter.wk.shape[2], d_tok=adapter.token_rank)
+    stats = RidgeStats(groups, adapter.wk.shape[1], adapter.wk.shape[2], d_tok=adapter.token_rank)
     table = None if adapter.tok_table is None else adapter.tok_table.float()
-    return accumulate(stats, cache, indices, target, table, "whitening statistics", progress)
+    basis = None if adapter.src_basis is None else adapter.src_basis.float()
+    return accumulate(stats, cache, indices, target, table, "whitening statistics", progress, basis)
 
 
 def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer_map: str = "mix", k: int = 3,
-              lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25, progress: bool = True, token_rank: int = 0
-              ) -> tuple[Adapter, RidgeStats]:
+              lambdas=DEFAULT_LAMBDAS, mix_step: float = 0.25, progress: bool = True, token_rank: int = 0,
+              source_rank: int = 0) -> tuple[Adapter, RidgeStats]:
     """`train.train_adapter`'s closed-form fit, on cached teacher windows (no model runs again): the statistics of
     the training windows, λ and α chosen on the held-out ones. Returns the adapter and the training statistics
     (the residual's whitening comes from them). token_rank > 0: the maps also read the target's token features of
-    that rank (`fit.token_basis`: the directions of the normalised embeddings the maps use most)."""
-    from kvbridge.adapters.adapter import FORMAT_VERSION, TOKENS_FORMAT_VERSION, AdapterMeta, model_record
+    that rank (`fit.token_basis`: the directions of the normalised embeddings the maps use most). source_rank > 0:
+    the maps read a basis of that rank over all source layers' K and V (`fit.source_basis`, format 3) instead of a
+    mix of `k` layers; layer_map and k are then not used."""
+    from kvbridge.adapters.adapter import (
+        BASIS_FORMAT_VERSION,
+        FORMAT_VERSION,
+        TOKENS_FORMAT_VERSION,
+        AdapterMeta,
+        model_record,
+    )
     from kvbridge.adapters.layer_map import build_layer_map
     from kvbridge.adapters.pairs import start_kv
 
     header = json.loads(cache.index_path.read_text())
     sspec_layers = cache.load(train_idx[0])["xk"].shape[0]
     tspec = target.spec
-    groups = [tuple(g) for g in build_layer_map(layer_map, sspec_layers, tspec.num_layers, k)]
     first = cache.load(train_idx[0])
     d_s, d_t = first["xk"].shape[2], tspec.num_kv_heads * tspec.head_dim
     u = None
     if token_rank:
         u = normalised_embeddings(target.model.get_input_embeddings().weight.float().cpu())  # [V, d_model]
     d_u = 0 if u is None else u.shape[1]
-    stats = {name: accumulate(RidgeStats(groups, d_s, d_t, d_tok=d_u), cache, idx, target, u,
-                              f"ridge statistics ({name})", progress)
-             for name, idx in (("train", train_idx), ("heldout", heldout_idx))}
+    src = None
+    if source_rank:  # all source layers' K and V -> a basis the maps read as one source layer of width source_rank
+        groups, layer_map = [(0,)] * tspec.num_layers, "basis"
+        joint = {name: accumulate(JointStats(sspec_layers, d_s, tspec.num_layers, d_t, d_tok=d_u), cache, idx,
+                                  target, u, f"source basis statistics ({name})", progress)
+                 for name, idx in (("train", train_idx), ("heldout", heldout_idx))}
+        src = source_basis(joint["train"], source_rank)
+        stats = {name: st.ridge_stats(src) for name, st in joint.items()}
+        del joint
+        d_s = source_rank
+    else:
+        groups = [tuple(g) for g in build_layer_map(layer_map, sspec_layers, tspec.num_layers, k)]
+        stats = {name: accumulate(RidgeStats(groups, d_s, d_t, d_tok=d_u), cache, idx, target, u,
+                                  f"ridge statistics ({name})", progress)
+                 for name, idx in (("train", train_idx), ("heldout", heldout_idx))}
     table = None
     if token_rank:  # the full token inputs -> the rank the maps need (reduced-rank regression), then the table
         basis, mean = token_basis(stats["train"], stats["heldout"], token_rank, lambdas, mix_step)
@@ -249,7 +278,8 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
     f32 = dict(dtype=torch.float32)
     adapter = Adapter(
         meta=AdapterMeta(source=source_record, target=model_record(tspec), layer_map=layer_map,
-                         format_version=TOKENS_FORMAT_VERSION if token_rank else FORMAT_VERSION,
+                         format_version=(BASIS_FORMAT_VERSION if source_rank else
+                                         TOKENS_FORMAT_VERSION if token_rank else FORMAT_VERSION),
                          start_token=header["start_token"], lambdas={m: [f.lam for f in fits[m]] for m in "kv"},
                          corpus={"teacher_cache": str(cache.root), "train_windows": len(train_idx),
                                  "heldout_windows": len(heldout_idx), "train_tokens": stats["train"].count}),
@@ -260,5 +290,6 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
         wv=torch.stack([f.w[:d_s] for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
         start_kv=start_kv(target, header["start_token"]).cpu(), tok_table=table,
         wk_tok=torch.stack([f.w[d_s:] for f in fits["k"]]).to(**f32) if token_rank else None,
-        wv_tok=torch.stack([f.w[d_s:] for f in fits["v"]]).to(**f32) if token_rank else None)
+        wv_tok=torch.stack([f.w[d_s:] for f in fits["v"]]).to(**f32) if token_rank else None,
+        src_basis=None if src is None else src.to(**f32))
     return adapter, stats["train"]

@@ -19,7 +19,7 @@ class PairCost:
     source: FlopModel
     target: FlopModel
     target_layers: int  # L_t of the adapter
-    d_s: int  # source KV width per layer (kv heads × head_dim)
+    d_s: int  # width of the maps' source input (a source layer's kv heads × head_dim, or the source basis's rank)
     d_t: int  # target KV width per layer
     mix: int  # source layers mixed per target layer (k)
     extra_per_token: int = 0  # FLOPs per token of anything the adapter adds beyond the linear maps
@@ -27,7 +27,7 @@ class PairCost:
     @classmethod
     def of(cls, source_config, target_config, adapter) -> "PairCost":
         meta = adapter.meta
-        d_s = meta.source["num_kv_heads"] * meta.source["head_dim"]
+        d_s = int(adapter.wk.shape[1])  # the maps' source input: a source layer, or a source basis's rank
         d_t = meta.target["num_kv_heads"] * meta.target["head_dim"]
         extra = int(adapter.extra_flops_per_token()) if hasattr(adapter, "extra_flops_per_token") else 0
         return cls(FlopModel.from_config(source_config), FlopModel.from_config(target_config),

@@ -9,8 +9,16 @@ import math
 import pytest
 import torch
 import zoo
-from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record, project
-from kvbridge.adapters.fit import RidgeStats, simplex_grid, solve_layer, token_basis, with_token_basis
+from kvbridge.adapters.adapter import Adapter, AdapterMeta, map_tokens, model_record, project, source_inputs
+from kvbridge.adapters.fit import (
+    JointStats,
+    RidgeStats,
+    simplex_grid,
+    solve_layer,
+    source_basis,
+    token_basis,
+    with_token_basis,
+)
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.layer_map import build_layer_map
 from kvbridge.adapters.pairs import pair_text, start_kv, start_token_id
@@ -144,6 +152,94 @@ def test_token_basis_finds_the_planted_directions_and_compresses_statistics_exac
     torch.testing.assert_close(features.T @ features / n, torch.eye(2, dtype=torch.float64), atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="rank must be in"):
         token_basis(stats["train"], stats["held"], 7)
+
+
+def test_source_basis_finds_a_planted_subspace_and_its_statistics_are_exact():
+    """Targets that read 3 directions of all source layers' K and V (plus a token input): a rank-3 basis keeps the
+    fit exact, the maps' statistics through the basis equal those accumulated on its features directly, and the
+    basis's features have unit variance."""
+    gen = torch.Generator().manual_seed(5)
+    l_s, d_s, l_t, d_t, d_u, n = 3, 4, 2, 5, 2, 600
+    used = torch.randn(2 * l_s * d_s, 3, generator=gen, dtype=torch.float64)
+    maps = torch.randn(l_t, 3, d_t, generator=gen, dtype=torch.float64)
+    tok_maps = torch.randn(l_t, d_u, d_t, generator=gen, dtype=torch.float64)
+    stats, data = {}, {}
+    for name in ("train", "held"):
+        xk = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64)
+        xv = torch.randn(l_s, n, d_s, generator=gen, dtype=torch.float64) * 3 + 1
+        xv[1, :, 2] = 0.5  # a constant input: no weight, no error
+        u = torch.randn(n, d_u, generator=gen, dtype=torch.float64)
+        flat = torch.cat((xk.transpose(0, 1).reshape(n, -1), xv.transpose(0, 1).reshape(n, -1)), 1)
+        y = torch.stack([flat @ used @ maps[j] + u @ tok_maps[j] for j in range(l_t)])  # [L_t, n, d_t]
+        stats[name] = JointStats(l_s, d_s, l_t, d_t, d_tok=d_u)
+        stats[name].add(xk, xv, y, 2 * y, u)
+        data[name] = (xk, xv, u, y)
+    basis = source_basis(stats["train"], 3, lam=1e-9)
+    assert basis.shape == (2 * l_s * d_s, 3) and torch.equal(basis, source_basis(stats["train"], 3, lam=1e-9))
+    assert float(basis[(l_s + 1) * d_s + 2].abs().max()) == 0.0  # the constant input (layer 1 of V, column 2)
+    small = {name: st.ridge_stats(basis) for name, st in stats.items()}
+    for m in "kv":
+        for j in range(l_t):
+            assert solve_layer(small["train"], small["held"], m, j, lambdas=(0.0,)).heldout_r2 > 1 - 1e-6
+    xk, xv, u, y = data["train"]
+    zk, zv = source_inputs(basis, xk, xv)
+    assert zk.shape == (1, n, 3) and zk is zv
+    direct = RidgeStats([(0,)] * l_t, 3, d_t, d_tok=d_u)
+    direct.add(zk, zv, y, 2 * y, u)
+    for m in "kv":
+        torch.testing.assert_close(small["train"].gram[m], direct.gram[m])
+        torch.testing.assert_close(small["train"].cross[m], direct.cross[m])
+        torch.testing.assert_close(small["train"].yy[m], direct.yy[m])
+    z = zk[0] - zk[0].mean(0)
+    torch.testing.assert_close((z * z).mean(0), torch.ones(3, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="source rank must be in"):
+        source_basis(stats["train"], 0)
+    with pytest.raises(ValueError, match="GiB of statistics"):
+        JointStats(28, 512, 32, 3072)  # a Qwen2-7B -> Phi-3-mini basis: refused by name, before allocating
+
+
+def test_a_source_basis_adapter_projects_saves_as_format_3_and_loads(tmp_path, tiny_source, tiny_target):
+    adapter = random_adapter(tiny_source, tiny_target)
+    gen = torch.Generator().manual_seed(2)
+    s = tiny_source.spec
+    lt, d_s, d_t = adapter.wk.shape
+    r = 5
+    basis = torch.randn(2 * s.num_layers * d_s, r, generator=gen) * 0.1
+    wide = dataclasses.replace(adapter, src_basis=basis, layer_map=torch.zeros(lt, 1, dtype=torch.int64),
+                               mix_k=torch.ones(lt, 1), mix_v=torch.ones(lt, 1),
+                               wk=torch.randn(lt, r, d_t, generator=gen), wv=torch.randn(lt, r, d_t, generator=gen))
+    assert wide.source_rank == r and wide.extra_flops_per_token() == 2 * basis.numel()
+    paired = pair_text("import os\nos.getcwd()", tiny_source.tokenizer, tiny_target.tokenizer)
+    seg = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)
+    got = project(wide, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope,
+                  dtype=torch.float32)
+    # by hand: every source layer's un-rotated keys and values of each target token's source token, one basis
+    keys = tiny_source.rope.unrotate_all(seg.kv[:, 0].float(), seg.positions)
+    idx = paired.alignment.source_index
+    flat = torch.cat((keys.permute(2, 0, 1, 3).reshape(seg.num_tokens, -1),
+                      seg.kv[:, 1].float().permute(2, 0, 1, 3).reshape(seg.num_tokens, -1)), 1)[idx.clamp(min=0)]
+    flat = flat * (idx >= 0)[:, None]
+    want_v = torch.einsum("tr,lrd->ltd", flat @ basis, wide.wv) + wide.bv[:, None]
+    want_v = want_v.view(lt, -1, tiny_target.spec.num_kv_heads, tiny_target.spec.head_dim).permute(0, 2, 1, 3)
+    start = (idx < 0) & (paired.target_ids == adapter.meta.start_token)
+    torch.testing.assert_close(got.values[:, :, ~start], want_v[:, :, ~start], atol=1e-4, rtol=1e-4)
+    path = save_adapter(wide, tmp_path / "wide.safetensors")
+    assert json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["kvbridge_adapter"])[
+        "format_version"] == 3
+    again = load_adapter(path)
+    assert again.source_rank == r
+    assert torch.equal(project(again, seg, paired.alignment, paired.target_ids, tiny_source.rope,
+                               tiny_target.rope, dtype=torch.float32).kv, got.kv)
+    half = again.with_maps_dtype(torch.bfloat16)  # the shipped dtype: the basis runs in bf16 too
+    assert half.src_basis.dtype == torch.bfloat16
+    xk = torch.randn(s.num_layers, 4, d_s)
+    hk, _ = map_tokens(half, xk, xk)
+    fk, _ = map_tokens(again, xk, xk)
+    torch.testing.assert_close(hk, fk, atol=0.05 * float(fk.abs().max()), rtol=0.05)
+    with pytest.raises(ValueError, match="src_basis has shape"):
+        dataclasses.replace(wide, src_basis=basis[1:])
+    with pytest.raises(ValueError, match="outside \\[0, 1\\)"):
+        dataclasses.replace(wide, layer_map=torch.ones(lt, 1, dtype=torch.int64))
 
 
 def test_ridge_finds_a_planted_convex_mix():

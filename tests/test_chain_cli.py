@@ -88,7 +88,7 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     # the work folder's ridge fit has token features of rank 8: another rank is refused by name
     assert main(_args(corpus, work, out, "--trainer", "chain", "--stages", "attention:3,kl:2",
                       "--token-rank", "0")) == 2
-    assert "token features of rank 8, this run asks for 0" in capsys.readouterr().err
+    assert "token features of rank 8 and a source basis of rank 0, this run asks for 0 and 0" in capsys.readouterr().err
 
 
 def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
@@ -147,3 +147,27 @@ def test_chain_fine_tunes_a_trained_adapter_with_exact_tails(corpus, tmp_path, c
     assert main(_args(corpus, tmp_path / "work-c", out, "--trainer", "chain", "--stages", "attention:3",
                       "--exact-tail", "0.2")) == 2
     assert "exact_tail applies to the kl and ce stages" in capsys.readouterr().err
+
+
+def test_chain_with_a_source_basis_writes_format_3_and_fine_tunes_from_it(corpus, tmp_path, capsys):
+    """--source-rank: the maps read a basis over every source layer's K and V (format 3, kept in the written dtype);
+    --init from such an adapter keeps its basis; the work folder's ridge fit refuses another source rank by name."""
+    work, first = tmp_path / "work", tmp_path / "wide.safetensors"
+    assert main(_args(corpus, work, first, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8",
+                      "--source-rank", "6", "--save-dtype", "bfloat16")) == 0
+    assert "recovery projected" in capsys.readouterr().out
+    a = load_adapter(first)
+    assert read_adapter_meta(first)["format_version"] == 3 and read_adapter_meta(first)["layer_map"] == "basis"
+    assert a.source_rank == 6 and a.token_rank == 8 and a.src_basis.dtype == torch.bfloat16
+    assert a.wk.shape[1] == 6 and int(a.layer_map.max()) == 0
+    assert main(_args(corpus, work, first, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8")) == 2
+    assert "source basis of rank 6, this run asks for 8 and 0" in capsys.readouterr().err
+    out = tmp_path / "tuned.safetensors"
+    assert main(_args(corpus, tmp_path / "work-b", out, "--trainer", "chain", "--init", str(first), "--stages",
+                      "kl:3", "--stage-lr", "kl=1e-2")) == 0
+    assert "stage kl: 3 steps" in capsys.readouterr().out  # (random tiny models: the best step may be the start)
+    b = load_adapter(out)
+    assert b.source_rank == 6 and torch.equal(b.src_basis.float(), a.src_basis.float())
+    assert (tmp_path / "work-b" / "init" / "stats.safetensors").exists()
+    with pytest.raises(ValueError, match="source basis is for projections"):
+        ChainConfig(stages=(("ce", 3),), fuser_rank=8, source_rank=4)

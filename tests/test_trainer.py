@@ -66,9 +66,16 @@ def ridge_tok(pair, cache):
     return fit_ridge(cache, list(range(12)), list(range(12, 16)), target, progress=False, token_rank=4)
 
 
-@pytest.fixture(params=["source features", "with token features"])
-def either_ridge(request, ridge, ridge_tok):
-    return ridge if request.param == "source features" else ridge_tok
+@pytest.fixture(scope="module")
+def ridge_basis(pair, cache):
+    _, target = pair
+    return fit_ridge(cache, list(range(12)), list(range(12, 16)), target, progress=False, token_rank=4, source_rank=6)
+
+
+@pytest.fixture(params=["source features", "with token features", "with a source basis"])
+def either_ridge(request, ridge, ridge_tok, ridge_basis):
+    return {"source features": ridge, "with token features": ridge_tok, "with a source basis": ridge_basis}[
+        request.param]
 
 
 def _maps(ridge, capacity=None, seed=0):
@@ -119,12 +126,13 @@ def test_linear_residual_folds_into_an_exact_adapter(pair, either_ridge):
         for p in maps.parameters():
             p.normal_(std=0.3)
     folded = maps.to_adapter(ridge[0])
-    x = torch.randn(ridge[0].layer_map.max() + 1, 7, ridge[0].wk.shape[1])
+    src = ridge[0].meta.source  # the source KV as the maps take it: every source layer
+    x = torch.randn(src["num_layers"], 7, src["num_kv_heads"] * src["head_dim"])
     from kvbridge.adapters.adapter import map_tokens
     ids = torch.randint(0, pair[1].model.get_input_embeddings().weight.shape[0], (7,))
     yk, yv = maps(x, 2 * x, ids)
     fk, fv = map_tokens(folded, x, 2 * x, target_ids=ids)
-    assert folded.token_rank == ridge[0].token_rank
+    assert folded.token_rank == ridge[0].token_rank and folded.source_rank == ridge[0].source_rank
     torch.testing.assert_close(yk, fk, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(yv, fv, atol=1e-3, rtol=1e-4)
 
