@@ -1,9 +1,10 @@
-# As run (2026-12-02): dev R² of per-layer maps reading a source basis (fit.source_basis) of each rank, from stats.pt.
+# As run (2026-12-02): dev R² of per-layer maps reading a source basis (fit.source_basis) of each rank, from stats.safetensors.
 import sys, time, torch
 torch.set_num_threads(2)
 from kvbridge.adapters.fit import JointStats, source_basis
 t0 = time.time()
-S = torch.load("/work/exp17/stats.pt")
+from safetensors.torch import load_file
+S = load_file("/work/exp17/stats.safetensors"); S["n"] = int(S["n"])
 js = JointStats.__new__(JointStats)
 js.ls, js.d_s, js.lt, js.d_t, js.d_tok = 18, 256, 30, 192, 576
 js.n_src = 9216; js.gram = S["G"]; js.cross = S["C"]; js.count = S["n"]; js.yy = S["n"] * (S["Yd"].var(0) + (S["C"][-1] / S["n"]) ** 2)

@@ -1,4 +1,4 @@
-# As run (2026-12-02): dev R² of ridge maps that read more of the source; its stats.pt feeds source_basis_r2.py.
+# As run (2026-12-02): dev R² of ridge maps that read more of the source; its stats.safetensors feeds source_basis_r2.py.
 """How much more of the target's K/V would maps explain that read more of the source's KV than one mixed
 source layer of the same kind? Dev R² of ridge maps (standardised features, best lambda per layer), one big Gram
 over all source layers' K and V plus the target's token embedding; the narrower variants are read from it."""
@@ -46,7 +46,8 @@ for j, i in enumerate(train):
 if buf: flush()
 Xd, Yd = zip(*[rows(i) for i in dev]); Xd = torch.cat(Xd).double(); Yd = torch.cat(Yd).double()
 print(f"stats {time.time()-t0:.0f}s n={n} ndev={Xd.shape[0]}", flush=True)
-torch.save({"G": G, "C": C, "n": n, "Xd": Xd, "Yd": Yd}, "/work/exp17/stats.pt")
+from safetensors.torch import save_file
+save_file({"G": G, "C": C, "n": torch.tensor(n), "Xd": Xd, "Yd": Yd}, "/work/exp17/stats.safetensors")
 mu = G[-1, :-1] / n; ymu = C[-1] / n
 Gc = G[:-1, :-1] - n * torch.outer(mu, mu); Cc = C[:-1] - n * torch.outer(mu, ymu)
 sd = Gc.diagonal().div(n).clamp_min(1e-12).sqrt()
