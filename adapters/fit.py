@@ -174,6 +174,12 @@ def solve_layer(train: RidgeStats, heldout: RidgeStats, map_name: str, layer: in
 
 
 
+def _fixed_signs(vectors: torch.Tensor) -> torch.Tensor:
+    """Columns of singular / eigen vectors have an arbitrary sign: make each column's largest-magnitude entry
+    positive, so a refit gives the same basis."""
+    return vectors * torch.sign(vectors.gather(0, vectors.abs().argmax(0, keepdim=True)))
+
+
 def normalised_embeddings(embedding: torch.Tensor) -> torch.Tensor:
     """[V, d_model] input embeddings -> [V, d_model] float64, each row RMS-normalised (as the target's first norm
     sees it, without its gain): what the token features are made of."""
@@ -200,10 +206,7 @@ def token_basis(train: RidgeStats, heldout: RidgeStats, rank: int, lambdas=DEFAU
     evals = evals.clamp(min=float(evals.max()) * 1e-9)
     half, inv_half = q @ torch.diag(evals.sqrt()) @ q.T, q @ torch.diag(evals.rsqrt()) @ q.T
     left, _, _ = torch.linalg.svd(half @ torch.cat(ws, dim=1), full_matrices=False)
-    # singular vectors have an arbitrary sign: fix it (largest-magnitude entry positive) so a refit is reproducible
-    left = left[:, :rank]
-    left = left * torch.sign(left.gather(0, left.abs().argmax(0, keepdim=True)))
-    return inv_half @ left, mean
+    return inv_half @ _fixed_signs(left[:, :rank]), mean
 
 
 def with_token_basis(stats: RidgeStats, basis: torch.Tensor, mean: torch.Tensor) -> RidgeStats:
@@ -342,5 +345,4 @@ def source_basis(stats: JointStats, rank: int, lam: float = 1e-2) -> torch.Tenso
     basis = basis * scale[:ns, None]  # back to the source's units
     sd = (basis * (cov[:ns, :ns] @ basis)).sum(0).clamp(min=1e-30).sqrt()
     basis = basis / sd
-    # eigenvectors have an arbitrary sign: fix it (largest-magnitude entry positive) so a refit is reproducible
-    return basis * torch.sign(basis.gather(0, basis.abs().argmax(0, keepdim=True)))
+    return _fixed_signs(basis)
