@@ -6,7 +6,11 @@ Variants: replace; recompute:r (the last r over the projected head); tail:r; ble
 of r as tail); attn:r[/w=W][/s=S][/t=T][/m=M][/lay=A-B][/hn=1][/dev=1] (the last W tokens' attention over the
 projected KV in layers A..B-1 scores the rest; the attention rule of transfer.suffix.blend is
 attn:r/w=16/s=4/m=0/lay=15-30); odev:r[/tf=F] and oatt:r[/tf=F]: oracles that choose by the true all-layer
-deviation, or by the attention the held-out continuation itself gives each token in the target's own prefill."""
+deviation, or by the attention the held-out continuation itself gives each token in the target's own prefill.
+attn and oatt take /hd=L.G[+L.G...]: only the attention of KV head G of layer L (its 3 query heads) counts.
+draft:r[/w=W][/g=G][/s=S][/hd=...][/win=0][/true=1]: the last W tokens recomputed, then G tokens drafted greedily
+(or the true continuation's first G, true=1) over the projected KV; their attention (and the window's, unless win=0)
+at the heads hd (default 18.2+17.1, the target's two induction heads: loss-location/induction.py) chooses."""
 import sys, time, math, random, torch
 import torch.nn.functional as F
 from dataclasses import replace as dc_replace
@@ -26,7 +30,7 @@ def seg_of(kv, ids):
     return KVSegment(kv=kv, token_ids=ids, positions=torch.arange(ids.numel()), model=target.spec.identity, rotated=True)
 
 @torch.no_grad()
-def tail_attention(ctx, placed, w, layers=None, hn=False):
+def tail_attention(ctx, placed, w, layers=None, hn=False, heads=None):
     """[T] attention mass from the last w placed tokens (recomputed over the rest) onto each placed token,
     summed over heads, queries and layers (eager attention on a throwaway forward)."""
     t = placed.num_tokens
@@ -40,7 +44,9 @@ def tail_attention(ctx, placed, w, layers=None, hn=False):
     finally:
         target.model.set_attn_implementation("sdpa")
     att = torch.stack([a[0].float() for a in out.attentions])  # [L, H, w, c + t]
-    if layers is not None:
+    if heads is not None:
+        att = torch.stack([att[l, g * 3:(g + 1) * 3] for l, g in heads])
+    elif layers is not None:
         att = att[layers]
     att = att[..., c:c + t - w]
     if hn:
@@ -49,7 +55,7 @@ def tail_attention(ctx, placed, w, layers=None, hn=False):
     return mass
 
 @torch.no_grad()
-def tail_attention_of(own, cont):
+def tail_attention_of(own, cont, heads=None):
     """[C] attention mass of the continuation's queries (full prefill cache) onto each context token."""
     c = own.num_tokens
     cache = kvcache.build_cache(own.kv[:, :, None].float())
@@ -60,7 +66,39 @@ def tail_attention_of(own, cont):
     finally:
         target.model.set_attn_implementation("sdpa")
     att = torch.stack([a[0].float() for a in out.attentions])
+    if heads is not None:
+        att = torch.stack([att[l, g * 3:(g + 1) * 3] for l, g in heads])
     return att.sum(dim=(0, 1, 2))[:c]
+
+@torch.no_grad()
+def draft_attention(ctx, placed, w, g, heads, use_window=True, cont=None):
+    """Attention mass at `heads` onto the placed tokens before the last w from: the last w tokens' queries (if
+    use_window) and g greedily drafted continuation tokens' queries (or the true continuation's, cont)."""
+    t = placed.num_tokens; c = ctx.num_tokens
+    head = KVSegment.concat([ctx, placed.slice(0, t - w)])
+    cache = kvcache.build_cache(head.kv[:, :, None].to(torch.float32))
+    target.model.set_attn_implementation("eager")
+    mass = torch.zeros(t)
+    def add(out):
+        att = torch.stack([out.attentions[l][0, gq * 3:(gq + 1) * 3].float() for l, gq in heads])  # [h, 3, q, keys]
+        mass[:t - w] += att[..., c:c + t - w].sum(dim=(0, 1, 2))
+    try:
+        pos = c + t - w
+        out = target.model(input_ids=placed.token_ids[t - w:][None], position_ids=torch.arange(pos, pos + w)[None],
+                           cache=cache, use_cache=True, output_attentions=True, logits_to_keep=1)
+        if use_window: add(out)
+        pos += w
+        nxt = out.logits[0, -1].argmax()
+        toks = cont[:g] if cont is not None else None
+        for i in range(g):
+            tok = toks[i] if toks is not None else nxt
+            out = target.model(input_ids=tok.view(1, 1), position_ids=torch.tensor([[pos]]), cache=cache,
+                               use_cache=True, output_attentions=True)
+            add(out); pos += 1; nxt = out.logits[0, -1].argmax()
+    finally:
+        target.model.set_attn_implementation("sdpa")
+    mass[t - w:] = 1e9
+    return mass
 
 def run_variant(name, d):
     ids, kv, cont = d["ids"], d["kv"], d["cont"]
@@ -99,7 +137,8 @@ def run_variant(name, d):
             exact_head = dc_replace(placed, kv=kv2)
         lay = opts.get("lay")
         layers = None if lay is None else list(range(int(lay.split("-")[0]), int(lay.split("-")[1])))
-        mass = tail_attention(ctx, exact_head, w, layers, opts.get("hn") == "1")
+        heads = [tuple(map(int, x.split("."))) for x in opts["hd"].split("+")] if "hd" in opts else None
+        mass = tail_attention(ctx, exact_head, w, layers, opts.get("hn") == "1", heads)
         score = mass
         if opts.get("dev") == "1":
             score = mass * kv_deviation(placed.kv[:m], own)
@@ -114,13 +153,28 @@ def run_variant(name, d):
         sel = chosen.nonzero()[:, 0]
         seg = KVSegment.concat([ctx, recompute_selected(target, ctx, exact_head, sel)])
         share = m / L + k / n + w / n
+    elif kind == "draft":
+        w = int(opts.get("w", 16)); g = int(opts.get("g", 8)); sinks = int(opts.get("s", 4))
+        heads = [tuple(map(int, x.split("."))) for x in opts.get("hd", "18.2+17.1").split("+")]
+        mass = draft_attention(ctx, placed, w, g, heads, opts.get("win", "1") == "1",
+                               cont if opts.get("true") == "1" else None)
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[:min(sinks, k)] = True
+        chosen[n - min(w, k - int(chosen.sum())):] = True
+        room = k - int(chosen.sum())
+        if room > 0:
+            chosen[mass.masked_fill(chosen, float("-inf")).topk(room).indices] = True
+        sel = chosen.nonzero()[:, 0]
+        seg = KVSegment.concat([ctx, recompute_selected(target, ctx, placed, sel)])
+        share = k / n + (w + g) / n
     elif kind in ("odev", "oatt"):  # oracles: true all-layer deviation / the continuation's own attention
         own = kvcache.extract(target.model, target.spec, ids)
         tf = float(opts.get("tf", 0))
         if kind == "odev":
             score = kv_deviation(placed.kv, own.kv[:, :, :, 1:])
         else:
-            score = tail_attention_of(own, cont)[1:n + 1]
+            heads = [tuple(map(int, x.split("."))) for x in opts["hd"].split("+")] if "hd" in opts else None
+            score = tail_attention_of(own, cont, heads)[1:n + 1]
         chosen = torch.zeros(n, dtype=torch.bool)
         chosen[n - round(tf * k):] = True if round(tf * k) else False
         room = k - int(chosen.sum())
