@@ -30,6 +30,9 @@ def add_parsers(sub) -> None:
                    help="held-out tokens after the cut, for NLL recovery")
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens, help="summary length (greedy)")
     p.add_argument("--fuse-steps", type=int, default=EvalConfig.fuse_steps, help="Adam steps fitting fuse's gates")
+    p.add_argument("--no-induction-prior", action="store_true",
+                   help="read projected KV as it is in every mode (default: with the target's induction prior, "
+                        "but in modes named with /noprior)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -52,7 +55,8 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
     from kvbridge.eval.run import RunOptions, evaluate
 
     config = EvalConfig(max_doc_tokens=args.max_doc_tokens, continuation_tokens=args.continuation_tokens,
-                        max_new_tokens=args.max_new_tokens, fuse_steps=args.fuse_steps)
+                        max_new_tokens=args.max_new_tokens, fuse_steps=args.fuse_steps,
+                        induction_prior=not args.no_induction_prior)
     options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
                          fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
                          out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from kvbridge.adapters.evaluate import bootstrap_recovery
 from kvbridge.eval.cost import PairCost
-from kvbridge.eval.summaries import NEEDS_PROJECTION, DocumentResult
+from kvbridge.eval.summaries import NEEDS_PROJECTION, NO_PRIOR, DocumentResult
 from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -123,7 +123,7 @@ def _system_flops(cost: PairCost, name: str, result: DocumentResult, uses: int) 
     """The whole system's FLOPs for one request of this mode: the target's own prefill, plus, for modes that use the
     projected context, the source's prefill and the projection shared by `uses` requests."""
     mode = result.modes[name]
-    if name.split(":")[0] not in NEEDS_PROJECTION or result.source_tokens is None:
+    if name.removesuffix(NO_PRIOR).split(":")[0] not in NEEDS_PROJECTION or result.source_tokens is None:
         return mode.prefill_flops
     return cost.system(mode.prefill_flops, result.source_tokens, result.doc_tokens + 1, uses)
 
@@ -163,7 +163,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     """ROUGE-L and NLL recovery against the target's prefill FLOPs as a share of full's (what each mode computes
     itself, selection passes included): recompute:r (projected head, the last r recomputed; from replace to full),
     blend:r (r chosen by the attention of the last tokens, from replace to full) and tail:r (only the last r
-    tokens; from none to full)."""
+    tokens; from none to full); recompute:r/noprior and blend:r/noprior dotted where the run has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,10 +178,12 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in ((axes[0], "rougeL", "ROUGE-L F1"), (axes[1], "nll_recovery", "NLL recovery")):
         key = "value" if metric == "nll_recovery" else "mean"
-        curves = (("recompute", "replace", "o-"), ("tail", "none", "s--"), ("blend", "replace", "^-"))
-        for kind, anchor, style in curves:
-            names = [anchor] if anchor in modes else []
-            names += [n for n in modes if n.startswith(kind + ":")] + (["full"] if "full" in modes else [])
+        curves = (("recompute", "replace", "o-", ""), ("tail", "none", "s--", ""), ("blend", "replace", "^-", ""),
+                  ("recompute", "replace", "o:", NO_PRIOR), ("blend", "replace", "^:", NO_PRIOR))
+        for kind, anchor, style, suffix in curves:  # /noprior modes make curves of their own
+            names = [anchor + suffix] if anchor + suffix in modes else []
+            names += [n for n in modes if n.startswith(kind + ":") and n.endswith(NO_PRIOR) == bool(suffix)]
+            names += ["full"] if "full" in modes else []
             points = sorted(((share(n), modes[n].get(metric)) for n in names if modes[n].get(metric)),
                             key=lambda p: p[0])
             if len(points) < 2:
@@ -189,7 +191,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
             xs = [x for x, _ in points]
             ys = [v[key] for _, v in points]
             err = [[y - v["low"] for y, (_, v) in zip(ys, points)], [v["high"] - y for y, (_, v) in zip(ys, points)]]
-            ax.errorbar(xs, ys, yerr=err, fmt=style, capsize=3, label=f"{kind}:r")
+            ax.errorbar(xs, ys, yerr=err, fmt=style, capsize=3, label=f"{kind}:r{suffix}")
         for name, color in (("full", "green"), ("none", "gray"), ("fuse", "purple")):
             if name in modes and modes[name].get(metric):
                 ax.axhline(modes[name][metric][key], color=color, linestyle=":", label=name)

@@ -21,6 +21,9 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
                 exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
                 deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
+Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
+(transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
+projected keys blur) when it has one; a `/noprior` suffix (`blend:0.1/noprior`) reads it without, in the same run.
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
 first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
 prediction at each of those positions is kept (its agreement with `full`'s is reported).
@@ -28,6 +31,7 @@ prediction at each of those positions is kept (its agreement with `full`'s is re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -43,6 +47,7 @@ from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.blend import BlendConfig, blend
+from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import prefill_after
 
 log = logging.getLogger(__name__)
@@ -52,6 +57,8 @@ BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev
                "blend-random": "random"}
 NEEDS_PROJECTION = ("replace", "recompute", "fuse", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
+READS_PROJECTED = ("replace", "recompute", *BLEND_RULES)  # modes whose context keeps projected KV the target reads
+NO_PRIOR = "/noprior"
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Mode:
     name: str  # as given: "recompute:0.1"
     kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random]
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
+    prior: bool = True  # read projected KV with the evaluator's induction prior (if it has one); False: /noprior
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -67,7 +75,13 @@ def parse_modes(spec: str) -> list[Mode]:
     for raw in (part.strip() for part in spec.split(",")):
         if not raw:
             continue
+        raw, slash, suffix = raw.partition("/")
+        if slash and f"/{suffix}" != NO_PRIOR:
+            raise ValueError(f"mode {raw + slash + suffix!r}: the only suffix is {NO_PRIOR}")
         kind, _, arg = raw.partition(":")
+        if slash and kind not in READS_PROJECTED:
+            raise ValueError(f"mode {raw + slash + suffix!r}: {NO_PRIOR} is for the modes that read projected KV "
+                             f"({', '.join(READS_PROJECTED[:3])}, blend...)")
         if kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
@@ -82,7 +96,10 @@ def parse_modes(spec: str) -> list[Mode]:
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
-                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R")
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R; replace, recompute and "
+                             f"blend also take a {NO_PRIOR} suffix")
+        if slash:
+            mode = Mode(mode.name + NO_PRIOR, mode.kind, mode.fraction, prior=False)
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)
@@ -147,6 +164,9 @@ class EvalConfig:
     # (excluded from the full run) by the target's own-prefill ROUGE-L against 2 other wordings.
     instruction: str = "\n\nOne-line summary of the text above:"
     fuse_steps: int = 20  # Adam steps fitting fuse's gates (eval.gates)
+    # Modes that read projected KV read it with the target's induction prior (transfer.suffix.induction), but for
+    # those named with /noprior; False: every mode reads it as it is.
+    induction_prior: bool = True
 
     def __post_init__(self):
         if self.min_doc_tokens < 2 or self.max_doc_tokens < self.min_doc_tokens:
@@ -309,6 +329,8 @@ class SummaryEvaluator:
             raise ValueError("the fuser mode needs a trained fuser (train-adapter --trainer fuser; --fuser FILE)")
         self.fuser = fuser
         self.config = config or EvalConfig()
+        self.prior = (InductionPrior.for_model(target) if self.config.induction_prior
+                      and any(m.kind in READS_PROJECTED and m.prior for m in modes) else None)
         self.target, self.modes, self.source, self.gates = target, modes, source, gates
         self.prompt = instruction_ids(target, self.config.instruction)
         self.stop = stop_ids(target)
@@ -333,12 +355,16 @@ class SummaryEvaluator:
         own, own_s = (self._own(doc.target_ids) if any(m.kind in ("full", "fuse", "fuser") for m in self.modes)
                       else (None, 0.0))
         for mode in self.modes:
-            context, base_s, prefills, kv_bytes = self._context(mode, doc, own, own_s, projected, fetch_s, wire)
-            ids, first_s = greedy(self.target, context, self.prompt, self.config.max_new_tokens, self.stop,
-                                  one_line=True)
+            context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected, fetch_s,
+                                                                       wire)
+            reading = (self.prior.reading(self.target, context.token_ids, still)
+                       if self.prior is not None and mode.prior and still is not None else contextlib.nullcontext())
+            with reading:
+                ids, first_s = greedy(self.target, context, self.prompt, self.config.max_new_tokens, self.stop,
+                                      one_line=True)
+                nll, top1 = (continuation_scores(self.target, context, doc.continuation)
+                             if doc.continuation.numel() >= 2 else (None, None))
             prefills.append((self.prompt.numel(), context.num_tokens))  # (new, past[, layers of a partial pass])
-            nll, top1 = (continuation_scores(self.target, context, doc.continuation)
-                         if doc.continuation.numel() >= 2 else (None, None))
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
                 ttft_s=base_s + first_s, prefill_tokens=sum(f[0] for f in prefills if len(f) == 2),
@@ -347,25 +373,29 @@ class SummaryEvaluator:
         return result
 
     def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire):
-        """(context KV at 0..C-1, seconds spent building it, [(prefilled, past)] target forwards, KV bytes)."""
+        """(context KV at 0..C-1, seconds spent building it, [(prefilled, past)] target forwards, KV bytes, [C] bool:
+        the positions whose KV is still projected, or None where the target computed all of it)."""
         d = doc.doc_tokens
         k = max(1, round(mode.fraction * d)) if mode.kind in FRACTION_KINDS else 0
+        still = torch.zeros(d + 1, dtype=torch.bool)  # the start token's KV is the target's own
         if mode.kind == "full":
-            return own, own_s, [(d + 1, 0)], 0
+            return own, own_s, [(d + 1, 0)], 0, None
         if mode.kind == "none":
             seg, s = self._own(doc.target_ids[:1])
-            return seg, s, [(1, 0)], 0
+            return seg, s, [(1, 0)], 0, None
         if mode.kind == "replace":
-            return projected, fetch_s, [], wire
+            still[1:] = True
+            return projected, fetch_s, [], wire, still
         if mode.kind == "recompute":
             head = projected.slice(0, d + 1 - k)
             t0 = time.perf_counter()
             tail = prefill_after(self.target, head, doc.target_ids[d + 1 - k:])
             seg = KVSegment.concat([head, tail.to(dtype=head.dtype)])
-            return seg, fetch_s + time.perf_counter() - t0, [(k, d + 1 - k)], wire
+            still[1:d + 1 - k] = True
+            return seg, fetch_s + time.perf_counter() - t0, [(k, d + 1 - k)], wire, still
         if mode.kind == "tail":
             seg, s = self._own(torch.cat((doc.target_ids[:1], doc.target_ids[d + 1 - k:])))
-            return seg, s, [(k + 1, 0)], 0
+            return seg, s, [(k + 1, 0)], 0, None
         if mode.kind in BLEND_RULES:
             t0 = time.perf_counter()
             config = BlendConfig(fraction=k / d, rule=BLEND_RULES[mode.kind])
@@ -375,12 +405,14 @@ class SummaryEvaluator:
             # selected tokens through every layer; a forward through every layer counts its tokens as prefilled
             layers = self.target.spec.num_layers
             forwards = [f[:2] if f[2] == layers else f for f in blended.forwards]
-            return seg, fetch_s + time.perf_counter() - t0, forwards, wire
-        if mode.kind == "fuse":
+            still[1:] = True
+            still[1 + blended.selected] = False
+            return seg, fetch_s + time.perf_counter() - t0, forwards, wire, still
+        if mode.kind == "fuse":  # every token's KV mixes the target's own with the projected: no prior
             t0 = time.perf_counter()
             seg = fuse_gated(own, projected, self.gates)
-            return seg, fetch_s + own_s + time.perf_counter() - t0, [(d + 1, 0)], wire
+            return seg, fetch_s + own_s + time.perf_counter() - t0, [(d + 1, 0)], wire, None
         if mode.kind == "fuser":  # the source's prefill runs here too: counted by the system cost, not in TTFT
             seg = self.fuser.fuse(own, doc.text)
-            return seg, own_s, [(d + 1, 0)], 0
+            return seg, own_s, [(d + 1, 0)], 0, None
         raise AssertionError(mode.kind)

@@ -28,7 +28,13 @@ def test_modes_parse_and_bad_modes_are_named():
     modes = parse_modes("full, none,replace,recompute:0.10,tail:0.1,fuse")
     assert [m.name for m in modes] == ["full", "none", "replace", "recompute:0.1", "tail:0.1", "fuse"]
     assert modes[3].kind == "recompute" and modes[3].fraction == pytest.approx(0.1)
+    assert all(m.prior for m in modes)
+    plain = parse_modes("replace/noprior,blend:0.10/noprior,blend:0.1")
+    assert [(m.name, m.kind, m.prior) for m in plain] == [
+        ("replace/noprior", "replace", False), ("blend:0.1/noprior", "blend", False), ("blend:0.1", "blend", True)]
     for bad, words in (("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
+                       ("full/noprior", "for the modes that read projected KV"), ("blend:0.1/prior", "only suffix"),
+                       ("tail:0.1/noprior", "for the modes that read projected KV"),
                        ("tail:1.5", "(0, 1]"), ("blend", "needs a fraction"), ("mix:0.1", "unknown mode .mix:0.1."),
                        ("full,full", "twice"),
                        (" , ", "no modes")):

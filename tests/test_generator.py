@@ -1,5 +1,6 @@
 """SuffixReuseGenerator: exact reuse gives the tokens of no reuse; projected parts come from a context source;
-shifted reuse is reported and recompute is counted; metrics add up."""
+shifted reuse is reported and recompute is counted; metrics add up; projected positions are read with the
+induction prior."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import PagedStore, StoreConfig
 from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager
 from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
+from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.value_score import FixedScorer
 
 SYSTEM = "You answer questions about the Python standard library in one short sentence."
@@ -110,3 +112,50 @@ def test_shifted_segments_can_recompute_their_most_deviating_tokens(tiny_target)
     redone = n - m.tokens_reused_local
     assert round(0.5 * n) <= redone <= 2 + round(0.5 * n)  # the first 2 and half of the tokens, overlapping or not
     assert m.tokens_prefilled + m.tokens_reused_local == m.tokens_total
+
+
+def test_projected_positions_are_read_with_the_induction_prior(tiny_target):
+    """The generator hands the prior the request's tokens and which positions still hold projected KV: a projected
+    part's tokens but those blend recomputed; none when all were recomputed or the prior is off."""
+    lm = tiny_target
+    seen = []
+
+    class Spy:  # an InductionPrior that records what it is asked to read
+        def __init__(self, prior):
+            self.prior = prior
+
+        def reading(self, lm_, ids, still):
+            seen.append((ids.clone(), still.clone()))
+            return self.prior.reading(lm_, ids, still)
+
+    class OwnKV:
+        def projected_segment(self, text, offset):
+            ids = torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return kvcache.extract(lm.model, lm.spec, torch.cat((torch.tensor([gen.start_token]), ids))).slice(
+                1, 1 + ids.numel())
+
+    doc = "The json module encodes Python objects as JSON text and decodes JSON text into Python objects."
+    weights = torch.zeros(lm.spec.num_layers, lm.model.config.num_attention_heads)
+    weights[-1] = 1.0
+    gen = SuffixReuseGenerator(lm, None, context_source=OwnKV(), recompute_fraction=0.25,
+                               induction_prior=Spy(InductionPrior(weights, 4.0, 4.0)))
+    n = gen.tokens(doc).numel()
+    gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=4)
+    assert len(seen) == 1  # the new turn's prefill and generation, in one block
+    ids, still = seen[0]
+    assert torch.equal(ids, torch.cat((torch.tensor([gen.start_token]), gen.tokens(doc))))
+    assert not still[0] and int(still.sum()) == n - round(0.25 * n)
+    assert not still[n]  # the part's last token is recomputed (blend's window)
+
+    seen.clear()
+    gen.generate("s", [Part(doc, "document", projected=True), Part(Q1), Part(A1), Part(Q2)], max_new_tokens=4)
+    assert len(seen) == 2 and seen[0][0].numel() == 1 + n  # Q1 and A1 prefilled over the document, then Q2
+    assert torch.equal(seen[1][1][:1 + n], seen[0][1]) and not bool(seen[1][1][1 + n:].any())
+
+    seen.clear()
+    gen.recompute_fraction = 1.0
+    out, _ = gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=8)
+    assert seen == [] and torch.equal(out, _plain(gen, [doc, Q1], 8))
+    gen.recompute_fraction, gen.induction_prior = 0.25, False
+    gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=4)
+    assert seen == []

@@ -14,11 +14,15 @@ A request is a list of parts. Every part but the last is context:
 - else it is prefilled after the context so far (consecutive such parts in one forward) and offered to the
   manager.
 The last part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole
-request and the mask is the model's causal one, as for a plain prefill.
+request and the mask is the model's causal one, as for a plain prefill. Every forward that reads projected KV (the
+prefill of later parts, the new turn, generation) reads it with the target's induction prior (`induction`: the
+target's induction heads get back from the tokens the match their projected keys blur) unless
+`induction_prior=False`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +34,7 @@ from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.blend import BlendConfig, blend
 from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager, token_hash
+from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 
 __all__ = ["Part", "RequestMetrics", "SuffixReuseGenerator", "ContextSource"]
@@ -77,7 +82,7 @@ class _FirstToken:
 class SuffixReuseGenerator:
     def __init__(self, lm: LoadedModel, manager: SuffixCacheManager | None = None,
                  context_source: ContextSource | None = None, recompute_k: int = 0, recompute_fraction: float = 0.0,
-                 start_token: int | None = None):
+                 start_token: int | None = None, induction_prior: InductionPrior | bool = True):
         if lm.tokenizer is None:
             raise ValueError(f"{lm.name!r} has no tokenizer")
         self.lm = lm
@@ -87,6 +92,8 @@ class SuffixReuseGenerator:
         self.recompute_fraction = recompute_fraction  # and this fraction of their (and projected parts') tokens
         # every request starts with it (SmolLM2's tokenizer adds no BOS itself)
         self.start_token = start_token if start_token is not None else start_token_id(lm.tokenizer)
+        # True: the model's own prior (its probe runs at the first projected part); False: projected KV read as is
+        self.induction_prior = induction_prior
 
     def tokens(self, text: str) -> torch.Tensor:
         return torch.tensor(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
@@ -120,13 +127,22 @@ class SuffixReuseGenerator:
             return KVSegment(kv=buf[:, :, :, :end], token_ids=ids[:end], positions=torch.arange(end),
                              model=spec.identity, rotated=True) if end else None
 
+        still = torch.zeros(ids.numel(), dtype=torch.bool)  # [T_ctx] positions whose KV is projected (not recomputed)
+
+        def reading(end: int):  # forwards over context(end) read its projected KV with the prior
+            prior = self._prior()
+            if prior is None or not bool(still[:end].any()):
+                return contextlib.nullcontext()
+            return prior.reading(lm, ids[:end], still[:end])
+
         pending: list[int] = [0]  # part indices (0 = the start token) waiting to be prefilled together
 
         def flush() -> None:
             if not pending:
                 return
             start, end = bounds[pending[0]], bounds[pending[-1] + 1]
-            seg = prefill_after(lm, context(start), ids[start:end])
+            with reading(start):
+                seg = prefill_after(lm, context(start), ids[start:end])
             buf[:, :, :, start:end] = seg.kv.to(buf)
             metrics.tokens_prefilled += end - start
             for index in pending:
@@ -157,8 +173,11 @@ class SuffixReuseGenerator:
                     blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
                                     BlendConfig(fraction=self.recompute_fraction))
                     seg, redone = blended.segment, blended.selected.numel()
+                    still[a:b] = True
+                    still[a + blended.selected] = False
                 else:
                     redone = 0
+                    still[a:b] = True
                 buf[:, :, :, a:b] = seg.kv.to(buf)
                 metrics.tokens_projected += b - a - redone
                 metrics.tokens_prefilled += redone
@@ -174,8 +193,9 @@ class SuffixReuseGenerator:
         flush()
         streamer = _FirstToken()
         generate_kwargs.setdefault("do_sample", False)
-        new = kvcache.generate(lm.model, spec, context(ids.numel()), tail, max_new_tokens=max_new_tokens,
-                               streamer=streamer, **generate_kwargs)
+        with reading(ids.numel()):
+            new = kvcache.generate(lm.model, spec, context(ids.numel()), tail, max_new_tokens=max_new_tokens,
+                                   streamer=streamer, **generate_kwargs)
         metrics.tokens_prefilled += tail.numel()
         metrics.tokens_total = ids.numel() + tail.numel()
         metrics.ttft_s = (streamer.at or time.perf_counter()) - t0
@@ -203,3 +223,8 @@ class SuffixReuseGenerator:
         metrics.tokens_prefilled += redone
         metrics.parts.append("shifted")
         return fixed
+
+    def _prior(self) -> InductionPrior | None:
+        if self.induction_prior is True:
+            self.induction_prior = InductionPrior.for_model(self.lm)
+        return self.induction_prior or None

@@ -1,0 +1,124 @@
+"""Give the induction heads the match their projected keys blur: recompute:0.1, and at the given query heads
+(layer:q,q;layer:q; default the induction query heads of the two induction KV heads 17.1 and 18.2) a bias B added to
+the attention score of every projected key whose previous token is the query's own token (the match an induction head
+looks for; the generator knows the document's tokens exactly), and B2 more where the token before that also matches
+the query's previous token.  Recomputed and exact keys get no bias.  Where: while scoring the continuation (s) or also
+while the tail is recomputed (a).  Reference: the keys of the KV heads of those query heads exact (the oracle).
+python induct_bias.py START END VARIANTS [heads]   e.g. induct_bias.py 100 140 s2,s4,a2,s2g2 17:3,4,5;18:6,7"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import pages, recompute_tail, report
+from common import seg_of as _seg_of
+from kvbridge.eval.summaries import continuation_scores
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.presets import load_pair
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+torch.set_num_threads(2)
+_, target = load_pair("small")
+a, b = int(sys.argv[1]), int(sys.argv[2])
+VARIANTS = sys.argv[3].split(",")
+HQ, HKV = target.model.config.num_attention_heads, target.spec.num_kv_heads
+GROUP = HQ // HKV
+HEAD_ARG = sys.argv[4] if len(sys.argv) > 4 else "17:3,4,5;18:6,7"
+
+
+def induction_scores():
+    """[L, HQ]: the attention a token of a repeated random 64-token sequence gives the token after its first
+    occurrence (induction.py's probe, per query head)."""
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(100, 20000, (4, 64), generator=g)
+    target.model.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = target.model(input_ids=torch.cat((seq, seq), 1), output_attentions=True).attentions
+    target.model.set_attn_implementation("sdpa")
+    q = torch.arange(64, 127)
+    return torch.stack([a[:, :, q, q - 63].float().mean(dim=(0, 2)) for a in att])
+
+
+if HEAD_ARG.startswith("auto"):  # auto:THRESHOLD: every query head scoring at least that, its bias scaled by its score
+    SCORES = induction_scores()
+    thr = float(HEAD_ARG.partition(":")[2] or 0.1)
+    HEADS = {la: [q for q in range(HQ) if SCORES[la, q] >= thr] for la in range(SCORES.shape[0])}
+    HEADS = {la: qs for la, qs in HEADS.items() if qs}
+    WEIGHT = {(la, q): float(SCORES[la, q]) for la, qs in HEADS.items() for q in qs}
+    print("heads", {la: [(q, round(WEIGHT[la, q], 2)) for q in qs] for la, qs in HEADS.items()})
+else:
+    HEADS = {int(la): [int(q) for q in qs.split(",")] for la, qs in (part.split(":") for part in HEAD_ARG.split(";"))}
+    WEIGHT = {(la, q): 1.0 for la, qs in HEADS.items() for q in qs}
+STATE = {"bias": 0.0, "bias2": 0.0, "qtok": None, "qprev": None, "prev": None, "prev2": None, "far": (1, 0)}
+
+
+def biased_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    heads = HEADS.get(module.layer_idx, [])
+    if not heads or STATE["bias"] == 0.0 or STATE["qtok"] is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    bsz, nq, q, _ = query.shape
+    kl = key.shape[2]
+    assert q == STATE["qtok"].numel(), (q, STATE["qtok"].numel())
+    key, value = repeat_kv(key, nq // key.shape[1]), repeat_kv(value, nq // value.shape[1])
+    if attention_mask is None:
+        allowed = torch.ones(q, kl, dtype=torch.bool).tril(kl - q)
+        mask = torch.zeros(q, kl).masked_fill(~allowed, float("-inf"))[None, None]
+    elif attention_mask.dtype == torch.bool:
+        mask = torch.zeros(attention_mask.shape).masked_fill(~attention_mask, float("-inf"))
+    else:
+        mask = attention_mask.float()
+    mask = mask.expand(bsz, nq, q, kl).clone()
+    lo, hi = STATE["far"]
+    match = (STATE["prev"][None, lo:hi] == STATE["qtok"][:, None]).float()  # [q, hi - lo]
+    match2 = match * (STATE["prev2"][None, lo:hi] == STATE["qprev"][:, None])
+    for h in heads:
+        mask[:, h, :, lo:hi] += WEIGHT[module.layer_idx, h] * (STATE["bias"] * match + STATE["bias2"] * match2)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(query.dtype), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("kvb_induct", biased_attention)
+AttentionMaskInterface.register("kvb_induct", sdpa_mask)  # the masks sdpa gets
+target.model.set_attn_implementation("kvb_induct")
+
+
+def seg_of(kv, ids):
+    return _seg_of(target, kv, ids)
+
+
+def score(x, ids, cont, k, bias=0.0, bias2=0.0, in_tail=False):
+    """recompute:0.1's NLL of cont after x (the bias also while the tail is recomputed if in_tail)."""
+    t = ids.numel()
+    STATE.update(bias=bias if in_tail else 0.0, bias2=bias2 if in_tail else 0.0, qtok=ids[t - k:],
+                 qprev=ids[t - k - 1:-1])
+    cache = recompute_tail(target, x, ids, k)
+    STATE.update(bias=bias, bias2=bias2, qtok=cont, qprev=torch.cat((ids[-1:], cont[:-1])))
+    return continuation_scores(target, seg_of(cache, ids), cont)[0]
+
+
+rows = []
+names = ["rec", "exact"] + VARIANTS
+for stem, d in pages(a, b):
+    ids, kv, cont = d["ids"], d["kv"], d["cont"]
+    t = ids.numel()
+    k = max(1, round(0.1 * (t - 1)))
+    row = {"full": d["nll_full"], "none": d["nll_none"]}
+    own = kvcache.extract(target.model, target.spec, ids).kv.float()
+    STATE.update(prev=torch.cat((torch.tensor([-1]), ids[:-1])), prev2=torch.cat((torch.tensor([-1, -1]), ids[:-2])),
+                 far=(1, t - k))
+
+    row["rec"] = score(kv, ids, cont, k)
+    x = kv.clone()
+    for la, qs in HEADS.items():
+        for h in {q // GROUP for q in qs}:
+            x[la, 0, h] = own[la, 0, h]
+    row["exact"] = score(x, ids, cont, k)
+    for v in VARIANTS:
+        b1, _, b2 = v[1:].partition("g")
+        row[v] = score(kv, ids, cont, k, float(b1), float(b2 or 0), in_tail=v[0] == "a")
+    STATE.update(bias=0.0, qtok=None)
+    rows.append(row)
+    print(stem, " ".join(f"{v}={row[v]:.1f}" for v in ["full", "none"] + names), flush=True)
+report(rows, names)

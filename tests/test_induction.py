@@ -1,0 +1,145 @@
+"""The induction prior (transfer.suffix.induction): the bias lands on projected keys whose previous token is the
+query's token, at the prior's heads only, in prefill and decode alike; with nothing to match the model reads as it
+does without; the model's attention comes back after the block; bad input is named; the probe finds SmolLM2's
+induction heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
+
+CONTEXT = 40
+
+
+def _setup(name: str = "qwen2"):
+    lm = zoo.build(name)
+    ids = torch.randperm(lm.spec.vocab_size - 3, generator=torch.Generator().manual_seed(2))[:CONTEXT] + 3  # distinct
+    seg = kvcache.extract(lm.model, lm.spec, ids)
+    return lm, ids, seg
+
+
+def _prior(lm, layer: int, head: int, bias: float, bias2: float = 0.0) -> InductionPrior:
+    weights = torch.zeros(lm.spec.num_layers, lm.model.config.num_attention_heads)
+    weights[layer, head] = 1.0
+    return InductionPrior(weights, bias, bias2)
+
+
+def _heads_out(lm, seg, query: torch.Tensor, layer: int, cache=None):
+    """The attention output of every query head at `layer` for `query` after `seg` ([Q, H_q, D]), and the logits."""
+    seen = {}
+    o_proj = kvcache.decoder_layers(lm.model)[layer].self_attn.o_proj
+    handle = o_proj.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach().clone()))
+    start = seg.num_tokens if cache is None else cache.get_seq_length()
+    cache = kvcache.to_cache(seg, lm.model, lm.spec) if cache is None else cache
+    try:
+        with torch.no_grad():
+            logits = lm.model(input_ids=query[None], position_ids=torch.arange(start, start + query.numel())[None],
+                              cache=cache, use_cache=True).logits[0]
+    finally:
+        handle.remove()
+    heads = lm.model.config.num_attention_heads
+    return seen["x"][0].view(query.numel(), heads, -1), logits, cache
+
+
+def test_a_strong_bias_sends_the_head_to_the_projected_key_after_the_querys_token():
+    lm, ids, seg = _setup()
+    layer, head = 1, 2
+    kv_head = head // (lm.model.config.num_attention_heads // lm.spec.num_kv_heads)
+    projected = torch.ones(CONTEXT, dtype=torch.bool)
+    projected[0] = False
+    query = ids[10:11]  # the key at 11 follows this token
+    plain, plain_logits, _ = _heads_out(lm, seg, query, layer)
+    with _prior(lm, layer, head, bias=60.0).reading(lm, ids, projected):
+        out, logits, _ = _heads_out(lm, seg, query, layer)
+    value = seg.kv[layer, 1, kv_head, 11]  # [D]
+    assert torch.allclose(out[0, head], value, atol=1e-4)
+    assert not torch.allclose(plain[0, head], value, atol=1e-2)
+    others = [h for h in range(out.shape[1]) if h != head]
+    assert torch.allclose(out[0, others], plain[0, others], atol=1e-5)  # the other heads read as before
+    assert not torch.allclose(logits, plain_logits, atol=1e-3)
+
+    projected[11] = False  # the target's own key there: no bias
+    with _prior(lm, layer, head, bias=60.0).reading(lm, ids, projected):
+        out, _, _ = _heads_out(lm, seg, query, layer)
+    assert torch.allclose(out[0, head], plain[0, head], atol=1e-5)
+
+
+def test_the_bias_follows_the_tokens_each_forward_appends():
+    lm, ids, seg = _setup()
+    layer, head = 1, 3
+    kv_head = head // (lm.model.config.num_attention_heads // lm.spec.num_kv_heads)
+    projected = torch.ones(CONTEXT, dtype=torch.bool)
+    fresh = torch.tensor([1, 2])  # not in the context: nothing to match
+    with _prior(lm, layer, head, bias=60.0).reading(lm, ids, projected):
+        _, _, cache = _heads_out(lm, seg, fresh, layer)  # a prefill of 2 tokens at 40, 41
+        out, _, _ = _heads_out(lm, seg, ids[20:21], layer, cache=cache)  # a decode step at 42
+    assert torch.allclose(out[0, head], seg.kv[layer, 1, kv_head, 21], atol=1e-4)
+
+    # the previous token matters too: bias2 alone (bias 0) moves the head only where both tokens match
+    with _prior(lm, layer, head, bias=0.0, bias2=60.0).reading(lm, ids, projected):
+        out, _, _ = _heads_out(lm, seg, ids[29:31], layer)  # queries 29, 30 after 39: the pair (29, 30) at 30, 31
+    assert torch.allclose(out[1, head], seg.kv[layer, 1, kv_head, 31], atol=1e-4)
+    assert not torch.allclose(out[0, head], seg.kv[layer, 1, kv_head, 30], atol=1e-2)  # 39 before 29 nowhere
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3-sliding"])
+def test_with_nothing_to_match_the_model_reads_as_without(name):
+    lm, ids, seg = _setup(name)
+    weights = torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads)
+    query = torch.tensor([1, 2, 1])  # no context token
+    _, plain, _ = _heads_out(lm, seg, query, 0)
+    before = lm.model.config._attn_implementation
+    with InductionPrior(weights, 5.0, 5.0).reading(lm, ids, torch.ones(CONTEXT, dtype=torch.bool)):
+        assert lm.model.config._attn_implementation != before
+        _, logits, _ = _heads_out(lm, seg, query, 0)
+    assert lm.model.config._attn_implementation == before
+    assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def test_bad_input_is_named_and_the_attention_comes_back():
+    lm, ids, seg = _setup()
+    projected = torch.ones(CONTEXT, dtype=torch.bool)
+    prior = _prior(lm, 1, 0, bias=3.0)
+    before = lm.model.config._attn_implementation
+    with pytest.raises(ValueError, match="cannot read with 'qwen2'"):
+        with InductionPrior(torch.ones(3, 4)).reading(lm, ids, projected):
+            pass
+    with pytest.raises(ValueError, match="one shape"):
+        with prior.reading(lm, ids, projected[:-1]):
+            pass
+    with pytest.raises(ValueError, match="a batch of 2"):
+        with prior.reading(lm, ids, projected), torch.no_grad():
+            lm.model(input_ids=torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="input_ids"):
+        with prior.reading(lm, ids, projected), torch.no_grad():
+            lm.model(inputs_embeds=torch.zeros(1, 3, lm.model.config.hidden_size))
+    with pytest.raises(RuntimeError, match="already reading"):
+        with prior.reading(lm, ids, projected), prior.reading(lm, ids, projected):
+            pass
+    assert lm.model.config._attn_implementation == before
+    with pytest.raises(ValueError, match="biases must be >= 0"):
+        InductionPrior(torch.ones(2, 4), bias=-1.0)
+    with pytest.raises(ValueError, match="threshold"):
+        InductionPrior.for_model(lm, threshold=0.0)
+
+
+def test_the_probe_scores_every_query_head():
+    lm = zoo.build("llama3")
+    scores = induction_scores(lm)
+    assert scores.shape == (lm.spec.num_layers, lm.model.config.num_attention_heads)
+    assert bool(((scores >= 0) & (scores <= 1)).all())
+    assert induction_scores(lm) is scores  # one probe per model
+    prior = InductionPrior.for_model(lm, threshold=1.0)
+    assert prior.heads == {} and not bool(prior.weights.any())  # a random model has no perfect induction head
+
+
+@pytest.mark.slow
+def test_the_probe_finds_smollm2s_induction_heads(smollm2):
+    scores = induction_scores(smollm2)
+    assert float(scores[17, 3]) > 0.5 and float(scores[18, 6]) > 0.5  # KV heads 1 and 2 (docs/eval-blend)
+    assert float(scores[:10].max()) < 0.3  # no early layer does it
+    heads = InductionPrior.for_model(smollm2).heads
+    assert 3 in heads[17] and 6 in heads[18]

@@ -1,0 +1,205 @@
+"""The induction prior: what a projected cache's keys blur at the target's induction heads, put back from the tokens.
+
+An induction head finds the earlier occurrence of the current token and attends to the token after it: its key at
+position j must name the token at j - 1 precisely enough that, among hundreds of keys, the right one wins the
+softmax. A cross-model projection is a little wrong everywhere, and at these heads that costs most: on the small pair,
+after `recompute:0.1`, the keys of the target's two induction heads made exact recover +0.04 of the +0.13 still
+missing (docs/eval-blend, "Where recompute:0.1 loses the rest"), and no input a projection has predicts them well
+enough (key R² 0.42-0.76 where about 0.95 is needed). The generator, though, knows every token of the document
+exactly. So while the target reads a cache with projected tokens in it, each induction query head h adds
+
+    weight_h · (bias · [token(j-1) = token(query)] + bias2 · [that, and token(j-2) = token(query - 1)])
+
+to its attention score of every *projected* key j (never to keys the target computed itself: those are exact).
+weight_h is head h's induction score (`induction_scores`: a repeated random sequence; the attention a token of the
+repeat gives the token after its first occurrence), heads below `threshold` get nothing. The defaults were chosen on
+tuning pages 100-139 (docs/eval-blend, "The induction prior").
+
+`InductionPrior.reading(lm, token_ids, projected)` is a context manager: within it, every forward of `lm` over a
+cache whose first N positions hold `token_ids` (N = len(token_ids)), the ones where `projected` is True projected,
+runs with the prior. It tracks the tokens each forward appends (prefill, decode), so one block can cover a prefill
+and a whole `generate`. Batch size 1; the model runs SDPA within the block (flash-attn cannot take a per-head bias).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kvbridge.transfer.kvcache import decoder_layers, eager_attention
+from kvbridge.transfer.models import GROUPED_SDPA, LoadedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ATTENTION = "kvbridge_induction_prior"  # the attention implementation a model runs while it reads with a prior
+STATE = "_kvbridge_induction_read"  # the attribute of each attention module that holds its model's _ReadState
+PROBE_TOKENS = 64  # length of the random sequence the probe repeats
+PROBE_SEQUENCES = 4
+
+_scores: dict[tuple, torch.Tensor] = {}  # induction scores per model (identity, name): the probe is one forward
+_lock = threading.Lock()
+
+
+@torch.no_grad()
+def induction_scores(lm: LoadedModel, seed: int = 0) -> torch.Tensor:
+    """[L, H_q] float32 on the CPU: per query head, the mean attention a token of a repeated random sequence gives the
+    token after the first occurrence of itself (1.0: a perfect induction head). Cached per model."""
+    key = (lm.spec.identity, lm.name)
+    with _lock:
+        if key in _scores:
+            return _scores[key]
+    vocab = lm.spec.vocab_size
+    low = min(100, vocab // 4)  # past the special tokens a tokenizer puts first
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(low, min(vocab, 20000), (PROBE_SEQUENCES, PROBE_TOKENS), generator=g)
+    n = PROBE_TOKENS
+    device = next(lm.model.parameters()).device
+    with eager_attention(lm.model):
+        out = lm.model(input_ids=torch.cat((seq, seq), 1).to(device), output_attentions=True, logits_to_keep=1)
+    q = torch.arange(n, 2 * n - 1)  # the repeat's tokens (but its last) ...
+    k = q - n + 1  # ... and the token after each one's first occurrence
+    scores = torch.stack([a[:, :, q, k].float().mean(dim=(0, 2)).cpu() for a in out.attentions])  # [L, H_q]
+    with _lock:
+        _scores[key] = scores
+    return scores
+
+
+@dataclass(frozen=True)
+class InductionPrior:
+    weights: torch.Tensor  # [L, H_q] float32: each query head's bias weight (its induction score; 0: no prior)
+    bias: float = 3.0  # added (× weight) where the key's previous token is the query's token
+    bias2: float = 3.0  # added on top where the token before that matches the query's previous token too
+
+    def __post_init__(self):
+        if self.weights.ndim != 2 or not self.weights.is_floating_point():
+            raise ValueError(f"InductionPrior.weights must be a float [layers, query heads] tensor, got "
+                             f"{self.weights.dtype} {tuple(self.weights.shape)}")
+        if not (self.bias >= 0 and self.bias2 >= 0):
+            raise ValueError(f"InductionPrior biases must be >= 0, got {self.bias}, {self.bias2}")
+
+    @classmethod
+    def for_model(cls, lm: LoadedModel, threshold: float = 0.1, bias: float = 3.0, bias2: float = 3.0
+                  ) -> InductionPrior:
+        """The prior on `lm`'s query heads whose induction score is at least `threshold`, weighted by it."""
+        if not 0 < threshold <= 1:
+            raise ValueError(f"the induction threshold must be in (0, 1], got {threshold}")
+        scores = induction_scores(lm)
+        return cls(torch.where(scores >= threshold, scores, torch.zeros_like(scores)), bias, bias2)
+
+    @property
+    def heads(self) -> dict[int, list[int]]:
+        """{layer: [query heads]} that get the prior."""
+        out: dict[int, list[int]] = {}
+        for layer, head in (self.weights > 0).nonzero().tolist():
+            out.setdefault(layer, []).append(head)
+        return out
+
+    @contextmanager
+    def reading(self, lm: LoadedModel, token_ids: torch.Tensor, projected: torch.Tensor) -> Iterator[None]:
+        """Within the block, `lm`'s forwards over a cache that starts with `token_ids` ([N] int64) run with the prior
+        on the positions where `projected` ([N] bool) is True. The model's own attention comes back after."""
+        if self.weights.shape != (lm.spec.num_layers, lm.model.config.num_attention_heads):
+            raise ValueError(f"an induction prior for {tuple(self.weights.shape)} (layers, query heads) cannot read "
+                             f"with {lm.name!r}: {lm.spec.num_layers} layers, "
+                             f"{lm.model.config.num_attention_heads} query heads")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
+        projected = torch.as_tensor(projected, dtype=torch.bool).cpu()
+        if token_ids.ndim != 1 or projected.shape != token_ids.shape:
+            raise ValueError(f"reading needs token_ids and projected of one shape [N], got "
+                             f"{tuple(token_ids.shape)} and {tuple(projected.shape)}")
+        if self.bias == 0 and self.bias2 == 0 or not projected.any() or not (self.weights > 0).any():
+            yield
+            return
+        model = lm.model
+        before = model.config._attn_implementation
+        if before == ATTENTION:
+            raise RuntimeError(f"{lm.name!r} is already reading with an induction prior (one block at a time)")
+        state = _ReadState(self, token_ids, projected)
+        modules = [layer.self_attn for layer in decoder_layers(model)]
+        handle = model.register_forward_pre_hook(state.before_forward, with_kwargs=True)
+        for module in modules:
+            setattr(module, STATE, state)
+        model.config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            model.config._attn_implementation = before
+            handle.remove()
+            for module in modules:
+                delattr(module, STATE)
+
+
+class _ReadState:
+    """The tokens in the cache (context, then what each forward appends) and the bias of the forward that runs,
+    which `_attend` adds at the prior's heads."""
+
+    def __init__(self, prior: InductionPrior, token_ids: torch.Tensor, projected: torch.Tensor):
+        self.prior = prior
+        self.ids = token_ids  # [N'] the cache's tokens so far
+        self.projected = projected  # [N] which of the first N positions are projected
+        self.bias: torch.Tensor | None = None  # [H_q?, Q, K] built once per forward, per device
+
+    def before_forward(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise ValueError("the induction prior needs input_ids (it reads the query tokens), not inputs_embeds")
+        if ids.shape[0] != 1:
+            raise ValueError(f"the induction prior reads one sequence at a time, got a batch of {ids.shape[0]}")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if past > self.ids.numel():
+            raise ValueError(f"the cache holds {past} tokens but the induction prior knows {self.ids.numel()}")
+        query = ids[0].cpu()
+        self.ids = torch.cat((self.ids[:past], query))
+        self._build(query, past)
+        return None
+
+    def _build(self, query: torch.Tensor, past: int) -> None:
+        """The [Q, K] match tables of this forward: its queries at past.., keys 0..past+Q-1."""
+        n = self.projected.numel()
+        keys = past + query.numel()
+        prev = torch.cat((torch.tensor([-1]), self.ids[:keys - 1]))  # [K] token before each key
+        prev2 = torch.cat((torch.tensor([-1, -1]), self.ids[:max(keys - 2, 0)]))[:keys]
+        q_prev = self.ids[past - 1:past + query.numel() - 1] if past else torch.cat((torch.tensor([-1]), query[:-1]))
+        open_ = torch.zeros(keys, dtype=torch.bool)
+        open_[:min(n, keys)] = self.projected[:min(n, keys)]
+        match = (prev[None, :] == query[:, None]) & open_[None, :]  # [Q, K]
+        match2 = match & (prev2[None, :] == q_prev[:, None])
+        self.bias = self.prior.bias * match.float() + self.prior.bias2 * match2.float()  # [Q, K]
+
+
+def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention of a model reading with a prior: SDPA, with the prior's bias at the heads that have one."""
+    # query: [1, H_q, Q, D]; key, value: [1, H_kv, K, D]; attention_mask: [1, 1, Q, K] bool/float, or None
+    state = getattr(module, STATE, None)
+    weights = state.prior.weights[module.layer_idx] if state is not None else None
+    if weights is None or not bool((weights > 0).any()):
+        return ALL_ATTENTION_FUNCTIONS[GROUPED_SDPA](module, query, key, value, attention_mask, scaling=scaling,
+                                                     dropout=dropout, **kwargs)
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError(f"the induction prior cannot bias layer {module.layer_idx}: its attention has a softcap, "
+                         "sinks or a position bias")
+    q, k = query.shape[2], key.shape[2]
+    bias = state.bias  # [Q, past + Q]; a sliding-window layer's cache holds only the last k of those keys
+    assert bias is not None and bias.shape[0] == q and bias.shape[1] >= k, (
+        None if bias is None else tuple(bias.shape), (q, k))
+    bias = bias[:, bias.shape[1] - k:]
+    if attention_mask is None:  # sdpa_mask leaves plain causal attention to is_causal
+        allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask[0, 0]
+    else:
+        allowed = attention_mask[0, 0] == 0
+    add = weights.to(query.device, torch.float32)[:, None, None] * bias.to(query.device)[None]  # [H_q, Q, K]
+    mask = add.masked_fill(~allowed[None], float("-inf")).to(query.dtype)[None]  # [1, H_q, Q, K]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None  # [1, Q, H_q, D]
+
+
+ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attend)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
