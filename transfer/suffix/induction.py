@@ -141,7 +141,8 @@ class _ReadState:
         self.prior = prior
         self.ids = token_ids  # [N'] the cache's tokens so far
         self.projected = projected  # [N] which of the first N positions are projected
-        self.bias: torch.Tensor | None = None  # [H_q?, Q, K] built once per forward, per device
+        self.bias: torch.Tensor | None = None  # [Q, past + Q] of the forward that runs, on the CPU
+        self.on_device: dict[torch.device, torch.Tensor] = {}  # that bias where the layers run (copied once)
 
     def before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -170,6 +171,7 @@ class _ReadState:
         match = (prev[None, :] == query[:, None]) & open_[None, :]  # [Q, K]
         match2 = match & (prev2[None, :] == q_prev[:, None])
         self.bias = self.prior.bias * match.float() + self.prior.bias2 * match2.float()  # [Q, K]
+        self.on_device = {}
 
 
 def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -187,14 +189,16 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     bias = state.bias  # [Q, past + Q]; a sliding-window layer's cache holds only the last k of those keys
     assert bias is not None and bias.shape[0] == q and bias.shape[1] >= k, (
         None if bias is None else tuple(bias.shape), (q, k))
-    bias = bias[:, bias.shape[1] - k:]
+    if query.device not in state.on_device:
+        state.on_device[query.device] = bias.to(query.device)
+    bias = state.on_device[query.device][:, bias.shape[1] - k:]
     if attention_mask is None:  # sdpa_mask leaves plain causal attention to is_causal
         allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
     elif attention_mask.dtype == torch.bool:
         allowed = attention_mask[0, 0]
     else:
         allowed = attention_mask[0, 0] == 0
-    add = weights.to(query.device, torch.float32)[:, None, None] * bias.to(query.device)[None]  # [H_q, Q, K]
+    add = weights.to(query.device, torch.float32)[:, None, None] * bias[None]  # [H_q, Q, K]
     mask = add.masked_fill(~allowed[None], float("-inf")).to(query.dtype)[None]  # [1, H_q, Q, K]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=key.shape[1] != query.shape[1])

@@ -1,9 +1,11 @@
 """Give the induction heads the match their projected keys blur: recompute:0.1, and at the given query heads
 (layer:q,q;layer:q; default the induction query heads of the two induction KV heads 17.1 and 18.2) a bias B added to
 the attention score of every projected key whose previous token is the query's own token (the match an induction head
-looks for; the generator knows the document's tokens exactly), and B2 more where the token before that also matches
-the query's previous token.  Recomputed and exact keys get no bias.  Where: while scoring the continuation (s) or also
-while the tail is recomputed (a).  Reference: the keys of the KV heads of those query heads exact (the oracle).
+looks for; the generator knows the document's tokens exactly), B2 more where the token before that also matches
+the query's previous token, B3 more where a third does (variant s{B}g{B2}h{B3}).  Recomputed and exact keys get no
+bias.  Where: while scoring the continuation (s) or also while the tail is recomputed (a).  Reference: the keys of the
+KV heads of those query heads exact (the oracle).  heads "auto:T": every query head with probe score >= T, the bias
+scaled by the score.
 python induct_bias.py START END VARIANTS [heads]   e.g. induct_bias.py 100 140 s2,s4,a2,s2g2 17:3,4,5;18:6,7"""
 import sys
 
@@ -50,7 +52,8 @@ if HEAD_ARG.startswith("auto"):  # auto:THRESHOLD: every query head scoring at l
 else:
     HEADS = {int(la): [int(q) for q in qs.split(",")] for la, qs in (part.split(":") for part in HEAD_ARG.split(";"))}
     WEIGHT = {(la, q): 1.0 for la, qs in HEADS.items() for q in qs}
-STATE = {"bias": 0.0, "bias2": 0.0, "qtok": None, "qprev": None, "prev": None, "prev2": None, "far": (1, 0)}
+STATE = {"bias": 0.0, "bias2": 0.0, "bias3": 0.0, "qtok": None, "qprev": None, "qprev2": None, "prev": None,
+         "prev2": None, "prev3": None, "far": (1, 0)}
 
 
 def biased_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -73,8 +76,10 @@ def biased_attention(module, query, key, value, attention_mask, scaling=None, dr
     lo, hi = STATE["far"]
     match = (STATE["prev"][None, lo:hi] == STATE["qtok"][:, None]).float()  # [q, hi - lo]
     match2 = match * (STATE["prev2"][None, lo:hi] == STATE["qprev"][:, None])
+    match3 = match2 * (STATE["prev3"][None, lo:hi] == STATE["qprev2"][:, None])
     for h in heads:
-        mask[:, h, :, lo:hi] += WEIGHT[module.layer_idx, h] * (STATE["bias"] * match + STATE["bias2"] * match2)
+        mask[:, h, :, lo:hi] += WEIGHT[module.layer_idx, h] * (STATE["bias"] * match + STATE["bias2"] * match2
+                                                               + STATE["bias3"] * match3)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(query.dtype), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -88,13 +93,14 @@ def seg_of(kv, ids):
     return _seg_of(target, kv, ids)
 
 
-def score(x, ids, cont, k, bias=0.0, bias2=0.0, in_tail=False):
+def score(x, ids, cont, k, bias=0.0, bias2=0.0, bias3=0.0, in_tail=False):
     """recompute:0.1's NLL of cont after x (the bias also while the tail is recomputed if in_tail)."""
     t = ids.numel()
-    STATE.update(bias=bias if in_tail else 0.0, bias2=bias2 if in_tail else 0.0, qtok=ids[t - k:],
-                 qprev=ids[t - k - 1:-1])
+    STATE.update(bias=bias if in_tail else 0.0, bias2=bias2 if in_tail else 0.0, bias3=bias3 if in_tail else 0.0,
+                 qtok=ids[t - k:], qprev=ids[t - k - 1:-1], qprev2=ids[t - k - 2:-2])
     cache = recompute_tail(target, x, ids, k)
-    STATE.update(bias=bias, bias2=bias2, qtok=cont, qprev=torch.cat((ids[-1:], cont[:-1])))
+    STATE.update(bias=bias, bias2=bias2, bias3=bias3, qtok=cont, qprev=torch.cat((ids[-1:], cont[:-1])),
+                 qprev2=torch.cat((ids[-2:], cont[:-2])))
     return continuation_scores(target, seg_of(cache, ids), cont)[0]
 
 
@@ -107,7 +113,7 @@ for stem, d in pages(a, b):
     row = {"full": d["nll_full"], "none": d["nll_none"]}
     own = kvcache.extract(target.model, target.spec, ids).kv.float()
     STATE.update(prev=torch.cat((torch.tensor([-1]), ids[:-1])), prev2=torch.cat((torch.tensor([-1, -1]), ids[:-2])),
-                 far=(1, t - k))
+                 prev3=torch.cat((torch.tensor([-1, -1, -1]), ids[:-3])), far=(1, t - k))
 
     row["rec"] = score(kv, ids, cont, k)
     x = kv.clone()
@@ -116,8 +122,9 @@ for stem, d in pages(a, b):
             x[la, 0, h] = own[la, 0, h]
     row["exact"] = score(x, ids, cont, k)
     for v in VARIANTS:
-        b1, _, b2 = v[1:].partition("g")
-        row[v] = score(kv, ids, cont, k, float(b1), float(b2 or 0), in_tail=v[0] == "a")
+        b1, _, rest = v[1:].partition("g")
+        b2, _, b3 = rest.partition("h")
+        row[v] = score(kv, ids, cont, k, float(b1), float(b2 or 0), float(b3 or 0), in_tail=v[0] == "a")
     STATE.update(bias=0.0, qtok=None)
     rows.append(row)
     print(stem, " ".join(f"{v}={row[v]:.1f}" for v in ["full", "none"] + names), flush=True)
