@@ -200,7 +200,10 @@ def test_to_cache_with_room_generates_in_place_and_exactly(tiny_target):
     for i, layer in enumerate(cache.layers):
         assert layer.keys.data_ptr() == room[i, 0].data_ptr() and layer.get_seq_length() == 30
     assert torch.equal(room[:, :, :, :t], seg.kv)  # the segment's own slots are never written
-    assert torch.equal(out.logits[0, -1], lm.model(input_ids=ids[None], use_cache=False).logits[0, -1])
+    plain = lm.model(input_ids=ids[None], use_cache=False).logits[0, -1]
+    # a 4-token forward over a cache and a 30-token one take different SDPA kernels: equal to float rounding (on an
+    # Intel Xeon VM 1.2e-5 apart, bitwise equal on the AMD EPYC ones); the tokens below must be identical
+    assert torch.allclose(out.logits[0, -1], plain, atol=1e-4, rtol=0) and out.logits[0, -1].argmax() == plain.argmax()
     cache = kvcache.to_cache(held, lm.model, lm.spec, room=room)
     out = lm.model.generate(input_ids=ids[None], attention_mask=attention, cache=cache, max_new_tokens=9,
                             min_new_tokens=9, do_sample=False)  # 4 + 9 tokens: past the 5 spare slots
