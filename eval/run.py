@@ -134,6 +134,9 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
             "adapter": adapter_label, "modes": [m.name for m in modes], "config": asdict(config),
             "skipped_short": skipped, "seconds": round(elapsed, 1), "gates": gate_report,
             "gate_values": gates.tolist() if gates is not None else None, "seed": options.seed,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            "induction_prior": None if evaluator.prior is None else {  # what the modes without /noprior read with
+                "heads": {str(layer): heads for layer, heads in evaluator.prior.heads.items()},
+                "bias": evaluator.prior.bias, "bias2": evaluator.prior.bias2}}
     paths = write_report(Path(options.out), summary, results, meta)
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}

@@ -24,6 +24,7 @@ and a whole `generate`. Batch size 1; the model runs SDPA within the block (flas
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ STATE = "_kvbridge_induction_read"  # the attribute of each attention module tha
 PROBE_TOKENS = 64  # length of the random sequence the probe repeats
 PROBE_SEQUENCES = 4
 
-_scores: dict[tuple, torch.Tensor] = {}  # induction scores per model (identity, name): the probe is one forward
+_scores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model module -> {seed: [L, H_q] scores}
 _lock = threading.Lock()
 
 
@@ -48,10 +49,10 @@ _lock = threading.Lock()
 def induction_scores(lm: LoadedModel, seed: int = 0) -> torch.Tensor:
     """[L, H_q] float32 on the CPU: per query head, the mean attention a token of a repeated random sequence gives the
     token after the first occurrence of itself (1.0: a perfect induction head). Cached per model."""
-    key = (lm.spec.identity, lm.name)
     with _lock:
-        if key in _scores:
-            return _scores[key]
+        known = _scores.get(lm.model, {}).get(seed)
+    if known is not None:
+        return known
     vocab = lm.spec.vocab_size
     low = min(100, vocab // 4)  # past the special tokens a tokenizer puts first
     g = torch.Generator().manual_seed(seed)
@@ -64,7 +65,7 @@ def induction_scores(lm: LoadedModel, seed: int = 0) -> torch.Tensor:
     k = q - n + 1  # ... and the token after each one's first occurrence
     scores = torch.stack([a[:, :, q, k].float().mean(dim=(0, 2)).cpu() for a in out.attentions])  # [L, H_q]
     with _lock:
-        _scores[key] = scores
+        _scores.setdefault(lm.model, {})[seed] = scores
     return scores
 
 
