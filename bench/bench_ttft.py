@@ -178,9 +178,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         cache = kvcache.to_cache(KVSegment.concat([head, blended.segment]), model, target.spec)
         q = tokens(QUESTION)
         t = seg.num_tokens
-        still = torch.ones(t, dtype=torch.bool)  # [T] projected, not recomputed
-        still[0] = False
-        still[1 + blended.selected] = False
+        still = torch.cat((torch.tensor([False]), blended.still_projected))  # [T] the start token is exact
         with prior.reading(target, seg.token_ids, still):
             logits = model(input_ids=q[None].to(device), position_ids=torch.arange(t, t + q.numel())[None].to(device),
                            cache=cache, use_cache=True, logits_to_keep=1).logits

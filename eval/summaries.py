@@ -405,8 +405,7 @@ class SummaryEvaluator:
             # selected tokens through every layer; a forward through every layer counts its tokens as prefilled
             layers = self.target.spec.num_layers
             forwards = [f[:2] if f[2] == layers else f for f in blended.forwards]
-            still[1:] = True
-            still[1 + blended.selected] = False
+            still[1:] = blended.still_projected
             return seg, fetch_s + time.perf_counter() - t0, forwards, wire, still
         if mode.kind == "fuse":  # every token's KV mixes the target's own with the projected: no prior
             t0 = time.perf_counter()

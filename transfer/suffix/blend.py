@@ -76,6 +76,13 @@ class BlendResult:
     score: torch.Tensor  # [T] float32: what the rule ranked by (attention received, or deviation; zeros otherwise)
     forwards: tuple[tuple[int, int, int], ...]  # the target's forwards: (new tokens, past tokens, layers run)
 
+    @property
+    def still_projected(self) -> torch.Tensor:
+        """[T] bool: the placed tokens whose KV was not recomputed (what an induction prior reads as projected)."""
+        kept = torch.ones(self.segment.num_tokens, dtype=torch.bool)
+        kept[self.selected] = False
+        return kept
+
 
 def kv_deviation(placed: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """placed, own: [m, 2, H, T, D] -> [T]: relative K and V deviation per token, summed over the m layers."""

@@ -173,8 +173,7 @@ class SuffixReuseGenerator:
                     blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
                                     BlendConfig(fraction=self.recompute_fraction))
                     seg, redone = blended.segment, blended.selected.numel()
-                    still[a:b] = True
-                    still[a + blended.selected] = False
+                    still[a:b] = blended.still_projected
                 else:
                     redone = 0
                     still[a:b] = True

@@ -142,6 +142,7 @@ class _ReadState:
         self.prior = prior
         self.ids = token_ids  # [N'] the cache's tokens so far
         self.projected = projected  # [N] which of the first N positions are projected
+        self.biased = {layer: prior.weights[layer] for layer in prior.heads}  # layer -> [H_q] weights, some > 0
         self.bias: torch.Tensor | None = None  # [Q, past + Q] of the forward that runs, on the CPU
         self.on_device: dict[torch.device, torch.Tensor] = {}  # that bias where the layers run (copied once)
 
@@ -179,8 +180,8 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     """The attention of a model reading with a prior: SDPA, with the prior's bias at the heads that have one."""
     # query: [1, H_q, Q, D]; key, value: [1, H_kv, K, D]; attention_mask: [1, 1, Q, K] bool/float, or None
     state = getattr(module, STATE, None)
-    weights = state.prior.weights[module.layer_idx] if state is not None else None
-    if weights is None or not bool((weights > 0).any()):
+    weights = state.biased.get(module.layer_idx) if state is not None else None
+    if weights is None:
         return ALL_ATTENTION_FUNCTIONS[GROUPED_SDPA](module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, **kwargs)
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
