@@ -137,6 +137,6 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
             "torch_threads": torch.get_num_threads(),
             "induction_prior": None if evaluator.prior is None else {  # what the modes without /noprior read with
                 "heads": {str(layer): heads for layer, heads in evaluator.prior.heads.items()},
-                "bias": evaluator.prior.bias, "bias2": evaluator.prior.bias2}}
+                "origin": evaluator.prior.origin}}
     paths = write_report(Path(options.out), summary, results, meta)
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}

@@ -138,7 +138,7 @@ def test_projected_positions_are_read_with_the_induction_prior(tiny_target):
     weights = torch.zeros(lm.spec.num_layers, lm.model.config.num_attention_heads)
     weights[-1] = 1.0
     gen = SuffixReuseGenerator(lm, None, context_source=OwnKV(), recompute_fraction=0.25,
-                               induction_prior=Spy(InductionPrior(weights, 4.0, 4.0)))
+                               induction_prior=Spy(InductionPrior.from_weights(weights, 4.0, 4.0)))
     n = gen.tokens(doc).numel()
     gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=4)
     assert len(seen) == 1  # the new turn's prefill and generation, in one block

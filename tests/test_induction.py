@@ -9,7 +9,8 @@ import pytest
 import torch
 import zoo
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
+from kvbridge.transfer.suffix.induction import TERMS, InductionPrior, induction_scores
+from safetensors.torch import save_file
 
 CONTEXT = 40
 
@@ -24,7 +25,7 @@ def _setup(name: str = "qwen2"):
 def _prior(lm, layer: int, head: int, bias: float, bias2: float = 0.0) -> InductionPrior:
     weights = torch.zeros(lm.spec.num_layers, lm.model.config.num_attention_heads)
     weights[layer, head] = 1.0
-    return InductionPrior(weights, bias, bias2)
+    return InductionPrior.from_weights(weights, bias, bias2)
 
 
 def _heads_out(lm, seg, query: torch.Tensor, layer: int, cache=None):
@@ -92,11 +93,50 @@ def test_with_nothing_to_match_the_model_reads_as_without(name):
     query = torch.tensor([1, 2, 1])  # no context token
     _, plain, _ = _heads_out(lm, seg, query, 0)
     before = lm.model.config._attn_implementation
-    with InductionPrior(weights, 5.0, 5.0).reading(lm, ids, torch.ones(CONTEXT, dtype=torch.bool)):
+    with InductionPrior.from_weights(weights, 5.0, 5.0).reading(lm, ids, torch.ones(CONTEXT, dtype=torch.bool)):
         assert lm.model.config._attn_implementation != before
         _, logits, _ = _heads_out(lm, seg, query, 0)
     assert lm.model.config._attn_implementation == before
     assert torch.allclose(logits, plain, atol=1e-5)
+
+
+def _terms(lm, layer: int, head: int, **values: float) -> InductionPrior:
+    terms = torch.zeros(len(TERMS), lm.spec.num_layers, lm.model.config.num_attention_heads)
+    for name, value in values.items():
+        terms[TERMS.index(name), layer, head] = value
+    return InductionPrior(terms)
+
+
+def test_the_projected_and_duplicate_terms_land_where_they_say():
+    lm, ids, seg = _setup()
+    layer, head = 1, 2
+    kv_head = head // (lm.model.config.num_attention_heads // lm.spec.num_kv_heads)
+    projected = torch.zeros(CONTEXT, dtype=torch.bool)
+    projected[25] = True  # one projected key: a large trust in projected keys sends the head there
+    query = torch.tensor([1])
+    with _terms(lm, layer, head, projected=60.0).reading(lm, ids, projected):
+        out, _, _ = _heads_out(lm, seg, query, layer)
+    assert torch.allclose(out[0, head], seg.kv[layer, 1, kv_head, 25], atol=1e-4)
+    projected[:] = True  # duplicate: the projected key of the query's own token (at 12), not the one after it
+    with _terms(lm, layer, head, duplicate=60.0).reading(lm, ids, projected):
+        out, _, _ = _heads_out(lm, seg, ids[12:13], layer)
+    assert torch.allclose(out[0, head], seg.kv[layer, 1, kv_head, 12], atol=1e-4)
+
+
+def test_a_fitted_prior_round_trips_and_is_found_by_the_models_config_hash(tmp_path):
+    lm = zoo.build("qwen2")
+    prior = _terms(lm, 1, 2, match=1.5, projected=-0.25)
+    prior.save(tmp_path / "other.safetensors", {"target": {"config_hash": "not-this-one"}})
+    assert InductionPrior.for_model(lm, folder=tmp_path).origin.startswith("probe")  # no file for this model
+    prior.save(tmp_path / "qwen2.safetensors", {"target": {"config_hash": lm.spec.identity.config_hash}})
+    found = InductionPrior.for_model(lm, folder=tmp_path)
+    assert found.origin == "qwen2.safetensors" and torch.equal(found.terms, prior.terms)
+    assert found.heads == {1: [2]}
+    save_file({"terms": prior.terms}, str(tmp_path / "bare.safetensors"))
+    with pytest.raises(ValueError, match="not an induction prior file"):
+        InductionPrior.load(tmp_path / "bare.safetensors")
+    with pytest.raises(ValueError, match="finite float"):
+        InductionPrior(torch.full((4, 2, 4), float("nan")))
 
 
 def test_bad_input_is_named_and_the_attention_comes_back():
@@ -105,7 +145,7 @@ def test_bad_input_is_named_and_the_attention_comes_back():
     prior = _prior(lm, 1, 0, bias=3.0)
     before = lm.model.config._attn_implementation
     with pytest.raises(ValueError, match="cannot read with 'qwen2'"):
-        with InductionPrior(torch.ones(3, 4)).reading(lm, ids, projected):
+        with InductionPrior.from_weights(torch.ones(3, 4)).reading(lm, ids, projected):
             pass
     with pytest.raises(ValueError, match="one shape"):
         with prior.reading(lm, ids, projected[:-1]):
@@ -121,9 +161,9 @@ def test_bad_input_is_named_and_the_attention_comes_back():
             pass
     assert lm.model.config._attn_implementation == before
     with pytest.raises(ValueError, match="biases must be >= 0"):
-        InductionPrior(torch.ones(2, 4), bias=-1.0)
+        InductionPrior.from_weights(torch.ones(2, 4), bias=-1.0)
     with pytest.raises(ValueError, match="threshold"):
-        InductionPrior.for_model(lm, threshold=0.0)
+        InductionPrior.probed(lm, threshold=0.0)
 
 
 def test_the_probe_scores_every_query_head():
@@ -132,8 +172,8 @@ def test_the_probe_scores_every_query_head():
     assert scores.shape == (lm.spec.num_layers, lm.model.config.num_attention_heads)
     assert bool(((scores >= 0) & (scores <= 1)).all())
     assert induction_scores(lm) is scores  # one probe per model
-    prior = InductionPrior.for_model(lm, threshold=1.0)
-    assert prior.heads == {} and not bool(prior.weights.any())  # a random model has no perfect induction head
+    prior = InductionPrior.probed(lm, threshold=1.0)
+    assert prior.heads == {} and not bool(prior.terms.any())  # a random model has no perfect induction head
 
 
 @pytest.mark.slow
@@ -141,5 +181,7 @@ def test_the_probe_finds_smollm2s_induction_heads(smollm2):
     scores = induction_scores(smollm2)
     assert float(scores[17, 3]) > 0.5 and float(scores[18, 6]) > 0.5  # KV heads 1 and 2 (docs/eval-blend)
     assert float(scores[:10].max()) < 0.3  # no early layer does it
-    heads = InductionPrior.for_model(smollm2).heads
+    heads = InductionPrior.probed(smollm2).heads
     assert 3 in heads[17] and 6 in heads[18]
+    fitted = InductionPrior.for_model(smollm2)  # the prior that ships for SmolLM2, fitted on the same heads' terms
+    assert fitted.origin.endswith(".safetensors") and 3 in fitted.heads[17] and 6 in fitted.heads[18]

@@ -12,8 +12,11 @@ exactly. So while the target reads a cache with projected tokens in it, each ind
 
 to its attention score of every *projected* key j (never to keys the target computed itself: those are exact).
 weight_h is head h's induction score (`induction_scores`: a repeated random sequence; the attention a token of the
-repeat gives the token after its first occurrence), heads below `threshold` get nothing. The defaults were chosen on
-tuning pages 100-139 (docs/eval-blend, "The induction prior").
+repeat gives the token after its first occurrence), heads below `threshold` get nothing (`InductionPrior.probed`;
+chosen on tuning pages 100-139, docs/eval-blend, "The induction prior"). A *fitted* prior has its own numbers per
+query head for those two terms and two more (every projected key; a projected key of the query's own token), fitted
+by the continuation's NLL on windows of the adapter's training corpora; `InductionPrior.for_model` takes the one
+that ships for the model (`priors/`, matched by config hash) and probes where none does.
 
 `InductionPrior.reading(lm, token_ids, projected)` is a context manager: within it, every forward of `lm` over a
 cache whose first N positions hold `token_ids` (N = len(token_ids)), the ones where `projected` is True projected,
@@ -23,16 +26,20 @@ and a whole `generate`. Batch size 1; the model runs SDPA within the block (flas
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from kvbridge.transfer.kvcache import decoder_layers, eager_attention
 from kvbridge.transfer.models import GROUPED_SDPA, LoadedModel
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -40,6 +47,7 @@ ATTENTION = "kvbridge_induction_prior"  # the attention implementation a model r
 STATE = "_kvbridge_induction_read"  # the attribute of each attention module that holds its model's _ReadState
 PROBE_TOKENS = 64  # length of the random sequence the probe repeats
 PROBE_SEQUENCES = 4
+PRIORS = Path(__file__).resolve().parent / "priors"  # the fitted priors that ship with kvbridge
 
 _scores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model module -> {seed: [L, H_q] scores}
 _lock = threading.Lock()
@@ -69,33 +77,71 @@ def induction_scores(lm: LoadedModel, seed: int = 0) -> torch.Tensor:
     return scores
 
 
+TERMS = ("match", "match2", "projected", "duplicate")  # the rows of InductionPrior.terms
+
+
 @dataclass(frozen=True)
 class InductionPrior:
-    weights: torch.Tensor  # [L, H_q] float32: each query head's bias weight (its induction score; 0: no prior)
-    bias: float = 3.0  # added (× weight) where the key's previous token is the query's token
-    bias2: float = 3.0  # added on top where the token before that matches the query's previous token too
+    """Per query head, what is added to the attention score of a *projected* key j (TERMS, rows of `terms`):
+    match: the token at j - 1 is the query's token; match2: on top, the token at j - 2 is the query's previous token;
+    projected: every projected key (how much the head trusts projected keys against exact ones); duplicate: the
+    token at j is the query's own token."""
+
+    terms: torch.Tensor  # [4, L, H_q] float32 (TERMS); a head whose four are 0 reads as the model does
+    origin: str = "given"  # what made it: "probe ...", or the fitted file it came from
 
     def __post_init__(self):
-        if self.weights.ndim != 2 or not self.weights.is_floating_point():
-            raise ValueError(f"InductionPrior.weights must be a float [layers, query heads] tensor, got "
-                             f"{self.weights.dtype} {tuple(self.weights.shape)}")
-        if not (self.bias >= 0 and self.bias2 >= 0):
-            raise ValueError(f"InductionPrior biases must be >= 0, got {self.bias}, {self.bias2}")
+        t = self.terms
+        if t.ndim != 3 or t.shape[0] != len(TERMS) or not t.is_floating_point() or not bool(t.isfinite().all()):
+            raise ValueError(f"InductionPrior.terms must be a finite float [{len(TERMS)}, layers, query heads] "
+                             f"tensor ({', '.join(TERMS)}), got {t.dtype} {tuple(t.shape)}")
 
     @classmethod
-    def for_model(cls, lm: LoadedModel, threshold: float = 0.1, bias: float = 3.0, bias2: float = 3.0
-                  ) -> InductionPrior:
+    def from_weights(cls, weights: torch.Tensor, bias: float = 3.0, bias2: float = 3.0, origin: str = "given"
+                     ) -> InductionPrior:
+        """The prior of weights [L, H_q] >= 0: bias × weight on the match, bias2 × weight more on the longer match."""
+        if weights.ndim != 2 or not weights.is_floating_point() or bool((weights < 0).any()):
+            raise ValueError(f"induction prior weights must be a float [layers, query heads] tensor >= 0, got "
+                             f"{weights.dtype} {tuple(weights.shape)}")
+        if not (bias >= 0 and bias2 >= 0):
+            raise ValueError(f"InductionPrior biases must be >= 0, got {bias}, {bias2}")
+        w = weights.float()
+        return cls(torch.stack((bias * w, bias2 * w, torch.zeros_like(w), torch.zeros_like(w))), origin)
+
+    @classmethod
+    def probed(cls, lm: LoadedModel, threshold: float = 0.1, bias: float = 3.0, bias2: float = 3.0
+               ) -> InductionPrior:
         """The prior on `lm`'s query heads whose induction score is at least `threshold`, weighted by it."""
         if not 0 < threshold <= 1:
             raise ValueError(f"the induction threshold must be in (0, 1], got {threshold}")
         scores = induction_scores(lm)
-        return cls(torch.where(scores >= threshold, scores, torch.zeros_like(scores)), bias, bias2)
+        return cls.from_weights(torch.where(scores >= threshold, scores, torch.zeros_like(scores)), bias, bias2,
+                                origin=f"probe (score >= {threshold}, bias {bias} + {bias2})")
+
+    @classmethod
+    def for_model(cls, lm: LoadedModel, folder: Path | None = None) -> InductionPrior:
+        """The prior fitted for `lm` that ships with kvbridge (`priors/`, matched by config hash), else `probed`."""
+        path = find_fitted(lm, folder)
+        return cls.load(path) if path is not None else cls.probed(lm)
+
+    def save(self, path: str | Path, meta: dict) -> None:
+        """A safetensors file: the terms and a JSON "kvbridge_prior" entry (`meta`: the target, how it was fitted)."""
+        save_file({"terms": self.terms.float().contiguous()}, str(path),
+                  metadata={"kvbridge_prior": json.dumps(meta, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> InductionPrior:
+        path = Path(path)
+        with safe_open(str(path), "pt") as f:
+            if "kvbridge_prior" not in (f.metadata() or {}) or "terms" not in f.keys():
+                raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
+            return cls(f.get_tensor("terms").float(), origin=path.name)
 
     @property
     def heads(self) -> dict[int, list[int]]:
         """{layer: [query heads]} that get the prior."""
         out: dict[int, list[int]] = {}
-        for layer, head in (self.weights > 0).nonzero().tolist():
+        for layer, head in (self.terms != 0).any(0).nonzero().tolist():
             out.setdefault(layer, []).append(head)
         return out
 
@@ -103,16 +149,16 @@ class InductionPrior:
     def reading(self, lm: LoadedModel, token_ids: torch.Tensor, projected: torch.Tensor) -> Iterator[None]:
         """Within the block, `lm`'s forwards over a cache that starts with `token_ids` ([N] int64) run with the prior
         on the positions where `projected` ([N] bool) is True. The model's own attention comes back after."""
-        if self.weights.shape != (lm.spec.num_layers, lm.model.config.num_attention_heads):
-            raise ValueError(f"an induction prior for {tuple(self.weights.shape)} (layers, query heads) cannot read "
-                             f"with {lm.name!r}: {lm.spec.num_layers} layers, "
+        if self.terms.shape[1:] != (lm.spec.num_layers, lm.model.config.num_attention_heads):
+            raise ValueError(f"an induction prior for {tuple(self.terms.shape[1:])} (layers, query heads) cannot "
+                             f"read with {lm.name!r}: {lm.spec.num_layers} layers, "
                              f"{lm.model.config.num_attention_heads} query heads")
         token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
         projected = torch.as_tensor(projected, dtype=torch.bool).cpu()
         if token_ids.ndim != 1 or projected.shape != token_ids.shape:
             raise ValueError(f"reading needs token_ids and projected of one shape [N], got "
                              f"{tuple(token_ids.shape)} and {tuple(projected.shape)}")
-        if self.bias == 0 and self.bias2 == 0 or not projected.any() or not (self.weights > 0).any():
+        if not projected.any() or not bool((self.terms != 0).any()):
             yield
             return
         model = lm.model
@@ -134,17 +180,27 @@ class InductionPrior:
                 delattr(module, STATE)
 
 
+def find_fitted(lm: LoadedModel, folder: Path | None = None) -> Path | None:
+    """The fitted prior file in `folder` (default: the shipped `priors/`) for exactly `lm` (config hash), or None."""
+    folder = PRIORS if folder is None else Path(folder)
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvbridge_prior", "{}"))
+        if meta.get("target", {}).get("config_hash") == lm.spec.identity.config_hash:
+            return path
+    return None
+
+
 class _ReadState:
     """The tokens in the cache (context, then what each forward appends) and the bias of the forward that runs,
     which `_attend` adds at the prior's heads."""
 
     def __init__(self, prior: InductionPrior, token_ids: torch.Tensor, projected: torch.Tensor):
-        self.prior = prior
         self.ids = token_ids  # [N'] the cache's tokens so far
         self.projected = projected  # [N] which of the first N positions are projected
-        self.biased = {layer: prior.weights[layer] for layer in prior.heads}  # layer -> [H_q] weights, some > 0
-        self.bias: torch.Tensor | None = None  # [Q, past + Q] of the forward that runs, on the CPU
-        self.on_device: dict[torch.device, torch.Tensor] = {}  # that bias where the layers run (copied once)
+        self.biased = {layer: prior.terms[:, layer] for layer in prior.heads}  # layer -> [4, H_q] terms, some != 0
+        self.tables: torch.Tensor | None = None  # [4, Q, past + Q] of the forward that runs (TERMS), on the CPU
+        self.on_device: dict[torch.device, torch.Tensor] = {}  # those tables where the layers run (copied once)
 
     def before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -162,7 +218,7 @@ class _ReadState:
         return None
 
     def _build(self, query: torch.Tensor, past: int) -> None:
-        """The [Q, K] match tables of this forward: its queries at past.., keys 0..past+Q-1."""
+        """The [4, Q, K] tables of this forward (TERMS: where each applies): queries at past.., keys 0..past+Q-1."""
         n = self.projected.numel()
         keys = past + query.numel()
         prev = torch.cat((torch.tensor([-1]), self.ids[:keys - 1]))  # [K] token before each key
@@ -172,7 +228,8 @@ class _ReadState:
         open_[:min(n, keys)] = self.projected[:min(n, keys)]
         match = (prev[None, :] == query[:, None]) & open_[None, :]  # [Q, K]
         match2 = match & (prev2[None, :] == q_prev[:, None])
-        self.bias = self.prior.bias * match.float() + self.prior.bias2 * match2.float()  # [Q, K]
+        duplicate = (self.ids[None, :keys] == query[:, None]) & open_[None, :]
+        self.tables = torch.stack((match, match2, open_[None, :].expand_as(match), duplicate)).float()
         self.on_device = {}
 
 
@@ -180,27 +237,27 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     """The attention of a model reading with a prior: SDPA, with the prior's bias at the heads that have one."""
     # query: [1, H_q, Q, D]; key, value: [1, H_kv, K, D]; attention_mask: [1, 1, Q, K] bool/float, or None
     state = getattr(module, STATE, None)
-    weights = state.biased.get(module.layer_idx) if state is not None else None
-    if weights is None:
+    terms = state.biased.get(module.layer_idx) if state is not None else None
+    if terms is None:
         return ALL_ATTENTION_FUNCTIONS[GROUPED_SDPA](module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, **kwargs)
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
         raise ValueError(f"the induction prior cannot bias layer {module.layer_idx}: its attention has a softcap, "
                          "sinks or a position bias")
     q, k = query.shape[2], key.shape[2]
-    bias = state.bias  # [Q, past + Q]; a sliding-window layer's cache holds only the last k of those keys
-    assert bias is not None and bias.shape[0] == q and bias.shape[1] >= k, (
-        None if bias is None else tuple(bias.shape), (q, k))
+    tables = state.tables  # [4, Q, past + Q]; a sliding-window layer's cache holds only the last k of those keys
+    assert tables is not None and tables.shape[1] == q and tables.shape[2] >= k, (
+        None if tables is None else tuple(tables.shape), (q, k))
     if query.device not in state.on_device:
-        state.on_device[query.device] = bias.to(query.device)
-    bias = state.on_device[query.device][:, bias.shape[1] - k:]
+        state.on_device[query.device] = tables.to(query.device)
+    tables = state.on_device[query.device][:, :, tables.shape[2] - k:]
     if attention_mask is None:  # sdpa_mask leaves plain causal attention to is_causal
         allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
     elif attention_mask.dtype == torch.bool:
         allowed = attention_mask[0, 0]
     else:
         allowed = attention_mask[0, 0] == 0
-    add = weights.to(query.device, torch.float32)[:, None, None] * bias[None]  # [H_q, Q, K]
+    add = torch.einsum("th,tqk->hqk", terms.to(query.device, torch.float32), tables)  # [H_q, Q, K]
     mask = add.masked_fill(~allowed[None], float("-inf")).to(query.dtype)[None]  # [1, H_q, Q, K]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=key.shape[1] != query.shape[1])
