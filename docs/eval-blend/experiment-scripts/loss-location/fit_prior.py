@@ -23,9 +23,7 @@ import torch.nn.functional as F
 from common import pages, recompute_tail, report
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.presets import load_pair
-from kvbridge.transfer.suffix.induction import induction_scores
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
 
 torch.set_num_threads(2)
 OUT = Path("/work/exp20")
@@ -81,44 +79,14 @@ class Prior(torch.nn.Module):
         self.theta = torch.nn.Parameter(self.init.clone())
 
 
-STATE: dict = {"prior": None}
-
-
-def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA with the prior's bias at every head: theta[0] · match + theta[1] · match2 + theta[2] · open + theta[3] · dup."""
-    theta = STATE["prior"]
-    q, k = query.shape[2], key.shape[2]
-    allowed = torch.ones(q, k, dtype=torch.bool).tril(k - q)
-    m1, m2, op, dup = STATE["match"][:, :k], STATE["match2"][:, :k], STATE["open"][:k], STATE["dup"][:, :k]
-    la = module.layer_idx
-    add = (theta[0, la][:, None, None] * m1 + theta[1, la][:, None, None] * m2
-           + theta[2, la][:, None, None] * op[None, None] + theta[3, la][:, None, None] * dup)  # [H, Q, K]
-    mask = add.masked_fill(~allowed[None], float("-inf"))[None]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
 def nll(target, cache_kv: torch.Tensor, ids: torch.Tensor, cont: torch.Tensor, still: torch.Tensor, theta):
-    """Summed NLL of cont[1:] after the cache (ids), the prior theta on the keys where `still` (projected)."""
+    """Summed NLL of cont[1:] after the cache (ids), read with the prior of terms theta ([4, L, H_q], the library's
+    InductionPrior: its attention passes the gradient on to theta) on the keys where `still` (projected)."""
     t = ids.numel()
-    allids = torch.cat((ids, cont))
-    keys = t + cont.numel()
-    prev = torch.cat((torch.tensor([-1]), allids[:keys - 1]))
-    prev2 = torch.cat((torch.tensor([-1, -1]), allids[:keys - 2]))
-    q_prev = allids[t - 1:keys - 1]
-    open_ = torch.zeros(keys, dtype=torch.bool)
-    open_[:t] = still
-    match = (prev[None] == cont[:, None]) & open_[None]
-    STATE.update(prior=theta, match=match.float(), match2=(match & (prev2[None] == q_prev[:, None])).float(),
-                 open=open_.float(), dup=((allids[None, :keys] == cont[:, None]) & open_[None]).float())
     cache = kvcache.build_cache(cache_kv[:, :, None].float())
-    target.model.set_attn_implementation("kvb_fit")
-    try:
-        logits = target.model(input_ids=cont[None], position_ids=torch.arange(t, keys)[None], cache=cache,
-                              use_cache=True).logits[0]
-    finally:
-        target.model.set_attn_implementation("sdpa")
+    with InductionPrior(theta).reading(target, ids, still):
+        logits = target.model(input_ids=cont[None], position_ids=torch.arange(t, t + cont.numel())[None],
+                              cache=cache, use_cache=True).logits[0]
     return F.cross_entropy(logits[:-1].float(), cont[1:], reduction="sum")
 
 
@@ -204,7 +172,6 @@ def evaluate(a: int, b: int, priors: list[str]) -> None:
 
 def export(checkpoint: str, path: str) -> None:
     from kvbridge.adapters.shipped import SHIPPED_FOLDER
-    from kvbridge.transfer.suffix.induction import InductionPrior
     _, target = load_pair("small")
     saved = torch.load(checkpoint, weights_only=True)
     adapter = sorted(SHIPPED_FOLDER.glob("*.safetensors"))[0].stem
@@ -216,12 +183,10 @@ def export(checkpoint: str, path: str) -> None:
                      "(blake2b split, 8% held out never used); 320 windows, 40 dev windows",
         "command": "cd docs/eval-blend/experiment-scripts/loss-location && python fit_prior.py build 360 && "
                    f"python fit_prior.py train {int(saved['step'])} {lam} && "
-                   f"python fit_prior.py export /work/exp20/prior-{lam}.pt {path} (the checkpoint of its step {int(saved['step'])})"})
+                   f"python fit_prior.py export /work/exp20/prior-{lam}.pt FILE"})
     print("wrote", path)
 
 
-AttentionInterface.register("kvb_fit", attention)
-AttentionMaskInterface.register("kvb_fit", sdpa_mask)
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "build":
