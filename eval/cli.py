@@ -32,7 +32,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--fuse-steps", type=int, default=EvalConfig.fuse_steps, help="Adam steps fitting fuse's gates")
     p.add_argument("--no-induction-prior", action="store_true",
                    help="read projected KV as it is in every mode (default: with the target's induction prior, "
-                        "but in modes named with /noprior)")
+                        "but in modes named with /noprior; /probe: the probe's prior)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from kvbridge.adapters.evaluate import bootstrap_recovery
 from kvbridge.eval.cost import PairCost
-from kvbridge.eval.summaries import NEEDS_PROJECTION, NO_PRIOR, DocumentResult
+from kvbridge.eval.summaries import NEEDS_PROJECTION, NO_PRIOR, PROBE_PRIOR, DocumentResult, base_mode
 from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -123,7 +123,7 @@ def _system_flops(cost: PairCost, name: str, result: DocumentResult, uses: int) 
     """The whole system's FLOPs for one request of this mode: the target's own prefill, plus, for modes that use the
     projected context, the source's prefill and the projection shared by `uses` requests."""
     mode = result.modes[name]
-    if name.removesuffix(NO_PRIOR).split(":")[0] not in NEEDS_PROJECTION or result.source_tokens is None:
+    if base_mode(name).split(":")[0] not in NEEDS_PROJECTION or result.source_tokens is None:
         return mode.prefill_flops
     return cost.system(mode.prefill_flops, result.source_tokens, result.doc_tokens + 1, uses)
 
@@ -163,7 +163,8 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     """ROUGE-L and NLL recovery against the target's prefill FLOPs as a share of full's (what each mode computes
     itself, selection passes included): recompute:r (projected head, the last r recomputed; from replace to full),
     blend:r (r chosen by the attention of the last tokens, from replace to full) and tail:r (only the last r
-    tokens; from none to full); recompute:r/noprior and blend:r/noprior dotted where the run has them."""
+    tokens; from none to full); recompute:r and blend:r with /noprior dotted, with /probe dash-dotted, where the run
+    has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,10 +180,11 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     for ax, metric, label in ((axes[0], "rougeL", "ROUGE-L F1"), (axes[1], "nll_recovery", "NLL recovery")):
         key = "value" if metric == "nll_recovery" else "mean"
         curves = (("recompute", "replace", "o-", ""), ("tail", "none", "s--", ""), ("blend", "replace", "^-", ""),
-                  ("recompute", "replace", "o:", NO_PRIOR), ("blend", "replace", "^:", NO_PRIOR))
-        for kind, anchor, style, suffix in curves:  # /noprior modes make curves of their own
+                  ("recompute", "replace", "o:", NO_PRIOR), ("blend", "replace", "^:", NO_PRIOR),
+                  ("recompute", "replace", "o-.", PROBE_PRIOR), ("blend", "replace", "^-.", PROBE_PRIOR))
+        for kind, anchor, style, suffix in curves:  # /noprior and /probe modes make curves of their own
             names = [anchor + suffix] if anchor + suffix in modes else []
-            names += [n for n in modes if n.startswith(kind + ":") and n.endswith(NO_PRIOR) == bool(suffix)]
+            names += [n for n in modes if n.startswith(kind + ":") and n[len(base_mode(n)):] == suffix]
             names += ["full"] if "full" in modes else []
             points = sorted(((share(n), modes[n].get(metric)) for n in names if modes[n].get(metric)),
                             key=lambda p: p[0])

@@ -137,6 +137,9 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
             "torch_threads": torch.get_num_threads(),
             "induction_prior": None if evaluator.prior is None else {  # what the modes without /noprior read with
                 "heads": {str(layer): heads for layer, heads in evaluator.prior.heads.items()},
-                "origin": evaluator.prior.origin}}
+                "origin": evaluator.prior.origin},
+            "induction_prior_probe": None if "probe" not in evaluator.priors else {  # what /probe modes read with
+                "heads": {str(layer): heads for layer, heads in evaluator.priors["probe"].heads.items()},
+                "origin": evaluator.priors["probe"].origin}}
     paths = write_report(Path(options.out), summary, results, meta)
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}

@@ -23,7 +23,9 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
 Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
 (transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
-projected keys blur) when it has one; a `/noprior` suffix (`blend:0.1/noprior`) reads it without, in the same run.
+projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`).
+A `/noprior` suffix (`blend:0.1/noprior`) reads it without, `/probe` with the probe's prior even where a fitted one
+ships, in the same run (paired comparisons).
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
 first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
 prediction at each of those positions is kept (its agreement with `full`'s is reported).
@@ -59,6 +61,13 @@ NEEDS_PROJECTION = ("replace", "recompute", "fuse", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 READS_PROJECTED = ("replace", "recompute", *BLEND_RULES)  # modes whose context keeps projected KV the target reads
 NO_PRIOR = "/noprior"
+PROBE_PRIOR = "/probe"
+PRIOR_SUFFIXES = {NO_PRIOR: "none", PROBE_PRIOR: "probe"}  # a mode's suffix -> the prior it reads with
+
+
+def base_mode(name: str) -> str:
+    """'blend:0.1/noprior' -> 'blend:0.1'"""
+    return name.split("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,9 @@ class Mode:
     name: str  # as given: "recompute:0.1"
     kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random]
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
-    prior: bool = True  # read projected KV with the evaluator's induction prior (if it has one); False: /noprior
+    # which induction prior reads projected KV: "model" (the evaluator's: for_model), "none" (/noprior) or "probe"
+    # (/probe: InductionPrior.probed)
+    prior: str = "model"
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -76,11 +87,12 @@ def parse_modes(spec: str) -> list[Mode]:
         if not raw:
             continue
         raw, slash, suffix = raw.partition("/")
-        if slash and f"/{suffix}" != NO_PRIOR:
-            raise ValueError(f"mode {raw + slash + suffix!r}: the only suffix is {NO_PRIOR}")
+        suffix = slash + suffix
+        if slash and suffix not in PRIOR_SUFFIXES:
+            raise ValueError(f"mode {raw + suffix!r}: the suffixes are {' and '.join(PRIOR_SUFFIXES)}")
         kind, _, arg = raw.partition(":")
         if slash and kind not in READS_PROJECTED:
-            raise ValueError(f"mode {raw + slash + suffix!r}: {NO_PRIOR} is for the modes that read projected KV "
+            raise ValueError(f"mode {raw + suffix!r}: {suffix} is for the modes that read projected KV "
                              f"({', '.join(READS_PROJECTED[:3])}, blend...)")
         if kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
@@ -97,9 +109,9 @@ def parse_modes(spec: str) -> list[Mode]:
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
                              "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R; replace, recompute and "
-                             f"blend also take a {NO_PRIOR} suffix")
+                             f"blend also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
         if slash:
-            mode = Mode(mode.name + NO_PRIOR, mode.kind, mode.fraction, prior=False)
+            mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix])
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)
@@ -165,7 +177,7 @@ class EvalConfig:
     instruction: str = "\n\nOne-line summary of the text above:"
     fuse_steps: int = 20  # Adam steps fitting fuse's gates (eval.gates)
     # Modes that read projected KV read it with the target's induction prior (transfer.suffix.induction), but for
-    # those named with /noprior; False: every mode reads it as it is.
+    # those named with /noprior (or /probe: the probe's prior); False: every mode reads it as it is.
     induction_prior: bool = True
 
     def __post_init__(self):
@@ -329,8 +341,11 @@ class SummaryEvaluator:
             raise ValueError("the fuser mode needs a trained fuser (train-adapter --trainer fuser; --fuser FILE)")
         self.fuser = fuser
         self.config = config or EvalConfig()
-        self.prior = (InductionPrior.for_model(target) if self.config.induction_prior
-                      and any(m.kind in READS_PROJECTED and m.prior for m in modes) else None)
+        wanted = {m.prior for m in modes if m.kind in READS_PROJECTED} if self.config.induction_prior else set()
+        # the priors the modes read with, by Mode.prior; self.prior is the one the modes without a suffix read with
+        self.priors = {name: make(target) for name, make in (("model", InductionPrior.for_model),
+                                                              ("probe", InductionPrior.probed)) if name in wanted}
+        self.prior = self.priors.get("model")
         self.target, self.modes, self.source, self.gates = target, modes, source, gates
         self.prompt = instruction_ids(target, self.config.instruction)
         self.stop = stop_ids(target)
@@ -357,8 +372,9 @@ class SummaryEvaluator:
         for mode in self.modes:
             context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected, fetch_s,
                                                                        wire)
-            reading = (self.prior.reading(self.target, context.token_ids, still)
-                       if self.prior is not None and mode.prior and still is not None else contextlib.nullcontext())
+            prior = self.priors.get(mode.prior)
+            reading = (prior.reading(self.target, context.token_ids, still)
+                       if prior is not None and still is not None else contextlib.nullcontext())
             with reading:
                 ids, first_s = greedy(self.target, context, self.prompt, self.config.max_new_tokens, self.stop,
                                       one_line=True)

@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from kvbridge.eval.cost import PairCost
 from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.run import RunOptions, evaluate
-from kvbridge.eval.summaries import EvalConfig, parse_modes, read_records
+from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, parse_modes, read_records
 from kvbridge.transfer.data import data_path
 from rouge_score import rouge_scorer
 
@@ -28,18 +29,35 @@ def test_modes_parse_and_bad_modes_are_named():
     modes = parse_modes("full, none,replace,recompute:0.10,tail:0.1,fuse")
     assert [m.name for m in modes] == ["full", "none", "replace", "recompute:0.1", "tail:0.1", "fuse"]
     assert modes[3].kind == "recompute" and modes[3].fraction == pytest.approx(0.1)
-    assert all(m.prior for m in modes)
-    plain = parse_modes("replace/noprior,blend:0.10/noprior,blend:0.1")
+    assert all(m.prior == "model" for m in modes)
+    plain = parse_modes("replace/noprior,blend:0.10/noprior,blend:0.1,recompute:0.1/probe")
     assert [(m.name, m.kind, m.prior) for m in plain] == [
-        ("replace/noprior", "replace", False), ("blend:0.1/noprior", "blend", False), ("blend:0.1", "blend", True)]
+        ("replace/noprior", "replace", "none"), ("blend:0.1/noprior", "blend", "none"), ("blend:0.1", "blend", "model"),
+        ("recompute:0.1/probe", "recompute", "probe")]
     for bad, words in (("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
-                       ("full/noprior", "for the modes that read projected KV"), ("blend:0.1/prior", "only suffix"),
+                       ("full/noprior", "for the modes that read projected KV"),
+                       ("blend:0.1/prior", "suffixes are /noprior and /probe"),
                        ("tail:0.1/noprior", "for the modes that read projected KV"),
                        ("tail:1.5", "(0, 1]"), ("blend", "needs a fraction"), ("mix:0.1", "unknown mode .mix:0.1."),
                        ("full,full", "twice"),
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
+
+
+def test_each_mode_reads_with_the_prior_its_suffix_names(tiny_target):
+    """A mode without a suffix reads with the model's prior (for_model: the shipped one, else the probe's), /probe
+    with the probe's, /noprior with none; only the priors some mode reads with are built."""
+    source = object()  # modes that read projected KV need one; the priors are built before any fetch
+    modes = parse_modes("full,replace,blend:0.1/probe,recompute:0.1/noprior")
+    both = SummaryEvaluator(tiny_target, modes, TINY, source)
+    assert set(both.priors) == {"model", "probe"} and both.prior is both.priors["model"]
+    assert both.priors["probe"].origin.startswith("probe")
+    probe_only = SummaryEvaluator(tiny_target, parse_modes("replace/probe,replace/noprior"), TINY, source)
+    assert set(probe_only.priors) == {"probe"} and probe_only.prior is None
+    off = SummaryEvaluator(tiny_target, parse_modes("replace,replace/probe"), replace(TINY, induction_prior=False),
+                           source)
+    assert off.priors == {} and off.prior is None
 
 
 def test_records_are_checked(tmp_path):
