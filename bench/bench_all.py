@@ -83,6 +83,10 @@ def ttft_rows(results: list[dict], goal: float, goal_tokens: int) -> list[Row]:
         rows.append(Row(f"TTFT blend:0.1/full @{n} (warm)", f"{r['ratio_blend_over_full']:.3f}", "-",
                         f"{r['blend_s']:.2f} s vs {r['full_s']:.2f} s (replace + first layer over the context + 10% "
                         "recomputed)", r["ratio_blend_over_full"]))
+        rows.append(Row(f"TTFT blend:0.1 with/without induction prior @{n}",
+                        f"{r['ratio_blend_prior_over_plain']:.3f}", "-",
+                        f"{r['blend_s']:.2f} s vs {r['blend_plain_s']:.2f} s (the prior biases {r['prior_layers']} "
+                        "layers: SDPA with a per-head mask there)", r["ratio_blend_prior_over_plain"]))
     return rows
 
 

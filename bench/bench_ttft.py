@@ -19,7 +19,8 @@ running in this process (loopback port 0). Then, over several rounds (the order 
 - blend:0.1, warm: replace, then `transfer.suffix.blend` (its default rule): the context's last 16 tokens once through
   every layer to score the others by attention, then 10% of its tokens recomputed through every layer in one
   forward, then the question, read with the target's induction prior (transfer.suffix.induction) on the tokens
-  still projected, as `eval rouge`'s blend:0.1 and the generator read them.
+  still projected, as `eval rouge`'s blend:0.1 and the generator read them; and the same without the prior, which
+  prices the prior (its per-head mask on every biased layer) in the same run.
 
     .venv/bin/python bench/bench_ttft.py [--quick] [--tokens 256 1024 2048] [--rounds 5] [--adapter FILE]
                                          [--threads 1]
@@ -28,6 +29,7 @@ running in this process (loopback port 0). Then, over several rounds (the order 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import sys
@@ -101,6 +103,8 @@ class TTFTResult:
     shm_first_s: float  # replace, warm, the first same-host fetch of the projection (gathered into a new file)
     shm_first_fetch_s: float  # of shm_first_s: the fetch
     blend_s: float  # blend:0.1 (warm): replace, plus the selection pass and the recompute of 10% of the context
+    blend_plain_s: float  # the same, the question read without the induction prior
+    prior_layers: int  # layers the prior biases (they run SDPA with a per-head mask while it reads)
     wire_bytes: int  # chunk bytes of one projected fetch
     same_first_token: bool  # replace (warm) and full picked the same first token
 
@@ -120,10 +124,14 @@ class TTFTResult:
     def ratio_blend(self) -> float:
         return self.blend_s / self.full_s
 
+    @property
+    def ratio_prior(self) -> float:
+        return self.blend_s / self.blend_plain_s
+
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio_warm_over_full": self.ratio_warm, "ratio_shm_over_full": self.ratio_shm,
                 "ratio_cold_over_full": self.ratio_cold,
-                "ratio_blend_over_full": self.ratio_blend}
+                "ratio_blend_over_full": self.ratio_blend, "ratio_blend_prior_over_plain": self.ratio_prior}
 
 
 def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int,
@@ -170,7 +178,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         return token, {"fetch": t1 - t0, "cache": t2 - t1, "prefill": time.perf_counter() - t2}
 
     @torch.no_grad()
-    def blended() -> tuple[int, dict[str, float]]:
+    def blended(with_prior: bool = True) -> tuple[int, dict[str, float]]:
         seg = client.fetch_projected(key=entry.key, target_model=target.name).segment  # start + context
         seg = seg.to(device=device, dtype=next(model.parameters()).dtype)
         head = seg.slice(0, 1)  # the start token: exact
@@ -179,7 +187,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         q = tokens(QUESTION)
         t = seg.num_tokens
         still = torch.cat((torch.tensor([False]), blended.still_projected))  # [T] the start token is exact
-        with prior.reading(target, seg.token_ids, still):
+        with prior.reading(target, seg.token_ids, still) if with_prior else contextlib.nullcontext():
             logits = model(input_ids=q[None].to(device), position_ids=torch.arange(t, t + q.numel())[None].to(device),
                            cache=cache, use_cache=True, logits_to_keep=1).logits
         return int(logits[0, -1].argmax()), {}
@@ -209,6 +217,9 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
     def nothing_kept() -> None:
         segments.drop_kept()
 
+    def blended_plain() -> tuple[int, dict[str, float]]:
+        return blended(with_prior=False)
+
     full_token, _ = full()  # warm-up: first-call costs of this length
     warm_token, _ = replace()
     shm_token, _ = replace_shm()  # the server keeps this fetch's file for the timed ones
@@ -216,7 +227,8 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         raise AssertionError("the same projection by shared memory and by stream gave different first tokens")
     steps: dict[str, tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]] = {
         "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace),
-        "shm": (fetched_before, replace_shm), "shm_first": (nothing_kept, replace_shm), "blend": (None, blended)}
+        "shm": (fetched_before, replace_shm), "shm_first": (nothing_kept, replace_shm), "blend": (None, blended),
+        "blend_plain": (None, blended_plain)}
     samples: dict[str, list[float]] = {name: [] for name in steps}
     parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
     shm_parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
@@ -244,6 +256,7 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
                       shm_fetch_s=statistics.median(shm_parts["fetch"]),
                       shm_prefill_s=statistics.median(shm_parts["prefill"]), shm_first_s=med["shm_first"],
                       shm_first_fetch_s=statistics.median(first_fetch), blend_s=med["blend"],
+                      blend_plain_s=med["blend_plain"], prior_layers=len(prior.heads),
                       wire_bytes=wire_bytes,
                       same_first_token=full_token == warm_token)
 
@@ -258,8 +271,10 @@ def print_result(r: TTFTResult, pair: str) -> None:
           f"{r.warm_prefill_s:.3f} s), same host through shared memory {r.shm_s:.3f} s (fetch {r.shm_fetch_s:.3f} s, "
           f"question prefill {r.shm_prefill_s:.3f} s; the first such fetch {r.shm_first_s:.3f} s, its fetch "
           f"{r.shm_first_fetch_s:.3f} s), cold {r.cold_s:.3f} s, blend:{BLEND_FRACTION:g} warm "
-          f"{r.blend_s:.3f} s -> ratio replace/full warm same host {r.ratio_shm:.3f} ({goal}), by stream "
-          f"{r.ratio_warm:.3f}, cold {r.ratio_cold:.3f}, ratio blend/full {r.ratio_blend:.3f}; "
+          f"{r.blend_s:.3f} s (without the induction prior {r.blend_plain_s:.3f} s; it biases {r.prior_layers} "
+          f"layers) -> ratio replace/full warm same host {r.ratio_shm:.3f} ({goal}), by stream "
+          f"{r.ratio_warm:.3f}, cold {r.ratio_cold:.3f}, ratio blend/full {r.ratio_blend:.3f}, "
+          f"blend with/without the prior {r.ratio_prior:.3f}; "
           f"same first token {'yes' if r.same_first_token else 'no'}; Ingest {r.ingest_s:.1f} s, first fetch "
           f"{r.first_fetch_s:.2f} s (information); medians of {r.rounds} interleaved rounds", flush=True)
 
