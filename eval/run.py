@@ -71,6 +71,12 @@ def start_local_server(source: LoadedModel, target: LoadedModel, preset: str, ad
     return start_server(service, config)
 
 
+def _prior_meta(prior) -> dict | None:
+    """An induction prior as results.json records it: the heads it biases and what made it."""
+    return None if prior is None else {"heads": {str(layer): heads for layer, heads in prior.heads.items()},
+                                       "origin": prior.origin}
+
+
 def evaluate(options: RunOptions, source: LoadedModel | None = None, target: LoadedModel | None = None,
              adapter=None, config: EvalConfig | None = None) -> dict:
     """Run the evaluation and write the report; returns {"summary", "paths", "meta", "results"}. Models and an
@@ -135,11 +141,7 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
             "skipped_short": skipped, "seconds": round(elapsed, 1), "gates": gate_report,
             "gate_values": gates.tolist() if gates is not None else None, "seed": options.seed,
             "torch_threads": torch.get_num_threads(),
-            "induction_prior": None if evaluator.prior is None else {  # what the modes without /noprior read with
-                "heads": {str(layer): heads for layer, heads in evaluator.prior.heads.items()},
-                "origin": evaluator.prior.origin},
-            "induction_prior_probe": None if "probe" not in evaluator.priors else {  # what /probe modes read with
-                "heads": {str(layer): heads for layer, heads in evaluator.priors["probe"].heads.items()},
-                "origin": evaluator.priors["probe"].origin}}
+            "induction_prior": _prior_meta(evaluator.prior),  # what the modes without a suffix read with
+            "induction_prior_probe": _prior_meta(evaluator.priors.get("probe"))}  # what /probe modes read with
     paths = write_report(Path(options.out), summary, results, meta)
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}
