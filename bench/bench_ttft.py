@@ -18,7 +18,7 @@ running in this process (loopback port 0). Then, over several rounds (the order 
   aligns, projects and stores again (the source KV from the Ingest stays; the source's prefill is not timed);
 - blend:0.1, warm: replace, then `transfer.suffix.blend` (its default rule): the context's last 16 tokens once through
   every layer to score the others by attention, then 10% of its tokens recomputed through every layer in one
-  forward, then the question, read with the target's induction prior (transfer.suffix.induction) on the tokens
+  forward, then the question, both read with the target's induction prior (transfer.suffix.induction) on the tokens
   still projected, as `eval rouge`'s blend:0.1 and the generator read them; and the same without the prior, which
   prices the prior (its per-head mask on every biased layer) in the same run.
 
@@ -182,7 +182,8 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
         seg = client.fetch_projected(key=entry.key, target_model=target.name).segment  # start + context
         seg = seg.to(device=device, dtype=next(model.parameters()).dtype)
         head = seg.slice(0, 1)  # the start token: exact
-        blended = blend(target, head, seg.slice(1, seg.num_tokens), BlendConfig(fraction=BLEND_FRACTION))
+        blended = blend(target, head, seg.slice(1, seg.num_tokens), BlendConfig(fraction=BLEND_FRACTION),
+                        prior=prior if with_prior else None)
         cache = kvcache.to_cache(KVSegment.concat([head, blended.segment]), model, target.spec)
         q = tokens(QUESTION)
         t = seg.num_tokens

@@ -23,7 +23,8 @@ The document's KV differs by mode; the instruction is always prefilled by the ta
                 deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
 Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
 (transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
-projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`).
+projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
+both while recompute and blend recompute their tokens over the projected KV and while the request reads the cache.
 A `/noprior` suffix (`blend:0.1/noprior`) reads it without, `/probe` with the probe's prior even where a fitted one
 ships, in the same run (paired comparisons).
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
@@ -370,9 +371,11 @@ class SummaryEvaluator:
         own, own_s = (self._own(doc.target_ids) if any(m.kind in ("full", "fuse", "fuser") for m in self.modes)
                       else (None, 0.0))
         for mode in self.modes:
-            context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected, fetch_s,
-                                                                       wire)
             prior = self.priors.get(mode.prior)
+            context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected, fetch_s,
+                                                                       wire, prior)
+            if prior is not None and mode.kind in BLEND_RULES:  # blend's selection pass made the first m layers exact
+                prior = prior.from_layer(BlendConfig(fraction=mode.fraction, rule=BLEND_RULES[mode.kind]).exact_layers)
             reading = (prior.reading(self.target, context.token_ids, still)
                        if prior is not None and still is not None else contextlib.nullcontext())
             with reading:
@@ -388,9 +391,10 @@ class SummaryEvaluator:
                 nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1)
         return result
 
-    def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire):
+    def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire, prior):
         """(context KV at 0..C-1, seconds spent building it, [(prefilled, past)] target forwards, KV bytes, [C] bool:
-        the positions whose KV is still projected, or None where the target computed all of it)."""
+        the positions whose KV is still projected, or None where the target computed all of it). The forwards that
+        recompute tokens over projected KV read it with `prior` (None: as it is)."""
         d = doc.doc_tokens
         k = max(1, round(mode.fraction * d)) if mode.kind in FRACTION_KINDS else 0
         still = torch.zeros(d + 1, dtype=torch.bool)  # the start token's KV is the target's own
@@ -405,9 +409,11 @@ class SummaryEvaluator:
         if mode.kind == "recompute":
             head = projected.slice(0, d + 1 - k)
             t0 = time.perf_counter()
-            tail = prefill_after(self.target, head, doc.target_ids[d + 1 - k:])
-            seg = KVSegment.concat([head, tail.to(dtype=head.dtype)])
             still[1:d + 1 - k] = True
+            with (prior.reading(self.target, head.token_ids, still[:d + 1 - k]) if prior is not None
+                  else contextlib.nullcontext()):
+                tail = prefill_after(self.target, head, doc.target_ids[d + 1 - k:])
+            seg = KVSegment.concat([head, tail.to(dtype=head.dtype)])
             return seg, fetch_s + time.perf_counter() - t0, [(k, d + 1 - k)], wire, still
         if mode.kind == "tail":
             seg, s = self._own(torch.cat((doc.target_ids[:1], doc.target_ids[d + 1 - k:])))
@@ -415,7 +421,7 @@ class SummaryEvaluator:
         if mode.kind in BLEND_RULES:
             t0 = time.perf_counter()
             config = BlendConfig(fraction=k / d, rule=BLEND_RULES[mode.kind])
-            blended = blend(self.target, projected.slice(0, 1), projected.slice(1, d + 1), config)
+            blended = blend(self.target, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior)
             seg = KVSegment.concat([projected.slice(0, 1), blended.segment])
             # the selection pass (a window through every layer, or the first layer over the document), then the
             # selected tokens through every layer; a forward through every layer counts its tokens as prefilled

@@ -1,7 +1,8 @@
 """CacheBlend over KV the target did not compute (transfer.suffix.blend): the selection pass makes the first layers
 exact and finds planted deviations; the attention rule's scores are the model's own attention weights and find
-tokens planted to draw it; each rule picks what it says; recomputing everything is exact for every layer mix; the
-forwards and FLOPs of a selection pass add up."""
+tokens planted to draw it; each rule picks what it says; recomputing everything is exact for every layer mix; with
+an induction prior the recompute reads what stays projected with it (from the layers the selection pass left
+projected on); the forwards and FLOPs of a selection pass add up."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from kvbridge.transfer.suffix.blend import (
     kv_deviation,
     select_tokens,
 )
-from kvbridge.transfer.suffix.reuse import prefill_after
+from kvbridge.transfer.suffix.induction import InductionPrior
+from kvbridge.transfer.suffix.reuse import prefill_after, recompute_selected
 
 
 def _setup(name: str = "gemma3", planted=(5, 17, 30)):
@@ -105,6 +107,32 @@ def test_the_attention_rule_finds_tokens_planted_to_draw_attention():
     assert set(score[:t - window].topk(3).indices.tolist()) == set(planted)
     result = blend(lm, context, drawn, BlendConfig(7 / t, rule="attention", window=window, sinks=0))
     assert result.selected.tolist() == [*planted, *range(t - window, t)]
+
+
+def test_the_recompute_reads_what_stays_projected_with_the_prior():
+    lm, context, _, wrong = _setup("qwen2")
+    c = context.num_tokens
+    prior = InductionPrior.from_weights(torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads), 4.0, 4.0)
+    config = BlendConfig(0.25, window=4)
+    plain = blend(lm, context, wrong, config)
+    before = torch.zeros(c, dtype=torch.bool)
+    before[3:7] = True  # context positions that hold projected KV too (an earlier projected part)
+    read = blend(lm, context, wrong, config, prior=prior, context_projected=before)
+    assert torch.equal(read.selected, plain.selected)  # the selection pass reads as it did
+    ids = torch.cat((context.token_ids, wrong.token_ids))
+    with prior.reading(lm, ids, torch.cat((before, plain.still_projected))):
+        expected = recompute_selected(lm, context, wrong, plain.selected)
+    assert torch.allclose(read.segment.kv, expected.kv, atol=1e-5)
+    assert not torch.allclose(read.segment.kv, plain.segment.kv, atol=1e-3)
+    assert torch.equal(read.segment.kv[:, :, :, read.still_projected], wrong.kv[:, :, :, read.still_projected])
+
+    # after a selection pass through layer 0, layer 0's KV is the target's own: a prior there alone changes nothing
+    first_only = InductionPrior(prior.terms * (torch.arange(lm.spec.num_layers) == 0)[None, :, None])
+    dev = BlendConfig(0.25, rule="sinks+deviation", layers=1)
+    assert torch.equal(blend(lm, context, wrong, dev, prior=first_only).segment.kv,
+                       blend(lm, context, wrong, dev).segment.kv)
+    with pytest.raises(ValueError, match="context_projected must be"):
+        blend(lm, context, wrong, config, prior=prior, context_projected=before[:-1])
 
 
 def test_config_is_checked():

@@ -9,14 +9,18 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+import torch
 from kvbridge.eval.cost import PairCost
 from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.run import RunOptions, evaluate
-from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, parse_modes, read_records
+from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, parse_modes, prepare, read_records
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
+from kvbridge.transfer.suffix.induction import InductionPrior
 from rouge_score import rouge_scorer
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
@@ -58,6 +62,44 @@ def test_each_mode_reads_with_the_prior_its_suffix_names(tiny_target):
     off = SummaryEvaluator(tiny_target, parse_modes("replace,replace/probe"), replace(TINY, induction_prior=False),
                            source)
     assert off.priors == {} and off.prior is None
+
+
+def test_recompute_and_blend_read_the_projected_kv_with_the_prior_while_they_recompute(tiny_target):
+    """recompute:r's tail prefill and blend:r's recompute forward read the KV that stays projected with the mode's
+    prior, as the request after them does; blend-sdev's from the layer its selection pass made exact on."""
+    lm, calls = tiny_target, []
+
+    class Spy:  # an InductionPrior that records what it reads
+        def __init__(self, prior, first=0):
+            self.prior, self.first = prior, first
+
+        def from_layer(self, first):
+            return Spy(self.prior.from_layer(first), first)
+
+        def reading(self, lm_, ids, still):
+            calls.append((self.first, ids.numel(), still.clone()))
+            return self.prior.reading(lm_, ids, still)
+
+    class Noisy:  # the target's own KV, a little wrong everywhere: what a projection gives
+        def fetch(self, text):
+            ids = doc.target_ids
+            seg = kvcache.extract(lm.model, lm.spec, ids)
+            noisy = seg.kv + 0.1 * seg.kv.std() * torch.randn(seg.kv.shape, generator=torch.Generator().manual_seed(0))
+            return SimpleNamespace(segment=replace(seg, kv=noisy), wire_bytes=0, exact_coverage=None), 0.0, ids.numel()
+
+    doc = prepare(read_records(SAMPLE)[0], lm, TINY)
+    d = doc.doc_tokens
+    evaluator = SummaryEvaluator(lm, parse_modes("recompute:0.25,blend:0.25,blend-sdev:0.25"), TINY, Noisy())
+    evaluator.priors["model"] = Spy(InductionPrior.from_weights(
+        torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads), 2.0, 2.0))
+    evaluator.run(doc)
+    k = round(0.25 * d)
+    (tail, tail_read), (blended, blend_read), (dev, dev_read) = calls[:2], calls[2:4], calls[4:]
+    assert tail[:2] == (0, 1 + d - k) and tail[2].sum() == d - k and not tail[2][0]  # the head, but the start token
+    assert tail_read[:2] == (0, 1 + d) and torch.equal(tail_read[2][:1 + d - k], tail[2])
+    assert not tail_read[2][1 + d - k:].any()
+    assert blended[:2] == (0, 1 + d) and int(blended[2].sum()) == d - k and torch.equal(blended[2], blend_read[2])
+    assert dev[0] == dev_read[0] == 1 and int(dev[2].sum()) == d - k  # its first layer is the target's own
 
 
 def test_records_are_checked(tmp_path):

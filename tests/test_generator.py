@@ -124,6 +124,10 @@ def test_projected_positions_are_read_with_the_induction_prior(tiny_target):
         def __init__(self, prior):
             self.prior = prior
 
+        def from_layer(self, first):
+            assert first == 0  # the generator's blend has no selection pass through the first layers
+            return self
+
         def reading(self, lm_, ids, still):
             seen.append((ids.clone(), still.clone()))
             return self.prior.reading(lm_, ids, still)
@@ -141,16 +145,17 @@ def test_projected_positions_are_read_with_the_induction_prior(tiny_target):
                                induction_prior=Spy(InductionPrior.from_weights(weights, 4.0, 4.0)))
     n = gen.tokens(doc).numel()
     gen.generate("s", [Part(doc, "document", projected=True), Part(Q1)], max_new_tokens=4)
-    assert len(seen) == 1  # the new turn's prefill and generation, in one block
-    ids, still = seen[0]
+    assert len(seen) == 2  # blend's recompute forward; the new turn's prefill and generation, in one block
+    ids, still = seen[1]
     assert torch.equal(ids, torch.cat((torch.tensor([gen.start_token]), gen.tokens(doc))))
     assert not still[0] and int(still.sum()) == n - round(0.25 * n)
     assert not still[n]  # the part's last token is recomputed (blend's window)
+    assert torch.equal(seen[0][0], ids) and torch.equal(seen[0][1], still)  # blend read the same tokens as projected
 
     seen.clear()
     gen.generate("s", [Part(doc, "document", projected=True), Part(Q1), Part(A1), Part(Q2)], max_new_tokens=4)
-    assert len(seen) == 2 and seen[0][0].numel() == 1 + n  # Q1 and A1 prefilled over the document, then Q2
-    assert torch.equal(seen[1][1][:1 + n], seen[0][1]) and not bool(seen[1][1][1 + n:].any())
+    assert len(seen) == 3 and seen[1][0].numel() == 1 + n  # blend; Q1 and A1 prefilled over the document; Q2
+    assert torch.equal(seen[2][1][:1 + n], seen[1][1]) and not bool(seen[2][1][1 + n:].any())
 
     seen.clear()
     gen.recompute_fraction = 1.0

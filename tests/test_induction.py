@@ -1,7 +1,7 @@
 """The induction prior (transfer.suffix.induction): the bias lands on projected keys whose previous token is the
-query's token, at the prior's heads only, in prefill and decode alike; with nothing to match the model reads as it
-does without; the model's attention comes back after the block; bad input is named; the probe finds SmolLM2's
-induction heads."""
+query's token, at the prior's heads only, in prefill and decode alike, and in a forward that recomputes cached tokens
+in place as a prefill of them would read it; with nothing to match the model reads as it does without; the model's
+attention comes back after the block; bad input is named; the probe finds SmolLM2's induction heads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 import zoo
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.induction import TERMS, InductionPrior, induction_scores
+from kvbridge.transfer.suffix.reuse import prefill_after, recompute_selected
 from safetensors.torch import save_file
 
 CONTEXT = 40
@@ -98,6 +100,53 @@ def test_with_nothing_to_match_the_model_reads_as_without(name):
         _, logits, _ = _heads_out(lm, seg, query, 0)
     assert lm.model.config._attn_implementation == before
     assert torch.allclose(logits, plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3-sliding"])
+def test_recomputing_cached_tokens_in_place_reads_the_prior_as_their_prefill_would(name):
+    """Selective recompute (one forward of scattered cached tokens at their positions, the rest of the cache
+    masked as the prefill would see it) with the prior gives the KV that a prefill of the same tokens after the
+    cache before them gives with the prior: the queries' tokens, the tokens before them and the projected keys are
+    the ones at their positions, not the ones the forward appends."""
+    lm = zoo.build(name)
+    period = torch.randperm(lm.spec.vocab_size - 3, generator=torch.Generator().manual_seed(3))[:10] + 3
+    ids = period.repeat(5)  # an induction head has matches to find, within every sliding window here
+    c = 6
+    context = kvcache.extract(lm.model, lm.spec, ids[:c])
+    exact = prefill_after(lm, context, ids[c:])
+    noise = torch.randn(exact.kv.shape, generator=torch.Generator().manual_seed(4)) * exact.kv.std()
+    placed = KVSegment(kv=exact.kv + 0.5 * noise, token_ids=exact.token_ids, positions=exact.positions,
+                       model=exact.model, rotated=True)  # "projected": wrong everywhere
+    prior = InductionPrior.from_weights(torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads), 4.0,
+                                        4.0)
+    t = placed.num_tokens
+    for first in (30, t - 5):  # one token with others cached after it; the last 5 (recompute:r's tail)
+        chosen = torch.arange(first, t if first == t - 5 else first + 1)
+        projected = torch.ones(c + t, dtype=torch.bool)
+        projected[:c] = False
+        projected[c + chosen] = False
+        with prior.reading(lm, ids, projected):
+            in_place = recompute_selected(lm, context, placed, chosen).kv[:, :, :, chosen]
+        before = KVSegment.concat([context, placed.slice(0, first)])
+        with prior.reading(lm, ids[:c + first], projected[:c + first]):
+            after = prefill_after(lm, before, ids[c + first:c + int(chosen[-1]) + 1]).kv
+        plain = recompute_selected(lm, context, placed, chosen).kv[:, :, :, chosen]
+        assert torch.allclose(in_place, after, atol=1e-4, rtol=1e-4), (name, first)
+        assert not torch.allclose(in_place, plain, atol=1e-3), (name, first)  # the prior did change them
+
+    cache = kvcache.to_cache(KVSegment.concat([context, placed]), lm.model, lm.spec)
+    with pytest.raises(ValueError, match="recompute tokens it holds"), torch.no_grad():
+        with prior.reading(lm, ids, torch.ones(c + t, dtype=torch.bool)):  # position 10 holds another token
+            lm.model(input_ids=ids[11:12][None], position_ids=torch.tensor([[10]]), cache=cache, use_cache=True)
+
+
+def test_a_prior_from_a_layer_on_leaves_the_layers_before_it_alone():
+    lm = zoo.build("qwen2")
+    prior = InductionPrior.from_weights(torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads))
+    assert prior.from_layer(0) is prior
+    later = prior.from_layer(1)
+    assert not bool(later.terms[:, :1].any()) and torch.equal(later.terms[:, 1:], prior.terms[:, 1:])
+    assert set(later.heads) == set(range(1, lm.spec.num_layers)) and "from layer 1" in later.origin
 
 
 def _terms(lm, layer: int, head: int, **values: float) -> InductionPrior:

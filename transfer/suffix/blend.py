@@ -17,17 +17,20 @@ Selection, by rule (`count` tokens in all):
 - "last": the last `count` (what recompute:r does); "random": a seeded random choice (a control). With `layers` > 0
   they also make the first layers exact.
 Then one forward recomputes the chosen tokens through every layer over the rest (`reuse.recompute_selected`: exact
-causal attention to the context, to the placed KV of the unselected tokens before them and to each other).
+causal attention to the context, to the placed KV of the unselected tokens before them and to each other), with the
+target's induction prior on the KV that stays projected when one is given (transfer.suffix.induction).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import first_layers_kv, recompute_selected
 
 SINKS = 4  # first tokens the attention and sinks+deviation rules always take
@@ -134,11 +137,19 @@ def attention_received(lm: LoadedModel, context: KVSegment, placed: KVSegment, w
     return torch.cat((mass.cpu(), torch.full((window,), float("inf"))))
 
 
-def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig) -> BlendResult:
-    """`placed` (KV the model did not compute, right after `context`, which is exact) blended as the module says."""
+def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig,
+          prior: InductionPrior | None = None, context_projected: torch.Tensor | None = None) -> BlendResult:
+    """`placed` (KV the model did not compute, right after `context`, which is exact) blended as the module says.
+
+    With a `prior`, the forward that recomputes the selected tokens reads the placed KV that stays projected (and
+    the context's positions where `context_projected`, [C] bool, is True) with it, from layer m on (the first m
+    layers' KV is the target's own after the selection pass)."""
     if int(placed.positions[0]) != context.num_tokens:
         raise ValueError("place the segment right after the context first")
     t, c, layers = placed.num_tokens, context.num_tokens, lm.spec.num_layers
+    if context_projected is not None and tuple(context_projected.shape) != (c,):
+        raise ValueError(f"context_projected must be [{c}] bool (one per context token), got "
+                         f"{tuple(context_projected.shape)}")
     count = min(round(config.fraction * t), t)
     m = min(config.exact_layers, layers)
     forwards, score = [], torch.zeros(t)
@@ -155,6 +166,15 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
         score = attention_received(lm, context, placed, window, int(config.attention_from * layers))
         forwards.append((window, c + t - window, layers))
     selected = select_tokens(score, count, config)
+    reading = contextlib.nullcontext()
     if selected.numel():
         forwards.append((selected.numel(), c + t - selected.numel(), layers))
-    return BlendResult(recompute_selected(lm, context, placed, selected), selected, score, tuple(forwards))
+        still = torch.ones(t, dtype=torch.bool)
+        still[selected] = False
+        before = torch.zeros(c, dtype=torch.bool) if context_projected is None else context_projected.bool().cpu()
+        if prior is not None and bool(still.any() or before.any()):
+            reading = prior.from_layer(m).reading(lm, torch.cat((context.token_ids, placed.token_ids)),
+                                                  torch.cat((before, still)))
+    with reading:
+        segment = recompute_selected(lm, context, placed, selected)
+    return BlendResult(segment, selected, score, tuple(forwards))

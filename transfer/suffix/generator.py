@@ -14,10 +14,10 @@ A request is a list of parts. Every part but the last is context:
 - else it is prefilled after the context so far (consecutive such parts in one forward) and offered to the
   manager.
 The last part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole
-request and the mask is the model's causal one, as for a plain prefill. Every forward that reads projected KV (the
-prefill of later parts, the new turn, generation) reads it with the target's induction prior (`induction`: the
-target's induction heads get back from the tokens the match their projected keys blur) unless
-`induction_prior=False`.
+request and the mask is the model's causal one, as for a plain prefill. Every forward that reads projected KV (a
+projected part's blend, the prefill of later parts, the new turn, generation) reads it with the target's induction
+prior (`induction`: the target's induction heads get back from the tokens the match their projected keys blur)
+unless `induction_prior=False`.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ class SuffixReuseGenerator:
                                      f"{lm.name!r}'s {b - a} tokens of the part at {a}")
                 if self.recompute_fraction:  # blend the projected KV: r recomputed, chosen by attention
                     blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
-                                    BlendConfig(fraction=self.recompute_fraction))
+                                    BlendConfig(fraction=self.recompute_fraction), prior=self._prior(),
+                                    context_projected=still[:a])
                     seg, redone = blended.segment, blended.selected.numel()
                     still[a:b] = blended.still_projected
                 else:

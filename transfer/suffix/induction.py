@@ -21,7 +21,9 @@ that ships for the model (`priors/`, matched by config hash) and probes where no
 `InductionPrior.reading(lm, token_ids, projected)` is a context manager: within it, every forward of `lm` over a
 cache whose first N positions hold `token_ids` (N = len(token_ids)), the ones where `projected` is True projected,
 runs with the prior. It tracks the tokens each forward appends (prefill, decode), so one block can cover a prefill
-and a whole `generate`. Batch size 1; the model runs SDPA within the block (flash-attn cannot take a per-head bias).
+and a whole `generate`; a forward whose position_ids name tokens the cache already holds recomputes them in place
+(`reuse.recompute_selected`: blend's forward), and reads the rest of the cache with the prior the same way.
+Batch size 1; the model runs SDPA within the block (flash-attn cannot take a per-head bias).
 """
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ class InductionPrior:
                 raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
             return cls(f.get_tensor("terms").float(), origin=path.name)
 
+    def from_layer(self, first: int) -> InductionPrior:
+        """The prior on layers `first`.. only: where a pass made the first layers' KV the target's own."""
+        if first <= 0:
+            return self
+        terms = self.terms.clone()
+        terms[:, :first] = 0
+        return InductionPrior(terms, f"{self.origin}, from layer {first}")
+
     @property
     def heads(self) -> dict[int, list[int]]:
         """{layer: [query heads]} that get the prior."""
@@ -213,22 +223,33 @@ class _ReadState:
         if past > self.ids.numel():
             raise ValueError(f"the cache holds {past} tokens but the induction prior knows {self.ids.numel()}")
         query = ids[0].cpu()
-        self.ids = torch.cat((self.ids[:past], query))
-        self._build(query, past)
+        appended = torch.arange(past, past + query.numel())
+        given = kwargs.get("position_ids")
+        at = appended if given is None else given[0].cpu()
+        if torch.equal(at, appended):  # a prefill or decode step: the tokens follow the cache's
+            self.ids = torch.cat((self.ids[:past], query))
+        elif at.numel() != query.numel() or int(at.min()) < 0 or int(at.max()) >= past or not torch.equal(
+                self.ids[at], query):  # else they must be cached tokens recomputed in place (selective recompute)
+            raise ValueError(f"the induction prior reads queries that follow the cache ({past} tokens) or recompute "
+                             f"tokens it holds, at their positions; got {query.numel()} tokens at positions "
+                             f"{at.tolist()[:8]}...")
+        self._build(query, at, past)
         return None
 
-    def _build(self, query: torch.Tensor, past: int) -> None:
-        """The [4, Q, K] tables of this forward (TERMS: where each applies): queries at past.., keys 0..past+Q-1."""
+    def _build(self, query: torch.Tensor, at: torch.Tensor, past: int) -> None:
+        """The [4, Q, K] tables of this forward (TERMS: where each applies): queries at positions `at`, keys
+        0..past+Q-1 (the cache's, then the queries' own, which are exact: none of the terms lands on them)."""
         n = self.projected.numel()
         keys = past + query.numel()
-        prev = torch.cat((torch.tensor([-1]), self.ids[:keys - 1]))  # [K] token before each key
-        prev2 = torch.cat((torch.tensor([-1, -1]), self.ids[:max(keys - 2, 0)]))[:keys]
-        q_prev = self.ids[past - 1:past + query.numel() - 1] if past else torch.cat((torch.tensor([-1]), query[:-1]))
+        seen = torch.cat((self.ids[:past], query))  # [K] the token of each key
+        prev = torch.cat((torch.tensor([-1]), seen[:-1]))  # [K] token before each key
+        prev2 = torch.cat((torch.tensor([-1, -1]), seen[:-2]))[:keys]
+        q_prev = torch.where(at > 0, self.ids[(at - 1).clamp(min=0)], -1)  # [Q] the token before each query
         open_ = torch.zeros(keys, dtype=torch.bool)
-        open_[:min(n, keys)] = self.projected[:min(n, keys)]
+        open_[:min(n, past)] = self.projected[:min(n, past)]
         match = (prev[None, :] == query[:, None]) & open_[None, :]  # [Q, K]
         match2 = match & (prev2[None, :] == q_prev[:, None])
-        duplicate = (self.ids[None, :keys] == query[:, None]) & open_[None, :]
+        duplicate = (seen[None, :] == query[:, None]) & open_[None, :]
         self.tables = torch.stack((match, match2, open_[None, :].expand_as(match), duplicate)).float()
         self.on_device = {}
 

@@ -11,6 +11,7 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import SDPA_NAMES, LoadedModel
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.induction import ATTENTION as PRIOR_ATTENTION
 
 
 def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
@@ -162,7 +163,7 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
     t = placed.num_tokens
     if int(selected[0]) < 0 or int(selected[-1]) >= t:
         raise ValueError(f"selected indices must lie in [0, {t})")
-    if lm.model.config._attn_implementation not in (*SDPA_NAMES, "eager"):
+    if lm.model.config._attn_implementation not in (*SDPA_NAMES, "eager", PRIOR_ATTENTION):
         raise ValueError(f"selective recompute needs sdpa or eager attention, not "
                          f"{lm.model.config._attn_implementation!r} (it passes a custom mask)")
     c = context.num_tokens
