@@ -210,7 +210,9 @@ class _ReadState:
         self.projected = projected  # [N] which of the first N positions are projected
         self.biased = {layer: prior.terms[:, layer] for layer in prior.heads}  # layer -> [4, H_q] terms, some != 0
         self.tables: torch.Tensor | None = None  # [4, Q, past + Q] of the forward that runs (TERMS), on the CPU
-        self.on_device: dict[torch.device, torch.Tensor] = {}  # those tables where the layers run (copied once)
+        # per forward, what every layer of it shares: the tables where the layers run, [4, Q*K] over the last K keys
+        # (a sliding layer's cache holds fewer), and the [Q, K] 0/-inf form of each attention mask the layers get
+        self.shared: dict[tuple, torch.Tensor] = {}
 
     def before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -251,7 +253,33 @@ class _ReadState:
         match2 = match & (prev2[None, :] == q_prev[:, None])
         duplicate = (seen[None, :] == query[:, None]) & open_[None, :]
         self.tables = torch.stack((match, match2, open_[None, :].expand_as(match), duplicate)).float()
-        self.on_device = {}
+        self.shared = {}
+
+    def flat_tables(self, keys: int, device: torch.device) -> torch.Tensor:
+        """[4, Q * keys] float32 on `device`: the tables over the last `keys` keys."""
+        tables = self.shared.get(("tables", keys, device))
+        if tables is None:
+            tables = self.tables[:, :, self.tables.shape[2] - keys:].reshape(len(TERMS), -1).to(device)
+            self.shared[("tables", keys, device)] = tables
+        return tables
+
+    def closed(self, attention_mask: torch.Tensor | None, q: int, k: int, device: torch.device) -> torch.Tensor:
+        """[Q, K] float32: 0 where the query may attend to the key, -inf elsewhere (the attention mask's form that
+        the prior's bias adds to). Made once per mask a forward passes its layers (the model holds each while the
+        forward runs, so its memory names it)."""
+        key = ("mask", None if attention_mask is None else (attention_mask.data_ptr(), attention_mask.dtype,
+                                                             tuple(attention_mask.stride())), q, k, device)
+        base = self.shared.get(key)
+        if base is None:
+            if attention_mask is None:  # sdpa_mask leaves plain causal attention to is_causal
+                allowed = torch.ones(q, k, dtype=torch.bool, device=device).tril(k - q)
+            elif attention_mask.dtype == torch.bool:
+                allowed = attention_mask[0, 0]
+            else:
+                allowed = attention_mask[0, 0] == 0
+            base = torch.zeros(q, k, device=device).masked_fill_(~allowed, float("-inf"))
+            self.shared[key] = base
+        return base
 
 
 def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -269,17 +297,10 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     tables = state.tables  # [4, Q, past + Q]; a sliding-window layer's cache holds only the last k of those keys
     assert tables is not None and tables.shape[1] == q and tables.shape[2] >= k, (
         None if tables is None else tuple(tables.shape), (q, k))
-    if query.device not in state.on_device:
-        state.on_device[query.device] = tables.to(query.device)
-    tables = state.on_device[query.device][:, :, tables.shape[2] - k:]
-    if attention_mask is None:  # sdpa_mask leaves plain causal attention to is_causal
-        allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
-    elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask[0, 0]
-    else:
-        allowed = attention_mask[0, 0] == 0
-    add = torch.einsum("th,tqk->hqk", terms.to(query.device, torch.float32), tables)  # [H_q, Q, K]
-    mask = add.masked_fill(~allowed[None], float("-inf")).to(query.dtype)[None]  # [1, H_q, Q, K]
+    base = state.closed(attention_mask, q, k, query.device)  # [Q, K] 0 / -inf
+    # the bias of each head, on top of the mask, in one matmul: [H_q, Q*K] = base + terms^T @ tables
+    mask = torch.addmm(base.view(1, q * k), terms.to(query.device, torch.float32).T,
+                       state.flat_tables(k, query.device)).view(1, -1, q, k).to(query.dtype)  # [1, H_q, Q, K]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None  # [1, Q, H_q, D]
