@@ -1,0 +1,18 @@
+"""The held-out documents of the second training corpus as `eval rouge` records: kernel_docs_corpus.txt cut as the
+chain adapter cuts it, the documents it holds out (blake2b of the id < 0.08: no adapter's or the fitted prior's
+training step saw them). A document's "dev" field says whether the chain could have sampled a dev window from it
+(chose its best step there). There is no reference summary ("-"): read NLL recovery, not ROUGE vs reference.
+
+  python kernel_heldout.py ../../../../shared/data/kernel_docs_corpus.txt OUT.jsonl
+"""
+import json
+import sys
+
+from kvbridge.adapters.teacher import is_heldout, split_documents
+
+corpus, out = sys.argv[1], sys.argv[2]
+held = [(i, text) for i, text in split_documents(corpus, "kernel") if is_heldout(i, 0.08)]
+with open(out, "w") as f:
+    for i, text in held:
+        f.write(json.dumps({"id": i, "document": text, "summary": "-", "dev": is_heldout(i, 0.5, salt="dev")}) + "\n")
+print(f"{len(held)} held-out documents -> {out}")
