@@ -8,10 +8,13 @@ training step saw them). A document's "dev" field says whether the chain could h
 import json
 import sys
 
+from kvbridge.adapters.chain import ChainConfig
 from kvbridge.adapters.teacher import is_heldout, split_documents
 
 corpus, out = sys.argv[1], sys.argv[2]
-held = [(i, text) for i, text in split_documents(corpus, "kernel") if is_heldout(i, 0.08)]
+config = ChainConfig()  # the chain's split, as the shipped adapter was trained
+held = [(i, text) for i, text in split_documents(corpus, "kernel", config.doc_chars)
+        if is_heldout(i, config.heldout_fraction)]
 with open(out, "w") as f:
     for i, text in held:
         f.write(json.dumps({"id": i, "document": text, "summary": "-", "dev": is_heldout(i, 0.5, salt="dev")}) + "\n")
