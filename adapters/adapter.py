@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kvbridge.transfer.align import AlignKind, Alignment
+from kvbridge.transfer.devices import compute_dtype
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelSpec
@@ -86,6 +87,8 @@ class Adapter:
     wk_tok: torch.Tensor | None = None  # [L_t, r, d_t]
     wv_tok: torch.Tensor | None = None  # [L_t, r, d_t]
     src_basis: torch.Tensor | None = None  # [2 · L_s · d_s, r_s]: the maps read r_s features of every source layer
+    # the maps converted to a compute dtype by `maps_in`, kept while the tensors are the same objects, unchanged
+    _converted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         s, t = self.meta.source, self.meta.target
@@ -156,6 +159,21 @@ class Adapter:
             raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
         return self.tok_table[ids].float()
 
+    MAPS = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "wk_tok", "wv_tok", "src_basis")
+
+    def maps_in(self, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+        """The maps (mixes, weights, biases, token maps, source basis) in `dtype`: as they are when already in it,
+        else converted once and kept until one of them is replaced or changed in place (a bf16 adapter computing in
+        float32 on a CPU without native bf16 GEMM would otherwise convert ~8 M weights on every projection)."""
+        tensors = {n: getattr(self, n) for n in self.MAPS}
+        if all(t is None or t.dtype == dtype for t in tensors.values()):
+            return tensors
+        key = (dtype, tuple((id(t), t._version) if t is not None else None for t in tensors.values()))
+        if key not in self._converted:
+            self._converted.clear()
+            self._converted[key] = {n: None if t is None else t.to(dtype) for n, t in tensors.items()}
+        return self._converted[key]
+
     def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
         """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis) in `dtype`;
         the layer map and the exact start KV are kept as they are."""
@@ -220,32 +238,93 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
     target_ids: [T], needed when the adapter has token features
     returns yk, yv: [L_t, T, d_t] un-rotated target keys / values, in float32 (accumulate_fp32) or xk's dtype
 
-    An adapter stored in bfloat16 or float16 (the shipped ones) runs its matmuls in that dtype: the products
-    accumulate in float32 inside the GEMM, inputs and outputs are rounded to 8 (11) mantissa bits — an error of the
-    order of the weights' own rounding — and on CPUs with AMX or AVX512-BF16 they take a fifth of the float32 time.
-    A float32 adapter (a fitted one, the identity) runs in float32, exactly as before.
+    An adapter stored in bfloat16 or float16 (the shipped ones) runs its matmuls in that dtype where the device
+    does that GEMM natively (CUDA; CPUs with AMX or AVX512-BF16, where they take a fifth of the float32 time): the
+    products accumulate in float32 inside the GEMM, inputs and outputs are rounded to 8 (11) mantissa bits — an
+    error of the order of the weights' own rounding. On other CPUs (AVX2 only: half GEMM ~20× slower than float32)
+    it computes in float32 from its weights converted once (`Adapter.maps_in`; `devices.compute_dtype` decides,
+    `devices.half_gemm` forces either path). A float32 adapter (a fitted one, the identity) runs in float32.
     """
     work = torch.float32 if accumulate_fp32 else xk.dtype
     half = adapter.wk.dtype in (torch.bfloat16, torch.float16)
-    gemm = adapter.wk.dtype if half else work
+    gemm = compute_dtype(adapter.wk.dtype, adapter.wk.device) if half else work
+    maps = adapter.maps_in(gemm)
     if adapter.src_basis is not None:
-        xk, xv = source_inputs(adapter.src_basis.to(gemm), xk.to(gemm), xv.to(gemm))
+        xk, xv = source_inputs(maps["src_basis"], xk.to(gemm), xv.to(gemm))
     tok = None
     if adapter.tok_table is not None:
         if target_ids is None:
             raise ValueError(f"adapter {adapter.name!r} reads the target's token ids: pass target_ids")
         tok = adapter.token_features(target_ids).to(device=xk.device, dtype=gemm)  # [T, r]
     out = []
-    for x, mix, w, b, w_tok in ((xk, adapter.mix_k, adapter.wk, adapter.bk, adapter.wk_tok),
-                                (xv, adapter.mix_v, adapter.wv, adapter.bv, adapter.wv_tok)):
-        mixed = mix_layers(x.to(gemm), adapter.layer_map, mix.to(gemm))  # [L_t, T, d_s]
-        base = b.to(gemm)[:, None, :]
-        if tok is not None:  # every layer's token map in one [T, r] @ [r, L_t·d_t] product, added as the bias
-            lt, r, d_t = w_tok.shape
-            flat = w_tok.to(gemm).transpose(0, 1).reshape(r, lt * d_t)
-            base = base + (tok @ flat).view(-1, lt, d_t).transpose(0, 1)  # [L_t, T, d_t]
-        out.append(torch.baddbmm(base, mixed, w.to(gemm)).to(work))  # [L_t, T, d_t]
+    for x, kind in ((xk, "k"), (xv, "v")):
+        mixed = mix_layers(x.to(gemm), adapter.layer_map, maps[f"mix_{kind}"])  # [L_t, T, d_s]
+        bias = maps[f"b{kind}"][:, None, :]  # [L_t, 1, d_t]
+        if tok is None:
+            y = torch.baddbmm(bias, mixed, maps[f"w{kind}"])  # [L_t, T, d_t]
+        else:  # every layer's token map (tok broadcast over layers: no copy), the bias and the map, in place
+            y = torch.matmul(tok, maps[f"w{kind}_tok"]).add_(bias).baddbmm_(mixed, maps[f"w{kind}"])
+        out.append(y.to(work))
     return out[0], out[1]
+
+
+TILE_BYTES = 32 << 20  # a CPU tile's working set: inside a last-level cache, so its steps never wait on DRAM
+
+
+def cpu_tile_tokens(adapter: Adapter, segment: KVSegment) -> int:
+    """Target tokens per tile on the CPU: every step of a projection is per token, and walking a long context in
+    tiles whose float32 intermediates (gathered source KV, mixed inputs, mapped outputs) fit in ~16 MB keeps them in
+    cache (a 2-core AVX2 VM moves ~4 GB/s to and from DRAM: one untiled pass over 2,048 tokens' mapped keys costs
+    as much as their GEMM)."""
+    d_s = segment.num_kv_heads * segment.head_dim
+    lt, d_in, d_t = adapter.wk.shape
+    per_token = 4 * (2 * segment.num_layers * d_s + 2 * lt * (d_in + 2 * d_t))
+    return max(32, TILE_BYTES // per_token // 16 * 16)
+
+
+def _project_tile(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_ids: torch.Tensor,
+                  source_rope: ModelRope, target_rope: ModelRope, positions: torch.Tensor, t0: int, t1: int,
+                  out: torch.Tensor | None, accumulate_fp32: bool) -> torch.Tensor:
+    """Target tokens t0 .. t1 - 1 of `project`, written into out[:, :, :, t0:t1] ([L_t, 2, H_t, T_t, D_t]) and
+    out returned; with out None (autograd), returned as a new [L_t, 2, H_t, t1 - t0, D_t] tensor.
+
+    The source tokens they read are gathered first (keys and values at once), un-rotated at their own positions,
+    mapped, and the keys rotated straight into `out`: every step is per token."""
+    device = adapter.wk.device
+    ls, hs, ds_ = segment.num_layers, segment.num_kv_heads, segment.head_dim
+    n = t1 - t0
+    idx = alignment.source_index[t0:t1].to(device)
+    mapped = idx >= 0
+    gather = idx.clamp(min=0)
+    src = segment.kv.to(device).index_select(3, gather)  # [L_s, 2, H_s, n, D_s]
+    keys = source_rope.unrotate_all(src[:, 0].float(), segment.positions[gather.cpu()])  # [L_s, H_s, n, D_s]
+    xk = keys.permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)  # a view when H_s == 1
+    xv = src[:, 1].float().permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)
+    if not bool(mapped.all()):  # unmapped tokens get zero input
+        xk, xv = xk * mapped[None, :, None], xv * mapped[None, :, None]
+    ids = target_ids[t0:t1]
+    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, ids)  # [L_t, n, d_t]
+    tgt = target_rope.spec
+    lt, ht, dt = tgt.num_layers, tgt.num_kv_heads, tgt.head_dim
+    yk = yk.view(lt, n, ht, dt).permute(0, 2, 1, 3)  # [L_t, H_t, n, D_t]
+    yv = yv.view(lt, n, ht, dt).permute(0, 2, 1, 3)
+    start = adapter.meta.start_token
+    if adapter.start_kv is not None and start is not None:
+        use_start = (~has_text_source(alignment.kind[t0:t1])) & (ids == start)
+        if bool(use_start.any()):
+            where = use_start.nonzero()[:, 0].to(device)
+            yk[:, :, where] = adapter.start_kv[:, 0, :, None, :].to(yk.dtype)
+            yv[:, :, where] = adapter.start_kv[:, 1, :, None, :].to(yv.dtype)
+    if out is None:  # autograd (adapter refinement): no writes into a result
+        return torch.stack((target_rope.rotate_all(yk, positions[t0:t1]), yv), dim=1)
+    keys_out = out[:, 0, :, t0:t1]
+    if keys_out.dtype in (torch.float32, torch.float64) and keys_out.dtype == (
+            torch.float64 if yk.dtype == torch.float64 else torch.float32):
+        target_rope.rotate_all(yk, positions[t0:t1], out=keys_out)  # no copy of the rotated keys
+    else:
+        keys_out.copy_(target_rope.rotate_all(yk, positions[t0:t1]))
+    out[:, 1, :, t0:t1] = yv
+    return out
 
 
 def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_ids: torch.Tensor,
@@ -276,28 +355,20 @@ def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_i
         raise ValueError(f"offset must be >= 0, got {offset}")
     device = adapter.wk.device
     tgt = target_rope.spec
-    ls, hs, ts, ds_ = segment.num_layers, segment.num_kv_heads, segment.num_tokens, segment.head_dim
-    kv = segment.kv.to(device)
-    keys = source_rope.unrotate_all(kv[:, 0].float(), segment.positions)  # [L_s, H_s, T_s, D_s]
-    xk = keys.permute(0, 2, 1, 3).reshape(ls, ts, hs * ds_)
-    xv = kv[:, 1].float().permute(0, 2, 1, 3).reshape(ls, ts, hs * ds_)
-    idx = alignment.source_index.to(device)
-    mapped = idx >= 0
-    gather = idx.clamp(min=0)
-    xk = xk[:, gather] * mapped[None, :, None]  # [L_s, T_t, d_s]; unmapped tokens get zero input
-    xv = xv[:, gather] * mapped[None, :, None]
-    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, target_ids)  # [L_t, T_t, d_t]
     lt, ht, dt = tgt.num_layers, tgt.num_kv_heads, tgt.head_dim
-    yk = yk.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)  # [L_t, H_t, T_t, D_t]
-    yv = yv.reshape(lt, t_t, ht, dt).permute(0, 2, 1, 3)
-    start = adapter.meta.start_token
-    if adapter.start_kv is not None and start is not None:
-        use_start = (~has_text_source(alignment.kind)) & (target_ids == start)
-        if bool(use_start.any()):
-            where = use_start.nonzero()[:, 0].to(device)
-            yk[:, :, where] = adapter.start_kv[:, 0, :, None, :].to(yk.dtype)
-            yv[:, :, where] = adapter.start_kv[:, 1, :, None, :].to(yv.dtype)
     positions = torch.arange(offset, offset + t_t, dtype=torch.int64)
-    yk = target_rope.rotate_all(yk, positions)
-    out = torch.stack((yk, yv), dim=1).to(dtype or segment.dtype)
+    out_dtype = dtype or segment.dtype
+    work = torch.float64 if out_dtype == torch.float64 else torch.float32
+    differentiable = segment.kv.requires_grad or any(
+        t is not None and t.requires_grad for t in (getattr(adapter, n) for n in (*adapter.MAPS, "start_kv")))
+    if torch.is_grad_enabled() and differentiable:  # one piece, built without in-place writes
+        out = _project_tile(adapter, segment, alignment, target_ids, source_rope, target_rope, positions, 0, t_t,
+                            None, accumulate_fp32).to(out_dtype)
+        return KVSegment(kv=out, token_ids=target_ids, positions=positions, model=tgt.identity, rotated=True)
+    out = torch.empty(lt, 2, ht, t_t, dt, dtype=work if out_dtype == work else out_dtype, device=device)
+    tile = t_t if device.type != "cpu" else cpu_tile_tokens(adapter, segment)
+    for t0 in range(0, t_t, max(tile, 1)):
+        _project_tile(adapter, segment, alignment, target_ids, source_rope, target_rope, positions, t0,
+                      min(t0 + tile, t_t), out, accumulate_fp32)
+    out = out.to(out_dtype)
     return KVSegment(kv=out, token_ids=target_ids, positions=positions, model=tgt.identity, rotated=True)

@@ -372,23 +372,6 @@ def test_token_features_change_the_projection_save_as_format_2_and_load(tmp_path
         tok.token_features(torch.tensor([vocab]))
 
 
-def test_a_bf16_adapter_maps_in_bf16_close_to_float32(tiny_source, tiny_target):
-    """A bf16 adapter runs its matmuls in bf16 (float32 accumulation in the GEMM): within bf16 rounding of the same
-    weights applied in float32, and the output still float32."""
-    adapter = random_adapter(tiny_source, tiny_target, k=3, layer_map="mix")
-    maps = ("mix_k", "mix_v", "wk", "bk", "wv", "bv")
-    half = dataclasses.replace(adapter, **{n: getattr(adapter, n).to(torch.bfloat16) for n in maps})
-    same_weights = dataclasses.replace(adapter, **{n: getattr(half, n).float() for n in maps})
-    paired = pair_text("import os\nos.getcwd() returns the working directory.", tiny_source.tokenizer,
-                       tiny_target.tokenizer)
-    seg = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)
-    got = project(half, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
-    want = project(same_weights, seg, paired.alignment, paired.target_ids, tiny_source.rope, tiny_target.rope)
-    assert got.kv.dtype == torch.float32
-    err = (got.kv - want.kv).norm() / want.kv.norm()
-    assert 0 < err < 2e-2, err  # rounded (so the bf16 path ran), and only by bf16 rounding
-
-
 def test_mismatched_adapters_and_files_are_refused(tmp_path, tiny_source, tiny_target):
     adapter = random_adapter(tiny_source, tiny_target)
     other = zoo.build("qwen2")

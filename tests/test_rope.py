@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import zoo
@@ -91,6 +93,16 @@ def test_batched_all_layer_ops_equal_per_layer_ops():
     assert torch.allclose(lm.rope.unrotate_all(rotated, pos), keys, atol=1e-5)
     moved = lm.rope.shift_all(rotated, pos, pos - 100)
     assert torch.allclose(moved, lm.rope.rotate_all(keys, pos - 100), atol=1e-4)
+    out = torch.full_like(keys, math.nan)  # written in place, runs of layers as slices: every layer written
+    assert lm.rope.rotate_all(keys, pos, out=out) is out and torch.equal(out, rotated)
+    # with autograd (adapter training) the same values and a gradient through every layer's run
+    leaf = keys.clone().requires_grad_(True)
+    traced = lm.rope.rotate_all(leaf, pos)
+    assert torch.equal(traced.detach(), rotated)
+    traced.square().sum().backward()
+    assert torch.allclose(leaf.grad, 2 * keys, atol=1e-4)  # a rotation keeps norms: d|Rx|^2/dx = 2x
+    with pytest.raises(ValueError, match="not differentiable"):
+        lm.rope.rotate_all(leaf, pos, out=out)
 
 
 def test_longrope_beyond_original_length_uses_long_factors_consistently():

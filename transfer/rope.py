@@ -28,9 +28,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE. x: [..., T, D]; cos, sin: [T, R] with R <= D, R even. Returns [..., T, D] in x's dtype."""
-    return _apply(x, cos, sin, inverse=False)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply RoPE. x: [..., T, D]; cos, sin: [T, R] with R <= D, R even. Returns [..., T, D] in x's dtype, or
+    written into `out` (x's shape, float32 or float64 as the work dtype; not with autograd) and returned."""
+    return _apply(x, cos, sin, inverse=False, out=out)
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,8 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return _apply(x, cos, sin, inverse=True)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     # With pairs (x1, x2) = (x[:h], x[h:]) and rotate_half(x) = (-x2, x1):
     #   rotate:   (x1·c1 − x2·s1,  x2·c2 + x1·s2)
     #   unrotate: (x1·c1 + x2·s1,  x2·c2 − x1·s2) / (c² + s²)      (c² + s² = attention scale², usually 1)
@@ -57,14 +59,30 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
         if r < x.shape[-1]:
             out = torch.cat((out, x[..., r:].to(work)), dim=-1)
         return out.to(x.dtype)
-    out = torch.empty(x.shape, dtype=work, device=x.device)
-    torch.addcmul(x1 * cos[:, :h], x2, sin[:, :h], value=sign, out=out[..., :h])
-    torch.addcmul(x2 * cos[:, h:], x1, sin[:, h:], value=-sign, out=out[..., h:r])
-    if inverse:
-        out[..., :r] /= cos * cos + sin * sin
+    if out is not None and (out.shape != x.shape or out.dtype != work):
+        raise ValueError(f"rotate out= must be {work} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+    given = out is not None  # (out must not overlap x: o1 is written before o2 reads x1)
+    out = out if given else torch.empty(x.shape, dtype=work, device=x.device)
+    if inverse:  # the division by c² + s² on the [T, R] tables, not on every key
+        norm = cos * cos + sin * sin
+        cos, sin = cos / norm, sin / norm
+    o1, o2 = out[..., :h], out[..., h:r]
+    torch.mul(x1, cos[:, :h], out=o1).addcmul_(x2, sin[:, :h], value=sign)
+    torch.mul(x2, cos[:, h:], out=o2).addcmul_(x1, sin[:, h:], value=-sign)
     if r < x.shape[-1]:
         out[..., r:] = x[..., r:]
-    return out if work == x.dtype else out.to(x.dtype)
+    return out if given or work == x.dtype else out.to(x.dtype)
+
+
+def consecutive_runs(layers: list[int]) -> list[slice]:
+    """Sorted layer indices -> the slices of their runs of consecutive indices ([0, 1, 2, 5, 6] -> 0:3, 5:7)."""
+    runs: list[slice] = []
+    for layer in layers:
+        if runs and runs[-1].stop == layer:
+            runs[-1] = slice(runs[-1].start, layer + 1)
+        else:
+            runs.append(slice(layer, layer + 1))
+    return runs
 
 
 class ModelRope:
@@ -83,15 +101,13 @@ class ModelRope:
         for layer in spec.layers:
             if layer.rope is not None:
                 by_rope.setdefault(layer.rope, []).append(layer.index)
-        # (rope, layers, layer index tensor, slice when the layers are consecutive)
-        self._groups = [(rope, layers, torch.tensor(layers),
-                         slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else None)
-                        for rope, layers in by_rope.items()]
+        # (rope, layers, the runs of consecutive layers as slices)
+        self._groups = [(rope, layers, consecutive_runs(layers)) for rope, layers in by_rope.items()]
 
     @property
     def families(self) -> list[tuple[RopeSpec, list[int]]]:
         """Each distinct RoPE of the model with the layers that use it (layers without RoPE are in none)."""
-        return [(rope, layers) for rope, layers, _, _ in self._groups]
+        return [(rope, layers) for rope, layers, _ in self._groups]
 
     @classmethod
     def from_model(cls, model: nn.Module, spec: ModelSpec) -> "ModelRope":
@@ -200,30 +216,46 @@ class ModelRope:
             return x
         return self.rotate(self.unrotate(x, layer, positions), layer, new_positions)
 
-    def _per_group(self, keys: torch.Tensor, fn) -> torch.Tensor:
-        # keys: [L, H, T, D] -> [L, H, T, D]; layers sharing one RopeSpec share one table computation
+    def _per_group(self, keys: torch.Tensor, fn, out: torch.Tensor | None, *position_sets: torch.Tensor
+                   ) -> torch.Tensor:
+        """keys: [L, H, T, D] -> [L, H, T, D], written into `out` when given (float32, or float64 for float64
+        keys). fn(k, tables, o) transforms a run of consecutive layers k that share one RopeSpec into o, tables:
+        one (cos, sin) per position set, computed once per RopeSpec. Layers without RoPE are copied as they are;
+        runs are slices, so nothing is gathered or scattered."""
         if keys.shape[0] != self.spec.num_layers:
             raise ValueError(f"keys have {keys.shape[0]} layers, {self.spec.name!r} has {self.spec.num_layers}")
-        if len(self._groups) == 1 and len(self._groups[0][1]) == self.spec.num_layers:
-            rope, layers, _, _ = self._groups[0]
-            return fn(keys, rope, layers[0])
-        covered = sum(len(g[1]) for g in self._groups)
-        out = keys.clone() if covered < self.spec.num_layers else torch.empty_like(keys)
-        for rope, layers, idx, span in self._groups:
-            if span is not None:  # a run of consecutive layers: slices, no gather
-                out[span] = fn(keys[span], rope, layers[0])
-            else:
-                idx = idx.to(keys.device)
-                out.index_copy_(0, idx, fn(keys.index_select(0, idx), rope, layers[0]))
-        return out
+        if torch.is_grad_enabled() and keys.requires_grad:  # autograd (adapter training): no writes into a result
+            if out is not None:
+                raise ValueError("out= is not differentiable: call without it when keys require grad")
+            pieces = {0: keys}  # start layer -> the layers from it, each run transformed, the rest as they are
+            for rope, layers, runs in self._groups:
+                tables = [self._tables(rope, layers[0], p) for p in position_sets]
+                for run in runs:
+                    pieces[run.start] = fn(keys[run], tables, None)
+                    pieces.setdefault(run.stop, keys)
+            starts = sorted(pieces)
+            return torch.cat([pieces[a][: b - a] if pieces[a] is not keys else keys[a:b]
+                              for a, b in zip(starts, [*starts[1:], self.spec.num_layers]) if b > a])
+        work = _compute_dtype(keys)
+        result = out if out is not None else torch.empty(keys.shape, dtype=work, device=keys.device)
+        if sum(len(g[1]) for g in self._groups) < self.spec.num_layers:
+            result.copy_(keys)
+        for rope, layers, runs in self._groups:
+            tables = [self._tables(rope, layers[0], p) for p in position_sets]
+            for run in runs:
+                fn(keys[run], tables, result[run])
+        return result if out is not None or work == keys.dtype else result.to(keys.dtype)
 
-    def rotate_all(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """keys: [L, H, T, D] un-rotated; positions: [T] -> [L, H, T, D] rotated."""
-        return self._per_group(keys, lambda k, rope, layer: rotate(k, *self._tables(rope, layer, positions)))
+    def rotate_all(self, keys: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """keys: [L, H, T, D] un-rotated; positions: [T] -> [L, H, T, D] rotated (written into `out`, float32 of
+        keys' shape, when given: one copy less for a caller that assembles a larger tensor)."""
+        return self._per_group(keys, lambda k, tables, o: rotate(k, *tables[0], out=o), out, positions)
 
     def unrotate_all(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """keys: [L, H, T, D] rotated at positions [T] -> [L, H, T, D] un-rotated."""
-        return self._per_group(keys, lambda k, rope, layer: unrotate(k, *self._tables(rope, layer, positions)))
+        return self._per_group(keys, lambda k, tables, o: _apply(k, *tables[0], inverse=True, out=o), None,
+                               positions)
 
     def shift_all(self, keys: torch.Tensor, positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
         """keys: [L, H, T, D] rotated at positions [T] -> rotated at new_positions [T]."""
@@ -231,7 +263,7 @@ class ModelRope:
             raise ValueError(f"positions {tuple(positions.shape)} and new_positions "
                              f"{tuple(new_positions.shape)} differ")
 
-        def move(k: torch.Tensor, rope: RopeSpec, layer: int) -> torch.Tensor:
-            return rotate(unrotate(k, *self._tables(rope, layer, positions)), *self._tables(rope, layer, new_positions))
+        def move(k: torch.Tensor, tables, o: torch.Tensor) -> torch.Tensor:
+            return rotate(unrotate(k, *tables[0]), *tables[1], out=o)
 
-        return self._per_group(keys, move)
+        return self._per_group(keys, move, None, positions, new_positions)
