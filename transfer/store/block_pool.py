@@ -143,8 +143,30 @@ class BlockPool:
             self.free_queue.appendleft(block)
 
     def write(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
-        """One scatter. block_ids: [n]; data: [n, L, 2, H_kv, block_size, D]."""
+        """One scatter. block_ids: [n]; data: [n, L, 2, H_kv, block_size, D] (any strides)."""
         self.kv.index_copy_(0, block_ids.to(self.device), data.to(device=self.device, dtype=self.kv.dtype))
+
+    def write_segment(self, block_ids: list[int], kv: torch.Tensor, which: list[int]) -> None:
+        """Blocks `which` of a segment into pool blocks block_ids (one each): kv [L, 2, H_kv, T, D], block i holding
+        tokens i·bs .. (i+1)·bs - 1; a last partial block is zero-padded. Each byte is copied once, straight from
+        the segment (no padded or gathered copy of it first)."""
+        bs = self.layout.block_size
+        t = kv.shape[3]
+        full = t // bs
+        l, _, h, _, d = kv.shape
+        blocks = kv[:, :, :, :full * bs].reshape(l, 2, h, full, bs, d).permute(3, 0, 1, 2, 4, 5)  # [full, L, 2, H, bs, D]
+        pairs = [(b, i) for b, i in zip(block_ids, which) if i < full]
+        if pairs:
+            ids = torch.tensor([b for b, _ in pairs])
+            if len(pairs) == full:  # every whole block: the segment's own view, no gather
+                self.write(ids, blocks)
+            else:
+                self.write(ids, blocks.index_select(0, torch.tensor([i for _, i in pairs], device=kv.device)))
+        for b, i in zip(block_ids, which):
+            if i >= full:  # the partial tail: its tokens, then zeros
+                dest = self.kv[b]  # [L, 2, H, bs, D]
+                dest[:, :, :, t - full * bs:].zero_()
+                dest[:, :, :, :t - full * bs].copy_(kv[:, :, :, full * bs:])
 
     def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
         """block_ids: [n] -> [n, L, 2, H_kv, block_size, D] (a copy)."""

@@ -460,16 +460,9 @@ class PagedStore:
                 pool.unref(held)
                 self.residency.drop(pool, self.registry.release(key, hashes), drop_remote=False)
                 raise
-            # one scatter of the new blocks: segment kv [L, 2, H, T, D] -> [n, L, 2, H, bs, D]
-            kv = segment.kv
-            pad = n_blocks * bs - segment.num_tokens
-            if pad:
-                kv = torch.nn.functional.pad(kv, (0, 0, 0, pad))
-            blocks_view = kv.reshape(layout.num_layers, 2, layout.num_kv_heads, n_blocks, bs, layout.head_dim)
+            # the new blocks, straight from the segment: kv [L, 2, H, T, D] -> pool [n, L, 2, H, bs, D]
             if missing:
-                idx = torch.tensor(missing, device=kv.device)
-                data = blocks_view.index_select(3, idx).permute(3, 0, 1, 2, 4, 5)
-                pool.write(torch.tensor([b.block_id for b in new_blocks]), data)
+                pool.write_segment([b.block_id for b in new_blocks], segment.kv, missing)
             for i, block in zip(missing, new_blocks):
                 if self.cpu is not None:
                     self.cpu.pop(hashes[i])  # now on the device: one local copy only
