@@ -415,6 +415,7 @@ def run(args) -> dict:
                   "--store-capacity-mb", str(args.capacity_mb or sizes["capacity_mb"]),
                   "--adapters", str(work / "adapters"),
                   "--no-selfcheck", "--token-file", str(work / "tokens"), "--metrics-listen", "127.0.0.1:0",
+                  "--correction", "replace",  # the witness counts a source and its projection per Delete
                   "--shm-dir", str(shm_root), "--grace-s", "5"]
     if args.adapter:
         shutil.copy(args.adapter, work / "adapters" / Path(args.adapter).name)

@@ -24,6 +24,7 @@ from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.admission import IdleWatchdog, StreamSlots
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
+from kvbridge.server.corrections import CorrectionLimits, Corrections
 from kvbridge.server.gather_buffers import GatherBuffers
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import check_message, clip_details
@@ -150,7 +151,9 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
     layers = tuple(config.detector_layers) if config.detector_layers is not None else None
     detector = SuffixDetector(DetectorConfig.strict(layers=layers) if config.detector_strict
                               else DetectorConfig(layers=layers))
-    return KVBridgeService(source, targets, store, registry, limits, detector=detector)
+    corrections = Corrections(CorrectionLimits(default=config.correction, max_running=config.max_corrections,
+                                               prior=config.correction_prior))
+    return KVBridgeService(source, targets, store, registry, limits, detector=detector, corrections=corrections)
 
 
 @dataclass

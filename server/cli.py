@@ -18,10 +18,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
         "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s", "shm_headroom_tokens",
-        "stream_keep_mb", "stream_keep_s")}
+        "stream_keep_mb", "stream_keep_s", "correction", "max_corrections")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
+    overrides["correction_prior"] = False if args.no_correction_prior else None
     if args.no_shm:
         overrides["shm_dir"] = None
     elif args.shm_dir:
@@ -67,6 +68,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--stream-idle-s", type=float, default=None,
                    help="cancel a stream that moves no message for this long (default 60)")
     p.add_argument("--max-projections", type=int, default=None, help="projections running at once (default 2)")
+    p.add_argument("--correction", default=None,
+                   help="what a projected fetch that names no mode gets: replace, recompute:R or blend:R (default "
+                        "blend:0.1: computed with the target once per entry, stored, served from the store after)")
+    p.add_argument("--max-corrections", type=int, default=None, help="corrections computed at once (default 1)")
+    p.add_argument("--no-correction-prior", action="store_true",
+                   help="corrections recompute without the target's induction prior")
     p.add_argument("--tenant-max-entries", type=int, default=None, help="entries one tenant may hold (default 100000)")
     p.add_argument("--tenant-max-pinned-mb", type=float, default=None,
                    help="pinned KV one tenant may hold (default: a quarter of --store-capacity-mb)")

@@ -91,6 +91,8 @@ class FetchedCache:
     wire_bytes: int  # bytes of chunk data received (0 through shared memory)
     num_chunks: int
     transport: str = "stream"  # how the KV came: "stream" or "shared_memory" (then segment.kv maps the file)
+    mode: str = ""  # the correction the server served ("replace", "blend:0.1", ...); "" for source KV
+    recomputed: torch.Tensor | None = None  # [R] int64: positions whose KV a correction recomputed with the target
     # [L, 2, H, T + headroom, D] whose first T slots of each row are segment.kv, until a cache takes it
     room: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
@@ -298,7 +300,8 @@ class KVBridgeClient:
                                     adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
                                     wire_bytes=wire, num_chunks=received,
                                     transport="shared_memory" if header.HasField("shared") else "stream",
-                                    room=[room])
+                                    room=[room], mode=header.mode,
+                                    recomputed=_recomputed(header.recomputed_positions, segment.positions))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
                     self._sleep(attempt)
@@ -363,11 +366,13 @@ class KVBridgeClient:
     def fetch_projected(self, text: str | None = None, key: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, dtype: str = "", require_cached: bool = False,
                         chunk_bytes: int = 0, timeout_s: float | None = None,
-                        transport: str | None = None) -> FetchedCache:
-        """The server projects the source entry (by key, or by text: ingested if missing) into target_model.
+                        transport: str | None = None, mode: str = "") -> FetchedCache:
+        """The server projects the source entry (by key, or by text: ingested if missing) into target_model, and
+        serves it corrected as `mode` says: "replace", "recompute:R", "blend:R"; "" for the server's default.
         transport: None for the client's default, else "stream", "shared_memory" or "auto"."""
         request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
-                                               dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes)
+                                               dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes,
+                                               mode=mode)
         _set_key_or_text(request, key, text)
         return self._fetch("GetProjectedCache", request, timeout_s, transport)
 
@@ -444,6 +449,14 @@ def _transport(name: str, address: str) -> str:
     return "shared_memory" if is_loopback(host) else "stream"
 
 
+def _recomputed(values, positions: torch.Tensor) -> torch.Tensor:
+    """The header's recomputed positions, checked against the segment's: [R] int64."""
+    got = int64_tensor(values)
+    if got.numel() and not bool(torch.isin(got, positions).all()):
+        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the header's recomputed positions are not the segment's")
+    return got
+
+
 def _set_input(request, text, token_ids) -> None:
     if (text is None) == (token_ids is None):
         raise ValueError("give exactly one of text and token_ids")
@@ -485,11 +498,12 @@ class ProjectedContext:
     own at position 0, so the text's tokens are fetched one position earlier and the start token is dropped.
     """
 
-    def __init__(self, client: KVBridgeClient, target, adapter: str = "", dtype: str = ""):
+    def __init__(self, client: KVBridgeClient, target, adapter: str = "", dtype: str = "", mode: str = "replace"):
         self.client = client
         self.target = target
         self.adapter = adapter
         self.dtype = dtype
+        self.mode = mode  # the server's correction; "replace" by default: the generator blends its parts itself
         self.calls = 0  # fetches made
         self.wire_bytes = 0  # bytes they moved
         self.first: FetchRecord | None = None  # the first fetch and the last one (no KV kept: a session can be long)
@@ -499,7 +513,7 @@ class ProjectedContext:
         if offset < 1:
             raise ValueError("a projected part needs the generator's start token before it (offset >= 1)")
         fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
-                                              offset=offset - 1, dtype=self.dtype)
+                                              offset=offset - 1, dtype=self.dtype, mode=self.mode)
         _check_model(fetched.segment.model, self.target.spec.identity)
         record = FetchRecord(token_ids=fetched.segment.token_ids.clone(),
                              first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,

@@ -14,14 +14,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.corrections import Corrections, recomputed_of
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
@@ -113,6 +115,8 @@ class CacheResult:
     adapter: str  # "name@version" for projected caches, "" for source caches
     text: str | None  # the text, when the server knows it
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
+    mode: str = ""  # projected: the correction served ("replace", "blend:0.1", ...); "" for source caches
+    recomputed: tuple[int, ...] = ()  # projected: positions whose KV a correction recomputed with the target
 
 
 def extend_prefix(lm: LoadedModel, prefix: KVSegment, ids: torch.Tensor) -> KVSegment:
@@ -129,8 +133,9 @@ def _max_positions(lm: LoadedModel) -> int:
 class KVBridgeService:
     def __init__(self, source: LoadedModel, targets: list[LoadedModel], store: PagedStore,
                  adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits(),
-                 detector: SuffixDetector | None = None):
+                 detector: SuffixDetector | None = None, corrections: Corrections | None = None):
         self.store = store
+        self.corrections = corrections or Corrections()  # GetProjectedCache's modes (server/corrections.py)
         self.detector = detector or SuffixDetector()  # Ingest's DETECT_SEGMENTS option
         self.limits = limits
         self.models: dict[str, ServedModel] = {}
@@ -395,12 +400,63 @@ class KVBridgeService:
 
     def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, require_cached: bool = False,
-                        out: KVOut | None = None) -> CacheResult:
-        """The source entry projected into the target's KV space, at target positions offset.. (cached in the
-        store at positions 0.. under the adapter's namespace, shifted by RoPE for other offsets). A warm fetch at
-        offset 0 gathers the stored projection straight into `out`'s buffer when it offers one."""
+                        out: KVOut | None = None, mode: str = "") -> CacheResult:
+        """The source entry projected into the target's KV space and corrected as `mode` says ('' = the server's
+        default), at target positions offset.. (cached in the store at positions 0.., shifted by RoPE for other
+        offsets). A warm fetch at offset 0 gathers the stored KV straight into `out`'s buffer when it offers one.
+        A correction is computed from the projection once, stored linked to the source entry, and read after."""
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
+        correction = self.corrections.resolve(mode)
+        if correction.kind == "replace":
+            return self._projection(tenant, key, text, target_model, adapter, offset, require_cached, out)
+        target = self.model(target_model, "target")
+        label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
+        tag = f"{label}|{correction}"  # the stored correction's namespace is "<tag>#<source key>"
+        source_key = key or self._cached_source_key(tenant, text)
+        warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
+            if source_key else None
+        if warm is None:
+            if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
+                self._projection(tenant, key, text, target_model, adapter, offset, require_cached, None)
+            base = self._projection(tenant, key, text, target_model, adapter, 0, require_cached, None)
+            warm = self._replica_correction(tenant, base, tag, target)
+        if warm is None:
+            started = time.perf_counter()
+            fixed = self.corrections.compute(target.lm, base.segment, correction)
+            log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
+                     fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
+            self._count("correction", computed=fixed.segment.num_tokens)
+            info = self.store.put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
+                                  text=base.text, source_key=base.source_key,
+                                  annotations={"exact_coverage": base.exact_coverage,
+                                               **self.corrections.annotations(correction, fixed)})
+            warm, source_key = (info, fixed.segment), base.source_key
+        else:
+            self._count("correction", reused=warm[1].num_tokens)
+        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
+        return replace(placed, mode=str(correction),
+                       recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
+
+    def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
+                            ) -> tuple[EntryInfo, KVSegment] | None:
+        """The correction another replica stored through Redis, adopted by its content key (the projection's target
+        tokens in the correction's namespace), when the store shares entries; None otherwise."""
+        if self.store.redis is None:
+            return None
+        spec = target.lm.spec
+        found = self.store.lookup(base.segment.token_ids, tenant, spec.identity, spec.dtype,
+                                  adapter=f"{tag}#{base.source_key}")
+        if found.key is None:
+            return None
+        try:
+            return self.store.info(found.key, tenant), self.store.get(found.key, tenant)
+        except NotFound:  # evicted or deleted in between: compute it here
+            return None
+
+    def _projection(self, tenant: str, key: str | None, text: str | None, target_model: str, adapter: str,
+                    offset: int, require_cached: bool, out: KVOut | None) -> CacheResult:
+        """`projected_cache` in mode replace: the projection as the adapter makes it."""
         target = self.model(target_model, "target")
         source = self.models[self.source_name]
         label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
@@ -526,7 +582,8 @@ class KVBridgeService:
             keys = target.lm.rope.shift_all(projected.keys.to(adapter.wk.device).float(), projected.positions, moved)
             projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
         return CacheResult(segment=projected, entry_key=info.key, source_key=source_key, adapter=label,
-                           text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)))
+                           text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)),
+                           mode="replace")
 
     def delete(self, tenant: str, key: str) -> int:
         """Delete an entry and the projected entries derived from it; NotFound when there is none."""

@@ -232,7 +232,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             return self.service.projected_cache(
                 tenant, key=request.key if which == "key" else None, text=request.text if which == "text" else None,
                 target_model=request.target_model, adapter=request.adapter, offset=request.offset,
-                require_cached=request.require_cached, out=out)
+                require_cached=request.require_cached, out=out, mode=request.mode)
         yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes,
                                 request.transport)
 
@@ -274,7 +274,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
                     num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                     text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
-                    exact_coverage=result.exact_coverage)
+                    exact_coverage=result.exact_coverage, mode=result.mode,
+                    recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed])
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)

@@ -74,7 +74,8 @@ def _start(source, targets, adapters_dir, store=None, **overrides):
     from kvbridge.server.config import ServeConfig
 
     fields = dict(preset="tiny", listen="127.0.0.1:0", adapters=str(adapters_dir), store_capacity_mb=64,
-                  store_device="cpu", max_message_mb=2, chunk_kb=64, selfcheck=False)
+                  store_device="cpu", max_message_mb=2, chunk_kb=64, selfcheck=False,
+                  correction="replace")  # the projection's path: test_corrections has the served modes
     fields.update(overrides)
     config = ServeConfig(**fields)
     service = build_service(config, source=source, targets=targets, store=store)
@@ -380,7 +381,7 @@ def test_server_killed_mid_stream_then_back_on_its_port(tmp_path, tiny_source, t
     adapters = tmp_path / "adapters"
     serve = ServeProcess(tmp_path / "serve", [
         "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
-        "--adapters", str(adapters), "--fit-adapter", "--no-selfcheck", "--token-file", str(tmp_path / "tokens")],
+        "--correction", "replace", "--adapters", str(adapters), "--fit-adapter", "--no-selfcheck", "--token-file", str(tmp_path / "tokens")],
         env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     metadata = (("authorization", f"Bearer {CRASH_TOKEN}"),)
     text = " ".join(_words()[:500])  # ~1300 source tokens, ~2000 target tokens: 9 MB of projected KV

@@ -50,11 +50,22 @@ def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp
             by_text = b.fetch_projected(text=TEXT, require_cached=True)  # found, not ingested again
             assert by_text.source_key == entry.key
             assert "ingest tenant=acme" not in second.logfile.read_text()
+            # a served correction the first computed: the second adopts it, runs no target over it
+            corrected_a = a.fetch_projected(key=entry.key, mode="blend:0.2")
+            assert "correction tenant=acme mode=blend:0.2" in first.logfile.read_text()
+            corrected_b = b.fetch_projected(key=entry.key, mode="blend:0.2")
+            assert corrected_b.entry_key == corrected_a.entry_key and corrected_b.mode == "blend:0.2"
+            assert torch.equal(corrected_b.recomputed, corrected_a.recomputed)
+            torch.testing.assert_close(corrected_b.segment.kv, corrected_a.segment.kv, atol=1e-6, rtol=1e-6)
+            assert "correction tenant=" not in second.logfile.read_text()
         with KVBridgeClient(second.address, token=OTHER, retries=0) as other:
             with pytest.raises(KVBridgeError) as info:
                 other.fetch_source(key=entry.key)
             assert info.value.code == grpc.StatusCode.NOT_FOUND
             assert other.lookup(TEXT).key is None
+            with pytest.raises(KVBridgeError) as info:  # nor the correction's entry
+                other.fetch_projected(key=corrected_a.entry_key)
+            assert info.value.code == grpc.StatusCode.NOT_FOUND
         assert first.stop() == 0 and second.stop() == 0
     finally:
         first.kill()

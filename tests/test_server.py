@@ -49,7 +49,8 @@ def _start(source, targets, adapters_dir, tokens=TOKENS, **overrides):
     from kvbridge.server.config import ServeConfig
 
     fields = dict(preset="tiny", listen="127.0.0.1:0", adapters=str(adapters_dir), store_capacity_mb=64,
-                  metrics_listen="127.0.0.1:0", max_message_mb=2, chunk_kb=64)
+                  metrics_listen="127.0.0.1:0", max_message_mb=2, chunk_kb=64,
+                  correction="replace")  # these tests are the projection's: test_corrections has the served modes
     fields.update(overrides)
     config = ServeConfig(**fields)
     service = build_service(config, source=source, targets=targets)

@@ -166,7 +166,7 @@ class LookupResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class GetProjectedCacheRequest(_message.Message):
-    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes", "transport")
+    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes", "transport", "mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class GetProjectedCacheRequest(_message.Message):
     REQUIRE_CACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     key: str
     text: str
     target_model: str
@@ -185,7 +186,8 @@ class GetProjectedCacheRequest(_message.Message):
     require_cached: bool
     chunk_bytes: int
     transport: Transport
-    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    mode: str
+    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class GetSourceCacheRequest(_message.Message):
     __slots__ = ("key", "text", "dtype", "require_cached", "chunk_bytes", "transport")
@@ -204,7 +206,7 @@ class GetSourceCacheRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class CacheHeader(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage", "shared")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage", "shared", "mode", "recomputed_positions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,8 @@ class CacheHeader(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     EXACT_COVERAGE_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     dtype: str
     num_layers: int
@@ -237,7 +241,9 @@ class CacheHeader(_message.Message):
     text: str
     exact_coverage: float
     shared: SharedSegment
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+    mode: str
+    recomputed_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ..., mode: _Optional[str] = ..., recomputed_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SharedSegment(_message.Message):
     __slots__ = ("name", "path", "size", "checksum", "layout", "ttl_s", "headroom_tokens")

@@ -1,0 +1,96 @@
+"""Served corrections: what GetProjectedCache's `mode` asks for, computed with the target model once per (source
+entry, adapter, mode) and stored, so every later fetch — any client, any transport — is a store hit.
+
+kvbridge places a document at the start of the target's context, so the KV that `recompute:r` or `blend:r`
+(transfer.suffix.correction) makes of a projection depends only on the document, the adapter and the mode. The
+service stores the result as an entry of the projection's source entry under the namespace
+"<adapter>|<mode>#<source key>" (a Delete of the source removes it; a Redis replica adopts it like any entry); its
+annotations keep the mode and the positions the target recomputed, which the header of every fetch carries.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.correction import Corrected, Correction, correct
+from kvbridge.transfer.suffix.induction import InductionPrior
+
+__all__ = ["CorrectionLimits", "Corrections", "recomputed_of"]
+
+RECOMPUTED = "recomputed"  # the annotation: positions the target recomputed, as "p,p,p" (short, JSON-able)
+MODE = "mode"
+
+
+@dataclass(frozen=True)
+class CorrectionLimits:
+    default: str = "replace"  # what a fetch that names no mode gets
+    max_running: int = 1  # corrections computed at once (each runs the target over the document); more wait
+    prior: bool = True  # recompute with the target's induction prior over the KV that stays projected
+
+    def __post_init__(self):
+        Correction.parse(self.default, "correction")
+        if self.max_running <= 0:
+            raise ValueError(f"max_corrections must be > 0, got {self.max_running}")
+
+
+class Corrections:
+    """The modes a service serves and the computing of corrections (bounded; the target's prior loaded once)."""
+
+    def __init__(self, limits: CorrectionLimits = CorrectionLimits()):
+        self.limits = limits
+        self.default = Correction.parse(limits.default, "correction")
+        self._running = threading.BoundedSemaphore(limits.max_running)
+        self._priors: dict[str, InductionPrior | None] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, mode: str) -> Correction:
+        """The request's mode ('' = the server's default); ValueError naming the field `mode` otherwise."""
+        if not mode:
+            return self.default
+        correction = Correction.parse(mode, "mode")
+        if correction.rule != "attention":
+            raise ValueError(f"mode {mode!r}: served blends use the attention rule")
+        return correction
+
+    def prior(self, lm: LoadedModel) -> InductionPrior | None:
+        if not self.limits.prior:
+            return None
+        with self._lock:
+            if lm.name not in self._priors:
+                self._priors[lm.name] = InductionPrior.for_model(lm)
+            return self._priors[lm.name]
+
+    def compute(self, lm: LoadedModel, projected: KVSegment, correction: Correction) -> Corrected:
+        """The correction of a projection (start token at 0, the document after it) by the target `lm`, at most
+        `max_running` at once; KV on the model's device and in the projection's dtype."""
+        prior = self.prior(lm)
+        device = next(lm.model.parameters()).device
+        with self._running, torch.no_grad():
+            fixed = correct(lm, projected.to(device=device), correction, prior=prior)
+        return Corrected(fixed.segment.to(device=projected.device, dtype=projected.dtype), fixed.still_projected,
+                         fixed.forwards)
+
+    @staticmethod
+    def annotations(correction: Correction, fixed: Corrected) -> dict:
+        recomputed = (~fixed.still_projected).nonzero()[:, 0].tolist()
+        return {MODE: str(correction), RECOMPUTED: ",".join(map(str, recomputed))}
+
+
+def recomputed_of(annotations: dict, num_tokens: int) -> list[int]:
+    """The positions an entry's annotations say the target recomputed, checked (records may come back from Redis):
+    sorted, distinct, inside [0, num_tokens); ValueError otherwise."""
+    text = annotations.get(RECOMPUTED, "")
+    if not isinstance(text, str) or len(text) > 12 * num_tokens:
+        raise ValueError("the entry's recomputed positions are not a short string")
+    try:
+        positions = [int(p) for p in text.split(",")] if text else []
+    except ValueError:
+        raise ValueError("the entry's recomputed positions are not integers") from None
+    if any(b <= a for a, b in zip(positions, positions[1:])) or (
+            positions and not (0 <= positions[0] and positions[-1] < num_tokens)):
+        raise ValueError(f"the entry's recomputed positions are not sorted, distinct and inside [0, {num_tokens})")
+    return positions
