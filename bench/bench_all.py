@@ -77,7 +77,12 @@ def ttft_rows(results: list[dict], goal: float, goal_tokens: int) -> list[Row]:
                         f"{r['warm_s']:.2f} s vs {r['full_s']:.2f} s (fetch {r['warm_fetch_s']:.2f} s of "
                         f"{r['wire_bytes'] / 1e6:.0f} MB, question prefill {r['warm_prefill_s']:.2f} s)",
                         r["ratio_warm_over_full"]))
-        rows.append(Row(f"TTFT replace/full @{n} (cold)", f"{r['ratio_cold_over_full']:.3f}", "-",
+        rows.append(Row(f"TTFT served blend:0.1/full @{n} (warm, same host)", f"{r['ratio_served_over_full']:.3f}",
+                        target, f"{r['served_s']:.2f} s vs {r['full_s']:.2f} s (the server's stored correction; by "
+                        f"stream {r['served_stream_s']:.2f} s; computed once in the first fetch, "
+                        f"{r['served_first_s']:.1f} s)", r["ratio_served_over_full"]))
+        rows.append(Row(f"TTFT replace/full @{n} (cold)", f"{r['ratio_cold_over_full']:.3f}",
+                        "<= 0.15" if n == goal_tokens else "-",
                         f"{r['cold_s']:.2f} s vs {r['full_s']:.2f} s (the server projects again)",
                         r["ratio_cold_over_full"]))
         rows.append(Row(f"TTFT blend:0.1/full @{n} (warm)", f"{r['ratio_blend_over_full']:.3f}", "-",

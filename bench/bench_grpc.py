@@ -350,7 +350,8 @@ def run(argv: list[str] | None = None) -> dict:
         text = cut_text(target.tokenizer, Path(corpus).read_text(encoding="utf-8"), num_tokens)
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-grpc-") as folder:
             config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
-                                 store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb, **keep)
+                                 store_capacity_mb=1024, chunk_kb=args.chunk_kb, max_message_mb=message_mb,
+                                 correction="replace", **keep)
             service = build_service(config, source=source, targets=[target])
             service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
             running = start_server(service, config)
@@ -381,8 +382,8 @@ def run(argv: list[str] | None = None) -> dict:
             text = cut_text(target_tokenizer(preset), Path(corpus).read_text(encoding="utf-8"), num_tokens)
             server = ServerProcess(
                 ["--preset", preset, "--adapters", str(folder / "adapters"), "--default-adapter", ADAPTER_NAME,
-                 "--no-selfcheck", "--device", "cpu", "--store-capacity-mb", "1024", "--chunk-kb",
-                 str(args.chunk_kb), "--max-message-mb", str(message_mb),
+                 "--no-selfcheck", "--device", "cpu", "--correction", "replace", "--store-capacity-mb", "1024",
+                 "--chunk-kb", str(args.chunk_kb), "--max-message-mb", str(message_mb),
                  *[arg for name, value in keep.items() for arg in (f"--{name.replace('_', '-')}", str(value))]],
                 folder, args.threads)
             try:

@@ -190,7 +190,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-suffix-") as folder:
         config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
-                             store_capacity_mb=512, store_device="cpu")
+                             store_capacity_mb=512, store_device="cpu", correction="replace")
         service = build_service(config, source=source, targets=[target])
         service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
         running = start_server(service, config)

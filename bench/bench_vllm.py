@@ -86,7 +86,7 @@ def run(argv: list[str] | None = None) -> dict:
     prompt = [start_token_id(target.tokenizer), *ids(context), *ids(QUESTION)]
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as folder:
         config = ServeConfig(preset=PRESET, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
-                             store_capacity_mb=1024, store_device="cpu")
+                             store_capacity_mb=1024, store_device="cpu", correction="replace")
         running = start_server(build_service(config, source=source, targets=[target]), config)
         try:
             with KVBridgeClient(running.address, timeout_s=600) as client:

@@ -46,7 +46,7 @@ def fit_gates(target: LoadedModel, source: ProjectedSource, count: int = 8, step
     start = torch.tensor([start_token_id(target.tokenizer)])
     data = []
     for text, cont in calibration_texts(target, count):
-        fetched, _, _ = source.fetch(text)
+        fetched = source.fetch(text)[0]
         own = kvcache.extract(target.model, target.spec, fetched.segment.token_ids)
         if not torch.equal(fetched.segment.token_ids[:1], start):
             raise RuntimeError("the projected calibration window does not begin with the target's start token")

@@ -54,7 +54,8 @@ def start_local_server(source: LoadedModel, target: LoadedModel, preset: str, ad
     from kvbridge.server.app import adapter_folder, build_service, fit_default_adapter, start_server
     from kvbridge.server.config import ServeConfig
 
-    config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, store_capacity_mb=1024)
+    config = ServeConfig(preset=preset, listen="127.0.0.1:0", selfcheck=False, store_capacity_mb=1024,
+                         correction="replace")
     service = build_service(config, source=source, targets=[target])
     if adapter is not None:
         service.adapters.add("given", adapter, make_default=True)

@@ -49,18 +49,18 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.suffix.blend import BlendConfig, blend
+from kvbridge.transfer.suffix.blend import BlendConfig
+from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
-from kvbridge.transfer.suffix.reuse import prefill_after
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
 BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last",
                "blend-random": "random"}
-NEEDS_PROJECTION = ("replace", "recompute", "fuse", *BLEND_RULES)
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
-READS_PROJECTED = ("replace", "recompute", *BLEND_RULES)  # modes whose context keeps projected KV the target reads
+READS_PROJECTED = ("replace", "recompute", "served", *BLEND_RULES)  # modes whose context keeps projected KV
 NO_PRIOR = "/noprior"
 PROBE_PRIOR = "/probe"
 PRIOR_SUFFIXES = {NO_PRIOR: "none", PROBE_PRIOR: "probe"}  # a mode's suffix -> the prior it reads with
@@ -74,11 +74,12 @@ def base_mode(name: str) -> str:
 @dataclass(frozen=True)
 class Mode:
     name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random]
+    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random] | served
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
     # which induction prior reads projected KV: "model" (the evaluator's: for_model), "none" (/noprior) or "probe"
     # (/probe: InductionPrior.probed)
     prior: str = "model"
+    correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1")
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -95,7 +96,13 @@ def parse_modes(spec: str) -> list[Mode]:
         if slash and kind not in READS_PROJECTED:
             raise ValueError(f"mode {raw + suffix!r}: {suffix} is for the modes that read projected KV "
                              f"({', '.join(READS_PROJECTED[:3])}, blend...)")
-        if kind in ("full", "none", "replace", "fuse", "fuser"):
+        if kind == "served":  # served:blend:0.1: the server's stored correction, fetched (no target pass here)
+            try:
+                correction = str(Correction.parse(arg, "mode"))
+            except ValueError as exc:
+                raise ValueError(f"mode {raw!r}: served takes a correction, e.g. served:blend:0.1 ({exc})") from None
+            mode = Mode(f"served:{correction}", kind, correction=correction)
+        elif kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
             mode = Mode(raw, kind)
@@ -109,10 +116,11 @@ def parse_modes(spec: str) -> list[Mode]:
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
-                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R; replace, recompute and "
-                             f"blend also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, served:MODE; replace, "
+                             f"recompute, blend and served also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
         if slash:
-            mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix])
+            mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix],
+                        correction=mode.correction)
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)
@@ -293,13 +301,15 @@ def fuse_gated(own: KVSegment, projected: KVSegment, gates: torch.Tensor) -> KVS
 class ModeResult:
     summary: str
     summary_ids: list[int]
-    ttft_s: float  # fetch + the target's own prefills + the instruction's forward to the first token
+    ttft_s: float  # fetch + the target's own prefills + the instruction's forward to the first token (the first
+    #                fetch of a document: the server projects it, or computes its served correction)
     prefill_tokens: int  # target tokens prefilled before the first token (context part + instruction)
     prefill_flops: int
     kv_bytes: int  # KV bytes received from the service for this request
     nll: float | None  # summed NLL of the continuation (None: no continuation)
     nll_tokens: int
     continuation_top1: list[int] | None = None  # the target's argmax at each scored continuation position
+    ttft_warm_s: float | None = None  # the same with a warm fetch (the server's store has the projected KV)
     rouge: dict[str, float] | None = None  # F1 by type, filled in by eval.report.summarise
 
 
@@ -309,7 +319,8 @@ class DocumentResult:
     reference: str
     doc_tokens: int
     modes: dict[str, ModeResult] = field(default_factory=dict)
-    fetch_s: float = 0.0
+    fetch_s: float = 0.0  # the first (cold) fetch of the projection
+    warm_fetch_s: float = 0.0  # a second fetch of it (a store hit)
     exact_coverage: float | None = None
     source_tokens: int | None = None  # tokens the source read for the projected modes (None: none projected)
 
@@ -320,12 +331,17 @@ class ProjectedSource:
     def __init__(self, client, target: LoadedModel, adapter: str = ""):
         self.client, self.target, self.adapter = client, target, adapter
 
-    def fetch(self, text: str):
-        """(the projected cache, seconds the fetch took, source tokens the server read)."""
+    def fetch(self, text: str, mode: str = "replace"):
+        """(the cache the server serves in `mode`, seconds of the first fetch (cold: the server projects, and
+        corrects), seconds of a second one (warm: a store hit), source tokens the server read)."""
         entry = self.client.ingest(text=text).entries[0]  # the source reads the document once; not in TTFT
-        t0 = time.perf_counter()
-        fetched = self.client.fetch_projected(key=entry.key, target_model=self.target.name, adapter=self.adapter)
-        return fetched, time.perf_counter() - t0, entry.num_tokens
+        seconds = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fetched = self.client.fetch_projected(key=entry.key, target_model=self.target.name,
+                                                  adapter=self.adapter, mode=mode)
+            seconds.append(time.perf_counter() - t0)
+        return fetched, seconds[0], seconds[1], entry.num_tokens
 
 
 class SummaryEvaluator:
@@ -361,7 +377,7 @@ class SummaryEvaluator:
         result = DocumentResult(doc.record.id, doc.record.summary, doc.doc_tokens)
         projected, fetch_s, wire = None, 0.0, 0
         if any(m.kind in NEEDS_PROJECTION for m in self.modes):
-            fetched, fetch_s, result.source_tokens = self.source.fetch(doc.text)
+            fetched, fetch_s, result.warm_fetch_s, result.source_tokens = self.source.fetch(doc.text)
             projected, wire = fetched.segment, fetched.wire_bytes
             if not torch.equal(projected.token_ids, doc.target_ids):
                 raise RuntimeError(f"{doc.record.id}: the service projected other target tokens than the target's "
@@ -372,8 +388,15 @@ class SummaryEvaluator:
                       else (None, 0.0))
         for mode in self.modes:
             prior = self.priors.get(mode.prior)
-            context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected, fetch_s,
-                                                                       wire, prior)
+            warm_s = None  # base seconds with a warm fetch
+            if mode.kind == "served":
+                context, base_s, warm_s, kv_bytes, still = self._served(mode, doc)
+                prefills = []  # no target pass at request time: the server corrected the KV once, before
+            else:
+                context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected,
+                                                                           fetch_s, wire, prior)
+                if mode.kind in NEEDS_PROJECTION:
+                    warm_s = base_s - fetch_s + result.warm_fetch_s
             if prior is not None and mode.kind in BLEND_RULES:  # blend's selection pass made the first m layers exact
                 prior = prior.from_layer(BlendConfig(fraction=mode.fraction, rule=BLEND_RULES[mode.kind]).exact_layers)
             reading = (prior.reading(self.target, context.token_ids, still)
@@ -388,8 +411,20 @@ class SummaryEvaluator:
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
                 ttft_s=base_s + first_s, prefill_tokens=sum(f[0] for f in prefills if len(f) == 2),
                 prefill_flops=sum(self.flops.prefill(*f) for f in prefills), kv_bytes=kv_bytes,
-                nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1)
+                nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1,
+                ttft_warm_s=(warm_s if warm_s is not None else base_s) + first_s)
         return result
+
+    def _served(self, mode: Mode, doc: PreparedDoc):
+        """(context, cold seconds, warm seconds, KV bytes, [C] still projected) of a served correction."""
+        fetched, cold_s, warm_s, _ = self.source.fetch(doc.text, mode=mode.correction)
+        if fetched.mode != mode.correction or not torch.equal(fetched.segment.token_ids, doc.target_ids):
+            raise RuntimeError(f"{doc.record.id}: the server served {fetched.mode!r} of other tokens, asked for "
+                               f"{mode.correction!r} of the document")
+        still = torch.ones(fetched.segment.num_tokens, dtype=torch.bool)
+        still[0] = False  # the start token's KV is the target's own
+        still[fetched.recomputed] = False
+        return fetched.segment, cold_s, warm_s, fetched.wire_bytes, still
 
     def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire, prior):
         """(context KV at 0..C-1, seconds spent building it, [(prefilled, past)] target forwards, KV bytes, [C] bool:
@@ -406,29 +441,19 @@ class SummaryEvaluator:
         if mode.kind == "replace":
             still[1:] = True
             return projected, fetch_s, [], wire, still
-        if mode.kind == "recompute":
-            head = projected.slice(0, d + 1 - k)
-            t0 = time.perf_counter()
-            still[1:d + 1 - k] = True
-            with (prior.reading(self.target, head.token_ids, still[:d + 1 - k]) if prior is not None
-                  else contextlib.nullcontext()):
-                tail = prefill_after(self.target, head, doc.target_ids[d + 1 - k:])
-            seg = KVSegment.concat([head, tail.to(dtype=head.dtype)])
-            return seg, fetch_s + time.perf_counter() - t0, [(k, d + 1 - k)], wire, still
         if mode.kind == "tail":
             seg, s = self._own(torch.cat((doc.target_ids[:1], doc.target_ids[d + 1 - k:])))
             return seg, s, [(k + 1, 0)], 0, None
-        if mode.kind in BLEND_RULES:
+        if mode.kind == "recompute" or mode.kind in BLEND_RULES:  # the same code as the server's corrections
             t0 = time.perf_counter()
-            config = BlendConfig(fraction=k / d, rule=BLEND_RULES[mode.kind])
-            blended = blend(self.target, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior)
-            seg = KVSegment.concat([projected.slice(0, 1), blended.segment])
-            # the selection pass (a window through every layer, or the first layer over the document), then the
-            # selected tokens through every layer; a forward through every layer counts its tokens as prefilled
+            kind = "recompute" if mode.kind == "recompute" else "blend"
+            rule = BLEND_RULES.get(mode.kind, "attention")
+            fixed = correct(self.target, projected.slice(0, d + 1), Correction(kind, k / d, rule), prior=prior)
+            # a forward through every layer counts its tokens as prefilled; a selection pass over the first
+            # layers keeps its layer count
             layers = self.target.spec.num_layers
-            forwards = [f[:2] if f[2] == layers else f for f in blended.forwards]
-            still[1:] = blended.still_projected
-            return seg, fetch_s + time.perf_counter() - t0, forwards, wire, still
+            forwards = [f[:2] if f[2] == layers else f for f in fixed.forwards]
+            return fixed.segment, fetch_s + time.perf_counter() - t0, forwards, wire, fixed.still_projected
         if mode.kind == "fuse":  # every token's KV mixes the target's own with the projected: no prior
             t0 = time.perf_counter()
             seg = fuse_gated(own, projected, self.gates)

@@ -25,7 +25,7 @@ from rouge_score import rouge_scorer
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
 ALL_MODES = ("full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,blend-sdev:0.25,"
-             "fuse")
+             "fuse,served:blend:0.1")
 TINY = EvalConfig(max_doc_tokens=96, continuation_tokens=16, max_new_tokens=10, fuse_steps=3)
 
 
@@ -38,7 +38,12 @@ def test_modes_parse_and_bad_modes_are_named():
     assert [(m.name, m.kind, m.prior) for m in plain] == [
         ("replace/noprior", "replace", "none"), ("blend:0.1/noprior", "blend", "none"), ("blend:0.1", "blend", "model"),
         ("recompute:0.1/probe", "recompute", "probe")]
-    for bad, words in (("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
+    served = parse_modes("served:blend:0.10,served:recompute:0.1/noprior")
+    assert [(m.name, m.kind, m.correction, m.prior) for m in served] == [
+        ("served:blend:0.1", "served", "blend:0.1", "model"),
+        ("served:recompute:0.1/noprior", "served", "recompute:0.1", "none")]
+    for bad, words in (("served", "served takes a correction"), ("served:blend:2", "served takes a correction"),
+                       ("full:0.1", "takes no fraction"), ("recompute", "needs a fraction"),
                        ("full/noprior", "for the modes that read projected KV"),
                        ("blend:0.1/prior", "suffixes are /noprior and /probe"),
                        ("tail:0.1/noprior", "for the modes that read projected KV"),
@@ -81,11 +86,12 @@ def test_recompute_and_blend_read_the_projected_kv_with_the_prior_while_they_rec
             return self.prior.reading(lm_, ids, still)
 
     class Noisy:  # the target's own KV, a little wrong everywhere: what a projection gives
-        def fetch(self, text):
+        def fetch(self, text, mode="replace"):
             ids = doc.target_ids
             seg = kvcache.extract(lm.model, lm.spec, ids)
             noisy = seg.kv + 0.1 * seg.kv.std() * torch.randn(seg.kv.shape, generator=torch.Generator().manual_seed(0))
-            return SimpleNamespace(segment=replace(seg, kv=noisy), wire_bytes=0, exact_coverage=None), 0.0, ids.numel()
+            fetched = SimpleNamespace(segment=replace(seg, kv=noisy), wire_bytes=0, exact_coverage=None)
+            return fetched, 0.0, 0.0, ids.numel()
 
     doc = prepare(read_records(SAMPLE)[0], lm, TINY)
     d = doc.doc_tokens
@@ -229,12 +235,14 @@ def test_full_and_identity_replace_agree_exactly(identity_run):
     cache gives the summaries of the target's own prefill, token for token, and the same NLL to float tolerance."""
     for doc in identity_run["results"]:
         full = doc.modes["full"]
-        for name in ("replace", "recompute:0.1", "recompute:0.25", "blend:0.1", "fuse"):
+        for name in ("replace", "recompute:0.1", "recompute:0.25", "blend:0.1", "fuse", "served:blend:0.1"):
             got = doc.modes[name]
             assert got.summary_ids == full.summary_ids, (doc.id, name)
             assert got.rouge == full.rouge
             assert got.nll == pytest.approx(full.nll, rel=1e-4, abs=1e-4)
         assert doc.modes["tail:0.1"].prefill_tokens < doc.modes["tail:0.25"].prefill_tokens < full.prefill_tokens
+        served = doc.modes["served:blend:0.1"]  # read from the server's store: no target pass at request time
+        assert served.prefill_tokens == doc.modes["replace"].prefill_tokens and served.ttft_warm_s > 0
     modes = identity_run["summary"]["modes"]
     for kind in ROUGE_TYPES:
         assert modes["replace"][kind] == modes["full"][kind]
@@ -328,15 +336,16 @@ def test_demo_runs_with_a_background_server(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L vs ref", "fidelity vs full", "repeated 3-grams",
-                  "recompute:0.1", "reference:",
+                  "served:blend:0.1", "TTFT cold", "TTFT warm", "reference:",
                   "server: stopped cleanly (exit 0)"):
         assert words in first.stdout, words
     assert any((tmp_path / "adapters").glob("*.safetensors"))
     second = subprocess.run(cmd + ["--no-selfcheck"], capture_output=True, text=True, env=env, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "(cached in" in second.stdout and "fitting" not in second.stdout
-    table = [line for line in second.stdout.splitlines() if line.startswith(("full ", "replace ", "none "))]
-    assert len(table) == 3
+    table = [line for line in second.stdout.splitlines()
+             if line.startswith(("full ", "replace ", "served:blend:0.1 ", "none "))]
+    assert len(table) == 4
 
 
 def test_eval_needs_an_adapter(tiny_source, tiny_target, tmp_path, monkeypatch):

@@ -41,6 +41,11 @@ def test_request_params_round_trip_and_bad_ones_are_named():
         RequestContext.from_params({"kvbridge": {"key": "a", "tokn": "b"}})
     with pytest.raises(ValueError, match="recompute_tokens"):
         request_params(text="t", recompute_tokens=-1)
+    served = RequestContext.from_params(request_params(text="t", mode="blend:0.1")["kv_transfer_params"])
+    assert served.mode == "blend:0.1" and context.mode is None  # None: the engine's default
+    for bad in ("blend", "blend:0", "fuse:0.1", "replace:0.5", 3):
+        with pytest.raises(ValueError, match="mode must be"):
+            RequestContext.from_params({"kvbridge": {"text": "t", "mode": bad}})
 
 
 def test_the_engine_config_reads_back(tmp_path):
@@ -53,6 +58,9 @@ def test_the_engine_config_reads_back(tmp_path):
     assert config.servers["default"].address == "127.0.0.1:1"
     assert config.servers["default"].token == "s3cret-token-0123456789"
     assert config.servers["b"].token == "t" and config.timeout_s == 3 and config.recompute_tokens == 32
+    assert config.mode == "" and ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:0.1"}).mode == "blend:0.1"
+    with pytest.raises(ValueError, match="kvbridge_mode must be"):
+        ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:1.5"})
     with pytest.raises(ValueError, match="at least one server"):
         ConnectorConfig.from_extra({})
     with pytest.raises(ValueError, match="host:port"):

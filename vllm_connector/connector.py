@@ -144,7 +144,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             fetched = self._client(context.server).fetch_projected(
                 key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
-                dtype=self.wire_dtype)
+                dtype=self.wire_dtype, mode=context.mode if context.mode is not None else self.config.mode)
             seg = fetched.segment
             if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
                 raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "

@@ -43,7 +43,7 @@ def vllm_available() -> str:
 def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
                        **extra: Any) -> dict[str, Any]:
     """vLLM's kv_transfer_config for the kvbridge connector; `extra` are further kvbridge_* fields without the
-    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir)."""
+    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode)."""
     config: dict[str, Any] = {f"kvbridge_{k}": v for k, v in extra.items()}
     if address:
         config["kvbridge_address"], config["kvbridge_token"] = address, token
@@ -53,10 +53,11 @@ def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, di
             "kv_connector_extra_config": config}
 
 
-def cache_salt(adapter: str = "", server: str = "default") -> str:
+def cache_salt(adapter: str = "", server: str = "default", mode: str = "") -> str:
     """A prefix-cache namespace for requests that load projected KV: with prefix caching on, vLLM hashes loaded
-    blocks like computed ones, and a salt keeps projected KV from serving a request that wanted its own."""
-    return f"kvbridge:{server}:{adapter}"
+    blocks like computed ones, and a salt keeps projected KV from serving a request that wanted its own (or another
+    correction of it: give the request's mode)."""
+    return f"kvbridge:{server}:{adapter}" + (f":{mode}" if mode else "")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class ConnectorConfig:
     retries: int = 1  # UNAVAILABLE retries: a server that is down costs about timeout-free backoff, not minutes
     recompute_tokens: int = 0  # default for requests that give none (the last token is always left to vLLM)
     staging_dir: str = "/dev/shm"  # where the scheduler leaves fetched KV for the workers (same host)
+    mode: str = ""  # the server's correction for requests that name none ("": the server's own default)
 
     def __post_init__(self):
         if not self.servers:
@@ -54,6 +55,8 @@ class ConnectorConfig:
             raise ValueError(f"kvbridge_timeout_s must be > 0, got {self.timeout_s}")
         if self.retries < 0 or self.recompute_tokens < 0:
             raise ValueError("kvbridge_retries and kvbridge_recompute_tokens must be >= 0")
+        if self.mode:
+            _check_mode(self.mode, "kvbridge_mode")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -61,7 +64,7 @@ class ConnectorConfig:
         kvbridge_address + kvbridge_token (or kvbridge_token_file): the "default" server;
         kvbridge_servers: {name: {"address": ..., "token": ...}} for more (or instead);
         kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
-        kvbridge_staging_dir."""
+        kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R)."""
         servers = {name: ServerRef(s["address"], s.get("token", "")) for name, s in
                    (extra.get("kvbridge_servers") or {}).items()}
         if extra.get("kvbridge_address"):
@@ -73,7 +76,8 @@ class ConnectorConfig:
                    timeout_s=float(extra.get("kvbridge_timeout_s", cls.timeout_s)),
                    retries=int(extra.get("kvbridge_retries", cls.retries)),
                    recompute_tokens=int(extra.get("kvbridge_recompute_tokens", cls.recompute_tokens)),
-                   staging_dir=extra.get("kvbridge_staging_dir", cls.staging_dir))
+                   staging_dir=extra.get("kvbridge_staging_dir", cls.staging_dir),
+                   mode=extra.get("kvbridge_mode", cls.mode))
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class RequestContext:
     adapter: str = ""
     server: str = "default"
     recompute_tokens: int | None = None  # None: the engine's default
+    mode: str | None = None  # the server's correction (replace, recompute:R, blend:R); None: the engine's default
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> RequestContext | None:
@@ -94,7 +99,7 @@ class RequestContext:
         p = kv_transfer_params[PARAMS_KEY]
         if not isinstance(p, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict, got {type(p).__name__}")
-        unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens"}
+        unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens", "mode"}
         if unknown:
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] has unknown fields {sorted(unknown)}")
         key, text = p.get("key"), p.get("text")
@@ -103,12 +108,26 @@ class RequestContext:
         recompute = p.get("recompute_tokens")
         if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
             raise ValueError(f"recompute_tokens must be an int >= 0, got {recompute!r}")
+        mode = p.get("mode")
+        if mode is not None:
+            _check_mode(mode, "mode")
         return cls(key=key, text=text, adapter=p.get("adapter", ""), server=p.get("server", "default"),
-                   recompute_tokens=recompute)
+                   recompute_tokens=recompute, mode=mode)
+
+
+def _check_mode(mode: Any, field_name: str) -> None:
+    """A correction name as the server takes it ('replace', 'recompute:R', 'blend:R'); ValueError otherwise."""
+    kind, sep, value = mode.partition(":") if isinstance(mode, str) else ("", "", "")
+    try:
+        ok = (kind == "replace" and not sep) or (kind in ("recompute", "blend") and 0 < float(value) <= 1)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{field_name} must be 'replace', 'recompute:R' or 'blend:R' with R in (0, 1], got {mode!r}")
 
 
 def request_params(key: str | None = None, text: str | None = None, adapter: str = "", server: str = "default",
-                   recompute_tokens: int | None = None) -> dict[str, Any]:
+                   recompute_tokens: int | None = None, mode: str | None = None) -> dict[str, Any]:
     """SamplingParams extra_args that ask the connector for a context: {"kv_transfer_params": {"kvbridge": ...}}."""
     p: dict[str, Any] = {"key": key} if key is not None else {"text": text}
     if adapter:
@@ -117,6 +136,8 @@ def request_params(key: str | None = None, text: str | None = None, adapter: str
         p["server"] = server
     if recompute_tokens is not None:
         p["recompute_tokens"] = recompute_tokens
+    if mode is not None:
+        p["mode"] = mode
     RequestContext.from_params({PARAMS_KEY: p})  # the same checks the connector makes
     return {"kv_transfer_params": {PARAMS_KEY: p}}
 

@@ -25,7 +25,7 @@ with KVBridgeClient(running.address, timeout_s=600) as client:
         if doc is None:
             print(i, "short"); continue
         t0 = time.time()
-        fetched, _, _ = ps.fetch(doc.text)
+        fetched = ps.fetch(doc.text)[0]
         seg = fetched.segment
         assert torch.equal(seg.token_ids, doc.target_ids)
         own = kvcache.extract(target.model, target.spec, doc.target_ids)
