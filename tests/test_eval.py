@@ -344,8 +344,8 @@ def test_demo_runs_with_a_background_server(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "(cached in" in second.stdout and "fitting" not in second.stdout
     table = [line for line in second.stdout.splitlines()
-             if line.startswith(("full ", "replace ", "served:blend:0.1 ", "none "))]
-    assert len(table) == 4
+             if line.startswith(("full ", "replace ", "served:blend:0.1 ", "served:recompute:0.1 ", "none "))]
+    assert len(table) == 5
 
 
 def test_eval_needs_an_adapter(tiny_source, tiny_target, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ bookkeeping right. Invariants (checked by `check`):
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,14 +55,28 @@ class PoolLayout:
         return n * torch.empty(0, dtype=self.torch_dtype).element_size()
 
 
+def _os_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages the OS zero-fills on first touch: an anonymous mmap, not a memset."""
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class BlockPool:
     def __init__(self, layout: PoolLayout, num_blocks: int, device: torch.device):
         if num_blocks < 1:
             raise ValueError(f"a pool needs at least one block; {layout.key} got {num_blocks}")
         self.layout = layout
         self.device = device
-        # kv: [num_blocks, L, 2, H_kv, block_size, D]
-        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        # kv: [num_blocks, L, 2, H_kv, block_size, D]. Zeros either way: on the CPU a fresh allocation of this size
+        # is mapped from the OS, whose pages read as zeros and are faulted in as blocks are first written (zeros()
+        # would touch the whole pool when it is made: 256 MB, ~3.5 s on a 2-core VM, inside the first request of a
+        # model); on CUDA the caching allocator may hand back used memory, so it is cleared.
+        shape = (num_blocks, *layout.block_shape)
+        self.kv = (torch.zeros(shape, dtype=layout.torch_dtype, device=device) if torch.device(device).type != "cpu"
+                   else _os_zeroed(shape, layout.torch_dtype))
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[BlockHash, Block] = {}
