@@ -38,12 +38,12 @@ def one_line(tokenizer, ids: list[int], stop: set[int]) -> list[int]:
 
 def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_tokens: int = 512,
                   max_new_tokens: int = EvalConfig.max_new_tokens, adapters: str | None = None,
-                  selfcheck: bool = True, dtype: str = "bfloat16") -> int:
+                  selfcheck: bool = True, dtype: str | None = None) -> int:
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.transfer.data import data_path
     from kvbridge.transfer.models import kvbridge_home, prepare_gguf
     from kvbridge.transfer.presets import load_pair
-    from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config, vllm_available
+    from kvbridge.vllm.engine import EngineOptions, EngineProcess, engine_dtype, kv_transfer_config, vllm_available
 
     missing = vllm_available()
     if missing:
@@ -84,6 +84,7 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
             _say(f"server: listening on {server.address}")
             with KVBridgeClient(server.address, timeout_s=600) as client:
                 client.ingest(text=doc.text)  # the source reads the document once
+            dtype = dtype or engine_dtype()  # bfloat16 where the CPU multiplies it natively, else float32
             options = EngineOptions(model=str(prepare_gguf(target.name)), dtype=dtype,
                                     max_model_len=len(context) + len(instruction) + max_new_tokens + 64,
                                     block_size=BLOCK_SIZE,
