@@ -31,8 +31,9 @@ import torch
 from kvbridge.adapters.io import load_adapter
 from kvbridge.adapters.train import TrainConfig, train_adapter
 from kvbridge.server.app import build_service, start_server
-from kvbridge.server.client import KVBridgeClient, ProjectedContext
+from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
+from kvbridge.server.projected_context import ProjectedContext
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.models import LoadedModel

@@ -7,6 +7,7 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "kvbridge.server.service": ["KVBridgeService", "ServiceLimits"],
     "kvbridge.server.config": ["ServeConfig"],
     "kvbridge.server.app": ["build_service", "start_server", "serve"],
-    "kvbridge.server.client": ["KVBridgeClient", "ProjectedContext", "KVBridgeError"],
+    "kvbridge.server.client": ["KVBridgeClient", "KVBridgeError"],
+    "kvbridge.server.projected_context": ["ProjectedContext"],
     "kvbridge.server.errors": ["FailedPrecondition"],
 })

@@ -6,7 +6,8 @@ adapter's device. Every method takes the caller's tenant, and every store call i
 namespace. Errors: ValueError (bad input, the sentence names the field), NotFound, CapacityError,
 FailedPrecondition; a failed call leaves the store as it was.
 
-(One class of ~450 lines: every RPC's library side, sharing the tenant and error rules stated here.)
+The projected fetch's side (projection, reuse, served corrections, placement) is `server/projecting.py`, a part of
+this class kept in a file of its own.
 """
 
 from __future__ import annotations
@@ -14,20 +15,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
-from kvbridge.adapters.adapter import Adapter, project
-from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.adapter_registry import AdapterRegistry
-from kvbridge.server.corrections import Corrections, recomputed_of
-from kvbridge.server.errors import FailedPrecondition
+from kvbridge.server.corrections import Corrections
+from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import Alignment, align_tokens, tokenize
+from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
@@ -36,7 +33,8 @@ from kvbridge.transfer.suffix.detector import SuffixDetector
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVBridgeService", "ServiceLimits", "CacheResult", "IngestResult", "SourceUpload"]
+# CacheResult and KVOut are re-exported from server/projecting.py
+__all__ = ["KVBridgeService", "ServiceLimits", "CacheResult", "KVOut", "IngestResult", "SourceUpload"]
 
 
 
@@ -57,14 +55,6 @@ class ServiceLimits:
         if self.chunk_bytes > self.max_chunk_bytes:
             raise ValueError(f"ServiceLimits.chunk_bytes {self.chunk_bytes} exceeds max_chunk_bytes "
                              f"{self.max_chunk_bytes}")
-
-
-@dataclass
-class ServedModel:
-    lm: LoadedModel
-    roles: set[str]  # {"source"}, {"target"} or both
-    max_positions: int  # the model's max_position_embeddings
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one forward at a time per model
 
 
 @dataclass(frozen=True)
@@ -92,33 +82,6 @@ class SourceUpload:
     pin: bool = False
 
 
-class KVOut(Protocol):
-    """Where a fetch may write its KV straight away (a same-host shared-memory segment) instead of a new tensor."""
-
-    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """The KV named by tag (the store entry and its serial) when the destination holds it already from an earlier
-        fetch (in the fetch's dtype; `dtype` is the KV's own): nothing to read from the store; None: fill tensor()."""
-
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill, contiguous or the first T slots of each
-        row of a larger one; None: make a tensor as usual."""
-
-    def written(self, start: int, end: int) -> None:
-        """Layers [start, end) of the buffer are final (they are written in order)."""
-
-
-@dataclass(frozen=True)
-class CacheResult:
-    segment: KVSegment  # what goes on the wire (rotated at its positions)
-    entry_key: str  # the entry it came from (projected entry for a projected cache)
-    source_key: str  # the source entry
-    adapter: str  # "name@version" for projected caches, "" for source caches
-    text: str | None  # the text, when the server knows it
-    exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
-    mode: str = ""  # projected: the correction served ("replace", "blend:0.1", ...); "" for source caches
-    recomputed: tuple[int, ...] = ()  # projected: positions whose KV a correction recomputed with the target
-
-
 def extend_prefix(lm: LoadedModel, prefix: KVSegment, ids: torch.Tensor) -> KVSegment:
     """Source KV of ids ([T]) computed over the cached KV of its first P tokens (prefix: [L, 2, H, P, D] at 0..P-1):
     the model runs on ids[P:] only, writing after the prefix in place (kvcache.extract's `prefix=`)."""
@@ -130,7 +93,7 @@ def _max_positions(lm: LoadedModel) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
 
 
-class KVBridgeService:
+class KVBridgeService(Projecting):
     def __init__(self, source: LoadedModel, targets: list[LoadedModel], store: PagedStore,
                  adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits(),
                  detector: SuffixDetector | None = None, corrections: Corrections | None = None):
@@ -369,221 +332,6 @@ class KVBridgeService:
         key, segment, known, _ = self._source_entry(tenant, key, text, require_cached)
         return CacheResult(segment=segment, entry_key=key, source_key=key, adapter="", text=known,
                            exact_coverage=1.0)
-
-    def _paired(self, source: LoadedModel, target: LoadedModel, segment: KVSegment, text: str | None) -> PairedText:
-        if text is None:
-            # Fetched by key and the text is not remembered: recover it from the ids, if they round-trip.
-            text = source.tokenizer.decode(segment.token_ids.tolist(), skip_special_tokens=True)
-            again = tokenize(source.tokenizer, text, add_special_tokens=True).ids
-            if not torch.equal(again, segment.token_ids):
-                raise FailedPrecondition(
-                    "this entry's source token ids do not come back from their decoded text, so its target tokens "
-                    "cannot be aligned; fetch it by text instead")
-        paired = pair_text(text, source.tokenizer, target.tokenizer)
-        if not torch.equal(paired.source_ids, segment.token_ids):
-            raise FailedPrecondition("the entry's source token ids are not the source tokenization of its text "
-                                     "(uploaded with other ids?); fetch it by text, or upload the tokenizer's ids")
-        return paired
-
-    def _paired_segment(self, source: LoadedModel, target: LoadedModel, segment: KVSegment, text: str | None
-                        ) -> PairedText:
-        """A segment entry (a piece of a text, at its positions there) as both models cut its text: no start token,
-        the target's tokens aligned to the segment's source tokens."""
-        if text is None:
-            raise FailedPrecondition("this segment's text is not known to the server any more: ingest the text again")
-        src = tokenize(source.tokenizer, text, add_special_tokens=False)
-        if not torch.equal(src.ids, segment.token_ids):
-            raise FailedPrecondition("the segment's tokens are not the source tokenization of its text")
-        tgt = tokenize(target.tokenizer, text, add_special_tokens=False)
-        return PairedText(text=text, source_ids=src.ids, target_ids=tgt.ids, alignment=align_tokens(src, tgt),
-                          target_offsets=tgt.offsets)
-
-    def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
-                        adapter: str = "", offset: int = 0, require_cached: bool = False,
-                        out: KVOut | None = None, mode: str = "") -> CacheResult:
-        """The source entry projected into the target's KV space and corrected as `mode` says ('' = the server's
-        default), at target positions offset.. (cached in the store at positions 0.., shifted by RoPE for other
-        offsets). A warm fetch at offset 0 gathers the stored KV straight into `out`'s buffer when it offers one.
-        A correction is computed from the projection once, stored linked to the source entry, and read after."""
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
-        correction = self.corrections.resolve(mode)
-        if correction.kind == "replace":
-            return self._projection(tenant, key, text, target_model, adapter, offset, require_cached, out)
-        target = self.model(target_model, "target")
-        label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
-        tag = f"{label}|{correction}"  # the stored correction's namespace is "<tag>#<source key>"
-        source_key = key or self._cached_source_key(tenant, text)
-        warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
-            if source_key else None
-        if warm is None:
-            if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
-                self._projection(tenant, key, text, target_model, adapter, offset, require_cached, None)
-            base = self._projection(tenant, key, text, target_model, adapter, 0, require_cached, None)
-            warm = self._replica_correction(tenant, base, tag, target)
-        if warm is None:
-            started = time.perf_counter()
-            fixed = self.corrections.compute(target.lm, base.segment, correction)
-            log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
-                     fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
-            self._count("correction", computed=fixed.segment.num_tokens)
-            info = self.store.put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
-                                  text=base.text, source_key=base.source_key,
-                                  annotations={"exact_coverage": base.exact_coverage,
-                                               **self.corrections.annotations(correction, fixed)})
-            warm, source_key = (info, fixed.segment), base.source_key
-        else:
-            self._count("correction", reused=warm[1].num_tokens)
-        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
-        return replace(placed, mode=str(correction),
-                       recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
-
-    def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
-                            ) -> tuple[EntryInfo, KVSegment] | None:
-        """The correction another replica stored through Redis, adopted by its content key (the projection's target
-        tokens in the correction's namespace), when the store shares entries; None otherwise."""
-        if self.store.redis is None:
-            return None
-        spec = target.lm.spec
-        found = self.store.lookup(base.segment.token_ids, tenant, spec.identity, spec.dtype,
-                                  adapter=f"{tag}#{base.source_key}")
-        if found.key is None:
-            return None
-        try:
-            return self.store.info(found.key, tenant), self.store.get(found.key, tenant)
-        except NotFound:  # evicted or deleted in between: compute it here
-            return None
-
-    def _projection(self, tenant: str, key: str | None, text: str | None, target_model: str, adapter: str,
-                    offset: int, require_cached: bool, out: KVOut | None) -> CacheResult:
-        """`projected_cache` in mode replace: the projection as the adapter makes it."""
-        target = self.model(target_model, "target")
-        source = self.models[self.source_name]
-        label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
-        source_key = key or self._cached_source_key(tenant, text)
-        warm = self._cached_projection(tenant, source_key, label, target, None if offset else out) \
-            if source_key else None
-        if warm is not None:  # a projection made before: no source read, no alignment, no projection
-            info, projected = warm
-            self._count("projection", reused=projected.num_tokens)
-            return self._placed(target, chosen, info, projected, source_key, label, offset)
-        source_key, segment, known, created = self._source_entry(tenant, key, text, require_cached)
-        try:
-            if segment.model != source.lm.spec.identity:
-                raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
-                                         f"from the source model {source.lm.name!r}")
-            tspec = target.lm.spec
-            if self.store.info(source_key, tenant).kind == "prefix":
-                paired = self._paired(source.lm, target.lm, segment, known)
-            else:  # a piece of a text, at its positions there
-                paired = self._paired_segment(source.lm, target.lm, segment, known)
-            t_t = paired.target_ids.numel()
-            if offset + t_t > target.max_positions:
-                raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
-                                 f"{target.max_positions} positions")
-            namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
-            with self._projecting:
-                projected, reused = self._project_reusing(tenant, source_key, segment, paired, label, chosen, source,
-                                                          target)
-            self._count("projection", reused=reused, computed=t_t - reused)
-            # linked to its source entry (a Delete of that removes it too); a no-op when already there
-            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
-                                  source_key=source_key,
-                                  annotations={"exact_coverage": paired.alignment.exact_coverage})
-            return self._placed(target, chosen, info, projected, source_key, label, offset)
-        except Exception:
-            if created is not None:  # undo this call's ingest, unless another request stored or projected it since
-                self.store.delete(source_key, tenant, if_generation=created.generation)
-            raise
-
-    def _project_reusing(self, tenant: str, source_key: str, segment: KVSegment, paired: PairedText, label: str,
-                         chosen: Adapter, source: ServedModel, target: ServedModel) -> tuple[KVSegment, int]:
-        """The projection of a source entry at target positions 0.., reusing the projected KV of target tokens that
-        a stored projection of an entry sharing its source prefix already holds: (projection, target tokens
-        reused). A target token's projected KV depends only on the KV of the source token it is aligned to, so it
-        is reused where both texts have the same target token, aligned to the same source token, inside the
-        shared source prefix (the tokens at the boundary, which either tokenizer may cut differently, fail this)."""
-        dtype = getattr(torch, target.lm.spec.dtype)
-        t_t = paired.target_ids.numel()
-        reuse, old = 0, None
-        for other_key, shared in self.store.sharing_prefix(source_key, tenant):
-            warm = self._cached_projection(tenant, other_key, label, target)
-            if warm is None or warm[0].text is None:
-                continue
-            old_paired = pair_text(warm[0].text, source.lm.tokenizer, target.lm.tokenizer)
-            n = min(t_t, old_paired.target_ids.numel(), warm[1].num_tokens)
-            a, b = paired.alignment, old_paired.alignment
-            same = ((paired.target_ids[:n] == old_paired.target_ids[:n]) & (a.source_index[:n] == b.source_index[:n])
-                    & (a.kind[:n] == b.kind[:n]) & (a.target_special[:n] == b.target_special[:n])
-                    & (a.source_index[:n] < shared))
-            reuse, old = int(same.to(torch.int64).cumprod(0).sum()), warm[1]
-            if reuse:
-                break
-        if reuse == t_t:
-            return old.slice(0, t_t), reuse
-        # project target tokens reuse.. from the source tokens they use (the ones before are not unrotated)
-        rest = paired.alignment
-        index = rest.source_index[reuse:]
-        first = int(index[index >= 0].min()) if bool((index >= 0).any()) else 0
-        tail = Alignment(source_index=torch.where(index >= 0, index - first, index), kind=rest.kind[reuse:],
-                         target_special=rest.target_special[reuse:], num_source_tokens=segment.num_tokens - first)
-        fresh = project(chosen, segment.slice(first, segment.num_tokens), tail, paired.target_ids[reuse:],
-                        source.lm.rope, target.lm.rope, offset=reuse, dtype=dtype)
-        if not reuse:
-            return fresh, 0
-        kv = torch.cat((old.kv[:, :, :, :reuse].to(fresh.kv.device), fresh.kv), dim=3)  # [L, 2, H, T_t, D]
-        return KVSegment(kv=kv, token_ids=paired.target_ids, positions=torch.arange(t_t, dtype=torch.int64),
-                         model=fresh.model, rotated=True), reuse
-
-    def _cached_source_key(self, tenant: str, text: str | None) -> str | None:
-        """The source entry of this text: the prefix entry of its tokenization, else a segment entry of it."""
-        if text is None:
-            return None
-        served = self.model("", "source")
-        spec = served.lm.spec
-        ids = self._source_ids(served, text, None)
-        key = self.store.lookup(ids, tenant, spec.identity, spec.dtype).key
-        if key is None:
-            alone = tokenize(served.lm.tokenizer, text, add_special_tokens=False).ids
-            if alone.numel():
-                key = self.store.lookup(alone, tenant, spec.identity, spec.dtype, kind="segment").key
-        return key
-
-    def _cached_projection(self, tenant: str, source_key: str, label: str, target: ServedModel,
-                           out: KVOut | None = None) -> tuple[EntryInfo, KVSegment] | None:
-        """The projection of this source entry through this adapter into this target, when the store has it
-        (gathered into out's buffer when it offers one)."""
-        namespace, spec = f"{label}#{source_key}", target.lm.spec
-        for info in self.store.derived(source_key, tenant):
-            if info.adapter == namespace and info.model == spec.identity.key:
-                shape = (spec.num_layers, 2, spec.num_kv_heads, info.num_tokens, spec.head_dim)
-                dtype = getattr(torch, spec.dtype)
-                held = out is not None and self.store.device.type == "cpu"
-                try:
-                    kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
-                    if kept is not None:  # the destination has this entry's KV from an earlier fetch
-                        return info, self.store.touch(info.key, tenant, kept, info.serial)
-                    buffer = out.tensor(shape, dtype) if held else None
-                    return info, self.store.get(info.key, tenant, out=buffer,
-                                                written=out.written if buffer is not None else None)
-                except NotFound:  # evicted or expired in between: project again
-                    return None
-        return None
-
-    def _placed(self, target: ServedModel, adapter: Adapter, info: EntryInfo, projected: KVSegment,
-                source_key: str, label: str, offset: int) -> CacheResult:
-        """The projection at positions offset.. (keys shifted by the target's RoPE when offset > 0)."""
-        t_t = projected.num_tokens
-        if offset + t_t > target.max_positions:
-            raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {target.lm.name!r}'s "
-                             f"{target.max_positions} positions")
-        if offset:
-            moved = torch.arange(offset, offset + t_t)
-            keys = target.lm.rope.shift_all(projected.keys.to(adapter.wk.device).float(), projected.positions, moved)
-            projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
-        return CacheResult(segment=projected, entry_key=info.key, source_key=source_key, adapter=label,
-                           text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)),
-                           mode="replace")
 
     def delete(self, tenant: str, key: str) -> int:
         """Delete an entry and the projected entries derived from it; NotFound when there is none."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kvbridge.adapters.adapter import project
 from kvbridge.adapters.pairs import pair_text
+from kvbridge.server import projecting as projecting_module
 from kvbridge.server import service as service_module
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.service import KVBridgeService, ServiceLimits, extend_prefix
@@ -72,13 +73,13 @@ def test_a_projection_of_an_extended_text_projects_only_the_new_target_tokens(tm
     service = _service(tiny_source, tiny_target, tmp_path, adapter)
     service.projected_cache("t", text=BASE)
     projected_tokens = []
-    real = service_module.project
+    real = projecting_module.project
 
     def counting(adapter_, segment, alignment, target_ids, *args, **kwargs):
         projected_tokens.append(target_ids.numel())
         return real(adapter_, segment, alignment, target_ids, *args, **kwargs)
 
-    monkeypatch.setattr(service_module, "project", counting)
+    monkeypatch.setattr(projecting_module, "project", counting)
     before = dict(service.token_counts)
     result = service.projected_cache("t", text=BASE + MORE)
     paired = pair_text(BASE + MORE, tiny_source.tokenizer, tiny_target.tokenizer)

@@ -117,7 +117,8 @@ def test_ingest_fetch_over_grpc_generate_and_recompute(pair, served, long_text):
 
 
 def test_suffix_reuse_with_a_projected_document(pair, served, long_text):
-    from kvbridge.server.client import KVBridgeClient, ProjectedContext
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.server.projected_context import ProjectedContext
     from kvbridge.transfer.store import PagedStore, StoreConfig
     from kvbridge.transfer.suffix.cache_manager import SuffixCacheManager
     from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator

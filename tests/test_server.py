@@ -563,7 +563,7 @@ def test_tls_with_a_self_signed_pair(tmp_path, tiny_source, tiny_target, adapter
 
 
 def test_the_generator_takes_projected_context_through_the_service(identity_server, tiny_target):
-    from kvbridge.server.client import ProjectedContext
+    from kvbridge.server.projected_context import ProjectedContext
     from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
 
     doc = _text(9)

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from kvbridge.server import service as service_module
+from kvbridge.server import projecting as projecting_module
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.transfer.segment import KVSegment
@@ -39,7 +39,7 @@ def _service(tiny_source, tiny_target, folder, adapter, **store_config):
 def _during_projection(monkeypatch, action, fail: bool):
     """Run action() inside the service's projection step (where a concurrent request can interleave), then fail
     the projection or let it finish."""
-    real = service_module.project
+    real = projecting_module.project
 
     def project(*args, **kwargs):
         action()
@@ -47,7 +47,7 @@ def _during_projection(monkeypatch, action, fail: bool):
             raise RuntimeError("the projection failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "project", project)
+    monkeypatch.setattr(projecting_module, "project", project)
 
 
 def test_a_failed_by_text_projection_keeps_a_source_another_request_ingested(tmp_path, monkeypatch, tiny_source,
@@ -163,7 +163,7 @@ def test_projections_wait_for_the_semaphore(tmp_path, monkeypatch, tiny_source, 
     service._projecting = threading.BoundedSemaphore(1)
     inside, peak, lock = [0], [0], threading.Lock()
     release = threading.Event()
-    real = service_module.project
+    real = projecting_module.project
 
     def project(*args, **kwargs):
         with lock:
@@ -174,7 +174,7 @@ def test_projections_wait_for_the_semaphore(tmp_path, monkeypatch, tiny_source, 
             inside[0] -= 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "project", project)
+    monkeypatch.setattr(projecting_module, "project", project)
     texts = [f"{TEXT} Part {i}." for i in range(3)]
     for t in texts:
         service.ingest("t", text=t)

@@ -1,0 +1,57 @@
+"""A context source for the suffix-reuse generator (kvbridge.transfer.suffix.generator.SuffixReuseGenerator) over
+the gRPC client: the server projects a text's source KV into the target's space at the request's position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvbridge.server.client import KVBridgeClient, _check_model
+from kvbridge.transfer.segment import KVSegment
+
+__all__ = ["FetchRecord", "ProjectedContext"]
+
+
+@dataclass(frozen=True)
+class FetchRecord:
+    """What one projected fetch moved, without its KV (a session keeps these, never the tensors)."""
+
+    token_ids: torch.Tensor  # [T] int64: the target tokens projected, the start token first
+    first_position: int  # target position of the first of them
+    wire_bytes: int
+    num_chunks: int
+
+
+class ProjectedContext:
+    """A context source for kvbridge.transfer.suffix.generator.SuffixReuseGenerator over the gRPC client: the server
+    projects a text's source KV into `target`'s space at the request's position.
+
+    The server's projection starts with the target's start token (the adapter's convention); the generator has its
+    own at position 0, so the text's tokens are fetched one position earlier and the start token is dropped.
+    """
+
+    def __init__(self, client: KVBridgeClient, target, adapter: str = "", dtype: str = "", mode: str = "replace"):
+        self.client = client
+        self.target = target
+        self.adapter = adapter
+        self.dtype = dtype
+        self.mode = mode  # the server's correction; "replace" by default: the generator blends its parts itself
+        self.calls = 0  # fetches made
+        self.wire_bytes = 0  # bytes they moved
+        self.first: FetchRecord | None = None  # the first fetch and the last one (no KV kept: a session can be long)
+        self.last: FetchRecord | None = None
+
+    def projected_segment(self, text: str, offset: int) -> KVSegment:
+        if offset < 1:
+            raise ValueError("a projected part needs the generator's start token before it (offset >= 1)")
+        fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
+                                              offset=offset - 1, dtype=self.dtype, mode=self.mode)
+        _check_model(fetched.segment.model, self.target.spec.identity)
+        record = FetchRecord(token_ids=fetched.segment.token_ids.clone(),
+                             first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
+                             num_chunks=fetched.num_chunks)
+        self.calls += 1
+        self.wire_bytes += fetched.wire_bytes
+        self.first = self.first or record
+        self.last = record
+        return fetched.segment.slice(1, fetched.segment.num_tokens)
