@@ -17,10 +17,10 @@ TABLE_HEADER = "| measurement | ratio | goal | detail |"
 # bench_all --quick's table: one row per ratio (TTFT at its quick context lengths, 256 and 512 tokens)
 ALL_QUICK_ROWS = (
     "TTFT replace/full @256 (warm, same host)", "TTFT replace/full @256 (warm, stream)",
-    "TTFT replace/full @256 (cold)", "TTFT blend:0.1/full @256 (warm)",
+    "TTFT served blend:0.1/full @256 (warm, same host)", "TTFT replace/full @256 (cold)", "TTFT blend:0.1/full @256 (warm)",
     "TTFT blend:0.1 with/without induction prior @256",
     "TTFT replace/full @512 (warm, same host)", "TTFT replace/full @512 (warm, stream)",
-    "TTFT replace/full @512 (cold)", "TTFT blend:0.1/full @512 (warm)",
+    "TTFT served blend:0.1/full @512 (warm, same host)", "TTFT replace/full @512 (cold)", "TTFT blend:0.1/full @512 (warm)",
     "TTFT blend:0.1 with/without induction prior @512",
     "projection/prefill speed @", "store get/copy source @2048",
     "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
