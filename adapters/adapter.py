@@ -273,7 +273,7 @@ TILE_BYTES = 32 << 20  # a CPU tile's working set: inside a last-level cache, so
 
 def cpu_tile_tokens(adapter: Adapter, segment: KVSegment) -> int:
     """Target tokens per tile on the CPU: every step of a projection is per token, and walking a long context in
-    tiles whose float32 intermediates (gathered source KV, mixed inputs, mapped outputs) fit in ~16 MB keeps them in
+    tiles whose float32 intermediates (gathered source KV, mixed inputs, mapped outputs) fit in TILE_BYTES keeps them in
     cache (a 2-core AVX2 VM moves ~4 GB/s to and from DRAM: one untiled pass over 2,048 tokens' mapped keys costs
     as much as their GEMM)."""
     d_s = segment.num_kv_heads * segment.head_dim
@@ -318,8 +318,7 @@ def _project_tile(adapter: Adapter, segment: KVSegment, alignment: Alignment, ta
     if out is None:  # autograd (adapter refinement): no writes into a result
         return torch.stack((target_rope.rotate_all(yk, positions[t0:t1]), yv), dim=1)
     keys_out = out[:, 0, :, t0:t1]
-    if keys_out.dtype in (torch.float32, torch.float64) and keys_out.dtype == (
-            torch.float64 if yk.dtype == torch.float64 else torch.float32):
+    if keys_out.dtype == (torch.float64 if yk.dtype == torch.float64 else torch.float32):  # rotate's work dtype
         target_rope.rotate_all(yk, positions[t0:t1], out=keys_out)  # no copy of the rotated keys
     else:
         keys_out.copy_(target_rope.rotate_all(yk, positions[t0:t1]))

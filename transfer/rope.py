@@ -227,15 +227,12 @@ class ModelRope:
         if torch.is_grad_enabled() and keys.requires_grad:  # autograd (adapter training): no writes into a result
             if out is not None:
                 raise ValueError("out= is not differentiable: call without it when keys require grad")
-            pieces = {0: keys}  # start layer -> the layers from it, each run transformed, the rest as they are
+            layers_out = list(keys.unbind(0))  # each run transformed, layers without RoPE as they are
             for rope, layers, runs in self._groups:
                 tables = [self._tables(rope, layers[0], p) for p in position_sets]
                 for run in runs:
-                    pieces[run.start] = fn(keys[run], tables, None)
-                    pieces.setdefault(run.stop, keys)
-            starts = sorted(pieces)
-            return torch.cat([pieces[a][: b - a] if pieces[a] is not keys else keys[a:b]
-                              for a, b in zip(starts, [*starts[1:], self.spec.num_layers]) if b > a])
+                    layers_out[run] = fn(keys[run], tables, None).unbind(0)
+            return torch.stack(layers_out)
         work = _compute_dtype(keys)
         result = out if out is not None else torch.empty(keys.shape, dtype=work, device=keys.device)
         if sum(len(g[1]) for g in self._groups) < self.spec.num_layers:

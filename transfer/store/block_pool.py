@@ -10,7 +10,7 @@ bookkeeping right. Invariants (checked by `check`):
 from __future__ import annotations
 
 import math
-
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,8 +57,6 @@ class PoolLayout:
 
 def _os_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS zero-fills on first touch: an anonymous mmap, not a memset."""
-    import mmap
-
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -170,7 +168,8 @@ class BlockPool:
         t = kv.shape[3]
         full = t // bs
         l, _, h, _, d = kv.shape
-        blocks = kv[:, :, :, :full * bs].reshape(l, 2, h, full, bs, d).permute(3, 0, 1, 2, 4, 5)  # [full, L, 2, H, bs, D]
+        # [full, L, 2, H, bs, D]: a view of the whole blocks
+        blocks = kv[:, :, :, :full * bs].reshape(l, 2, h, full, bs, d).permute(3, 0, 1, 2, 4, 5)
         pairs = [(b, i) for b, i in zip(block_ids, which) if i < full]
         if pairs:
             ids = torch.tensor([b for b, _ in pairs])
