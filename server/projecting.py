@@ -119,6 +119,7 @@ class Projecting:
             if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
                 self._projection(tenant, key, text, target_model, adapter, offset, require_cached, None)
             base = self._projection(tenant, key, text, target_model, adapter, 0, require_cached, None)
+            source_key = base.source_key  # known now even for a text ingested by this call
             warm = self._replica_correction(tenant, base, tag, target)
         if warm is None:
             started = time.perf_counter()
@@ -130,7 +131,7 @@ class Projecting:
                                   text=base.text, source_key=base.source_key,
                                   annotations={"exact_coverage": base.exact_coverage,
                                                **self.corrections.annotations(correction, fixed)})
-            warm, source_key = (info, fixed.segment), base.source_key
+            warm = info, fixed.segment
         else:
             self._count("correction", reused=warm[1].num_tokens)
         placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
