@@ -99,15 +99,17 @@ def bootstrap_recovery(none: list[float], full: list[float], mode: list[float], 
                        ) -> tuple[float, float, float]:
     """Recovery (NLL_none − NLL_mode) / (NLL_none − NLL_full) over summed NLLs, with a document bootstrap."""
     n, f, m = (np.asarray(v, dtype=np.float64) for v in (none, full, mode))
-
-    def ratio(idx):
-        gap = n[idx].sum(-1) - f[idx].sum(-1)
-        return (n[idx].sum(-1) - m[idx].sum(-1)) / np.where(gap == 0, np.nan, gap)
-
     rng = np.random.default_rng(seed)
-    boot = ratio(rng.integers(0, len(n), size=(samples, len(n))))
-    value = float(ratio(np.arange(len(n))[None])[0])
+    boot = recovery_ratio(n, f, m, rng.integers(0, len(n), size=(samples, len(n))))
+    value = float(recovery_ratio(n, f, m, np.arange(len(n))[None])[0])
     return value, float(np.nanpercentile(boot, 2.5)), float(np.nanpercentile(boot, 97.5))
+
+
+def recovery_ratio(none: np.ndarray, full: np.ndarray, mode: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """(NLL_none − NLL_mode) / (NLL_none − NLL_full) over the summed NLLs of each row of document indices idx
+    ([R, N] -> [R]; NaN where the gap is 0)."""
+    gap = none[idx].sum(-1) - full[idx].sum(-1)
+    return (none[idx].sum(-1) - mode[idx].sum(-1)) / np.where(gap == 0, np.nan, gap)
 
 
 def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter, docs: list[EvalDocument],

@@ -33,10 +33,26 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-induction-prior", action="store_true",
                    help="read projected KV as it is in every mode (default: with the target's induction prior, "
                         "but in modes named with /noprior; /probe: the probe's prior)")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="the target's engine: transformers in this process (default), or a vLLM engine that gets "
+                        "projected KV through the kvbridge connector, as vLLM deployments do (modes full, none, "
+                        "tail:R, replace, recompute:R, served:C; needs the vLLM venv: KVBRIDGE_VLLM=1 ./setup.sh)")
+    p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"),
+                   help="--engine vllm: the engine's dtype (default: bfloat16 where the CPU has it natively, else "
+                        "float32)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_rouge)
+
+    p = esub.add_parser("compare", help="paired differences between two eval rouge runs on their shared documents")
+    p.add_argument("a", metavar="RUN_A", help="a results.json, or the --out folder of an eval rouge run")
+    p.add_argument("b", metavar="RUN_B")
+    p.add_argument("--pairs", required=True, metavar="MODE_A=MODE_B,...",
+                   help="modes compared (a mode without '=' is compared with itself)")
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval_compare)
 
     p = sub.add_parser("demo", help="the README's main job: a server, a projected document, summaries side by side")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -60,11 +76,19 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
     options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
                          fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
                          out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, engine=args.engine, vllm_dtype=args.vllm_dtype or "")
     result = evaluate(options, config=config)
     print(result["paths"]["markdown"].read_text())
     for name, path in result["paths"].items():
         print(f"{name}: {path}")
+    return 0
+
+
+def cmd_eval_compare(args: argparse.Namespace) -> int:
+    from kvbridge.eval.compare import compare, markdown, parse_pairs, read_run
+
+    a, b = read_run(args.a), read_run(args.b)
+    print(markdown(compare(a, b, parse_pairs(args.pairs), args.bootstrap, args.seed), a, b))
     return 0
 
 

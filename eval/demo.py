@@ -4,9 +4,10 @@ Fit an adapter if none is cached (progress bars), start `kvbridge serve` in the 
 port, ingest one document of the shipped sample (the source model reads it once), fetch its projected cache over
 gRPC, and print side by side what the target does with its own prefill, with the projected cache (replace), with
 the server's stored corrections of it (served blend:0.1 and recompute:0.1: the target recomputes 10% of the
-document over the projection once, on the server; every later fetch reads it from the store) and with no document: the summaries,
-ROUGE-L against the reference and fidelity to `full`'s summary, TTFT cold (the first fetch of the document: the
-server projects, and corrects) and warm (a user's next question: a store hit), prefill FLOPs and KV bytes. The server is stopped with SIGTERM (it drains) and must exit cleanly.
+document over the projection once, on the server; every later fetch reads it from the store) and with no document:
+the summaries, ROUGE-L against the reference and fidelity to `full`'s summary, TTFT cold (the first fetch of the
+document: the server projects, and corrects) and warm (a user's next question: a store hit), prefill FLOPs and KV
+bytes. The server is stopped with SIGTERM (it drains) and must exit cleanly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbridge.eval.report import repeated_ngram_share, rouge, top1_agreement
+from kvbridge.eval.report import greedy_agreement, repeated_ngram_share, rouge, top1_agreement
 from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, parse_modes, prepare, read_records
 
 # served: the server's stored corrections (server/corrections.py): blend:0.1 is the server's default (the best
@@ -94,17 +95,19 @@ def _ensure_adapter(source, target, folder: Path) -> str:
 
 
 def _format_table(doc, result, reference: str) -> str:
-    rows = [("mode", "TTFT cold", "TTFT warm", "target prefill", "FLOPs saved", "KV bytes in", "ROUGE-L vs ref", "fidelity vs full",
-             "top-1 = full", "repeated 3-grams")]
+    rows = [("mode", "TTFT cold", "TTFT warm", "target prefill", "FLOPs saved", "KV bytes in", "ROUGE-L vs ref",
+             "fidelity vs full", "top-1 = full", "greedy = full", "repeated 3-grams")]
     full = result.modes.get("full")
     for name, m in result.modes.items():
         saved = f"{1 - m.prefill_flops / full.prefill_flops:.0%}" if full else "-"
         kv = f"{m.kv_bytes / 1e6:.1f} MB" if m.kv_bytes else "0"
         fidelity = f"{rouge(full.summary, m.summary)['rougeL']:.3f}" if full else "-"
         agree = top1_agreement(m.continuation_top1, full.continuation_top1) if full else None
+        greedy = greedy_agreement(m.summary_ids, full.summary_ids) if full else None
         rows.append((name, f"{m.ttft_s:.2f} s", f"{m.ttft_warm_s:.2f} s", f"{m.prefill_tokens} tok", saved, kv,
                      f"{rouge(reference, m.summary)['rougeL']:.3f}", fidelity,
-                     f"{agree:.0%}" if agree is not None else "-", f"{repeated_ngram_share(m.summary_ids):.0%}"))
+                     f"{agree:.0%}" if agree is not None else "-", f"{greedy:.0%}" if greedy is not None else "-",
+                     f"{repeated_ngram_share(m.summary_ids):.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -156,16 +159,18 @@ def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: i
         _say("")
         _say(_format_table(doc, result, record.summary))
         _say("")
-        _say(f"reference: {record.summary}")
+        width = max(len("reference"), *map(len, result.modes))
+        _say(f"{'reference':>{width}}: {record.summary}")
         for name, m in result.modes.items():
-            _say(f"{name:>14}: {m.summary}")
+            _say(f"{name:>{width}}: {m.summary}")
         _say("")
         _say(f"projected cache: {doc.doc_tokens + 1} target tokens, {result.modes['replace'].kv_bytes / 1e6:.1f} MB "
              f"over gRPC in {result.fetch_s:.2f} s cold, {result.warm_fetch_s:.2f} s warm (exact token coverage "
              f"{result.exact_coverage:.2f}); the server held {stats.tenant_entries} entries, {stats.tenant_tokens} "
              "tokens")
         _say("TTFT cold: the document's first request (the server projects it; served: and corrects it once). "
-             "TTFT warm: the next request on it (the server's store has it). Fidelity: ROUGE-L against full's answer.")
+             "TTFT warm: the next request on it (the server's store has it). Fidelity: ROUGE-L against full's answer; "
+             "greedy = full: the share of full's answer tokens the mode has in place.")
         if code != 0:
             _say(f"server: exited with {code}; its log:\n{server.tail()}")
             return 1

@@ -5,9 +5,11 @@ the shipped sample ingested once by the source. Then a vLLM engine (the vLLM ven
 with the kvbridge connector and answers every mode's request, `[start] + document + instruction`, greedy, one line:
   full           vLLM prefills the whole prompt itself
   replace        the connector loads the document's projected KV (whole vLLM blocks); vLLM prefills the rest
+  served:blend:0.1  the server's stored correction (blend:0.1, computed once by the server over the projection)
   recompute:0.1  the same, leaving the document's last 10% (rounded up to whole blocks) to vLLM's own prefill
   none           start + instruction only: no document
-TTFT is a one-token request made after the summary's (so the server's projection is cached by then: warm).
+TTFT cold is a one-token request made first (the server projects the document, or computes the served correction);
+TTFT warm one made after the summary (the server's store has the KV: a user's next question).
 """
 
 from __future__ import annotations
@@ -21,19 +23,11 @@ from kvbridge.eval.demo import DEMO_DOC, SAMPLE, BackgroundServer, _ensure_adapt
 from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.report import repeated_ngram_share, rouge
 from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records, stop_ids
+from kvbridge.eval.vllm_eval import one_line
 
 BLOCK_SIZE = 32  # vLLM's block size here (CPU: multiples of 32); small, so little of the document is left over
 RECOMPUTE = 0.1
-
-
-def one_line(tokenizer, ids: list[int], stop: set[int]) -> list[int]:
-    """The answer as eval.summaries.greedy cuts it: up to a stop token, or a line break once some text came."""
-    out: list[int] = []
-    for token in ids:
-        if token in stop or ("\n" in tokenizer.decode([token]) and tokenizer.decode(out).strip()):
-            break
-        out.append(token)
-    return out
+SERVED = "blend:0.1"  # the server's default correction
 
 
 def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_tokens: int = 512,
@@ -69,9 +63,11 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
     flops = FlopModel.from_config(target.model.config)
     recompute_tokens = math.ceil(RECOMPUTE * doc.doc_tokens)
     requests = {"full": (context + instruction, None),
-                "replace": (context + instruction, {"text": doc.text}),
+                "replace": (context + instruction, {"text": doc.text, "mode": "replace"}),
+                f"served:{SERVED}": (context + instruction, {"text": doc.text, "mode": SERVED}),
                 f"recompute:{RECOMPUTE:g}": (context + instruction,
-                                             {"text": doc.text, "recompute_tokens": recompute_tokens}),
+                                             {"text": doc.text, "mode": "replace",
+                                              "recompute_tokens": recompute_tokens}),
                 "none": (context[:1] + instruction, None)}
     args = ["--preset", preset, "--adapters", str(folder), "--store-capacity-mb", "512"]
     if not selfcheck:
@@ -93,23 +89,24 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
             _say(f"vLLM: starting an engine for {target.name} in {dtype} with the kvbridge connector")
             with EngineProcess(options, Path(tmp) / "engine.log") as engine:
                 _say(f"vLLM: ready after {time.perf_counter() - t0:.0f} s; document: {doc.doc_tokens} target "
-                     "tokens; four requests")
+                     f"tokens; {len(requests)} modes, three requests each")
                 for name, (prompt, kvbridge) in requests.items():
+                    cold = engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
                     out = engine.generate(prompt, max_tokens=max_new_tokens, kvbridge=kvbridge)
-                    first = engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
-                    results[name] = (prompt, out, first)
+                    warm = engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
+                    results[name] = (prompt, out, cold, warm)
         finally:
             code = server.stop()
-    rows = [("mode", "TTFT", "KV loaded", "vLLM prefill", "FLOPs saved", "ROUGE-L vs ref", "fidelity vs full",
-             "repeated 3-grams")]
+    rows = [("mode", "TTFT cold", "TTFT warm", "KV loaded", "vLLM prefill", "FLOPs saved", "ROUGE-L vs ref",
+             "fidelity vs full", "repeated 3-grams")]
     summaries = {}
     full_flops = flops.prefill(len(results["full"][0]))
-    for name, (prompt, out, first) in results.items():
+    for name, (prompt, out, cold, warm) in results.items():
         ids = one_line(target.tokenizer, out["token_ids"], stop)
         summaries[name] = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
         loaded = out["loaded_tokens"]
         prefilled = len(prompt) - loaded
-        rows.append((name, f"{first['seconds']:.2f} s", f"{loaded} tok", f"{prefilled} tok",
+        rows.append((name, f"{cold['seconds']:.2f} s", f"{warm['seconds']:.2f} s", f"{loaded} tok", f"{prefilled} tok",
                      f"{1 - flops.prefill(prefilled, loaded) / full_flops:.0%}",
                      f"{rouge(record.summary, summaries[name])['rougeL']:.3f}",
                      f"{rouge(summaries['full'], summaries[name])['rougeL']:.3f}", f"{repeated_ngram_share(ids):.0%}"))
@@ -121,9 +118,10 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
     _say("")
     _say("\n".join(lines))
     _say("")
-    _say(f"reference: {record.summary}")
+    width = max(len("reference"), *map(len, summaries))
+    _say(f"{'reference':>{width}}: {record.summary}")
     for name, summary in summaries.items():
-        _say(f"{name:>14}: {summary}")
+        _say(f"{name:>{width}}: {summary}")
     _say("")
     if code != 0:
         _say(f"server: exited with {code}; its log:\n{server.tail()}")

@@ -57,6 +57,18 @@ def top1_agreement(mode: list[int] | None, full: list[int] | None) -> float | No
     return sum(a == b for a, b in zip(mode, full)) / len(full)
 
 
+GREEDY_TOKENS = 24  # greedy agreement compares the first 24 answer tokens (EvalConfig.max_new_tokens' default)
+
+
+def greedy_agreement(mode: list[int], full: list[int], tokens: int = GREEDY_TOKENS) -> float | None:
+    """Share of full's first `tokens` greedy answer tokens that the mode's answer has at the same place (a shorter
+    answer misses the rest); None when full's answer is empty."""
+    reference = full[:tokens]
+    if not reference:
+        return None
+    return sum(a == b for a, b in zip(mode, reference)) / len(reference)
+
+
 def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0, cost: PairCost | None = None
               ) -> dict:
     """Per-mode figures (means with 95% intervals); ROUGE scores are added to every ModeResult row first. `cost`:
@@ -89,6 +101,12 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
         ttft = statistics.median(m.ttft_s for m in rows[name])
         entry["ttft_median_s"] = ttft
         entry["ttft_vs_full"] = ttft / full_ttft if full_ttft else None
+        warm = [m.ttft_warm_s if m.ttft_warm_s is not None else m.ttft_s for m in rows[name]]
+        entry["ttft_warm_median_s"] = statistics.median(warm)  # a second request: the server's store has the KV
+        entry["ttft_warm_vs_full"] = entry["ttft_warm_median_s"] / full_ttft if full_ttft else None
+        loaded = [m.loaded_tokens for m in rows[name] if m.loaded_tokens is not None]
+        if loaded:  # --engine vllm: prompt tokens the connector loaded (whole blocks)
+            entry["loaded_tokens_mean"] = statistics.mean(loaded)
         entry["kv_bytes_mean"] = statistics.mean(m.kv_bytes for m in rows[name])
         entry["repeated_3gram_share"] = _mean_ci([repeated_ngram_share(m.summary_ids) for m in rows[name]],
                                                  samples, seed)
@@ -98,6 +116,9 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
             agree = [top1_agreement(m.continuation_top1, f.continuation_top1) for f, m in zip(rows["full"], rows[name])]
             agree = [a for a in agree if a is not None]
             entry["top1_agreement"] = _mean_ci(agree, samples, seed) if agree else None
+            greedy = [greedy_agreement(m.summary_ids, f.summary_ids) for f, m in zip(rows["full"], rows[name])]
+            greedy = [g for g in greedy if g is not None]
+            entry["greedy_agreement"] = _mean_ci(greedy, samples, seed) if greedy else None
         if cost is not None and full_flops:
             entry["system_flops"] = {}
             for uses in REUSES:
@@ -134,24 +155,32 @@ def _ci(x: dict | None, key: str = "mean", digits: int = 3) -> str:
     return f"{x[key]:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
 
 
+def _warm(e: dict) -> str:
+    if e.get("ttft_warm_median_s") is None:
+        return "–"
+    ratio = f" ({e['ttft_warm_vs_full']:.2f}×)" if e.get("ttft_warm_vs_full") is not None else ""
+    return f"{e['ttft_warm_median_s']:.3f} s{ratio}"
+
+
 def markdown_table(summary: dict) -> str:
     """Two tables: quality (against the references and against full's own output), then cost."""
     lines = ["| mode | ROUGE-L vs reference | NLL recovery | fidelity ROUGE-L vs full | top-1 agreement with full "
-             "| repeated 3-grams |", "|---|---|---|---|---|---|"]
+             "| greedy agreement with full | repeated 3-grams |", "|---|---|---|---|---|---|---|"]
     for name, e in summary["modes"].items():
         lines.append(f"| {name} | {_ci(e['rougeL'])} | {_ci(e.get('nll_recovery'), 'value')} | "
                      f"{_ci(e.get('fidelity_rougeL'))} | {_ci(e.get('top1_agreement'))} | "
-                     f"{_ci(e.get('repeated_3gram_share'))} |")
+                     f"{_ci(e.get('greedy_agreement'))} | {_ci(e.get('repeated_3gram_share'))} |")
     reuse = [f"system FLOPs × full (N={n})" for n in REUSES]
     lines += ["", "| mode | ROUGE-1 | ROUGE-2 | prefill FLOPs saved | " + " | ".join(reuse) +
-              " | TTFT median (× full) | KV bytes moved |", "|---|---|---|---|" + "---|" * len(reuse) + "---|---|"]
+              " | TTFT median, cold (× full) | warm (× full) | KV bytes moved |",
+              "|---|---|---|---|" + "---|" * len(reuse) + "---|---|---|"]
     for name, e in summary["modes"].items():
         saved = f"{e['flops_saved_vs_full']:.1%}" if e["flops_saved_vs_full"] is not None else "–"
         system = [f"{e['system_flops'][str(n)]['vs_full']:.3f}" if e.get("system_flops") else "–" for n in REUSES]
         ratio = f" ({e['ttft_vs_full']:.2f}×)" if e["ttft_vs_full"] is not None else ""
         kv = f"{e['kv_bytes_mean'] / 1e6:.2f} MB" if e["kv_bytes_mean"] else "0"
         lines.append(f"| {name} | {_ci(e['rouge1'])} | {_ci(e['rouge2'])} | {saved} | " + " | ".join(system) +
-                     f" | {e['ttft_median_s']:.3f} s{ratio} | {kv} |")
+                     f" | {e['ttft_median_s']:.3f} s{ratio} | {_warm(e)} | {kv} |")
     ceiling = summary.get("flop_ceiling")
     if ceiling:
         lines += ["", f"FLOP ceiling of this pair and adapter at {ceiling['tokens']} tokens: the target's own prefill "
@@ -219,8 +248,12 @@ def write_report(out: Path, summary: dict, results: list[DocumentResult], meta: 
     paths = {"json": out / "results.json", "markdown": out / "table.md", "plot": out / "quality_vs_recompute.png"}
     paths["json"].write_text(json.dumps({"meta": meta, "summary": summary, "documents": rows}, indent=1))
     table = markdown_table(summary)
+    engine = meta.get("engine", "transformers")
+    engine = f"vLLM ({meta.get('dtype')}, through the kvbridge connector; no induction prior)" if engine == "vllm" \
+        else "transformers, in process"
     head = (f"{summary['documents']} documents ({meta.get('data', '')}), {meta.get('source', '')} -> "
-            f"{meta.get('target', '')}, adapter {meta.get('adapter', '')}. Means with bootstrap 95% intervals.")
+            f"{meta.get('target', '')}, adapter {meta.get('adapter', '')}, target engine {engine}. Means with "
+            "bootstrap 95% intervals.")
     paths["markdown"].write_text(head + "\n\n" + table + "\n")
     plot(summary, paths["plot"], head)
     return paths

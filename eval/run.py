@@ -44,6 +44,12 @@ class RunOptions:
     seed: int = 0
     bootstrap: int = 1000
     progress: bool = True
+    engine: str = "transformers"  # the target's engine: transformers in this process, or vllm (eval.vllm_eval)
+    vllm_dtype: str = ""  # --engine vllm: the engine's dtype ("": bfloat16 where the CPU has it natively, else float32)
+
+    def __post_init__(self):
+        if self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"engine must be transformers or vllm, got {self.engine!r}")
 
 
 def start_local_server(source: LoadedModel, target: LoadedModel, preset: str, adapter_file: str | None,
@@ -79,13 +85,21 @@ def _prior_meta(prior) -> dict | None:
 
 
 def evaluate(options: RunOptions, source: LoadedModel | None = None, target: LoadedModel | None = None,
-             adapter=None, config: EvalConfig | None = None) -> dict:
+             adapter=None, config: EvalConfig | None = None, engine=None) -> dict:
     """Run the evaluation and write the report; returns {"summary", "paths", "meta", "results"}. Models and an
-    Adapter object may be passed in (tests: the tiny pair, or the identity adapter of a model to itself)."""
+    Adapter object may be passed in (tests: the tiny pair, or the identity adapter of a model to itself), and for
+    --engine vllm a running EngineProcess whose "default" server is `options.server` (tests share one engine)."""
     from kvbridge.server.client import KVBridgeClient
 
     config = config or EvalConfig()
     modes: list[Mode] = parse_modes(options.modes)
+    if options.engine == "vllm":
+        from kvbridge.eval.vllm_eval import check_vllm_modes
+        from kvbridge.vllm.engine import vllm_available
+
+        check_vllm_modes(modes)
+        if vllm_available():
+            raise RuntimeError(f"--engine vllm: {vllm_available()}")
     records = read_records(options.data, options.exclude)
     if options.limit is not None:
         if options.limit < 1:
@@ -107,28 +121,23 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         address = options.server  # the server's adapter is not known here: no system cost
     try:
         with KVBridgeClient(address, token=options.token, timeout_s=600) as client:
-            projected = ProjectedSource(client, target)
-            gates, gate_report = None, None
-            if any(m.kind == "fuse" for m in modes):
-                from kvbridge.eval.gates import fit_gates
-
-                gates, gate_report = fit_gates(target, projected, steps=config.fuse_steps, progress=options.progress)
-            fuser = None
-            if any(m.kind == "fuser" for m in modes):
-                if source is None or not options.fuser:
-                    raise ValueError("the fuser mode needs --fuser FILE and the source model here (not --server)")
-                from kvbridge.adapters.fuser import Fuser
-
-                fuser = Fuser.load(options.fuser, source, target)
-            evaluator = SummaryEvaluator(target, modes, config, projected, gates, fuser)
             docs = [d for d in (prepare(r, target, config) for r in records) if d is not None]
             skipped = len(records) - len(docs)
             if len(docs) < 1:
                 raise ValueError(f"none of the {len(records)} documents has {config.min_doc_tokens} target tokens "
                                  f"of context plus {config.continuation_tokens} held out")
             t0 = time.perf_counter()
-            results = [evaluator.run(doc) for doc in tqdm(docs, desc=f"{len(modes)} modes per document",
-                                                           disable=not options.progress)]
+            if options.engine == "vllm":
+                from kvbridge.eval.vllm_eval import run_vllm
+
+                out = Path(options.out)
+                out.mkdir(parents=True, exist_ok=True)
+                results, engine_meta = run_vllm(target, address, modes, config, docs, client,
+                                                out.resolve() / "engine.log", options.vllm_dtype,
+                                                options.token or "", options.progress, engine)
+                engine_meta["induction_prior"] = None  # vLLM reads loaded KV as it is
+            else:
+                results, engine_meta = _run_in_process(options, config, modes, docs, client, target, source)
             elapsed = time.perf_counter() - t0
             adapters = client.list_adapters()
             adapter_label = next((f"{a.name}@{a.version}" for a in adapters if a.is_default), "") if adapters else ""
@@ -139,10 +148,34 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
     meta = {"data": str(options.data), "exclude": options.exclude, "preset": options.preset,
             "source": source.name if source is not None else "(server)", "target": target.name,
             "adapter": adapter_label, "modes": [m.name for m in modes], "config": asdict(config),
-            "skipped_short": skipped, "seconds": round(elapsed, 1), "gates": gate_report,
-            "gate_values": gates.tolist() if gates is not None else None, "seed": options.seed,
-            "torch_threads": torch.get_num_threads(),
-            "induction_prior": _prior_meta(evaluator.prior),  # what the modes without a suffix read with
-            "induction_prior_probe": _prior_meta(evaluator.priors.get("probe"))}  # what /probe modes read with
+            "skipped_short": skipped, "seconds": round(elapsed, 1), **engine_meta,
+            "seed": options.seed, "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     paths = write_report(Path(options.out), summary, results, meta)
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}
+
+
+def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source
+                    ) -> tuple[list, dict]:
+    """The in-process harness (eval.summaries) over `docs`, fitting fuse's gates and loading the fuser first when
+    the modes ask for them; (results, meta: the gates and the priors the modes read with)."""
+    projected = ProjectedSource(client, target)
+    gates, gate_report = None, None
+    if any(m.kind == "fuse" for m in modes):
+        from kvbridge.eval.gates import fit_gates
+
+        gates, gate_report = fit_gates(target, projected, steps=config.fuse_steps, progress=options.progress)
+    fuser = None
+    if any(m.kind == "fuser" for m in modes):
+        if source is None or not options.fuser:
+            raise ValueError("the fuser mode needs --fuser FILE and the source model here (not --server)")
+        from kvbridge.adapters.fuser import Fuser
+
+        fuser = Fuser.load(options.fuser, source, target)
+    evaluator = SummaryEvaluator(target, modes, config, projected, gates, fuser)
+    results = [evaluator.run(doc) for doc in tqdm(docs, desc=f"{len(modes)} modes per document",
+                                                   disable=not options.progress)]
+    return results, {"engine": "transformers", "gates": gate_report,
+                     "gate_values": gates.tolist() if gates is not None else None,
+                     "induction_prior": _prior_meta(evaluator.prior),  # what the modes without a suffix read with
+                     "induction_prior_probe": _prior_meta(evaluator.priors.get("probe"))}  # what /probe modes read

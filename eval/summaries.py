@@ -310,6 +310,7 @@ class ModeResult:
     nll_tokens: int
     continuation_top1: list[int] | None = None  # the target's argmax at each scored continuation position
     ttft_warm_s: float | None = None  # the same with a warm fetch (the server's store has the projected KV)
+    loaded_tokens: int | None = None  # --engine vllm: prompt tokens the connector loaded into vLLM (whole blocks)
     rouge: dict[str, float] | None = None  # F1 by type, filled in by eval.report.summarise
 
 

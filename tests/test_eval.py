@@ -15,7 +15,14 @@ import pytest
 import torch
 from kvbridge.eval.cost import PairCost
 from kvbridge.eval.flops import FlopModel
-from kvbridge.eval.report import ROUGE_TYPES, bootstrap_mean, repeated_ngram_share, rouge, top1_agreement
+from kvbridge.eval.report import (
+    ROUGE_TYPES,
+    bootstrap_mean,
+    greedy_agreement,
+    repeated_ngram_share,
+    rouge,
+    top1_agreement,
+)
 from kvbridge.eval.run import RunOptions, evaluate
 from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, parse_modes, prepare, read_records
 from kvbridge.transfer import kvcache
@@ -52,6 +59,17 @@ def test_modes_parse_and_bad_modes_are_named():
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
+
+
+@pytest.mark.parametrize("modes, words", [("full,blend:0.1", "'blend:0.1' does not run with --engine vllm"),
+                                          ("full,fuse", "'fuse' does not run with --engine vllm"),
+                                          ("replace/probe", "only /noprior")])
+def test_engine_vllm_refuses_the_modes_it_cannot_run_before_it_starts(modes, words, tmp_path):
+    """Named at once, before records are read, a server or an engine starts (the data file does not even exist)."""
+    with pytest.raises(ValueError, match=words):
+        evaluate(RunOptions(data=str(tmp_path / "missing.jsonl"), modes=modes, engine="vllm"))
+    with pytest.raises(ValueError, match="engine must be transformers or vllm"):
+        RunOptions(data="x", engine="sglang")
 
 
 def test_each_mode_reads_with_the_prior_its_suffix_names(tiny_target):
@@ -141,6 +159,9 @@ def test_repetition_and_agreement_are_counted():
     assert repeated_ngram_share([1, 2, 3, 4]) == repeated_ngram_share([1, 2]) == 0.0
     assert top1_agreement([1, 2, 3, 4], [1, 0, 3, 0]) == 0.5
     assert top1_agreement(None, [1]) is None and top1_agreement([1, 2], [1]) is None
+    assert greedy_agreement([1, 2, 9], [1, 2, 3, 4]) == 0.5  # the missing 4th token counts as different
+    assert greedy_agreement([5] * 30, [5] * 30) == 1.0 and greedy_agreement([1], []) is None
+    assert greedy_agreement(list(range(30)), list(range(24)) + [0] * 6) == 1.0  # the first 24 only
 
 
 def test_system_cost_amortises_the_source_and_the_projection(tiny_source, tiny_target, tiny_adapter_file):
@@ -187,10 +208,10 @@ def test_eval_writes_the_table_json_and_plot(identity_run, tiny_target):
     quality, cost = [t.splitlines() for t in table[1:3]]
     assert [c.strip() for c in quality[0].strip("|").split("|")] == [
         "mode", "ROUGE-L vs reference", "NLL recovery", "fidelity ROUGE-L vs full", "top-1 agreement with full",
-        "repeated 3-grams"]
+        "greedy agreement with full", "repeated 3-grams"]
     assert [c.strip() for c in cost[0].strip("|").split("|")] == [
         "mode", "ROUGE-1", "ROUGE-2", "prefill FLOPs saved", "system FLOPs × full (N=1)",
-        "system FLOPs × full (N=10)", "TTFT median (× full)", "KV bytes moved"]
+        "system FLOPs × full (N=10)", "TTFT median, cold (× full)", "warm (× full)", "KV bytes moved"]
     rows = [line.split("|")[1].strip() for line in quality[2:]]
     assert rows == [m.name for m in parse_modes(ALL_MODES)] == [line.split("|")[1].strip() for line in cost[2:]]
     assert "FLOP ceiling of this pair and adapter" in table[3]
@@ -249,6 +270,7 @@ def test_full_and_identity_replace_agree_exactly(identity_run):
     assert modes["replace"]["nll_recovery"]["value"] == pytest.approx(1, abs=1e-3)
     for name in ("full", "replace", "recompute:0.1", "fuse"):  # measured against full's own output
         assert modes[name]["fidelity_rougeL"]["mean"] == modes[name]["top1_agreement"]["mean"] == 1, name
+        assert modes[name]["greedy_agreement"]["mean"] == 1, name
         assert modes[name]["repeated_3gram_share"] == modes["full"]["repeated_3gram_share"]
 
 
@@ -266,6 +288,23 @@ def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
         f = again["summary"]["modes"][name]
         assert [e[k] for k in ROUGE_TYPES] == [f[k] for k in ROUGE_TYPES]
         assert e.get("nll_recovery") == f.get("nll_recovery")
+    # eval compare: the two runs, paired, differ by nothing; a mode against another gives each run's own figures
+    from kvbridge.eval.compare import compare, parse_pairs, read_run
+
+    assert parse_pairs("replace,blend:0.1=replace/noprior") == [("replace", "replace"),
+                                                               ("blend:0.1", "replace/noprior")]
+    a, b = read_run(identity_run["paths"]["json"]), read_run(tmp_path)
+    paired = compare(a, b, parse_pairs("replace,none=full"), samples=100)["pairs"]
+    same = paired["replace vs replace"]
+    assert same["recovery_diff"] == {"value": 0.0, "low": 0.0, "high": 0.0} and same["worse_on"] == 0
+    assert same["recovery_a"]["value"] == pytest.approx(identity_run["summary"]["modes"]["replace"]["nll_recovery"]
+                                                        ["value"])
+    apart = paired["none vs full"]
+    assert apart["recovery_diff"]["value"] == pytest.approx(-1)
+    assert apart["worse_on"] == sum(d.modes["none"].nll > d.modes["full"].nll for d in identity_run["results"])
+    assert apart["top1_b"]["value"] == 1 and apart["fidelity_diff"]["value"] < 0
+    with pytest.raises(ValueError, match="mode 'fuse:9' is not in the run"):
+        compare(a, b, [("fuse:9", "full")], samples=10)
 
 
 def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys):
@@ -335,7 +374,8 @@ def test_demo_runs_with_a_background_server(tmp_path):
            str(tmp_path / "adapters"), "--max-doc-tokens", "64", "--max-new-tokens", "8"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
-    for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L vs ref", "fidelity vs full", "repeated 3-grams",
+    for words in ("fitting a ridge adapter", "TTFT", "ROUGE-L vs ref", "fidelity vs full", "greedy = full",
+                  "repeated 3-grams",
                   "served:blend:0.1", "TTFT cold", "TTFT warm", "reference:",
                   "server: stopped cleanly (exit 0)"):
         assert words in first.stdout, words

@@ -16,8 +16,7 @@ def main() -> int:
     os.dup2(2, 1)  # anything else printed goes to the log
     options = json.loads(sys.stdin.readline())
     try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM
 
         env = options.pop("env", {})
         os.environ.update(env)
@@ -35,20 +34,80 @@ def main() -> int:
         request = json.loads(line)
         if request["op"] == "quit":
             break
-        extra = {"kv_transfer_params": {"kvbridge": request["kvbridge"]}} if request.get("kvbridge") else None
-        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], extra_args=extra)
-        prompt = TokensPrompt(prompt_token_ids=request["prompt_token_ids"])
-        if request.get("cache_salt"):
-            prompt["cache_salt"] = request["cache_salt"]
+        if request["op"] == "generate_many":  # submitted together, stepped until all finish: who finished when
+            replies.write(json.dumps({"replies": _generate_many(llm, request["requests"])}) + "\n")
+            continue
+        prompt, params = _request(request)
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        seconds = time.perf_counter() - t0
-        kv = (out.kv_transfer_params or {}).get("kvbridge", {})
-        replies.write(json.dumps({"token_ids": list(out.outputs[0].token_ids), "seconds": seconds,
-                                  "loaded_tokens": kv.get("loaded_tokens", 0), "kvbridge_error": kv.get("error", ""),
-                                  "kvbridge_fetch_s": kv.get("fetch_s", 0.0),
-                                  "num_cached_tokens": out.num_cached_tokens}) + "\n")
+        replies.write(json.dumps(_reply(out, time.perf_counter() - t0, request)) + "\n")
     return 0
+
+
+def _request(request: dict):
+    """(TokensPrompt, SamplingParams) of one request of the protocol."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": {"kvbridge": request["kvbridge"]}} if request.get("kvbridge") else None
+    scoring = {}
+    if request.get("score_from") is not None:
+        # the prompt's own log-probs (and top-1) from `score_from` on. vLLM turns prefix-cache and connector
+        # reads off for such requests unless told otherwise; it computes log-probs only for the positions it
+        # prefills (rows of loaded positions are left unset), so the reply checks that none of those is asked
+        # for. No detokenising: those unset rows would be decoded too.
+        scoring = {"prompt_logprobs": 1, "skip_reading_prefix_cache": False, "detokenize": False}
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], extra_args=extra, **scoring)
+    prompt = TokensPrompt(prompt_token_ids=request["prompt_token_ids"])
+    if request.get("cache_salt"):
+        prompt["cache_salt"] = request["cache_salt"]
+    return prompt, params
+
+
+def _reply(out, seconds: float, request: dict) -> dict:
+    kv = (out.kv_transfer_params or {}).get("kvbridge", {})
+    reply = {"token_ids": list(out.outputs[0].token_ids), "seconds": seconds,
+             "loaded_tokens": kv.get("loaded_tokens", 0), "kvbridge_error": kv.get("error", ""),
+             "kvbridge_fetch_s": kv.get("fetch_s", 0.0), "kvbridge_wire_bytes": kv.get("wire_bytes", 0),
+             "kvbridge_scheduler_s": kv.get("scheduler_s", 0.0),
+             "kvbridge_scheduler_max_s": kv.get("scheduler_max_s", 0.0),
+             "num_cached_tokens": out.num_cached_tokens}
+    if request.get("score_from") is not None:
+        reply.update(_prompt_scores(out, request["prompt_token_ids"], request["score_from"]))
+    return reply
+
+
+def _generate_many(llm, requests: list[dict]) -> list[dict]:
+    """Requests added to the engine at once and stepped together; each reply's "seconds" runs from the submission to
+    that request's finish, and "finished" is its place in the order they finished (0 first)."""
+    engine = llm.llm_engine
+    ids = [f"kvbridge-many-{n}-{time.monotonic_ns()}" for n in range(len(requests))]
+    t0 = time.perf_counter()
+    for request_id, request in zip(ids, requests):
+        engine.add_request(request_id, *_request(request))
+    done: dict[str, dict] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                done[out.request_id] = _reply(out, time.perf_counter() - t0, requests[ids.index(out.request_id)])
+                done[out.request_id]["finished"] = len(done) - 1
+    return [done[request_id] for request_id in ids]
+
+
+def _prompt_scores(out, prompt: list[int], score_from: int) -> dict:
+    """{"prompt_scores": [[log-prob of prompt[i], the top-1 token id at i] for i in score_from..len(prompt)-1]}, or
+    {"score_error": a sentence} when vLLM computed no log-prob for one of them (it loaded that position's KV)."""
+    if not 1 <= score_from < len(prompt):
+        return {"score_error": f"score_from must be in [1, {len(prompt) - 1}], got {score_from}"}
+    if out.num_cached_tokens >= score_from:  # position i's log-prob comes from the forward at i - 1
+        return {"score_error": f"vLLM read {out.num_cached_tokens} prompt tokens from cache: the log-probs from "
+                               f"position {score_from} on need the forward of position {score_from - 1}"}
+    scores = []
+    for i in range(score_from, len(prompt)):
+        row = out.prompt_logprobs[i]
+        top1 = min(row.items(), key=lambda item: item[1].rank)[0]
+        scores.append([row[prompt[i]].logprob, int(top1)])
+    return {"prompt_scores": scores}
 
 
 if __name__ == "__main__":

@@ -43,14 +43,16 @@ def vllm_available() -> str:
 def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
                        **extra: Any) -> dict[str, Any]:
     """vLLM's kv_transfer_config for the kvbridge connector; `extra` are further kvbridge_* fields without the
-    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode)."""
+    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode, fetch_threads)."""
     config: dict[str, Any] = {f"kvbridge_{k}": v for k, v in extra.items()}
     if address:
         config["kvbridge_address"], config["kvbridge_token"] = address, token
     if servers:
         config["kvbridge_servers"] = servers
+    # "recompute": a load that fails on a worker leaves its blocks to vLLM's own prefill (vLLM's default, "fail",
+    # would fail the request)
     return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
-            "kv_connector_extra_config": config}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": config}
 
 
 def engine_dtype() -> str:
@@ -121,11 +123,35 @@ class EngineProcess:
     def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, kvbridge: dict[str, Any] | None = None,
                  cache_salt: str | None = None) -> dict[str, Any]:
         """Greedy tokens of one request: {"token_ids", "seconds" (wall time of the whole request), "loaded_tokens"
-        (prompt tokens the connector loaded), "kvbridge_error", "kvbridge_fetch_s" (of "seconds": the scheduler's
-        wait for the server), "num_cached_tokens"}."""
+        (prompt tokens the connector loaded), "kvbridge_error", "kvbridge_fetch_s" (of "seconds": the connector's
+        wait for the server, on a fetch thread), "kvbridge_wire_bytes" (KV bytes the connector received),
+        "kvbridge_scheduler_s" / "kvbridge_scheduler_max_s" (the scheduler's time inside this request's connector
+        calls: in all, and the longest call), "num_cached_tokens"}."""
         self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],
                     "max_tokens": max_tokens, "kvbridge": kvbridge, "cache_salt": cache_salt})
         return self._receive()
+
+    def generate_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Requests ({"prompt_token_ids", "max_tokens", "kvbridge", "cache_salt"}) submitted to the engine together,
+        in order: generate's replies, each with "seconds" from the submission to its finish and "finished", its
+        place in the order the requests finished (0: first)."""
+        self._send({"op": "generate_many", "requests": [
+            {"prompt_token_ids": [int(t) for t in r["prompt_token_ids"]], "max_tokens": r.get("max_tokens", 16),
+             "kvbridge": r.get("kvbridge"), "cache_salt": r.get("cache_salt")} for r in requests]})
+        return self._receive()["replies"]
+
+    def score(self, prompt_token_ids: list[int], score_from: int, kvbridge: dict[str, Any] | None = None,
+              cache_salt: str | None = None) -> dict[str, Any]:
+        """vLLM's own log-probs of the prompt's tokens from `score_from` on (their positions must be prefilled by
+        vLLM, not loaded: a context of KV the connector loads, then the tokens scored): generate's reply plus
+        "prompt_scores", [[log-prob of prompt[i], the top-1 token id at i] for i in score_from..]. RuntimeError when
+        vLLM loaded a position whose log-prob is asked for."""
+        self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids], "max_tokens": 1,
+                    "kvbridge": kvbridge, "cache_salt": cache_salt, "score_from": int(score_from)})
+        reply = self._receive()
+        if "score_error" in reply:
+            raise RuntimeError(f"vLLM scored no prompt: {reply['score_error']}")
+        return reply
 
     def log_text(self, offset: int = 0) -> str:
         self._log.flush()

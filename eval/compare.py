@@ -1,0 +1,115 @@
+"""`kvbridge eval compare A B --pairs MODE_A=MODE_B,...`: paired differences between two `eval rouge` runs (their
+results.json files, or the folders holding them) on the documents both scored, e.g. one mode through vLLM against
+its in-process form. Per pair: NLL recovery in each run (each against its own run's `none` and `full`) and their
+difference, fidelity ROUGE-L and top-1 agreement with `full` and their differences, all with bootstrap 95% intervals
+over the same resampled documents, and on how many documents A is worse than B.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    documents: dict[str, dict]  # id -> the document's row of results.json ({"modes": {name: {...}}})
+
+
+def read_run(path: str | Path) -> Run:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no results.json at {path}")
+    data = json.loads(path.read_text())
+    return Run(path, {row["id"]: row for row in data["documents"]})
+
+
+def _mode(run: Run, doc: dict, name: str) -> dict:
+    if name not in doc["modes"]:
+        raise ValueError(f"{run.path}: mode {name!r} is not in the run (it has {sorted(doc['modes'])})")
+    return doc["modes"][name]
+
+
+def _ci(values: np.ndarray, point: float) -> dict:
+    return {"value": float(point), "low": float(np.nanpercentile(values, 2.5)),
+            "high": float(np.nanpercentile(values, 97.5))}
+
+
+def compare(a: Run, b: Run, pairs: list[tuple[str, str]], samples: int = 1000, seed: int = 0) -> dict:
+    """{"documents": n, "pairs": {"A_MODE vs B_MODE": {"recovery_a", "recovery_b", "recovery_diff", "fidelity_a",
+    "fidelity_b", "fidelity_diff", "top1_a", "top1_b", "top1_diff", "worse_on"}}} (each figure {"value", "low",
+    "high"})."""
+    from kvbridge.adapters.evaluate import recovery_ratio
+    from kvbridge.eval.report import rouge, top1_agreement
+
+    ids = [i for i in a.documents if i in b.documents]
+    if len(ids) < 2:
+        raise ValueError(f"the runs share {len(ids)} documents; a paired comparison needs at least 2")
+    rng = np.random.default_rng(seed)
+    boot = rng.integers(0, len(ids), size=(samples, len(ids)))
+    every = np.arange(len(ids))[None]
+    out: dict = {"documents": len(ids), "pairs": {}}
+
+    def column(run: Run, name: str, field: str) -> np.ndarray:
+        return np.asarray([_mode(run, run.documents[i], name)[field] for i in ids], dtype=np.float64)
+
+    def against_full(run: Run, name: str) -> tuple[np.ndarray, np.ndarray]:
+        fidelity, top1 = [], []
+        for i in ids:
+            full, mode = _mode(run, run.documents[i], "full"), _mode(run, run.documents[i], name)
+            fidelity.append(rouge(full["summary"], mode["summary"])["rougeL"])
+            agree = top1_agreement(mode["continuation_top1"], full["continuation_top1"])
+            top1.append(np.nan if agree is None else agree)
+        return np.asarray(fidelity), np.asarray(top1)
+
+    for name_a, name_b in pairs:
+        rec = {}
+        for side, run, name in (("a", a, name_a), ("b", b, name_b)):
+            none, full, mode = (column(run, m, "nll") for m in ("none", "full", name))
+            rec[side] = (recovery_ratio(none, full, mode, boot), float(recovery_ratio(none, full, mode, every)[0]),
+                         none - mode)  # per document: NLL recovered
+        fid_a, top_a = against_full(a, name_a)
+        fid_b, top_b = against_full(b, name_b)
+        entry = {"recovery_a": _ci(rec["a"][0], rec["a"][1]), "recovery_b": _ci(rec["b"][0], rec["b"][1]),
+                 "recovery_diff": _ci(rec["a"][0] - rec["b"][0], rec["a"][1] - rec["b"][1]),
+                 "worse_on": int((rec["a"][2] < rec["b"][2]).sum())}
+        for key, x, y in (("fidelity", fid_a, fid_b), ("top1", top_a, top_b)):
+            entry[f"{key}_a"] = _ci(np.nanmean(x[boot], -1), np.nanmean(x))
+            entry[f"{key}_b"] = _ci(np.nanmean(y[boot], -1), np.nanmean(y))
+            entry[f"{key}_diff"] = _ci(np.nanmean((x - y)[boot], -1), np.nanmean(x - y))
+        out["pairs"][f"{name_a} vs {name_b}"] = entry
+    return out
+
+
+def markdown(result: dict, a: Run, b: Run) -> str:
+    def f(x: dict) -> str:
+        return f"{x['value']:+.3f} [{x['low']:+.3f}, {x['high']:+.3f}]"
+
+    def g(x: dict) -> str:
+        return f"{x['value']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
+
+    lines = [f"A: {a.path}; B: {b.path}; {result['documents']} documents in both, paired; bootstrap 95% intervals.",
+             "", "| A vs B | NLL recovery A | B | A − B | worse on | fidelity A − B | top-1 A − B |",
+             "|---|---|---|---|---|---|---|"]
+    for name, e in result["pairs"].items():
+        lines.append(f"| {name} | {g(e['recovery_a'])} | {g(e['recovery_b'])} | {f(e['recovery_diff'])} | "
+                     f"{e['worse_on']} of {result['documents']} | {f(e['fidelity_diff'])} | {f(e['top1_diff'])} |")
+    return "\n".join(lines)
+
+
+def parse_pairs(spec: str) -> list[tuple[str, str]]:
+    """'served:blend:0.1=served:blend:0.1/noprior,replace' -> [(a, b), ('replace', 'replace')]"""
+    pairs = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part:
+            a, _, b = part.partition("=")
+            pairs.append((a, b or a))
+    if not pairs:
+        raise ValueError("--pairs names no modes")
+    return pairs

@@ -1,0 +1,184 @@
+"""`kvbridge eval rouge --engine vllm`: every mode as a vLLM engine serves it, through the kvbridge connector.
+
+Same documents, layout, table and intervals as the in-process harness (eval.summaries), but the target is vLLM
+(a child process in the vLLM venv: kvbridge.vllm.engine) and a projected context reaches it the way users get it:
+the connector fetches the server's cache for the request (`kv_transfer_params`) and loads it into vLLM's paged KV
+(whole vLLM blocks; vLLM prefills the rest of the prompt itself). Per document and mode:
+  a one-token request       TTFT, cold: the first time this mode's cache is fetched (the server projects, or
+                            computes its served correction); for modes without a cache, vLLM's own prefill
+  the summary               [start] + document + instruction, vLLM's greedy decoding, cut at the first line break
+  the continuation's NLL    [start] + document + continuation, one request with vLLM's prompt log-probs: the
+                            continuation's first token is input, the others are scored (summed NLL, top-1 at each)
+  a one-token request       TTFT, warm: the cache is in the server's store
+Modes:
+  full, none, tail:r        vLLM prefills [start] + the document (or nothing of it, or its last r)
+  replace                   the server's plain projection
+  served:C                  the server's stored correction C (blend:0.1, recompute:0.1): no target pass at request time
+  recompute:r               replace, leaving the document's last r (rounded to whole blocks) to vLLM's own prefill
+vLLM reads loaded KV as it is: it has no induction prior at decode time (the in-process modes read projected KV with
+it), so every mode here is what the in-process harness calls `/noprior`; a `/noprior` suffix is taken and changes
+nothing, `/probe` and the modes that need a target pass in this process (blend:r, fuse, fuser) are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvbridge.eval.flops import FlopModel
+from kvbridge.eval.summaries import (
+    NO_PRIOR,
+    DocumentResult,
+    EvalConfig,
+    Mode,
+    ModeResult,
+    PreparedDoc,
+    instruction_ids,
+    stop_ids,
+)
+from kvbridge.transfer.models import LoadedModel
+
+VLLM_KINDS = ("full", "none", "tail", "replace", "served", "recompute")
+BLOCK_SIZE = 32  # vLLM's block size here (CPU: multiples of 32): small, so little of a document is left over
+
+
+def check_vllm_modes(modes: list[Mode]) -> None:
+    """ValueError naming the first mode vLLM cannot run (before any engine starts)."""
+    for mode in modes:
+        if mode.kind not in VLLM_KINDS:
+            raise ValueError(f"mode {mode.name!r} does not run with --engine vllm (it needs a target pass in this "
+                             f"process); there: {', '.join(VLLM_KINDS)} (served:blend:R is blend, corrected once "
+                             "by the server)")
+        if mode.name.count("/") and not mode.name.endswith(NO_PRIOR):
+            raise ValueError(f"mode {mode.name!r}: vLLM reads loaded KV without an induction prior; only "
+                             f"{NO_PRIOR} (which changes nothing there) is taken")
+
+
+def one_line(tokenizer, ids: list[int], stop: set[int]) -> list[int]:
+    """The answer as eval.summaries.greedy(one_line=True) cuts it: up to a stop token, or a line break once some
+    text came."""
+    out: list[int] = []
+    for token in ids:
+        if token in stop or ("\n" in tokenizer.decode([token]) and tokenizer.decode(out).strip()):
+            break
+        out.append(token)
+    return out
+
+
+def engine_options(target: LoadedModel, address: str, config: EvalConfig, dtype: str = "", token: str = ""):
+    """EngineOptions of an engine that serves `target` (a packaged checkpoint) for the evaluation, with the
+    connector pointed at the server at `address`; dtype "": vLLM's fastest here (`engine_dtype`)."""
+    from kvbridge.transfer.models import prepare_gguf
+    from kvbridge.vllm.engine import EngineOptions, engine_dtype, kv_transfer_config
+
+    prompt = instruction_ids(target, config.instruction).numel() + config.max_new_tokens
+    longest = 1 + config.max_doc_tokens + max(prompt, config.continuation_tokens)
+    return EngineOptions(model=str(prepare_gguf(target.name)), dtype=dtype or engine_dtype(),
+                         max_model_len=(longest + BLOCK_SIZE) // BLOCK_SIZE * BLOCK_SIZE + BLOCK_SIZE,
+                         block_size=BLOCK_SIZE,
+                         kv_transfer_config=kv_transfer_config(address=address, token=token, timeout_s=600))
+
+
+class VLLMEvaluator:
+    """Runs every mode on prepared documents through `engine` (kvbridge.vllm.engine.EngineProcess) whose connector
+    reaches the server named `server` in its configuration; `client` (a KVBridgeClient to that server) ingests each
+    document once, so the source's read is in no TTFT (as in the in-process harness)."""
+
+    def __init__(self, engine, client, target: LoadedModel, modes: list[Mode], config: EvalConfig | None = None,
+                 server: str = "default", adapter: str = ""):
+        check_vllm_modes(modes)
+        self.engine, self.client, self.target, self.modes = engine, client, target, modes
+        self.config = config or EvalConfig()
+        self.server, self.adapter = server, adapter
+        self.prompt = instruction_ids(target, self.config.instruction).tolist()
+        self.stop = stop_ids(target)
+        self.flops = FlopModel.from_config(target.model.config)
+        self.prior = None  # vLLM has none at decode time (report meta)
+        self.priors: dict = {}
+
+    def _kvbridge(self, mode: Mode, key: str, doc_tokens: int) -> dict | None:
+        """The request's kv_transfer_params["kvbridge"] in `mode` (None: vLLM prefills the context itself)."""
+        if mode.kind not in ("replace", "served", "recompute"):
+            return None
+        p = {"key": key, "mode": mode.correction or "replace"}
+        if mode.kind == "recompute":
+            p["recompute_tokens"] = max(1, round(mode.fraction * doc_tokens))
+        if self.server != "default":
+            p["server"] = self.server
+        if self.adapter:
+            p["adapter"] = self.adapter
+        return p
+
+    def _context_ids(self, mode: Mode, doc: PreparedDoc) -> list[int]:
+        ids = doc.target_ids.tolist()
+        if mode.kind == "none":
+            return ids[:1]
+        if mode.kind == "tail":
+            k = max(1, round(mode.fraction * doc.doc_tokens))
+            return ids[:1] + ids[len(ids) - k:]
+        return ids
+
+    def run(self, doc: PreparedDoc) -> DocumentResult:
+        result = DocumentResult(doc.record.id, doc.record.summary, doc.doc_tokens)
+        key = None
+        if any(self._kvbridge(m, "", 1) is not None for m in self.modes):
+            entry = self.client.ingest(text=doc.text).entries[0]
+            key, result.source_tokens = entry.key, entry.num_tokens
+        continuation = doc.continuation.tolist()
+        for mode in self.modes:
+            kvbridge = self._kvbridge(mode, key, doc.doc_tokens)
+            context = self._context_ids(mode, doc)
+            prompt = context + self.prompt
+            cold = self.engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
+            out = self.engine.generate(prompt, max_tokens=self.config.max_new_tokens, kvbridge=kvbridge)
+            warm = self.engine.generate(prompt, max_tokens=1, kvbridge=kvbridge) if kvbridge else cold
+            for reply in (cold, out, warm):
+                if reply["kvbridge_error"]:
+                    raise RuntimeError(f"{doc.record.id}, mode {mode.name}: the connector loaded nothing: "
+                                       f"{reply['kvbridge_error']}")
+            nll, top1 = None, None
+            if len(continuation) >= 2:
+                scored = self.engine.score(context + continuation, len(context) + 1, kvbridge=kvbridge)
+                if scored["kvbridge_error"]:
+                    raise RuntimeError(f"{doc.record.id}, mode {mode.name}: the connector loaded nothing for the "
+                                       f"continuation: {scored['kvbridge_error']}")
+                nll = -sum(s[0] for s in scored["prompt_scores"])
+                top1 = [s[1] for s in scored["prompt_scores"]]
+            ids = one_line(self.target.tokenizer, out["token_ids"], self.stop)
+            loaded = out["loaded_tokens"]
+            if kvbridge and result.fetch_s == 0.0:
+                result.fetch_s, result.warm_fetch_s = cold["kvbridge_fetch_s"], warm["kvbridge_fetch_s"]
+            result.modes[mode.name] = ModeResult(
+                summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
+                ttft_s=cold["seconds"], prefill_tokens=len(prompt) - loaded,
+                prefill_flops=self.flops.prefill(len(prompt) - loaded, loaded), kv_bytes=out["kvbridge_wire_bytes"],
+                nll=nll, nll_tokens=max(len(continuation) - 1, 0), continuation_top1=top1,
+                ttft_warm_s=warm["seconds"], loaded_tokens=loaded)
+        return result
+
+
+def run_vllm(target: LoadedModel, address: str, modes: list[Mode], config: EvalConfig, docs: list[PreparedDoc],
+             client, log_path: Path, dtype: str = "", token: str = "", progress: bool = True, engine=None
+             ) -> tuple[list[DocumentResult], dict]:
+    """Evaluate `docs` through a vLLM engine for `target` whose connector reaches the server at `address`: `engine`
+    (a running EngineProcess whose "default" server is that one), else one started here and stopped after;
+    (results, engine meta)."""
+    from contextlib import nullcontext
+
+    from kvbridge.vllm.engine import EngineProcess
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    if engine is None:
+        options = engine_options(target, address, config, dtype, token)
+        running = EngineProcess(options, log_path)
+    else:
+        options, running = engine.options, nullcontext(engine)
+    started = time.perf_counter() - t0
+    with running as engine:
+        evaluator = VLLMEvaluator(engine, client, target, modes, config)
+        results = [evaluator.run(doc) for doc in tqdm(docs, desc=f"{len(modes)} modes per document (vLLM)",
+                                                       disable=not progress)]
+    meta = {"engine": "vllm", "dtype": options.dtype, "block_size": options.block_size,
+            "engine_start_s": round(started, 1), "engine_log": str(engine.log_path)}
+    return results, meta
