@@ -33,7 +33,7 @@ from kvbridge.server.servicer import KVBridgeServicer
 from kvbridge.server.shm_segments import SegmentRegistry
 from kvbridge.server.wire_cache import WireCache
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
-from kvbridge.transfer.store import PagedStore, StoreConfig
+from kvbridge.transfer.store import PagedStore, StoreConfig, read_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,14 @@ def store_config(config: ServeConfig) -> StoreConfig:
     pinned = config.tenant_max_pinned_mb
     if pinned is None and capacity is not None:
         pinned = capacity / 4 / mb  # one tenant pins at most a quarter of the pool
+    secret = None
+    if config.redis_url and config.redis_secret_file:
+        secret = read_secret_file(config.redis_secret_file)
+        log.info("redis tier %s: values signed and checked with the secret in %s", config.redis_url,
+                 config.redis_secret_file)
     return StoreConfig(capacity_bytes=capacity, block_size=config.block_size,
                        cpu_capacity_bytes=int(config.cpu_tier_mb * mb), redis_url=config.redis_url,
+                       redis_secret=secret, redis_insecure=config.redis_insecure,
                        default_ttl_s=config.default_ttl_s, device=config.store_device,
                        share_entries=config.share_entries, tenant_max_entries=config.tenant_max_entries,
                        tenant_max_pinned_bytes=int(pinned * mb) if pinned is not None else None)

@@ -14,12 +14,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(verbose=True, as_json=args.log_json)
     overrides = {k: getattr(args, k) for k in (
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
-        "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "default_ttl_s", "listen", "tls_cert", "tls_key",
+        "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "redis_secret_file", "default_ttl_s", "listen",
+        "tls_cert", "tls_key",
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
         "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s", "shm_headroom_tokens",
         "stream_keep_mb", "stream_keep_s", "correction", "max_corrections")}
-    for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict"):
+    for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict", "redis_insecure"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
     overrides["correction_prior"] = False if args.no_correction_prior else None
@@ -52,6 +53,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--cpu-tier-mb", type=float, default=None, help="CPU tier under the pool (default 0: none)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16)")
     p.add_argument("--redis-url", help="Redis/Valkey tier shared by replicas, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-secret-file", metavar="PATH",
+                   help="file holding the secret the replicas sign and check Redis values with: at least 32 bytes "
+                        "(e.g. `openssl rand -hex 32`), mode 600 or 640 (default: $KVBRIDGE_REDIS_SECRET_FILE). "
+                        "A Redis tier needs one, or --redis-insecure")
+    p.add_argument("--redis-insecure", action="store_true",
+                   help="a Redis tier without a secret: whoever can write to that Redis can plant KV and entry "
+                        "records for any tenant (a warning is logged)")
     p.add_argument("--default-ttl-s", type=float, default=None, help="TTL of entries stored without one")
     p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1:50051; port 0 picks a free one)")
     p.add_argument("--allow-remote-without-tokens", action="store_true",

@@ -7,18 +7,27 @@ TOML keys are the field names below, at top level, e.g.
     adapters = "~/.cache/kvbridge/adapters"
     store_capacity_mb = 2048
     redis_url = "redis://127.0.0.1:6379/0"
+    redis_secret_file = "/etc/kvbridge/redis-secret"
     token_file = "/etc/kvbridge/tokens"
+
+A Redis tier needs the secret its replicas share, in a file (`redis_secret_file`, or the file named by the
+KVBRIDGE_REDIS_SECRET_FILE environment variable when neither the TOML nor a flag gives one; never the secret itself on
+a command line): at least 32 bytes once whitespace is trimmed, not open to other users (mode 600 or 640). Without one
+the server refuses to start, unless `redis_insecure` says that whoever can write to that Redis is trusted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvbridge.transfer.devices import DTYPE_NAMES
+
+SECRET_FILE_ENV = "KVBRIDGE_REDIS_SECRET_FILE"  # names the secret file when the TOML and the flags do not
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class ServeConfig:
     cpu_tier_mb: float = 0  # 0: no CPU tier under the device pool
     block_size: int = 16
     redis_url: str | None = None
+    redis_secret_file: str | None = None  # the replicas' shared secret (see the module docstring); never logged
+    redis_insecure: bool = False  # a Redis tier without a secret: anyone who can write to it can plant KV
     share_entries: bool = True  # with redis_url: entries (records and blocks) written through, so replicas find them
     default_ttl_s: float | None = None  # entry TTL when a request gives none
     listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one
@@ -100,9 +111,26 @@ class ServeConfig:
                              "or set allow_remote_without_tokens")
         if self.metrics_listen is not None:
             split_address(self.metrics_listen, "metrics_listen")
+        self._check_redis_secret()
         from kvbridge.transfer.suffix.correction import Correction
 
         Correction.parse(self.correction, "correction")
+
+    def _check_redis_secret(self) -> None:
+        from kvbridge.transfer.store.redis_auth import read_secret_file
+
+        if self.redis_url is None:
+            if self.redis_secret_file is not None or self.redis_insecure:
+                raise ValueError("redis_secret_file and redis_insecure apply to a Redis tier, and redis_url is not set")
+        elif self.redis_secret_file is not None:
+            if self.redis_insecure:
+                raise ValueError("redis_secret_file and redis_insecure contradict each other: give one")
+            read_secret_file(self.redis_secret_file)  # a bad file stops the server here, before any model loads
+        elif not self.redis_insecure:
+            raise ValueError(f"redis_url is set and there is no redis_secret_file (nor {SECRET_FILE_ENV}): whoever "
+                             "can write to that Redis could plant KV and entry records for any tenant. Give the file "
+                             "holding the secret the replicas share (at least 32 bytes, mode 600), or set "
+                             "redis_insecure to accept that")
 
     @property
     def max_uploads(self) -> int:
@@ -125,6 +153,8 @@ class ServeConfig:
                 raise ValueError(f"{toml_path}: unknown keys {unknown}; known: {sorted(known)}")
             values.update(data)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("redis_url") and values.get("redis_secret_file") is None and os.environ.get(SECRET_FILE_ENV):
+            values["redis_secret_file"] = os.environ[SECRET_FILE_ENV]
         return cls(**values)
 
 

@@ -1,4 +1,5 @@
-"""A real redis-server child process for tests: loopback only, free port, no persistence, own dir.
+"""A real redis-server child process for tests: loopback only, free port, no persistence, own dir; and the secret
+the tests' replicas share on it (a Redis tier needs one: transfer/store/redis_auth.py).
 
 No pytest in here; the fixtures in conftest.py wrap it.
 """
@@ -17,6 +18,16 @@ _START_DEADLINE_S = 10.0
 _POLL_S = 0.02
 _STOP_GRACE_S = 5.0
 _PORT_RETRIES = 3
+TEST_SECRET = b"kvbridge tests: the replicas' shared redis secret"  # >= 32 bytes, as redis_auth requires
+
+
+def write_secret_file(folder: Path, secret: bytes = TEST_SECRET) -> Path:
+    """A file holding the secret, mode 0600 (what `kvbridge serve --redis-secret-file` reads)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / "redis-secret"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return path
 
 
 def _binary() -> str | None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 from kvbridge.server.client import KVBridgeClient, KVBridgeError
+from redisproc import write_secret_file
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +29,7 @@ def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp
     shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
     args = ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
             "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(tmp_path / "tokens"),
-            "--redis-url", redis_url]
+            "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(tmp_path))]
     first = ServeProcess(tmp_path / "first", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     second = ServeProcess(tmp_path / "second", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     try:

@@ -11,6 +11,7 @@ import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+from redisproc import TEST_SECRET
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def _seg(first: int, n: int = 64) -> KVSegment:
 
 def _store(redis_url: str, blocks: int = 4) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=blocks * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
-                                  device="cpu"))
+                                  redis_secret=TEST_SECRET, device="cpu"))
 
 
 def test_no_redis_call_is_made_under_the_store_lock(redis_url):
@@ -95,13 +96,13 @@ def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
 
 def _sharing(redis_url: str) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
-                                  device="cpu", share_entries=True))
+                                  redis_secret=TEST_SECRET, device="cpu", share_entries=True))
 
 
 def _sharing_small(redis_url: str) -> PagedStore:
     """Shared entries, a 4-block device pool, no CPU tier."""
     return PagedStore(StoreConfig(capacity_bytes=4 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
-                                  device="cpu", share_entries=True))
+                                  redis_secret=TEST_SECRET, device="cpu", share_entries=True))
 
 
 def test_replicas_find_fetch_and_delete_each_others_entries(redis_url):
@@ -134,9 +135,10 @@ def test_a_forged_entry_record_is_ignored(redis_url):
     store = _sharing(redis_url)
     info = store.put(_seg(0, 32), "t")
     client = redis.Redis.from_url(redis_url)
-    record = json.loads(client.get(b"kvbridge:entry:" + info.key.encode()))
+    tag, _, blob = client.get(b"kvbridge:entry:" + info.key.encode()).partition(b" ")  # `<tag> <record>`
+    record = json.loads(blob)
     record["token_ids"][0] += 1  # contents that do not hash to the key
-    client.set(b"kvbridge:entry:" + info.key.encode(), json.dumps(record))
+    client.set(b"kvbridge:entry:" + info.key.encode(), tag + b" " + json.dumps(record).encode())
     other = _sharing(redis_url)
     with pytest.raises(NotFound):
         other.get(info.key, "t")
@@ -175,7 +177,7 @@ def test_a_delete_reaches_entries_only_redis_holds_and_what_derives_from_them(re
 
     def sharing() -> PagedStore:  # room for the source's layout and the projection's
         return PagedStore(StoreConfig(capacity_bytes=256 * BLOCK_BYTES, max_layouts=2, redis_url=redis_url,
-                                      device="cpu", share_entries=True))
+                                      redis_secret=TEST_SECRET, device="cpu", share_entries=True))
 
     first, second = sharing(), sharing()
     source = first.put(_seg(0, 40), "t", text="forty tokens").key

@@ -13,6 +13,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import PagedStore, StoreConfig, tiers
 from kvbridge.transfer.store.tiers import BlockSums, CpuTier, RedisTier, block_sums
+from redisproc import TEST_SECRET
 
 M = ModelIdentity("model-s", "s" * 64)
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4  # [L=2, 2, H=2, bs=16, D=8] float32
@@ -35,7 +36,8 @@ def _seg(first: int, n: int) -> KVSegment:
 
 def _store(redis_url: str, blocks: int, cpu_blocks: int = 0, share: bool = False) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=blocks * BLOCK_BYTES, cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES,
-                                  max_layouts=1, redis_url=redis_url, share_entries=share, device="cpu"))
+                                  max_layouts=1, redis_url=redis_url, redis_secret=TEST_SECRET, share_entries=share,
+                                  device="cpu"))
 
 
 @pytest.fixture
@@ -112,7 +114,7 @@ def test_a_put_sends_the_kept_sum_and_the_blob_reads_back(redis_url, sent, monke
     cpu.put(b"a" * 16, "k", _block(0))
     block = cpu.pop(b"a" * 16)[1]
     monkeypatch.setattr(tiers, "sum64", lambda data: pytest.fail("the put read the block again"))
-    tier = RedisTier(redis_url)
+    tier = RedisTier(redis_url, secret=TEST_SECRET)
     assert tier.put_many([(b"a" * 16, "k", block)])
     monkeypatch.undo()  # the read side sums every blob
     assert sent == [True]
@@ -125,7 +127,7 @@ def test_a_block_written_after_its_sum_was_taken_is_summed_again(redis_url, sent
     cpu.put(b"a" * 16, "k", _block(0))
     block = cpu.pop(b"a" * 16)[1]
     block.copy_(_block(1))  # rewritten in place: the kept sum is stale
-    tier = RedisTier(redis_url)
+    tier = RedisTier(redis_url, secret=TEST_SECRET)
     assert tier.put_many([(b"a" * 16, "k", block)])
     assert sent == [False]
     got = tier.get_many([b"a" * 16], "k")  # a stale sum would make this blob corrupt: a miss
@@ -142,7 +144,7 @@ def test_a_write_torch_cannot_see_sends_a_stale_sum_that_the_reader_refuses(redi
     block = cpu.pop(b"a" * 16)[1]
     block.view(torch.uint8).reshape(-1).numpy()[5] ^= 0x10  # not seen by torch's version counter
     assert block_sums.get(block) is not None
-    tier = RedisTier(redis_url)
+    tier = RedisTier(redis_url, secret=TEST_SECRET)
     assert tier.put_many([(b"a" * 16, "k", block)])
     assert tier.get_many([b"a" * 16], "k") == {}
     assert tier.stats.corrupt == 1

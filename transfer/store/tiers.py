@@ -1,8 +1,11 @@
 """Tiers below the device pool: a CPU tier (LRU, bounded in bytes) and a Redis/Valkey tier shared by replicas.
 
 Both hold single blocks `[L, 2, H_kv, block_size, D]` keyed by block hash. Redis values are safetensors blobs with
-the layout key and a sum64 checksum of the tensor bytes in the metadata, written and read without safetensors'
-own copies; a blob that fails to parse or to match its checksum is deleted and treated as a miss. Nothing is ever
+the layout key, a sum64 checksum of the tensor bytes and a tag (redis_auth: HMAC-SHA256 under the replicas' secret,
+over the value and its Redis key) in the metadata, written and read without safetensors' own copies. What is read
+back is served only when its tag checks out, then its checksum, then its layout, dtype and shape against the
+layout its entry's record states; anything else is a miss, counted in `RedisStats.rejected` by kind (block, record,
+derived) and logged once per read; a rejected block is deleted (a replica's write puts it back). Nothing is ever
 unpickled. A block's sum64 is taken where the store writes the block's CPU copy, while it is in cache
 (`block_sums`), and a put reuses it; a put of a block without one sums it then.
 """
@@ -17,13 +20,15 @@ import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from kvbridge.transfer import tensor_blob
 from kvbridge.transfer.checksum import sum64
+from kvbridge.transfer.store.block_pool import PoolLayout
 from kvbridge.transfer.store.kv_blocks import BlockHash
+from kvbridge.transfer.store.redis_auth import TAG_CHARS, ForgedValue, RedisAuth
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +138,13 @@ class CpuTier:
 
 def block_checksum(data) -> str:
     """sum64 of the block's bytes (a bytes-like object): catches corruption and truncation at memory speed. It is
-    not a MAC: whoever can write to Redis is trusted as much as the servers sharing it."""
+    not a MAC (the tag, redis_auth, is)."""
     return f"{sum64(data):016x}"
 
 
 def encode_block(layout_key: str, block: torch.Tensor) -> bytes:
-    """A safetensors blob holding one block, its layout key and checksum: a small header, then the block's bytes."""
+    """A safetensors blob holding one block, its layout key and checksum, and a zero tag (RedisAuth.seal_block fills
+    it in): a small header, then the block's bytes."""
     return b"".join(block_parts(layout_key, block))
 
 
@@ -155,8 +161,8 @@ def block_parts(layout_key: str, block: torch.Tensor) -> tuple[bytes, memoryview
 
 @functools.lru_cache(maxsize=64)
 def _block_header(layout_key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
-    """(the blob's header with a zero checksum, where the checksum's 16 hex digits start in it)."""
-    head = tensor_blob.header("kv", dtype, shape, {"layout": layout_key, "sum64": "0" * 16})
+    """(the blob's header with a zero checksum and tag, where the checksum's 16 hex digits start in it)."""
+    head = tensor_blob.header("kv", dtype, shape, {"layout": layout_key, "sum64": "0" * 16, "mac": "0" * TAG_CHARS})
     return head, head.index(b'"sum64":"') + len(b'"sum64":"')
 
 
@@ -182,6 +188,17 @@ def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
     return meta["layout"], _read_only_view(blob, dtype, data.size // dtype.itemsize, offset).view(shape)
 
 
+def _fitting(key: str, block: torch.Tensor, layout: PoolLayout | str) -> torch.Tensor:
+    """The decoded block if it is of this layout (key; dtype and shape too with a PoolLayout), else ValueError."""
+    expected = layout if isinstance(layout, str) else layout.key
+    if key != expected:
+        raise ValueError(f"a block of layout {key!r} where its record says {expected!r}")
+    if not isinstance(layout, str) and (block.dtype != layout.torch_dtype or tuple(block.shape) != layout.block_shape):
+        raise ValueError(f"a {str(block.dtype)[6:]} block of shape {list(block.shape)} where its record says "
+                         f"{layout.dtype} {list(layout.block_shape)}")
+    return block
+
+
 def _read_only_view(blob: bytes, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
     # torch.frombuffer warns (once per process, TORCH_WARN_ONCE) that bytes are not writable: these views are only
     # read (the store copies them into a pool), so that one warning is taken here, at import, and not shown
@@ -199,23 +216,33 @@ class RedisStats:
     refreshes: int = 0  # blocks not sent again: Redis still had them, their TTL restarted
     gets: int = 0
     hits: int = 0
-    corrupt: int = 0
+    # values read and not served, by kind: failed authentication (forged, moved from another key, another secret),
+    # checksum, or the layout their record states
+    rejected: dict = field(default_factory=lambda: {"block": 0, "record": 0, "derived": 0})
+    corrupt: int = 0  # rejected blocks, deleted from Redis
     errors: int = 0
     available: bool = True
     down_since: float | None = None
     last_error: str = ""
 
+    def as_dict(self) -> dict:
+        return {**vars(self), "rejected": dict(self.rejected)}
+
 
 class RedisTier:
     """Blocks in Redis/Valkey under `kvbridge:blk:<hash>` with a TTL. When the server is unreachable every call
-    degrades to a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds."""
+    degrades to a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds.
+
+    Every value is tagged with `secret` (at least 32 bytes, the same in every replica that shares the Redis) and
+    checked when read (redis_auth). secret=None tags values under a public key, which catches corruption and values
+    moved to another key but not forgeries: the tier then logs a warning once, as it is made."""
 
     PREFIX = b"kvbridge:blk:"
     ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
     DERIVED_PREFIX = b"kvbridge:derived:"  # a set per source entry: the keys of the entries derived from it
 
     def __init__(self, url: str, ttl_s: int = 3600, retry_s: float = 2.0, timeout_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, secret: bytes | None = None):
         import redis  # imported here: the store works without the package when no Redis tier is configured
 
         if ttl_s <= 0:
@@ -230,6 +257,16 @@ class RedisTier:
         self.stats = RedisStats()
         self._next_try = 0.0
         self._redis = redis
+        self.auth = RedisAuth(secret)
+        if secret is None:
+            log.warning("redis tier %s has no secret: anyone who can write to it can plant KV and entry records for "
+                        "any tenant (values are checked for corruption and placement only)", url)
+
+    def _rejected(self, kind: str, found: list[tuple[bytes, str]]) -> None:
+        """Count values not served, with one log line for them (the kind and first key, never the secret)."""
+        self.stats.rejected[kind] += len(found)
+        log.warning("redis tier: not serving %d %s value(s) read back; first %s: %s", len(found), kind,
+                    found[0][0].decode(errors="replace")[:80], found[0][1])
 
     def _send_sets(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
         """SET key (head + data) EX ttl for each item, pipelined on one connection. The commands are packed here so
@@ -287,7 +324,11 @@ class RedisTier:
         if not items or not self._usable():
             return False if items else True
         try:
-            self._send_sets([(self._key(h), *block_parts(layout_key, block)) for h, layout_key, block in items])
+            sets = []
+            for h, layout_key, block in items:
+                head, data = block_parts(layout_key, block)
+                sets.append((self._key(h), self.auth.seal_block(self._key(h), head, data), data))
+            self._send_sets(sets)
         except self._errors as exc:
             self._failed(exc)
             return False
@@ -326,37 +367,35 @@ class RedisTier:
         self._ok()
         return found
 
-    def get_many(self, hashes: list[BlockHash], layout_key: str) -> dict[BlockHash, torch.Tensor]:
-        """The blocks found, valid and of this layout (views of the received bytes: read them, never write into
-        them); corrupt ones are deleted and counted."""
+    def get_many(self, hashes: list[BlockHash], layout: PoolLayout | str) -> dict[BlockHash, torch.Tensor]:
+        """The blocks found whose tag, checksum, layout key, dtype and shape ([L, 2, H_kv, block_size, D] of
+        `layout`) check out: views of the received bytes (read them, never write into them). The others are misses,
+        counted and deleted. A bare layout key (a caller without the layout, e.g. a benchmark) checks the key only."""
         if not hashes or not self._usable():
             return {}
+        keys = [self._key(h) for h in hashes]
         try:
-            blobs = self._client.mget([self._key(h) for h in hashes])
+            blobs = self._client.mget(keys)
         except self._errors as exc:
             self._failed(exc)
             return {}
         self._ok()
         self.stats.gets += len(hashes)
         found: dict[BlockHash, torch.Tensor] = {}
-        bad = []
-        for block_hash, blob in zip(hashes, blobs):
+        rejected, bad = [], []
+        for block_hash, key, blob in zip(hashes, keys, blobs):
             if blob is None:
                 continue
             try:
-                key, block = decode_block(blob)
-            except ValueError as exc:
-                log.warning("redis tier: dropping block %s: %s", block_hash.hex(), exc)
-                self.stats.corrupt += 1
+                self.auth.open_block(key, blob)  # nothing else is parsed before it checks out
+                found[block_hash] = _fitting(*decode_block(blob), layout)
+            except ValueError as exc:  # ForgedValue among them
+                rejected.append((key, str(exc)))
                 bad.append(block_hash)
-                continue
-            if key != layout_key:
-                self.stats.corrupt += 1
-                bad.append(block_hash)
-                continue
-            found[block_hash] = block
         self.stats.hits += len(found)
-        if bad:
+        if bad:  # deleted, not left to be refreshed as if held (a replica's write puts the block back)
+            self._rejected("block", rejected)
+            self.stats.corrupt += len(bad)
             self.delete_many(bad)
         return found
 
@@ -378,10 +417,12 @@ class RedisTier:
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, record, source_key in items:
-                pipe.set(self.ENTRY_PREFIX + key.encode(), record, ex=self.ttl_s)
+                redis_key = self.ENTRY_PREFIX + key.encode()
+                pipe.set(redis_key, self.auth.seal_record(redis_key, record), ex=self.ttl_s)
                 if source_key is not None:
-                    pipe.sadd(self.DERIVED_PREFIX + source_key.encode(), key)
-                    pipe.expire(self.DERIVED_PREFIX + source_key.encode(), self.ttl_s)
+                    set_key = self.DERIVED_PREFIX + source_key.encode()
+                    pipe.sadd(set_key, self.auth.seal_member(set_key, key))
+                    pipe.expire(set_key, self.ttl_s)
             pipe.execute()
         except self._errors as exc:
             self._failed(exc)
@@ -390,31 +431,51 @@ class RedisTier:
         return True
 
     def get_entries(self, keys: list[str]) -> dict[str, bytes]:
-        """The records found (a miss when the tier is down)."""
+        """The records found whose tags check out (a miss when the tier is down); the others are counted."""
         if not keys or not self._usable():
             return {}
+        redis_keys = [self.ENTRY_PREFIX + k.encode() for k in keys]
         try:
-            blobs = self._client.mget([self.ENTRY_PREFIX + k.encode() for k in keys])
+            blobs = self._client.mget(redis_keys)
         except self._errors as exc:
             self._failed(exc)
             return {}
         self._ok()
-        return {k: b for k, b in zip(keys, blobs) if b is not None}
+        found, rejected = {}, []
+        for key, redis_key, blob in zip(keys, redis_keys, blobs):
+            if blob is not None:
+                try:
+                    found[key] = self.auth.open_record(redis_key, blob)
+                except ForgedValue as exc:
+                    rejected.append((redis_key, str(exc)))
+        if rejected:
+            self._rejected("record", rejected)
+        return found
 
     def derived_entries(self, keys: list[str]) -> list[str]:
-        """The keys of the entries recorded as derived from these (none when the tier is down)."""
+        """The keys of the entries recorded as derived from these, whose tags check out (none when the tier is down)."""
         if not keys or not self._usable():
             return []
+        set_keys = [self.DERIVED_PREFIX + k.encode() for k in keys]
         try:
             pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.smembers(self.DERIVED_PREFIX + k.encode())
+            for set_key in set_keys:
+                pipe.smembers(set_key)
             sets = pipe.execute()
         except self._errors as exc:
             self._failed(exc)
             return []
         self._ok()
-        return sorted({m.decode() for members in sets for m in members})
+        found, rejected = set(), []
+        for set_key, members in zip(set_keys, sets):
+            for member in members:
+                try:
+                    found.add(self.auth.open_member(set_key, member))
+                except (ForgedValue, UnicodeDecodeError) as exc:
+                    rejected.append((set_key, str(exc)))
+        if rejected:
+            self._rejected("derived", rejected)
+        return sorted(found)
 
     def delete_entries(self, keys: list[str]) -> None:
         """The records of these entries, and their derived sets."""
