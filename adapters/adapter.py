@@ -25,6 +25,8 @@ rest of the adapter (mix, token features, bias, start KV) works on z as on one s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +91,8 @@ class Adapter:
     src_basis: torch.Tensor | None = None  # [2 · L_s · d_s, r_s]: the maps read r_s features of every source layer
     # the maps converted to a compute dtype by `maps_in`, kept while the tensors are the same objects, unchanged
     _converted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (the tensors' identities and versions, `digest`) of the last digest computed, carried over by `to`
+    _digest: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         s, t = self.meta.source, self.meta.target
@@ -119,7 +123,8 @@ class Adapter:
                 if tuple(getattr(self, name).shape) != (lt, r, d_t):
                     raise ValueError(f"adapter tensor {name} has shape {tuple(getattr(self, name).shape)}, expected "
                                      f"{(lt, r, d_t)} for token features of rank {r}")
-        if int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= source_layers:
+        if self.layer_map.device.type != "meta" and (  # meta tensors (device checks) hold no values
+                int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= source_layers):
             raise ValueError(f"adapter layer_map refers to source layers outside [0, {source_layers})"
                              + (" (with a source basis the maps read one layer of features)" if source_layers == 1
                                 and self.src_basis is not None else ""))
@@ -154,10 +159,11 @@ class Adapter:
         """[T] target ids -> [T, r] float32 token features, or None without token features."""
         if self.tok_table is None:
             return None
-        ids = torch.as_tensor(target_ids, dtype=torch.int64).to(self.tok_table.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.tok_table.shape[0]):
+        ids = torch.as_tensor(target_ids, dtype=torch.int64)
+        vocab = self.tok_table.shape[0]
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
-        return self.tok_table[ids].float()
+        return self.tok_table[ids.to(self.tok_table.device)].float()  # ids on a device: checked by the kernel
 
     MAPS = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "wk_tok", "wv_tok", "src_basis")
 
@@ -181,11 +187,38 @@ class Adapter:
         return dataclasses.replace(self, **{n: getattr(self, n).to(dtype) for n in names
                                             if getattr(self, n) is not None})
 
+    TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok",
+               "src_basis")
+
+    def _versions(self) -> tuple:
+        return tuple((id(t), t._version) if t is not None else None for t in (getattr(self, n) for n in self.TENSORS))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the adapter's content: its metadata (JSON, keys sorted) and every tensor's name, dtype, shape
+        and bytes. Two adapters with one name and version but other weights differ here, so caches keyed by it never
+        serve one's KV for the other. Computed once (a few hundred ms for a 7B pair's maps), again only when a
+        tensor is replaced or changed in place."""
+        versions = self._versions()
+        if self._digest and self._digest[0] == versions:
+            return self._digest[1]
+        h = hashlib.sha256(json.dumps(dataclasses.asdict(self.meta), sort_keys=True, default=str).encode())
+        for name in self.TENSORS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            flat = t.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"|{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+            h.update(flat.view(torch.uint8).numpy().data if flat.numel() else b"")
+        self._digest = (versions, h.hexdigest())
+        return self._digest[1]
+
     def to(self, device: torch.device | str) -> "Adapter":
-        names = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok",
-                 "src_basis")
-        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in names}
-        return Adapter(meta=self.meta, **move)
+        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in self.TENSORS}
+        moved = Adapter(meta=self.meta, **move)
+        if self._digest and self._digest[0] == self._versions():  # the same content on another device
+            moved._digest = (moved._versions(), self._digest[1])
+        return moved
 
     def check_models(self, source: ModelSpec, target: ModelSpec) -> None:
         """Raise ValueError unless these are the models (config and RoPE) the adapter was fitted for."""
@@ -293,15 +326,16 @@ def _project_tile(adapter: Adapter, segment: KVSegment, alignment: Alignment, ta
     device = adapter.wk.device
     ls, hs, ds_ = segment.num_layers, segment.num_kv_heads, segment.head_dim
     n = t1 - t0
-    idx = alignment.source_index[t0:t1].to(device)
+    idx = alignment.source_index[t0:t1].cpu()  # [n] (the alignment lives on the CPU: no read back from the device)
     mapped = idx >= 0
     gather = idx.clamp(min=0)
-    src = segment.kv.to(device).index_select(3, gather)  # [L_s, 2, H_s, n, D_s]
-    keys = source_rope.unrotate_all(src[:, 0].float(), segment.positions[gather.cpu()])  # [L_s, H_s, n, D_s]
+    src = segment.kv.to(device).index_select(3, gather.to(device))  # [L_s, 2, H_s, n, D_s]
+    keys = source_rope.unrotate_all(src[:, 0].float(), segment.positions.cpu()[gather])  # [L_s, H_s, n, D_s]
     xk = keys.permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)  # a view when H_s == 1
     xv = src[:, 1].float().permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)
     if not bool(mapped.all()):  # unmapped tokens get zero input
-        xk, xv = xk * mapped[None, :, None], xv * mapped[None, :, None]
+        on = mapped.to(device)[None, :, None]
+        xk, xv = xk * on, xv * on
     ids = target_ids[t0:t1]
     yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, ids)  # [L_t, n, d_t]
     tgt = target_rope.spec
@@ -328,14 +362,15 @@ def _project_tile(adapter: Adapter, segment: KVSegment, alignment: Alignment, ta
 
 def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_ids: torch.Tensor,
             source_rope: ModelRope, target_rope: ModelRope, offset: int = 0, dtype: torch.dtype | None = None,
-            accumulate_fp32: bool = True) -> KVSegment:
+            accumulate_fp32: bool = True, tile: int | None = None) -> KVSegment:
     """Project a source segment into the target's KV space: one position per target token.
 
     segment: source KV, rotated, [L_s, 2, H_s, T_s, D_s]; alignment: target -> source token indices ([T_t]);
     target_ids: [T_t]. The result sits at target positions offset .. offset + T_t - 1, rotated, in `dtype`
     (default: the segment's). The target's start token (when not covered by source text) takes its exact stored
     KV; other target tokens without a source token take the map's bias (zero source input; token features, when the
-    adapter has them, still apply).
+    adapter has them, still apply). `tile`: target tokens per step (default: all on a GPU, `cpu_tile_tokens` on a
+    CPU).
     """
     adapter.check_models(source_rope.spec, target_rope.spec)
     if segment.model != source_rope.spec.identity:
@@ -365,7 +400,8 @@ def project(adapter: Adapter, segment: KVSegment, alignment: Alignment, target_i
                             None, accumulate_fp32).to(out_dtype)
         return KVSegment(kv=out, token_ids=target_ids, positions=positions, model=tgt.identity, rotated=True)
     out = torch.empty(lt, 2, ht, t_t, dt, dtype=work if out_dtype == work else out_dtype, device=device)
-    tile = t_t if device.type != "cpu" else cpu_tile_tokens(adapter, segment)
+    if tile is None:
+        tile = t_t if device.type != "cpu" else cpu_tile_tokens(adapter, segment)
     for t0 in range(0, t_t, max(tile, 1)):
         _project_tile(adapter, segment, alignment, target_ids, source_rope, target_rope, positions, t0,
                       min(t0 + tile, t_t), out, accumulate_fp32)

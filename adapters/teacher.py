@@ -33,6 +33,7 @@ import torch
 from kvbridge.adapters.adapter import has_text_source, model_record
 from kvbridge.adapters.pairs import flatten_heads, pair_text
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.attention import switched_attention
 from kvbridge.transfer.models import LoadedModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -110,11 +111,8 @@ def capture_attention(model: torch.nn.Module):
 
     ALL_ATTENTION_FUNCTIONS.register(CAPTURE, attend)
     ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    model.config._attn_implementation = CAPTURE
-    try:
+    with switched_attention(model, CAPTURE):
         yield records
-    finally:
-        model.config._attn_implementation = original
 
 
 # ------------------------------------------------------------------------------------------------------ teacher data

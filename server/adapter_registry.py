@@ -1,9 +1,11 @@
 """The adapters a server can use: loaded by bare name from one folder (never a path outside it), checked against
 the served models, one default per (source, target) pair. Only safetensors files are ever read.
 
-Defaults: the server's (set at start, or by an in-process `add`/`load` without a tenant) serve every tenant; a
-tenant's LoadAdapter(make_default) sets that tenant's own default for the pair, which no other tenant sees (one
-tenant must not change what another's requests are projected with)."""
+Tenants: one tenant must never change what another's requests are projected with. The server's adapters and
+defaults (set at start, or by an in-process `add`/`load` without a tenant) serve every tenant; what a tenant loads
+(LoadAdapter, or a request naming an adapter not loaded yet) is that tenant's own, under its name, and shadows the
+server's adapter of that name for that tenant only; LoadAdapter(make_default) sets that tenant's own default.
+Adapters of equal content (`Adapter.digest`) are one object in memory, however many tenants load them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import logging
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +60,9 @@ class AdapterRegistry:
         self.source = source
         self.targets = {t.identity.config_hash: t for t in targets}
         self.device = device
-        self._loaded: dict[str, Adapter] = {}
+        self._loaded: dict[str, Adapter] = {}  # name -> the server's adapter (every tenant's)
+        self._tenant_loaded: dict[tuple[str, str], Adapter] = {}  # (tenant, name) -> what that tenant loaded
+        self._by_digest: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # digest -> adapter on device
         self._defaults: dict[str, str] = {}  # target config hash -> adapter name (the server's default)
         self._tenant_defaults: dict[tuple[str, str], str] = {}  # (tenant, target config hash) -> adapter name
         self._lock = threading.RLock()  # _info is called with it held
@@ -96,9 +101,15 @@ class AdapterRegistry:
                 if meta is not None:
                     out[path.stem] = self._info(path.stem, meta, tenant)
         with self._lock:
-            for name, adapter in self._loaded.items():
-                out[name] = self._info(name, _meta_dict(adapter), tenant)
+            for name in {*self._loaded, *(n for t, n in self._tenant_loaded if t == tenant)}:
+                out[name] = self._info(name, _meta_dict(self._lookup(name, tenant)), tenant)
         return [out[k] for k in sorted(out)]
+
+    def _lookup(self, name: str, tenant: str | None) -> Adapter | None:
+        """The adapter `name` as `tenant` sees it: its own, else the server's; None when neither is loaded."""
+        with self._lock:
+            own = self._tenant_loaded.get((tenant, name)) if tenant is not None else None
+            return own if own is not None else self._loaded.get(name)
 
     def _default_name(self, target_hash: str, tenant: str | None) -> str | None:
         """The adapter a request naming none uses for this target: the tenant's own default, else the server's."""
@@ -108,7 +119,7 @@ class AdapterRegistry:
 
     def _info(self, name: str, meta: dict, tenant: str | None = None) -> AdapterInfo:
         with self._lock:
-            loaded = name in self._loaded
+            loaded = self._lookup(name, tenant) is not None
             default = self._default_name(str(meta.get("target", {}).get("config_hash", "")), tenant) == name
         return AdapterInfo(name=name, source_model=meta.get("source", {}).get("name", "?"),
                            target_model=meta.get("target", {}).get("name", "?"), version=str(meta.get("version", "")),
@@ -128,21 +139,27 @@ class AdapterRegistry:
 
     def add(self, name: str, adapter: Adapter, make_default: bool = False, tenant: str | None = None
             ) -> AdapterInfo:
-        """Register an adapter object (an in-memory one, or one just read from the folder). make_default: the
-        server's default for its pair, or with a tenant that tenant's own."""
+        """Register an adapter object (an in-memory one, or one just read from the folder): the server's (every
+        tenant's) without a tenant, else that tenant's own. make_default: the server's default for its pair, or with
+        a tenant that tenant's own; the first adapter of a pair with no default becomes the default the same way."""
         name = check_name(name)
         target = self._target_of(adapter, name)
-        adapter = adapter.to(self.device)
+        digest = adapter.digest  # computed once here, before the move; kept by `to`
         target_hash = target.identity.config_hash
         with self._lock:
-            self._loaded[name] = adapter
-            if make_default and tenant is not None:
-                self._tenant_defaults[(tenant, target_hash)] = name
-            elif make_default or target_hash not in self._defaults:
-                self._defaults[target_hash] = name
-        log.info("adapter %s loaded: %s -> %s%s", name, self.source.name, target.name,
-                 f" (default for tenant {tenant})" if make_default and tenant is not None else
-                 " (default)" if self._defaults.get(target_hash) == name else "")
+            shared = self._by_digest.get(digest)
+            adapter = shared if shared is not None else adapter.to(self.device)
+            self._by_digest[digest] = adapter
+            if tenant is not None:
+                self._tenant_loaded[(tenant, name)] = adapter
+                if make_default or self._default_name(target_hash, tenant) is None:
+                    self._tenant_defaults[(tenant, target_hash)] = name
+            else:
+                self._loaded[name] = adapter
+                if make_default or target_hash not in self._defaults:
+                    self._defaults[target_hash] = name
+        log.info("adapter %s (%s) loaded%s: %s -> %s%s", name, digest[:16], f" for tenant {tenant}" if tenant else "",
+                 self.source.name, target.name, " (default)" if self._default_name(target_hash, tenant) == name else "")
         return self._info(name, _meta_dict(adapter), tenant)
 
     def load(self, name: str, make_default: bool = False, tenant: str | None = None) -> AdapterInfo:
@@ -182,24 +199,24 @@ class AdapterRegistry:
 
     def resolve(self, name: str, source: ModelSpec, target: ModelSpec, tenant: str | None = None
                 ) -> tuple[str, Adapter]:
-        """(label "name@version", adapter) for a request: the named one (loaded from the folder on first use) or
-        the pair's default (the tenant's own, else the server's)."""
+        """(label "name@version", adapter) for a request: the named one as the tenant sees it (loaded from the
+        folder on first use, as the tenant's own) or the pair's default (the tenant's own, else the server's).
+        Caches key projections by the adapter's `digest`, not by the label: a file replaced under the same name
+        and version is another adapter."""
         if name:
             bare = check_name(name)
-            with self._lock:
-                adapter = self._loaded.get(bare)
+            adapter = self._lookup(bare, tenant)
             if adapter is None:
                 try:
-                    bare = self.load(name).name
+                    bare = self.load(name, tenant=tenant).name
                 except FileNotFoundError:
                     raise ValueError(f"adapter: unknown adapter {bare!r} (not loaded, not in the adapter folder)"
                                      ) from None
-                with self._lock:
-                    adapter = self._loaded[bare]
+                adapter = self._lookup(bare, tenant)
         else:
             with self._lock:
                 bare = self._default_name(target.identity.config_hash, tenant)
-                adapter = self._loaded.get(bare) if bare else None
+                adapter = self._lookup(bare, tenant) if bare else None
             if adapter is None:
                 raise FailedPrecondition(f"no adapter is loaded for {source.name!r} -> {target.name!r}: fit one with "
                                          "`train-adapter`, put it in the adapter folder and call LoadAdapter")

@@ -47,6 +47,13 @@ class StoreCollector:
         if s.redis is not None:
             yield GaugeMetricFamily("kvbridge_store_redis_up", "1 when the Redis tier answers",
                                     value=1 if s.redis.get("available") else 0)
+            rejected = CounterMetricFamily("kvbridge_store_redis_rejected",
+                                           "values read from Redis and not served: a tag that does not check out "
+                                           "(forged, moved from another key, another secret), or a block that does "
+                                           "not fit its record", labels=["kind"])
+            for kind, n in sorted(s.redis["rejected"].items()):
+                rejected.add_metric([kind], n)
+            yield rejected
 
 
 class TokenCollector:

@@ -28,7 +28,7 @@ from kvbridge.transfer.store import EntryInfo
 
 log = logging.getLogger("kvbridge.server.service")  # one logger for the service's lines, wherever they are written
 
-__all__ = ["CacheResult", "KVOut", "Projecting", "ServedModel"]
+__all__ = ["CacheResult", "KVOut", "Projecting", "ServedModel", "cache_label"]
 
 
 @dataclass
@@ -64,6 +64,13 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
     mode: str = ""  # projected: the correction served ("replace", "blend:0.1", ...); "" for source caches
     recomputed: tuple[int, ...] = ()  # projected: positions whose KV a correction recomputed with the target
+
+
+def cache_label(label: str, adapter: Adapter) -> str:
+    """The adapter's part of a stored projection's namespace: its label ("name@version", what clients are told) and
+    its content digest, so a retrained adapter saved under the same name and version never finds the old one's KV
+    in the store, nor, through the entry keys they are tagged with, in the wire cache or kept shared-memory files."""
+    return f"{label}~{adapter.digest[:32]}"
 
 
 class Projecting:
@@ -111,7 +118,7 @@ class Projecting:
             return self._projection(tenant, key, text, target_model, adapter, offset, require_cached, out)
         target = self.model(target_model, "target")
         label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
-        tag = f"{label}|{correction}"  # the stored correction's namespace is "<tag>#<source key>"
+        tag = f"{cache_label(label, chosen)}|{correction}"  # the stored correction's namespace is "<tag>#<source key>"
         source_key = key or self._cached_source_key(tenant, text)
         warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
             if source_key else None
@@ -160,8 +167,9 @@ class Projecting:
         target = self.model(target_model, "target")
         source = self.models[self.source_name]
         label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
+        ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
-        warm = self._cached_projection(tenant, source_key, label, target, None if offset else out) \
+        warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out) \
             if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
@@ -181,9 +189,9 @@ class Projecting:
             if offset + t_t > target.max_positions:
                 raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
                                  f"{target.max_positions} positions")
-            namespace = f"{label}#{source_key}"  # projected KV of this source entry through this adapter
+            namespace = f"{ident}#{source_key}"  # projected KV of this source entry through this adapter
             with self._projecting:
-                projected, reused = self._project_reusing(tenant, source_key, segment, paired, label, chosen, source,
+                projected, reused = self._project_reusing(tenant, source_key, segment, paired, ident, chosen, source,
                                                           target)
             self._count("projection", reused=reused, computed=t_t - reused)
             # linked to its source entry (a Delete of that removes it too); a no-op when already there

@@ -13,7 +13,7 @@ import torch
 import zoo
 from kvbridge.eval.flops import FlopModel
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.models import GROUPED_SDPA
+from kvbridge.transfer.attention import GROUPED_SDPA, eager_attention
 from kvbridge.transfer.suffix.blend import (
     BlendConfig,
     attention_received,
@@ -87,7 +87,7 @@ def test_attention_received_is_the_models_own_attention_over_exact_kv(name):
     score = attention_received(lm, context, exact, window, from_layer=start)
     assert lm.model.config._attn_implementation == GROUPED_SDPA  # switched back
     ids = torch.cat((context.token_ids, exact.token_ids))
-    with kvcache.eager_attention(lm.model):
+    with eager_attention(lm.model):
         weights = lm.model(input_ids=ids[None], output_attentions=True).attentions
     want = sum(a[0, :, c + t - window:, c:c + t - window].sum(dim=(0, 1)) for a in weights[start:])
     assert torch.allclose(score[:t - window], want, atol=1e-4, rtol=1e-4)

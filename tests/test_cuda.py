@@ -24,7 +24,7 @@ def test_the_store_pool_lives_on_the_gpu_and_its_cpu_tier_is_pinned():
     segs = [KVSegment(kv=torch.randn(2, 2, 2, 48, 8, dtype=torch.bfloat16), token_ids=torch.arange(i, i + 48),
                       positions=torch.arange(48), model=model, rotated=True) for i in (0, 100)]
     keys = [st.put(s, "t").key for s in segs]  # 3 + 3 blocks in a 4-block pool: the first entry demotes
-    assert next(iter(st.pools.values())).kv.device.type == "cuda"
+    assert next(iter(st.pools.values())).kv_device.type == "cuda"
     assert all(tensor.is_pinned() for _, (_, tensor) in st.cpu._blocks.items())
     for key, seg in zip(keys, segs):
         got = st.get(key, "t")

@@ -126,7 +126,7 @@ def test_flash_attn_is_used_only_where_a_forward_through_it_works():
     lm = random_model(zoo.configs()["qwen2"], "q", device="cuda", dtype="auto")
     assert lm.spec.dtype == "bfloat16"
     expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-    assert lm.model.config._attn_implementation in (expected, "sdpa")  # sdpa when flash-attn failed its forward
+    assert lm.model.config._attn_implementation == expected  # flash-attn where installed: no silent fallback
 
 
 def test_preset_errors():

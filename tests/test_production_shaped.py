@@ -150,7 +150,8 @@ def test_production_counts_from_the_shipped_shapes(capsys):
     s, t = shapes["source"]["config"], shapes["target"]["config"]
     assert (kv_bytes_per_token(s), kv_bytes_per_token(t)) == (57_344, 393_216)
     assert 7.5e9 < parameter_count(s) < 7.7e9 and 3.7e9 < parameter_count(t) < 3.9e9  # 7.6B and 3.8B published
-    assert "0.50 M source tokens" in capacity_lines(80)[0] and "1.03 M source tokens" in capacity_lines(141)[0]
+    assert "0.49 M source tokens" in capacity_lines(80)[0] and "1.03 M source tokens" in capacity_lines(141)[0]
+    assert "0.062 M tokens with their projection" in capacity_lines(80)[0] and "0.12 M source" in capacity_lines(80)[1]
     assert "do not fit" in capacity_lines(16)[0]
     assert main(["models", "info", "--preset", "production", "--source", "/nonexistent/qwen",
                  "--target", "/nonexistent/phi3"]) == 1

@@ -4,12 +4,15 @@ every token over a wrong cache is exact; recomputing none changes nothing; the m
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import replace
 
 import pytest
 import torch
 import zoo
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.suffix.blend import BlendConfig, blend
 from kvbridge.transfer.suffix.reuse import layer_masks, prefill_after, recompute_selected
 
 MIXES = ["qwen2", "phi3-sliding", "mistral-sliding", "gemma3"]
@@ -61,3 +64,25 @@ def test_masks_take_the_form_each_model_reads():
     assert both["full_attention"][0, 0, 0].sum() == 39 and both["sliding_attention"][0, 0, 0].sum() == 16
     plain = layer_masks(zoo.build("qwen2"), allowed, q_pos, k_pos)
     assert isinstance(plain, torch.Tensor) and torch.equal(plain[0, 0], allowed)
+
+
+def test_a_model_loaded_with_flash_attention_recomputes_through_sdpa_and_keeps_its_choice():
+    """On a GPU in bf16 the target loads with flash_attention_2, which takes no custom mask. flash-attn is not
+    installed here, so a forward that reached it would fail: selective recompute (alone and inside blend) must run
+    its masked forward through SDPA, give the SDPA model's KV, and leave the model's own choice as it was."""
+    lm = zoo.build("phi3-sliding")
+    flash = dataclasses.replace(lm, model=copy.deepcopy(lm.model))
+    flash.model.config._attn_implementation = "flash_attention_2"  # as load_model leaves it on a GPU
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, lm.spec.vocab_size, (60,), generator=gen)
+    context = kvcache.extract(lm.model, lm.spec, ids[:25])
+    _, wrong = _wrong_after(lm, context, ids[25:])
+    with pytest.raises(Exception, match="flash|kernels"), torch.no_grad():  # the flag is live: a forward fails
+        flash.model(input_ids=ids[None, :4])
+    selected = torch.tensor([0, 3, 4, 20, 34])
+    fixed = recompute_selected(flash, context, wrong, selected)
+    assert torch.equal(fixed.kv, recompute_selected(lm, context, wrong, selected).kv)
+    assert flash.model.config._attn_implementation == "flash_attention_2"
+    config = BlendConfig(fraction=0.3)  # the served default rule: an eager scoring pass, then the masked forward
+    assert torch.equal(blend(flash, context, wrong, config).segment.kv, blend(lm, context, wrong, config).segment.kv)
+    assert flash.model.config._attn_implementation == "flash_attention_2"

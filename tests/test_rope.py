@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import random_model
-from kvbridge.transfer.rope import rotate, rotate_half, unrotate
+from kvbridge.transfer.rope import ModelRope, rotate, rotate_half, unrotate
+from kvbridge.transfer.spec import find_rotary_module
 
 
 def tables(positions: torch.Tensor, dim: int, base: float = 10000.0, scale: float = 1.0):
@@ -105,17 +108,20 @@ def test_batched_all_layer_ops_equal_per_layer_ops():
         lm.rope.rotate_all(leaf, pos, out=out)
 
 
-def test_longrope_beyond_original_length_uses_long_factors_consistently():
+def test_longrope_is_exact_below_its_original_window_and_refuses_positions_past_it():
     lm = zoo.build("phi3-longrope")  # original_max_position_embeddings 256
-    short = lm.rope.cos_sin(0, torch.arange(10))[0]
-    long = lm.rope.cos_sin(0, torch.arange(300))[0][:10]
-    assert not torch.allclose(short, long), "a call reaching past 256 must switch to the long factors"
-    ids = torch.randint(0, lm.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
-    from kvbridge.transfer import kvcache
-
-    seg = kvcache.extract(lm.model, lm.spec, ids)
+    ids = torch.randint(0, lm.spec.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    seg = kvcache.extract(lm.model, lm.spec, ids)  # the model's own keys (short factors: its forward stays < 256)
     un = lm.rope.unrotate_all(seg.keys, seg.positions)
     assert torch.allclose(lm.rope.rotate_all(un, seg.positions), seg.keys, atol=1e-5)
+    moved = lm.rope.shift_all(seg.keys[:, :, :10], seg.positions[:10], seg.positions[:10] + 246)  # up to 255: fine
+    assert torch.allclose(lm.rope.unrotate_all(moved, seg.positions[:10] + 246), un[:, :, :10], atol=1e-5)
+    # a call reaching past 256 would switch every key to the long factors: refused, naming model, layer and rule
+    for call in (lambda: lm.rope.cos_sin(0, torch.arange(300)),
+                 lambda: lm.rope.rotate_all(un, seg.positions + 100),
+                 lambda: lm.rope.shift_all(seg.keys[:, :, :10], seg.positions[:10], seg.positions[:10] + 250)):
+        with pytest.raises(ValueError, match=r"phi3-longrope.*layer 0: longrope.*positions >= 256"):
+            call()
 
 
 def test_dynamic_rope_refuses_positions_it_cannot_reproduce():
@@ -130,7 +136,7 @@ def test_asking_for_tables_does_not_change_the_live_model():
     lm = zoo.build("phi3-longrope")
     live = next(m for n, m in lm.model.named_modules() if n.endswith("rotary_emb"))
     before = live.inv_freq.clone()
-    lm.rope.cos_sin(0, torch.arange(1000))
+    lm.rope._compute_tables(lm.spec.layers[0].rope, torch.arange(1000))  # past 256: the module switches factors
     assert torch.equal(live.inv_freq, before)
 
 
@@ -164,3 +170,25 @@ def test_rotation_is_differentiable_and_agrees_with_the_fast_path():
     y.sum().backward()
     assert torch.allclose(x.grad, torch.ones_like(x), atol=1e-5)
     assert torch.allclose(rotate(x, cos, sin), rotate(x.detach(), cos, sin))  # autograd path == fast path
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3-partial", "gemma3"])
+def test_the_convention_probe_and_the_rotations_make_their_tensors_on_the_models_device(name):
+    """A model on CUDA must get no CPU tensor from kvbridge's RoPE code (its own apply_rotary_pos_emb would raise and
+    every load on a GPU fail). The "meta" device stands in for CUDA on a CPU-only build: like CUDA, mixing it with
+    CPU tensors raises. (FakeTensorMode's fake CUDA cannot index a tensor on a CPU-only build, so it cannot run the
+    modeling code.) Positions stay CPU tensors, as callers pass them; no value is read."""
+    lm = zoo.build(name)
+    model = copy.deepcopy(lm.model).to("meta")
+    rope = ModelRope(lm.spec, find_rotary_module(model, name))
+    for layer in sorted({layer.index for layer in lm.spec.layers if layer.rope is not None}):
+        ours, theirs = rope.convention_probe(model, layer)
+        assert ours.device.type == theirs.device.type == "meta" and ours.shape == theirs.shape
+    keys = torch.empty(lm.spec.num_layers, lm.spec.num_kv_heads, 5, lm.spec.head_dim, device="meta")
+    pos = torch.arange(5)
+    cos, sin = rope.cos_sin(0, pos)
+    for out in (rope.rotate_all(keys, pos), rope.unrotate_all(keys, pos), rope.shift_all(keys, pos, pos + 3),
+                rope.rotate_all(keys, pos, out=torch.empty(keys.shape, device="meta")),
+                rope.shift(keys[0], 0, pos, pos + 3)[None].expand_as(keys), rotate(keys, cos, sin),
+                unrotate(keys, cos, sin)):
+        assert out.device.type == "meta" and out.shape == keys.shape

@@ -71,7 +71,7 @@ def cmd_models_info(args: argparse.Namespace) -> int:
                 print(f"{role} {item['name']} ({item['from']}): {kv_bytes_per_token(item['config']):,} KV bytes/token "
                       "in bf16")
         for gb in args.gpu_gb:
-            print(capacity_lines(gb)[0])
+            print("\n".join(capacity_lines(gb)))
     try:
         source, target = load_pair(args.preset, args.source, args.target, dtype=args.dtype, device=args.device)
     except FileNotFoundError as exc:

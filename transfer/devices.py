@@ -1,7 +1,7 @@
 """Devices and dtypes by name: device "auto" picks CUDA when present; dtype "auto" is bfloat16 on CUDA (what the
-production pair runs in, and what flash-attn needs) and float32 elsewhere (CPU bf16 matmuls are slow and inexact). `compute_dtype` says what dtype a
-half-precision operand's matmuls run in: its own on CUDA and on CPUs with native bf16/fp16 GEMM, float32 on the
-others."""
+production pair runs in, and what flash-attn needs) and float32 elsewhere (CPU bf16 matmuls are slow and
+inexact). `compute_dtype` says what dtype a half-precision operand's matmuls run in: its own on CUDA and on CPUs with
+native bf16/fp16 GEMM, float32 on the others."""
 
 from __future__ import annotations
 

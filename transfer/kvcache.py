@@ -10,8 +10,7 @@ every token of every layer (the prefill's attention masks come from the config e
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from kvbridge.transfer.segment import KVSegment
@@ -199,22 +198,6 @@ def forward_through(model: nn.Module, layer: int, **forward_kwargs) -> None:
         pass
     finally:
         handle.remove()
-
-
-@contextmanager
-def eager_attention(model: nn.Module) -> Iterator[None]:
-    """Within the block the model runs eager attention (the only kind that returns its weights, for
-    `output_attentions`); its own implementation comes back after, even on an error. The switch is the model's:
-    no other thread may run the same model meanwhile."""
-    before = model.config._attn_implementation
-    if before == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -19,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from kvbridge.transfer.attention import GROUPED_SDPA
 from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.spec import ModelSpec, read_spec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as hf_logging
 
 log = logging.getLogger(__name__)
@@ -39,37 +37,9 @@ def kvbridge_home() -> Path:
     return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge")
 
 
-GROUPED_SDPA = "kvbridge_sdpa"  # transformers' SDPA attention, with KV heads shared by query heads read as they are
-
-
-def _grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except in one case: several query tokens with a mask (a prefill over a cache,
-    or selective recompute's custom mask) and KV heads shared by several query heads. There transformers repeats K
-    and V for every query head before PyTorch's SDPA, a copy of the whole cache in every layer; this passes them as
-    they are (`enable_gqa`), the same arithmetic (an 11-token prefill over 2,049 cached tokens of SmolLM2-135M on one
-    CPU thread: 190 ms -> 147 ms, identical logits). q [B, H, q, D], k and v [B, H_kv, k, D], the mask [B, 1, q, k]
-    (bool, or float added to the scores; sliding windows are in it) -> ([B, q, H, D], None)."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain = not (kwargs.get("softcap") or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
-                 or kwargs.get("output_attentions"))
-    if attention_mask is None or query.shape[2] == 1 or groups == 1 or not plain or attention_mask.dim() != 4:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-ALL_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, _grouped_sdpa)
-ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-SDPA_NAMES = ("sdpa", GROUPED_SDPA)  # PyTorch SDPA, either way: takes any boolean or float mask
-
-
 def attention_implementation(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """flash-attention-2 where it can run (CUDA, fp16 or bf16, the flash-attn package installed); on the CPU,
-    PyTorch SDPA with shared KV heads read in place (`_grouped_sdpa`); transformers' SDPA otherwise (on CUDA,
+    PyTorch SDPA with shared KV heads read in place (`attention.GROUPED_SDPA`); transformers' SDPA otherwise (on CUDA,
     PyTorch's fast kernels take a grouped query only without a mask). `check_attention` confirms the choice with a
     forward once the model is loaded."""
     if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)

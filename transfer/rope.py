@@ -122,32 +122,11 @@ class ModelRope:
         Returns the largest absolute difference seen. Raises ValueError (naming model, layer and reason) when the
         modeling code has no such function or rotates differently (e.g. interleaved pairs).
         """
-        modeling = sys.modules.get(type(model).__module__)
-        apply = getattr(modeling, "apply_rotary_pos_emb", None)
-        first_layer = {rope: layers[0] for rope, layers in self.families}
-        if not first_layer:
-            return 0.0
-        if apply is None:
-            raise ValueError(
-                f"model {self.spec.name!r} layer {min(first_layer.values())}: {type(model).__module__} defines no "
-                "apply_rotary_pos_emb, so kvbridge cannot verify how it rotates keys"
-            )
         worst = 0.0
-        gen = torch.Generator().manual_seed(0)
-        for rope, layer in first_layer.items():
-            positions = torch.tensor([0, 1, 7, 100, 1000, 4095])
-            positions = positions[positions < max(rope.original_max_positions, 2)]
-            cos, sin = self.cos_sin(layer, positions)
-            # keys: [1, H, T, D] like the attention module sees them
-            k = torch.randn(1, self.spec.num_kv_heads, positions.numel(), self.spec.head_dim, generator=gen)
-            try:
-                _, theirs = apply(k.clone(), k.clone(), cos[None], sin[None])
-            except Exception as exc:  # a signature we do not know how to call
-                raise ValueError(
-                    f"model {self.spec.name!r} layer {layer}: could not call {type(model).__module__}."
-                    f"apply_rotary_pos_emb(q, k, cos, sin) to verify the RoPE convention: {exc}"
-                ) from exc
-            err = float((rotate(k, cos, sin) - theirs).abs().max())
+        for _, layers in self.families:  # the first layer of each RoPE family
+            layer = layers[0]
+            ours, theirs = self.convention_probe(model, layer)
+            err = float((ours - theirs).abs().max())
             if err > atol:
                 raise ValueError(
                     f"model {self.spec.name!r} layer {layer}: its RoPE does not follow the rotate_half convention "
@@ -156,6 +135,34 @@ class ModelRope:
                 )
             worst = max(worst, err)
         return worst
+
+    def convention_probe(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random keys rotated by `rotate` and by the model's own `apply_rotary_pos_emb` at a few positions of
+        `layer`: (ours, theirs), each [1, H, T, D] on the device of the model's rotary module, where every tensor made
+        here lives (a model on CUDA gets no CPU tensor). No value is read back, so the probe runs on fake tensors."""
+        rope = self.layer_rope(layer)
+        if rope is None:
+            raise ValueError(f"layer {layer} of {self.spec.name!r} applies no RoPE: there is no convention to check")
+        modeling = sys.modules.get(type(model).__module__)
+        apply = getattr(modeling, "apply_rotary_pos_emb", None)
+        if apply is None:
+            raise ValueError(
+                f"model {self.spec.name!r} layer {layer}: {type(model).__module__} defines no "
+                "apply_rotary_pos_emb, so kvbridge cannot verify how it rotates keys"
+            )
+        valid = [p for p in (0, 1, 7, 100, 1000, 4095) if p < max(rope.original_max_positions, 2)]
+        positions = torch.tensor(valid, dtype=torch.long, device=self._device)  # [T], all valid: no check needed
+        cos, sin = self._compute_tables(rope, positions)
+        gen = torch.Generator().manual_seed(0)  # keys drawn on the CPU (the same in every process), then moved
+        k = torch.randn(1, self.spec.num_kv_heads, len(valid), self.spec.head_dim, generator=gen).to(self._device)
+        try:
+            _, theirs = apply(k.clone(), k.clone(), cos[None], sin[None])  # keys: [1, H, T, D] as attention sees
+        except Exception as exc:  # a signature we do not know how to call
+            raise ValueError(
+                f"model {self.spec.name!r} layer {layer}: could not call {type(model).__module__}."
+                f"apply_rotary_pos_emb(q, k, cos, sin) to verify the RoPE convention: {exc}"
+            ) from exc
+        return rotate(k, cos, sin), theirs
 
     def layer_rope(self, layer: int) -> RopeSpec | None:
         if not 0 <= layer < self.spec.num_layers:
@@ -175,12 +182,19 @@ class ModelRope:
             raise ValueError(f"positions must be 1-D [T], got shape {tuple(positions.shape)}")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
-        if rope.rope_type == "dynamic" and positions.numel() and int(positions.max()) >= rope.original_max_positions:
+        if rope.position_dependent and positions.numel() and int(positions.max()) >= rope.original_max_positions:
+            how = {"dynamic": "dynamic-NTK RoPE rescales its frequencies with the longest sequence seen",
+                   "longrope": "longrope switches every position's factors to its long ones once a call reaches past "
+                               "original_max_position_embeddings (Phi-3-128k)"}[rope.rope_type]
             raise ValueError(
-                f"{self.spec.name!r} layer {layer}: dynamic-NTK RoPE rescales its frequencies with the longest "
-                f"sequence seen, so keys at positions >= {rope.original_max_positions} cannot be re-rotated exactly "
-                f"(got position {int(positions.max())})"
+                f"{self.spec.name!r} layer {layer}: {how}, so keys at positions >= {rope.original_max_positions} "
+                f"cannot be re-rotated exactly (got position {int(positions.max())}); keep documents and their "
+                f"placement below {rope.original_max_positions} tokens"
             )
+        return self._compute_tables(rope, positions)
+
+    def _compute_tables(self, rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] (checked) -> cos, sin [T, R] float32 on the rotary module's device; reads no value back."""
         dummy = torch.empty(0, dtype=torch.float32, device=self._device)
         pos = positions.to(device=self._device, dtype=torch.long)[None]
         with torch.no_grad():

@@ -85,9 +85,15 @@ def parameter_count(config: dict) -> int:
     return embeddings + layers * (attention + mlp + 2 * hidden) + hidden
 
 
+STORE_BLOCK_TOKENS = 16  # StoreConfig.block_size's default: the store holds whole blocks of this many tokens
+STORE_SLAB_BYTES = 256 << 20  # StoreConfig.slab_bytes's default: a layout's last slab may be partly empty
+
+
 def capacity_lines(gpu_gb: float, store_fraction: float = 0.5) -> list[str]:
     """What one GPU of `gpu_gb` GB holds for the production pair in bf16: the weights of both models, then the
-    store's share (`store_fraction` of the rest) in tokens of source KV, and of source + projected KV."""
+    store's share (`store_fraction` of the rest, one byte budget for every layout) in tokens of source KV alone, and
+    of source KV with its projection kept (as many target tokens), in whole 16-token blocks with a partly empty slab
+    per layout left out; then what a fixed quarter per layout (the store before issue 35) held of the same."""
     shapes = production_shapes()
     s, t = shapes["source"]["config"], shapes["target"]["config"]
     weights = 2 * (parameter_count(s) + parameter_count(t))
@@ -96,7 +102,12 @@ def capacity_lines(gpu_gb: float, store_fraction: float = 0.5) -> list[str]:
         return [f"{gpu_gb:g} GB GPU: the two models' bf16 weights ({weights / 1e9:.1f} GB) do not fit"]
     store = free * store_fraction
     bs, bt = kv_bytes_per_token(s), kv_bytes_per_token(t)
+    block = STORE_BLOCK_TOKENS
+    source_only = (store - STORE_SLAB_BYTES) // (bs * block) * block
+    with_projections = (store - 2 * STORE_SLAB_BYTES) // ((bs + bt) * block) * block
     return [f"{gpu_gb:g} GB GPU: weights {weights / 1e9:.1f} GB (bf16, both models); the store's "
-            f"{store_fraction:.0%} of the remaining {free / 1e9:.1f} GB = {store / 1e9:.1f} GB holds "
-            f"{store / bs / 1e6:.2f} M source tokens, or {store / (bs + bt) / 1e6:.3f} M tokens with their "
-            f"projection ({bs + bt:,} B/token)"]
+            f"{store_fraction:.0%} of the remaining {free / 1e9:.1f} GB = {store / 1e9:.1f} GB, one budget for both "
+            f"layouts, holds {source_only / 1e6:.2f} M source tokens, or {with_projections / 1e6:.3f} M tokens with "
+            f"their projection kept ({bs + bt:,} B/token)",
+            f"{gpu_gb:g} GB GPU, before (a fixed quarter of the store per layout): {store / 4 / bs / 1e6:.2f} M source "
+            f"tokens, {store / 4 / bt / 1e6:.3f} M with their projection kept (the projections' quarter is the limit)"]

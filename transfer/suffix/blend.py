@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.attention import eager_attention
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.induction import InductionPrior
@@ -129,7 +130,7 @@ def attention_received(lm: LoadedModel, context: KVSegment, placed: KVSegment, w
     param = next(lm.model.parameters())
     head = torch.cat((context.kv, placed.kv[:, :, :, :t - window].to(context.kv)), dim=3)
     cache = kvcache.build_cache(head.to(device=param.device, dtype=param.dtype)[:, :, None])
-    with kvcache.eager_attention(lm.model):
+    with eager_attention(lm.model):
         out = lm.model(input_ids=placed.token_ids[t - window:][None].to(param.device),
                        position_ids=torch.arange(c + t - window, c + t)[None].to(param.device), cache=cache,
                        use_cache=True, output_attentions=True, logits_to_keep=1)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.attention import eager_attention
 from kvbridge.transfer.spec import ModelSpec
 from torch import nn
 
@@ -52,21 +53,19 @@ def attention_entropy(model: nn.Module, spec: ModelSpec, token_ids, layers: list
             total[rows[index], span["start"]:span["end"]] = entropy.cpu()
         return hook
 
-    previous = model.config._attn_implementation
     handles = [blocks[i].self_attn.register_forward_hook(hook_for(i)) for i in layers]
     try:
-        model.set_attn_implementation("eager")
-        cache = kvcache.build_cache()  # no config: every layer keeps every token (sliding layers too)
-        for start in range(0, t, chunk_tokens):
-            end = min(start + chunk_tokens, t)
-            span.update(start=start, end=end)
-            kvcache.forward_through(model, layers[-1], input_ids=ids[start:end][None].to(device),
-                                    position_ids=torch.arange(start, end)[None].to(device), cache=cache,
-                                    use_cache=True, logits_to_keep=1)
+        with eager_attention(model):
+            cache = kvcache.build_cache()  # no config: every layer keeps every token (sliding layers too)
+            for start in range(0, t, chunk_tokens):
+                end = min(start + chunk_tokens, t)
+                span.update(start=start, end=end)
+                kvcache.forward_through(model, layers[-1], input_ids=ids[start:end][None].to(device),
+                                        position_ids=torch.arange(start, end)[None].to(device), cache=cache,
+                                        use_cache=True, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
-        model.set_attn_implementation(previous)
     return total if per_layer else total.mean(0)
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.models import SDPA_NAMES, LoadedModel
+from kvbridge.transfer.attention import custom_mask_attention
+from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import ModelRope
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.suffix.induction import ATTENTION as PRIOR_ATTENTION
 
 
 def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
@@ -163,9 +163,6 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
     t = placed.num_tokens
     if int(selected[0]) < 0 or int(selected[-1]) >= t:
         raise ValueError(f"selected indices must lie in [0, {t})")
-    if lm.model.config._attn_implementation not in (*SDPA_NAMES, "eager", PRIOR_ATTENTION):
-        raise ValueError(f"selective recompute needs sdpa or eager attention, not "
-                         f"{lm.model.config._attn_implementation!r} (it passes a custom mask)")
     c = context.num_tokens
     if int(placed.positions[0]) != c:
         raise ValueError("place the segment right after the context first")
@@ -179,9 +176,11 @@ def recompute_selected(lm: LoadedModel, context: KVSegment, placed: KVSegment, s
     stale[c + selected] = True  # the selected tokens' reused KV: replaced, never attended
     mask = torch.cat(((key_pos[None, :] < q_pos[:, None]) & ~stale[None, :],  # [S, n]
                       selected[None, :] <= selected[:, None]), dim=1)  # [S, n + S]
-    attention_mask = layer_masks(lm, mask, q_pos, torch.cat((key_pos, q_pos)))
-    lm.model(input_ids=placed.token_ids[selected][None].to(param.device), position_ids=q_pos[None].to(param.device),
-             attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
+    with custom_mask_attention(lm.model):  # a model loaded with flash-attention runs this forward with SDPA
+        attention_mask = layer_masks(lm, mask, q_pos, torch.cat((key_pos, q_pos)))
+        lm.model(input_ids=placed.token_ids[selected][None].to(param.device),
+                 position_ids=q_pos[None].to(param.device), attention_mask=attention_mask, cache=cache, use_cache=True,
+                 logits_to_keep=1)
     new = torch.stack([torch.stack((layer.keys[0, :, n:], layer.values[0, :, n:])) for layer in cache.layers])
     kv = placed.kv.clone()
     kv[:, :, :, selected.to(kv.device)] = new.to(kv)

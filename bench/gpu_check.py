@@ -1,0 +1,224 @@
+"""The device check for a lent GPU: one PASS / FAIL / SKIP line per check, with its figure (bench/gpu_check.sh runs it).
+
+Checks, on the production-shaped preset (random-init Qwen2 -> Phi3 with Qwen2-7B's and Phi-3-mini-4k's attention
+shapes and RoPE) in bf16 with flash-attn on CUDA:
+  attention    the target loaded with flash_attention_2 (FAIL naming why when flash-attn is missing or refused)
+  serve        a real `kvbridge serve` process (ridge adapter fitted at start): ingest, project + fetch, greedy
+               generation from the fetched cache, and fetches with `recompute:0.1` and `blend:0.1` (served
+               corrections, computed with the target's induction prior)
+  prior        a decode step under the induction prior: no host read-back inside it, flash kept at unbiased layers
+  store        the store's pool on the device with a pinned CPU tier: put, demote, get back equal
+  projection   projection time against the target's own prefill of the same tokens (ratio < 1 passes)
+  vllm         the vLLM connector's CUDA tests, only where a CUDA vLLM is importable (else SKIP)
+`--device cpu --quick` runs the same checks on the CPU as a dry run (flash-attn and vLLM then SKIP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # serveproc: `kvbridge serve` as a child process
+results: list[str] = []
+
+
+def line(status: str, name: str, figure: str) -> None:
+    results.append(status)
+    print(f"{status:4} {name:11} {figure}", flush=True)
+
+
+def check(name: str):
+    def wrap(fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                status, figure = fn(*args)
+            except Exception as e:  # a check that raises fails, with what it raised
+                status, figure = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                traceback.print_exc(file=sys.stderr)
+            line(status, name, f"{figure} ({time.perf_counter() - start:.1f} s)")
+        return run
+    return wrap
+
+
+@check("attention")
+def check_attention(target, device):
+    used = target.model.config._attn_implementation
+    if device.type != "cuda":
+        return "SKIP", f"no flash-attn on {device.type}; runs {used}"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "FAIL", f"flash-attn is not installed; the target runs {used}"
+    return ("PASS" if used == "flash_attention_2" else "FAIL"), f"target runs {used}"
+
+
+@check("serve")
+def check_serve(args, text, target, adapter):
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.transfer import kvcache
+    from serveproc import ServeProcess
+
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-gpu-check-"))
+    save_adapter(adapter.to("cpu"), work / "adapters" / "shaped.safetensors")  # fitted here: the server loads it
+    serve = ServeProcess(work, ["--preset", "production-shaped", "--device", args.device, "--dtype", args.dtype,
+                                "--store-device", args.device, "--store-capacity-mb", "512", "--adapters",
+                                str(work / "adapters"), "--no-selfcheck"], start_timeout_s=300)
+    serve.start()
+    try:
+        figures = []
+        with KVBridgeClient(serve.address, timeout_s=300) as client:
+            key = client.ingest(text=text).entries[0].key
+            for mode in ("replace", "recompute:0.1", "blend:0.1"):
+                t0 = time.perf_counter()
+                seg = client.fetch_projected(key=key, target_model=target.name, mode=mode).segment
+                if not bool(torch.isfinite(seg.kv.float()).all()):
+                    return "FAIL", f"{mode}: non-finite KV"
+                figures.append(f"{mode} {seg.num_tokens} tok {1e3 * (time.perf_counter() - t0):.0f} ms")
+        seg = seg.to(device=next(target.model.parameters()).device, dtype=target.model.dtype)
+        question = torch.tensor(target.tokenizer("\nIn short,", add_special_tokens=False)["input_ids"])
+        out = kvcache.generate(target.model, target.spec, seg, question, max_new_tokens=8, min_new_tokens=8)
+        figures.append(f"generated {out.numel()} tokens")
+        return ("PASS" if out.numel() == 8 else "FAIL"), "; ".join(figures)
+    finally:
+        serve.stop() if hasattr(serve, "stop") else serve.kill()
+
+
+@check("prior")
+def check_prior(target):
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.suffix.induction import InductionPrior
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "equal", "is_nonzero", "nonzero", "item"):
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*a, **(kw or {}))
+
+    ids = torch.arange(512) % (target.spec.vocab_size - 3) + 3
+    seg = kvcache.extract(target.model, target.spec, ids)
+    cache = kvcache.to_cache(seg, target.model, target.spec)
+    weights = torch.zeros(target.spec.num_layers, target.model.config.num_attention_heads)
+    weights[-1, :4] = 1.0  # the last layer biased: the others keep the model's own attention
+    device = next(target.model.parameters()).device
+    mode = Syncs()
+    with InductionPrior.from_weights(weights).reading(target, ids, torch.ones(512, dtype=torch.bool)):
+        with torch.no_grad(), mode:
+            t0 = time.perf_counter()
+            target.model(input_ids=ids[5:6][None].to(device), position_ids=torch.tensor([[512]], device=device),
+                         cache=cache, use_cache=True)
+    ms = 1e3 * (time.perf_counter() - t0)
+    # transformers' own mask code may read values; the prior adds none: a sync count is the honest figure
+    return "PASS", f"decode step {ms:.1f} ms, {len(mode.seen)} value reads in the whole step ({set(mode.seen)})"
+
+
+@check("store")
+def check_store(device):
+    from kvbridge.transfer.segment import KVSegment
+    from kvbridge.transfer.spec import ModelIdentity
+    from kvbridge.transfer.store import PagedStore, StoreConfig
+
+    block = 2 * 2 * 8 * 16 * 128 * 2  # [L=2, 2, H=8, 16, D=128] bf16
+    store = PagedStore(StoreConfig(capacity_bytes=8 * block, max_layouts=1, cpu_capacity_bytes=64 * block,
+                                   device=str(device)))
+    model = ModelIdentity("m", "a" * 64)
+    segs = [KVSegment(kv=torch.randn(2, 2, 8, 96, 128).to(torch.bfloat16), token_ids=torch.arange(i, i + 96),
+                      positions=torch.arange(96), model=model, rotated=True) for i in (0, 1000)]
+    keys = [store.put(s, "t").key for s in segs]  # 6 + 6 blocks in an 8-block pool: the first demotes
+    pool = next(iter(store.pools.values())).kv_device
+    pinned = all(t.is_pinned() for _, (_, t) in store.cpu._blocks.items()) if device.type == "cuda" else True
+    t0 = time.perf_counter()
+    same = all(torch.equal(store.get(k, "t").kv.cpu(), s.kv) for k, s in zip(keys, segs))
+    ms = 1e3 * (time.perf_counter() - t0)
+    ok = same and pool.type == device.type and pinned and store.check() == []
+    return ("PASS" if ok else "FAIL"), (f"pool on {pool}, tier pinned {pinned}, round trip equal {same}, "
+                                        f"gets {ms:.1f} ms")
+
+
+@check("projection")
+def check_projection(source, target, tokens, adapter):
+    from kvbridge.adapters.adapter import project
+    from kvbridge.transfer import kvcache
+    from kvbridge.transfer.align import Alignment
+
+    vocab = min(source.spec.vocab_size, target.spec.vocab_size)
+    ids = torch.randint(3, vocab, (tokens,))
+    seg = kvcache.extract(source.model, source.spec, ids)
+    alignment = Alignment(source_index=torch.arange(tokens), kind=torch.zeros(tokens, dtype=torch.int8),
+                          target_special=torch.zeros(tokens, dtype=torch.bool), num_source_tokens=tokens)
+    sync = torch.cuda.synchronize if seg.kv.is_cuda else (lambda: None)
+
+    def timed(fn, reps=3):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    p = timed(lambda: project(adapter, seg, alignment, ids, source.rope, target.rope))
+    with torch.no_grad():
+        device = next(target.model.parameters()).device
+        f = timed(lambda: target.model(input_ids=ids[None].to(device), logits_to_keep=1))
+    return ("PASS" if p < f else "FAIL"), f"{tokens} tokens: project {1e3 * p:.1f} ms, target prefill {1e3 * f:.1f} " \
+                                          f"ms, ratio {p / f:.2f}"
+
+
+@check("vllm")
+def check_vllm(device):
+    if device.type != "cuda":
+        return "SKIP", "vLLM's CUDA connector needs a GPU"
+    found = subprocess.run([sys.executable, "-c", "import vllm, torch; assert torch.cuda.is_available()"],
+                           capture_output=True, timeout=120)
+    if found.returncode != 0:
+        return "SKIP", "no CUDA vLLM importable"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                          "tests/test_vllm.py"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return ("PASS" if run.returncode == 0 else "FAIL"), run.stdout.strip().splitlines()[-1][:200]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="short texts and fewer tokens (the CPU dry run)")
+    args = p.parse_args()
+    args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    device = torch.device(args.device)
+    from kvbridge.adapters.identity import identity_adapter  # noqa: F401  (import check)
+    from kvbridge.adapters.train import TrainConfig, train_adapter
+    from kvbridge.transfer.data import data_path
+    from kvbridge.transfer.presets import load_pair
+    from kvbridge.transfer.tiny_pair import tiny_corpus_text
+
+    print(f"gpu_check: torch {torch.__version__}, device {args.device}"
+          f" ({torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}), dtype {args.dtype}", flush=True)
+    source, target = load_pair("production-shaped", device=args.device, dtype=args.dtype)
+    text = "\n\n".join(tiny_corpus_text().split("\n\n")[:2 if args.quick else 6])
+    check_attention(target, device)
+    adapter, _ = train_adapter(source, target, [data_path("tiny_corpus.txt")],
+                               TrainConfig(max_tokens=512 if args.quick else 2048, window_tokens=256), progress=False)
+    check_serve(args, text, target, adapter)
+    check_prior(target)
+    check_store(device)
+    check_projection(source, target, 256 if args.quick else 4096, adapter.to(device))
+    check_vllm(device)
+    failed = results.count("FAIL")
+    print(f"gpu_check: {len(results) - failed - results.count('SKIP')} passed, {failed} failed, "
+          f"{results.count('SKIP')} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
