@@ -10,6 +10,8 @@ time is a median, because other processes share the machine.
 3. capacity: tokens a fixed pool holds before its first eviction, by prefix-sharing pattern.
 4. redis: `RedisTier.put_many` / `get_many` vs raw redis-py pipelined SET / MGET of the same sizes (MB/s); the
    put sends blocks whose sum64 the CPU tier took as it copied them, and also blocks without one.
+5. budget: the share of one capacity a mix of source entries and projections fills before the first eviction
+   (`bench_store_budget.py`, which also runs alone).
 
 (One file of ~460 lines: four benchmarks of one store that share its layouts, sizes and machine line.)
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_store_budget import bench_budget
 from kvbridge.transfer.devices import resolve_device
 from kvbridge.transfer.models import prepare_gguf
 from kvbridge.transfer.segment import KVSegment
@@ -445,9 +448,11 @@ def run(argv: list[str] | None = None) -> dict:
     gc.collect()  # the million-block store
     capacity = bench_capacity(source, sizes, device)
     redis = bench_redis(source, sizes, device)
+    budget = bench_budget(256 if args.quick else 1024, device)
     wall_s = time.perf_counter() - started
     print(f"done in {wall_s:.0f} s", flush=True)
-    return {"machine": machine, "get": get, "lookup": lookup, "capacity": capacity, "redis": redis, "wall_s": wall_s}
+    return {"machine": machine, "get": get, "lookup": lookup, "capacity": capacity, "redis": redis, "budget": budget,
+            "wall_s": wall_s}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from kvbridge.transfer.store.block_pool import CapacityError
 from kvbridge.transfer.store.kv_blocks import Block, FreeBlockQueue, Namespace, chain_root, hash_block, hash_chain
+from redisproc import TEST_SECRET
 
 M = ModelIdentity("model-a", "a" * 64)
 OTHER = ModelIdentity("model-b", "b" * 64)
@@ -39,9 +40,10 @@ def seg(tokens, model=M, dtype=torch.float32, start=0, seed=None, heads=H):
 
 
 def store(blocks=32, cpu_blocks=0, redis_url=None, clock=None, max_layouts=1, **kw):
-    # each layout's pool holds `blocks` blocks
+    # capacity: `blocks` blocks per layout allowed (max_layouts), one byte budget the layouts share
     cfg = StoreConfig(capacity_bytes=blocks * BLOCK_BYTES * max_layouts, max_layouts=max_layouts,
-                      cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES, redis_url=redis_url, device="cpu", **kw)
+                      cpu_capacity_bytes=cpu_blocks * BLOCK_BYTES, redis_url=redis_url, device="cpu",
+                      redis_secret=TEST_SECRET if redis_url else None, **kw)
     return PagedStore(cfg, clock=clock or Clock())
 
 
@@ -305,7 +307,7 @@ def test_bad_input_leaves_the_store_unchanged():
     before = (st.stats().entries, device_blocks_used(st))
     with pytest.raises(ValueError, match=r"layout mismatch for model-a@aaaaaaaaaaaaaaaa/float32: .*H_kv=2.*H_kv=3"):
         st.put(seg(range(30), heads=3), "t")
-    with pytest.raises(CapacityError, match="needs 9 blocks of 16 tokens, the pool has 8"):
+    with pytest.raises(CapacityError, match="needs 9 blocks of 16 tokens, the store holds 8 of them"):
         st.put(seg(range(140)), "t")
     with pytest.raises(CapacityError, match="already holds 1 layouts"):
         st.put(seg(range(30), model=OTHER), "t")

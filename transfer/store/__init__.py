@@ -4,7 +4,8 @@ Owns block hashing and the free queue, the block pools, the tiers, the entry reg
 from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.store.config import LookupResult, QuotaExceeded, StoreConfig, StoreStats, TenantUsage
 from kvbridge.transfer.store.paged_store import PagedStore
+from kvbridge.transfer.store.redis_auth import read_secret_file
 from kvbridge.transfer.store.registry import EntryInfo
 
 __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats", "TenantUsage", "QuotaExceeded",
-           "CapacityError", "NotFound"]
+           "CapacityError", "NotFound", "read_secret_file"]

@@ -1,14 +1,19 @@
-"""BlockPool: the preallocated KV blocks of one layout, with ref counts, a hash index and LRU eviction.
+"""BlockPool: the KV blocks of one layout in slabs (preallocated runs of blocks, added and released whole), with
+ref counts, a hash index and LRU eviction.
 
-Nothing here knows about entries, tenants or tiers: the store decides what a block holds, the pool keeps the
-bookkeeping right. Invariants (checked by `check`):
+Nothing here knows about entries, tenants, tiers or the store's byte budget: the store decides what a block holds
+and when the pool gains or gives up a slab (`budget`), the pool keeps the bookkeeping right. A block's id is
+`slab * slab_blocks + row`. Invariants (checked by `check`):
 - a block is in the free queue if and only if its ref_cnt is 0;
 - `hash_to_block[h] is b` if and only if `b.block_hash == h`;
-- free blocks without a hash sit before every free block with one (they are taken first).
+- free blocks without a hash ("empty") sit before every free block with one (they are taken first), and
+  `num_empty` counts them;
+- free blocks with a hash sit in the order of their stamps (least recently used first).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 from collections.abc import Callable
@@ -19,6 +24,8 @@ from kvbridge.transfer.errors import CapacityError
 from kvbridge.transfer.store.kv_blocks import Block, BlockHash, FreeBlockQueue
 
 __all__ = ["BlockPool", "PoolLayout", "CapacityError", "layout_key"]
+
+_TICKS = itertools.count(1)  # stamps of every pool in the process: LRU order across pools
 
 
 def layout_key(model: str, dtype: str) -> str:
@@ -55,6 +62,7 @@ class PoolLayout:
         return n * torch.empty(0, dtype=self.torch_dtype).element_size()
 
 
+
 def _os_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS zero-fills on first touch: an anonymous mmap, not a memset."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -63,27 +71,137 @@ def _os_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class BlockPool:
-    def __init__(self, layout: PoolLayout, num_blocks: int, device: torch.device):
-        if num_blocks < 1:
-            raise ValueError(f"a pool needs at least one block; {layout.key} got {num_blocks}")
+    def __init__(self, layout: PoolLayout, num_blocks: int, device: torch.device, slab_blocks: int | None = None):
+        """num_blocks: blocks to start with (0: none until `add_slab`); slab_blocks: the most blocks one slab holds
+        (default num_blocks: one slab)."""
+        slab_blocks = slab_blocks or num_blocks
+        if num_blocks < 0 or slab_blocks < 1:
+            raise ValueError(f"{layout.key}: a pool needs slabs of at least one block and num_blocks >= 0, got "
+                             f"num_blocks={num_blocks}, slab_blocks={slab_blocks}")
         self.layout = layout
         self.device = device
-        # kv: [num_blocks, L, 2, H_kv, block_size, D]. Zeros either way: on the CPU a fresh allocation of this size
-        # is mapped from the OS, whose pages read as zeros and are faulted in as blocks are first written (zeros()
-        # would touch the whole pool when it is made: 256 MB, ~3.5 s on a 2-core VM, inside the first request of a
-        # model); on CUDA the caching allocator may hand back used memory, so it is cleared.
-        shape = (num_blocks, *layout.block_shape)
-        self.kv = (torch.zeros(shape, dtype=layout.torch_dtype, device=device) if torch.device(device).type != "cpu"
-                   else _os_zeroed(shape, layout.torch_dtype))
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.dtype = layout.torch_dtype
+        self.kv_device = torch.empty(0, device=device).device  # with its index (cuda:0), as tensors report it
+        self.slab_blocks = slab_blocks
+        self.slabs: list[torch.Tensor | None] = []  # each [n <= slab_blocks, L, 2, H_kv, block_size, D]; None: given up
+        self._rows: list[list[Block] | None] = []  # the blocks of each slab, by row
+        self.free_queue = FreeBlockQueue([])
         self.hash_to_block: dict[BlockHash, Block] = {}
+        self.num_blocks = 0
+        self.num_empty = 0  # free blocks without a hash
+        while self.num_blocks < num_blocks:
+            self.add_slab(min(slab_blocks, num_blocks - self.num_blocks))
         # (No gc.freeze() here: it would freeze every object of the process at that moment, request state
         # included, for good. The blocks are only walked by the rare full collections.)
 
+    # ------------------------------------------------------------------------------------------------ slabs
+
+    def add_slab(self, n: int) -> None:
+        """n more empty blocks (1 <= n <= slab_blocks), in a slab of their own, taken before any cached block.
+        Zeros either way: on the CPU the slab is mapped from the OS, whose pages read as zeros and are faulted in as
+        blocks are first written (zeros() would touch it all when it is made: 256 MB, ~3.5 s on a 2-core VM, inside
+        a request); on CUDA the caching allocator may hand back used memory, so it is cleared."""
+        assert 1 <= n <= self.slab_blocks, f"a slab holds 1..{self.slab_blocks} blocks, asked {n}"
+        shape = (n, *self.layout.block_shape)
+        kv = (torch.zeros(shape, dtype=self.layout.torch_dtype, device=self.device)
+              if torch.device(self.device).type != "cpu" else _os_zeroed(shape, self.layout.torch_dtype))
+        index = self.slabs.index(None) if None in self.slabs else len(self.slabs)
+        rows = [Block(index * self.slab_blocks + r) for r in range(n)]
+        if index == len(self.slabs):
+            self.slabs.append(kv)
+            self._rows.append(rows)
+        else:
+            self.slabs[index], self._rows[index] = kv, rows
+        for block in reversed(rows):
+            self.free_queue.appendleft(block)
+        self.num_blocks += n
+        self.num_empty += n
+
+    def _yield_order(self) -> list[int]:
+        """Slabs that could be given up one after another (smallest first) with every held block (ref_cnt > 0)
+        still fitting in the rest."""
+        held = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        left, order = self.num_blocks, []
+        for i in sorted((i for i, r in enumerate(self._rows) if r is not None), key=lambda i: len(self._rows[i])):
+            if held <= left - len(self._rows[i]):
+                left -= len(self._rows[i])
+                order.append(i)
+        return order
+
+    def yieldable_bytes(self) -> int:
+        """Bytes of the slabs this pool could give up, evicting what it must."""
+        return sum(len(self._rows[i]) for i in self._yield_order()) * self.layout.block_bytes
+
+    def can_yield(self, evicting: bool) -> bool:
+        """Whether a slab can be given up at all (evicting: cached blocks may be evicted; else only moved)."""
+        order = self._yield_order()
+        return bool(order) and (evicting or self.num_empty >= len(self._rows[order[0]]))
+
+    def oldest_cached(self) -> Block | None:
+        """The least recently used free block with a hash (the next one evicted), if any."""
+        block = self.free_queue.first()
+        for _ in range(self.num_empty):
+            block = block.next_free
+        return block if block is not None and block.block_hash is not None else None
+
+    def give_up_slab(self, demote: Callable[[list[tuple[BlockHash, int]]], None]) -> int:
+        """Release the smallest slab that can go: evict the least recently used cached blocks until the slab's live
+        blocks fit in the others' empty rows, call demote(evicted (hash, block_id)) while their KV is still intact,
+        move the live blocks (hash, refs and place in the LRU order kept), free the slab. Returns its bytes."""
+        order = self._yield_order()
+        assert order, f"{self.layout.key}: no slab can be given up (held blocks need them all)"
+        index = order[0]
+        victims = self._rows[index]
+        evicted = []
+        block = self.oldest_cached()
+        while self.num_empty < len(victims):  # each eviction frees a row in the victim or an empty row elsewhere
+            assert block is not None, "a slab that can go has enough cached blocks to evict"
+            after = block.next_free
+            evicted.append((block.block_hash, block.block_id))
+            self.drop(block)
+            block = after if after is not None and after.block_hash is not None else None
+        if evicted:
+            demote(evicted)
+        live = [b for b in victims if b.ref_cnt > 0 or b.block_hash is not None]
+        empties = itertools.islice((b for b in self.free_queue if b.block_id // self.slab_blocks != index),
+                                   len(live))
+        pairs = list(zip(live, empties))
+        assert len(pairs) == len(live), "every live block of the slab has an empty row to go to"
+        if pairs:
+            data = self.read_blocks(torch.tensor([src.block_id for src, _ in pairs]))
+            self.write(torch.tensor([dst.block_id for _, dst in pairs]), data)
+        for src, dst in pairs:
+            self.free_queue.remove(dst)
+            self.num_empty -= 1
+            dst.ref_cnt, dst.block_hash, dst.stamp = src.ref_cnt, src.block_hash, src.stamp
+            if src.block_hash is not None:
+                self.hash_to_block[src.block_hash] = dst
+            if src.ref_cnt == 0:
+                self.free_queue.replace(src, dst)
+                self.free_queue.appendleft(src)  # empty now: released with the slab below
+                self.num_empty += 1
+            src.ref_cnt, src.block_hash = 0, None
+        for b in victims:
+            if b.prev_free is None:
+                self.free_queue.appendleft(b)
+                self.num_empty += 1
+        for b in victims:
+            self.free_queue.remove(b)
+        self.num_empty -= len(victims)
+        self.num_blocks -= len(victims)
+        self.slabs[index] = self._rows[index] = None
+        return len(victims) * self.layout.block_bytes
+
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
+    def blocks(self) -> list[Block]:
+        return [b for rows in self._rows if rows is not None for b in rows]
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of the pool's slabs."""
+        return self.num_blocks * self.layout.block_bytes
+
+    # ------------------------------------------------------------------------------------------------ blocks
 
     @property
     def num_free(self) -> int:
@@ -99,7 +217,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> tuple[list[Block], list[tuple[BlockHash, int]]]:
         """Take n free blocks, least recently used first. Returns them and the (hash, block_id) of the cached KV
-        they held: that KV is still in `kv` until the caller overwrites it, so it can be demoted first.
+        they held: that KV is still in the pool until the caller overwrites it, so it can be demoted first.
         Raises CapacityError (pool unchanged) when fewer than n blocks are free."""
         if n > self.free_queue.num_free:
             raise CapacityError(
@@ -113,6 +231,8 @@ class BlockPool:
                 evicted.append((block.block_hash, block.block_id))
                 del self.hash_to_block[block.block_hash]
                 block.block_hash = None
+            else:
+                self.num_empty -= 1
             block.ref_cnt = 1  # the caller holds it until it caches or releases it
             taken.append(block)
         return taken, evicted
@@ -126,6 +246,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_empty -= block.block_hash is None
             block.ref_cnt += 1
 
     def unref(self, blocks: list[Block]) -> None:
@@ -137,28 +258,50 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
+                    self.num_empty += 1
                 else:
+                    block.stamp = next(_TICKS)
                     self.free_queue.append(block)
 
     def touch(self, blocks: list[Block]) -> None:
         """Mark free cached blocks as just used (tail first, as in unref)."""
         for block in reversed(blocks):
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block.block_hash is not None:
                 self.free_queue.remove(block)
+                block.stamp = next(_TICKS)
                 self.free_queue.append(block)
 
     def drop(self, block: Block) -> None:
         """Forget a block's KV (delete): unindex it and, if free, make it the next one taken."""
-        if block.block_hash is not None:
+        cached = block.block_hash is not None
+        if cached:
             del self.hash_to_block[block.block_hash]
             block.block_hash = None
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
+            self.num_empty += cached
+
+    # ------------------------------------------------------------------------------------------------ KV data
+
+    def _by_slab(self, block_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """block_ids [n] (CPU) -> [(slab, positions in block_ids, rows in the slab)] for each slab they touch."""
+        ids = block_ids.cpu()
+        slab, rows = ids // self.slab_blocks, ids % self.slab_blocks
+        if bool((slab == slab[0]).all()):
+            return [(int(slab[0]), torch.arange(ids.numel()), rows)]
+        return [(int(s), (slab == s).nonzero().flatten(), rows[slab == s]) for s in slab.unique().tolist()]
+
+    def row(self, block_id: int) -> torch.Tensor:
+        """One block's KV, a view: [L, 2, H_kv, block_size, D]."""
+        return self.slabs[block_id // self.slab_blocks][block_id % self.slab_blocks]
 
     def write(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
-        """One scatter. block_ids: [n]; data: [n, L, 2, H_kv, block_size, D] (any strides)."""
-        self.kv.index_copy_(0, block_ids.to(self.device), data.to(device=self.device, dtype=self.kv.dtype))
+        """One scatter per slab. block_ids: [n]; data: [n, L, 2, H_kv, block_size, D] (any strides)."""
+        for s, pos, rows in self._by_slab(block_ids):
+            kv = self.slabs[s]
+            part = data if pos.numel() == data.shape[0] else data.index_select(0, pos.to(data.device))
+            kv.index_copy_(0, rows.to(self.device), part.to(device=self.device, dtype=kv.dtype))
 
     def write_segment(self, block_ids: list[int], kv: torch.Tensor, which: list[int]) -> None:
         """Blocks `which` of a segment into pool blocks block_ids (one each): kv [L, 2, H_kv, T, D], block i holding
@@ -167,9 +310,9 @@ class BlockPool:
         bs = self.layout.block_size
         t = kv.shape[3]
         full = t // bs
-        l, _, h, _, d = kv.shape
+        layers, _, h, _, d = kv.shape
         # [full, L, 2, H, bs, D]: a view of the whole blocks
-        blocks = kv[:, :, :, :full * bs].reshape(l, 2, h, full, bs, d).permute(3, 0, 1, 2, 4, 5)
+        blocks = kv[:, :, :, :full * bs].reshape(layers, 2, h, full, bs, d).permute(3, 0, 1, 2, 4, 5)
         pairs = [(b, i) for b, i in zip(block_ids, which) if i < full]
         if pairs:
             ids = torch.tensor([b for b, _ in pairs])
@@ -179,22 +322,28 @@ class BlockPool:
                 self.write(ids, blocks.index_select(0, torch.tensor([i for _, i in pairs], device=kv.device)))
         for b, i in zip(block_ids, which):
             if i >= full:  # the partial tail: its tokens, then zeros
-                dest = self.kv[b]  # [L, 2, H, bs, D]
+                dest = self.row(b)  # [L, 2, H, bs, D]
                 dest[:, :, :, t - full * bs:].zero_()
                 dest[:, :, :, :t - full * bs].copy_(kv[:, :, :, full * bs:])
 
     def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
         """block_ids: [n] -> [n, L, 2, H_kv, block_size, D] (a copy)."""
-        return self.kv.index_select(0, block_ids.to(self.device))
+        parts = self._by_slab(block_ids)
+        if len(parts) == 1:
+            return self.slabs[parts[0][0]].index_select(0, parts[0][2].to(self.device))
+        out = torch.empty((block_ids.numel(), *self.layout.block_shape), dtype=self.dtype, device=self.device)
+        for s, pos, rows in parts:
+            out.index_copy_(0, pos.to(self.device), self.slabs[s].index_select(0, rows.to(self.device)))
+        return out
 
     def gather(self, block_ids: torch.Tensor, num_tokens: int, out: torch.Tensor | None = None,
                written: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Gather blocks into the segment layout: block_ids [n] -> kv [L, 2, H_kv, num_tokens, D], contiguous.
 
-        One index_select of the whole blocks written straight into the output (plus one copy of the partial tail
-        block), the same number of kernels whatever n is. `out` (that shape and dtype, on the pool's device; each
-        [T, D] row dense: contiguous, or the first T slots of each row of a longer buffer) is filled instead of a
-        fresh tensor: large fresh CPU allocations page-fault on first write. With
+        One index_select of the whole blocks written straight into the output per run of consecutive blocks in one
+        slab (plus one copy of the partial tail block): as many kernels as runs, whatever n is. `out` (that shape and
+        dtype, on the pool's device; each [T, D] row dense: contiguous, or the first T slots of each row of a longer
+        buffer) is filled instead of a fresh tensor: large fresh CPU allocations page-fault on first write. With
         `written`, the layers are gathered one at a time and written(l, l + 1) is called after each (a caller can
         checksum a layer while it is still in cache).
         """
@@ -204,21 +353,25 @@ class BlockPool:
         assert (n - 1) * bs < num_tokens <= n * bs, "token count does not fit blocks"
         shape = (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim)
         if out is None:
-            out = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
-        elif tuple(out.shape) != shape or out.dtype != self.kv.dtype or out.device != self.kv.device \
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        elif tuple(out.shape) != shape or out.dtype != self.dtype or out.device != self.kv_device \
                 or out.stride()[3:] != (layout.head_dim, 1):
-            raise ValueError(f"out must be a {self.kv.dtype} tensor of shape {shape} on {self.device} with dense "
+            raise ValueError(f"out must be a {self.dtype} tensor of shape {shape} on {self.device} with dense "
                              f"[T, D] rows, got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
-        view = self.kv.permute(1, 2, 3, 0, 4, 5)  # [L, 2, H, N, bs, D], no copy
-        block_ids = block_ids.to(self.device)
-        steps = [(0, layout.num_layers)] if written is None else [(i, i + 1) for i in range(layout.num_layers)]
+        ids = block_ids.cpu()
+        slab_of, rows = ids // self.slab_blocks, (ids % self.slab_blocks).to(self.device)
         full = num_tokens // bs  # whole blocks
+        cuts = [0, *((slab_of[1:full] != slab_of[:full - 1]).nonzero().flatten() + 1).tolist(), full] if full else []
+        # runs of whole blocks in one slab: (slab viewed [L, 2, H, N, bs, D], first block, end)
+        runs = [(self.slabs[int(slab_of[p])].permute(1, 2, 3, 0, 4, 5), p, q) for p, q in zip(cuts, cuts[1:])]
+        steps = [(0, layout.num_layers)] if written is None else [(i, i + 1) for i in range(layout.num_layers)]
         for a, b in steps:
-            if full:
-                dest = out[a:b, :, :, : full * bs].view(b - a, *shape[1:3], full, bs, layout.head_dim)
-                torch.index_select(view[a:b], 3, block_ids[:full], out=dest)
+            for view, p, q in runs:
+                dest = out[a:b, :, :, p * bs: q * bs].view(b - a, *shape[1:3], q - p, bs, layout.head_dim)
+                torch.index_select(view[a:b], 3, rows[p:q], out=dest)
             if full < n:
-                out[a:b, :, :, full * bs:].copy_(view[a:b, :, :, block_ids[full], : num_tokens - full * bs])
+                tail = self.row(int(ids[full]))  # [L, 2, H, bs, D]
+                out[a:b, :, :, full * bs:].copy_(tail[a:b, :, :, : num_tokens - full * bs])
             if written is not None:
                 written(a, b)
         return out
@@ -237,6 +390,16 @@ class BlockPool:
         if len(queued) != self.free_queue.num_free:
             problems.append(f"{self.layout.key}: free queue holds {len(queued)} blocks, "
                             f"counts {self.free_queue.num_free}")
+        stamps = [b.stamp for b in self.free_queue if b.block_hash is not None]
+        if stamps != sorted(stamps):
+            problems.append(f"{self.layout.key}: cached free blocks are not in least-recently-used order")
+        empty = sum(1 for b in self.free_queue if b.block_hash is None)
+        if empty != self.num_empty:
+            problems.append(f"{self.layout.key}: {empty} free blocks without a hash, num_empty counts {self.num_empty}")
+        if len(self.blocks) != self.num_blocks or any(
+                s is not None and s.shape[0] != len(r) for s, r in zip(self.slabs, self._rows)):
+            problems.append(f"{self.layout.key}: slabs hold {len(self.blocks)} blocks, num_blocks counts "
+                            f"{self.num_blocks}")
         for block in self.blocks:
             if (block.block_id in queued) == (block.ref_cnt > 0):
                 problems.append(f"{self.layout.key}: block {block.block_id} ref_cnt {block.ref_cnt} but "

@@ -1,6 +1,7 @@
 """The store's invariants, checked from outside its methods: `check_store(store)` lists every violation in words.
 
-- every pool's own invariants (`BlockPool.check`), and no pool above its share of the capacity;
+- every pool's own invariants (`BlockPool.check`), and the byte budget's (`DeviceBudget.check`: every pool's slabs
+  together within the one device capacity);
 - a device block's ref_cnt equals the number of pinned entries using it, and pinned entries are on the device;
 - a hash is on the device or in the CPU tier, not both; the CPU tier's own accounting;
 - the registry's indexes match the entries (block users, derived links);
@@ -10,15 +11,15 @@ The caller holds the store's lock.
 
 from __future__ import annotations
 
-from kvbridge.transfer.store.block_pool import BlockPool
+from kvbridge.transfer.store.budget import DeviceBudget
 from kvbridge.transfer.store.registry import EntryRegistry
 from kvbridge.transfer.store.residency import Residency
 
 
-def check_store(pools: dict[str, BlockPool], registry: EntryRegistry, residency: Residency,
-                layout_bytes: int) -> list[str]:
-    """pools: layout key -> pool; layout_bytes: each layout's share of the device capacity."""
-    problems = []
+def check_store(budget: DeviceBudget, registry: EntryRegistry, residency: Residency) -> list[str]:
+    """budget: the device pools (layout key -> pool) and their one byte budget."""
+    pools = budget.pools
+    problems = budget.check()
     entries = registry.entries.values()
     cpu = residency.cpu
     for pool in pools.values():
@@ -36,8 +37,6 @@ def check_store(pools: dict[str, BlockPool], registry: EntryRegistry, residency:
             if block.ref_cnt != expected[block.block_id]:
                 problems.append(f"{pool.layout.key}: block {block.block_id} ref_cnt {block.ref_cnt}, "
                                 f"{expected[block.block_id]} pinned entries use it")
-        if pool.num_blocks * pool.layout.block_bytes > layout_bytes:
-            problems.append(f"{pool.layout.key}: pool exceeds its share of the capacity")
         if cpu is not None:
             both = set(pool.hash_to_block).intersection(cpu.hashes())
             if both:

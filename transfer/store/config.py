@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kvbridge.transfer.errors import CapacityError
+from kvbridge.transfer.store.redis_auth import MIN_SECRET_BYTES
 
 
 @dataclass(frozen=True)
@@ -14,9 +15,17 @@ class StoreConfig:
     capacity_bytes: int | None = None  # device pool budget over all layouts; None: capacity_fraction of free memory
     capacity_fraction: float = 0.5  # of free CUDA memory (or of RAM on a CPU-only store) when capacity_bytes is None
     block_size: int = 16  # tokens per block (vLLM's default)
-    max_layouts: int = 4  # each layout's pool is capacity_bytes / max_layouts (source + a few projected models)
+    max_layouts: int = 4  # layouts (model, dtype) held at once (source + a few projected models); they share all of
+    # capacity_bytes (budget: one byte count, no per-layout share)
+    slab_bytes: int = 256 << 20  # a pool grows and shrinks by slabs of about this size (at most capacity / 32): big
+    # enough that a gather touches few of them, small enough that the last, partly used one wastes little
     cpu_capacity_bytes: int = 0  # 0: no CPU tier
     redis_url: str | None = None  # None: no Redis tier
+    # the secret every replica on that Redis signs and checks its values with (redis_auth.read_secret_file; at least
+    # 32 bytes). A Redis tier needs one, or redis_insecure: an explicit opt-out (a warning is logged) for a Redis no
+    # one else can write to, where values are checked for corruption and placement only, not forgery
+    redis_secret: bytes | None = field(default=None, repr=False)
+    redis_insecure: bool = False
     redis_ttl_s: int = 3600
     redis_retry_s: float = 2.0
     default_ttl_s: float | None = None  # entry TTL when put() gives none; None: until evicted or deleted
@@ -34,11 +43,21 @@ class StoreConfig:
             raise ValueError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction}")
         if self.max_layouts < 1:
             raise ValueError(f"max_layouts must be >= 1, got {self.max_layouts}")
+        if self.slab_bytes < 1:
+            raise ValueError(f"slab_bytes must be >= 1, got {self.slab_bytes}")
         if self.cpu_capacity_bytes < 0:
             raise ValueError(f"cpu_capacity_bytes must be >= 0, got {self.cpu_capacity_bytes}")
         for name in ("tenant_max_entries", "tenant_max_pinned_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
+        if self.redis_url is not None and self.redis_secret is None and not self.redis_insecure:
+            raise ValueError("redis_url is set without redis_secret: whoever can write to that Redis could plant KV "
+                             "and entry records for any tenant. Give the secret the replicas share "
+                             "(redis_auth.read_secret_file), or set redis_insecure=True to accept that")
+        if self.redis_secret is not None and self.redis_insecure:
+            raise ValueError("redis_secret and redis_insecure contradict each other: give one")
+        if self.redis_secret is not None and len(self.redis_secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"redis_secret needs at least {MIN_SECRET_BYTES} bytes, got {len(self.redis_secret)}")
         if self.default_ttl_s is not None and self.default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
 

@@ -115,6 +115,7 @@ class Block:
     block_id: int  # row in the pool tensor
     ref_cnt: int = 0  # pinned entries + in-flight reads using this block; > 0 means never evicted
     block_hash: BlockHash | None = None  # set while the block holds cached KV (found by lookups)
+    stamp: int = 0  # when it last became free or was touched (one process-wide count): LRU order across pools
     prev_free: "Block | None" = None  # intrusive links of the free queue (None when not queued)
     next_free: "Block | None" = None
 
@@ -157,6 +158,16 @@ class FreeBlockQueue:
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
+
+    def replace(self, old: Block, new: Block) -> None:
+        """Put `new` (not queued) where `old` is, and take `old` out: a block moved to another row keeps its place."""
+        prev = old.prev_free
+        self.remove(old)
+        self._insert_after(prev, new)
+
+    def first(self) -> Block:
+        """The least recently used block; the tail sentinel (block_id -2, no hash, nothing after) when empty."""
+        return self._head.next_free
 
     def popleft(self) -> Block:
         if self.num_free == 0:

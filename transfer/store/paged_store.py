@@ -10,19 +10,20 @@ Entries are KVSegments stored as lists of block hashes (their page tables). Two 
 An entry may carry the text it was made from, and a derived entry (a projection) the key of its source entry:
 deleting an entry deletes what was derived from it.
 
-Where a block lives and how it moves between tiers: `residency`. What is stored, TTL, pins and links: `registry`.
-The invariants `check` verifies: `checker`. One lock serialises every public method (the gRPC server calls in from
-many threads).
+Where a block lives and how it moves between tiers: `residency`. How the pools of every layout share one device
+byte budget (which layout gives up room when another needs it): `budget`. What is stored, TTL, pins and links:
+`registry`. Entries shared with other replicas through Redis (the lock-free Redis round trips, adopting records):
+`sharing`. What callers may ask of it without changing it (info, usage, stats, `check`): `queries`. The invariants
+`check` verifies: `checker`. One lock serialises every public method (the gRPC server
+calls in from many threads).
 
-(About 450 lines: the facade's public methods and their locking in one place; the parts they call live in
-kv_blocks, block_pool, tiers, residency, registry and checker.)
+(About 500 lines: the facade's public methods and their locking in one place; the parts they call live in
+kv_blocks, block_pool, budget, tiers, residency, registry, sharing, queries and checker.)
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
 import threading
 import time
 from collections import Counter
@@ -34,7 +35,7 @@ from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
-from kvbridge.transfer.store.checker import check_store
+from kvbridge.transfer.store.budget import DeviceBudget
 from kvbridge.transfer.store.config import (
     LookupResult,
     QuotaExceeded,
@@ -43,9 +44,11 @@ from kvbridge.transfer.store.config import (
     TenantUsage,
     default_capacity,
 )
-from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, chain_root, content_key, hash_chain
-from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, entry_record, info_of, parse_record
-from kvbridge.transfer.store.residency import NeedRemote, Residency, lowest, read_to_cpu
+from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
+from kvbridge.transfer.store.queries import StoreQueries
+from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
+from kvbridge.transfer.store.residency import Residency, lowest
+from kvbridge.transfer.store.sharing import _ENTRY_KEY, RedisSharing, _sends_redis_writes
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
@@ -55,35 +58,22 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 
 
 DEFAULT_CONFIG = StoreConfig()
-_ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
-_REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
 
 
-def _sends_redis_writes(method):
-    """The public method, then the Redis writes it queued (sent without the store's lock)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._flush()
-    return run
-
-
-class PagedStore:
+class PagedStore(StoreQueries, RedisSharing):
     def __init__(self, config: StoreConfig = DEFAULT_CONFIG, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
         self.capacity_bytes = config.capacity_bytes or default_capacity(self.device, config.capacity_fraction)
-        self.layout_bytes = self.capacity_bytes // config.max_layouts
-        self.pools: dict[str, BlockPool] = {}
+        self.budget = DeviceBudget(self.capacity_bytes, config.slab_bytes, config.max_layouts, self.device)
+        self.pools = self.budget.pools  # layout key -> pool, all of them drawing on one byte budget
         self.registry = EntryRegistry()
         self._stats = StoreStats()
         cpu = CpuTier(config.cpu_capacity_bytes, pin_memory=self.device.type == "cuda",
                       checksums=config.redis_url is not None) if config.cpu_capacity_bytes else None
         redis = RedisTier(config.redis_url, ttl_s=config.redis_ttl_s, retry_s=config.redis_retry_s,
-                          clock=clock) if config.redis_url else None
+                          clock=clock, secret=config.redis_secret) if config.redis_url else None
         self.residency = Residency(self.registry, cpu, redis, self._stats.evictions)
         self._listeners: list[Callable[[str, str, str], None]] = []
         self._lock = threading.RLock()
@@ -112,32 +102,6 @@ class PagedStore:
         return PoolLayout(model=segment.model.key, dtype=str(segment.dtype).removeprefix("torch."),
                           num_layers=segment.num_layers, num_kv_heads=segment.num_kv_heads,
                           head_dim=segment.head_dim, block_size=self.config.block_size)
-
-    def _pool_for(self, layout: PoolLayout, create: bool) -> BlockPool | None:
-        pool = self.pools.get(layout.key)
-        if pool is not None:
-            if pool.layout != layout:
-                raise ValueError(
-                    f"layout mismatch for {layout.key}: the store holds [L={pool.layout.num_layers}, "
-                    f"H_kv={pool.layout.num_kv_heads}, D={pool.layout.head_dim}, block {pool.layout.block_size}], "
-                    f"got [L={layout.num_layers}, H_kv={layout.num_kv_heads}, D={layout.head_dim}, "
-                    f"block {layout.block_size}]"
-                )
-            return pool
-        if not create:
-            return None
-        if len(self.pools) >= self.config.max_layouts:
-            raise CapacityError(f"the store already holds {len(self.pools)} layouts (max_layouts); "
-                                f"cannot add {layout.key}")
-        num_blocks = self.layout_bytes // layout.block_bytes
-        if num_blocks < 1:
-            raise CapacityError(f"{layout.key}: one block needs {layout.block_bytes} bytes, the layout's share of the "
-                                f"store is {self.layout_bytes} bytes")
-        pool = BlockPool(layout, num_blocks, self.device)
-        self.pools[layout.key] = pool
-        log.info("pool %s: %d blocks of %d tokens (%d bytes) on %s", layout.key, num_blocks, layout.block_size,
-                 num_blocks * layout.block_bytes, self.device)
-        return pool
 
     def _pool_of(self, ns: Namespace) -> BlockPool | None:
         """The pool holding this namespace's model and dtype."""
@@ -186,8 +150,8 @@ class PagedStore:
                     self._remove_entry(entry, "lost")
 
     def _allocate(self, pool: BlockPool, n: int):
-        blocks, evicted = pool.allocate(n)
-        self._lose(self.residency.demote(pool, evicted))
+        blocks, lost = self.budget.allocate(pool, n, self.residency.demote)
+        self._lose(lost)
         return blocks
 
     def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
@@ -204,165 +168,6 @@ class PagedStore:
         pool = self.pools.get(entry.layout.key)
         tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
         return info_of(entry, new_blocks, tiers.pop() if len(tiers) == 1 else "mixed")
-
-    def _run(self, locked: Callable[[dict], object]):
-        """locked(prefetched) under the store's lock. When it needs blocks only Redis has (NeedRemote), they are
-        fetched without the lock and it runs again with them; Redis writes it queued are sent after, also without
-        the lock."""
-        prefetched: dict = {}
-        try:
-            for _ in range(_REMOTE_ROUNDS):
-                try:
-                    with self._lock:
-                        return locked(prefetched)
-                except NeedRemote as need:  # no lock held here
-                    if need.hashes:
-                        got = self.redis.get_many(need.hashes, need.layout_key)
-                        for h in need.hashes:
-                            prefetched[h] = got.get(h)
-                    if need.entries:
-                        records = self.redis.get_entries(need.entries)
-                        for k in need.entries:
-                            prefetched[("entry", k)] = records.get(k)
-            raise NotFound(f"blocks kept leaving the device while {_REMOTE_ROUNDS} Redis reads brought them back")
-        finally:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Send the queued Redis writes in order, without the store's lock (one sender at a time; a thread that
-        finds another sending leaves the queue to it). Blocks whose put fails are lost (their entries go)."""
-        residency = self.residency
-        if residency.redis is None or self._lock._is_owned():
-            return
-        while residency.outbox:
-            if not self._sending.acquire(blocking=False):
-                return
-            try:
-                while True:
-                    with self._lock:
-                        if not residency.outbox:
-                            break
-                        op, items = residency.outbox.popleft()
-                    if op == "delete":
-                        residency.redis.delete_many(items)
-                        continue
-                    if op == "entries":
-                        residency.redis.put_entries(items)
-                        continue
-                    if op == "forget":
-                        residency.redis.delete_entries(items)
-                        with self._lock:
-                            self._forgetting -= Counter(items)
-                        continue
-                    if op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
-                        found = residency.redis.refresh_many([h for h, _, _ in items])
-                        failed = items if found is None else [item for item, there in zip(items, found)
-                                                              if not there]
-                        if found is not None and residency.redis.put_many(failed):
-                            failed = []
-                    else:
-                        failed = [] if residency.redis.put_many(items) else items
-                    with self._lock:
-                        for h, _, block in items:
-                            waiting = residency.pending.get(h)
-                            if waiting is not None and waiting[1] is block:
-                                del residency.pending[h]
-                        gone = {h for h, _, _ in failed}
-                        # (a block deleted meanwhile is no entry's now: not kept; its delete follows in the outbox)
-                        residency.in_redis.update(h for h, _, _ in items if h not in gone and h in self.registry.users)
-                        residency.in_redis.difference_update(gone)
-                        # blocks not back on a local tier (nor demoted again) are gone
-                        self._lose([h for h, key, _ in failed if h not in residency.pending
-                                    and residency.tier_of(self.pools.get(key), h) is None])
-            finally:
-                self._sending.release()
-
-    def _entry_for(self, key: str, tenant: str, prefetched: dict) -> Entry:
-        """The tenant's entry of this key: local, else (entries shared through Redis) the record another replica
-        left there, adopted; NotFound when there is none. Raises NeedRemote to have the record fetched."""
-        entry = self.registry.get(key) if isinstance(key, str) else None
-        if entry is None and self.config.share_entries and self.redis is not None and isinstance(key, str) \
-                and _ENTRY_KEY.fullmatch(key) and key not in self._forgetting:
-            slot = ("entry", key)
-            if slot not in prefetched:
-                raise NeedRemote([], "", entries=[key])
-            if prefetched[slot] is not None:
-                entry = self._adopt(prefetched[slot], tenant)
-        if entry is None or entry.namespace.tenant != tenant:
-            raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
-        return entry
-
-    def _adopt_family(self, key: str, tenant: str) -> None:
-        """Entries shared through Redis: adopt the records of `key` and of the entries derived from it
-        (transitively) that this replica does not hold, so that a Delete finds them and removes them from Redis
-        too (another replica, or this server before a restart, may have made them). No lock held on Redis."""
-        if not (self.config.share_entries and self.redis is not None):
-            return
-        todo, seen = [key], set()
-        while todo:
-            seen.update(todo)
-            with self._lock:
-                missing = [k for k in todo if self.registry.get(k) is None and k not in self._forgetting]
-            records = self.redis.get_entries(missing)
-            derived = self.redis.derived_entries(todo)
-            with self._lock:
-                for k, blob in records.items():
-                    if k not in self._forgetting:
-                        self._adopt(blob, tenant)
-            todo = [d for d in derived if d not in seen and _ENTRY_KEY.fullmatch(d)]
-
-    def _adopt(self, blob: bytes, tenant: str) -> Entry | None:
-        """Register an entry another replica stored, from its record; its blocks come from Redis when read. None
-        when the record is another tenant's, or does not check out (its key is recomputed from its contents)."""
-        try:
-            record = parse_record(blob)
-            if record["tenant"] != tenant:
-                return None
-            model = ModelIdentity(record["model_name"], record["config_hash"])
-            ns = Namespace(tenant=tenant, model=model.key, dtype=record["dtype"], adapter=record["adapter"])
-            kind = record["kind"]
-            if kind not in KINDS:
-                raise ValueError(f"kind {kind!r}")
-            tokens = torch.tensor(record["token_ids"], dtype=torch.int64)
-            t = tokens.numel()
-            positions = torch.arange(t) if record["positions"] is None else torch.tensor(record["positions"],
-                                                                                          dtype=torch.int64)
-            layout = PoolLayout(model=model.key, dtype=ns.dtype, num_layers=int(record["num_layers"]),
-                                num_kv_heads=int(record["num_kv_heads"]), head_dim=int(record["head_dim"]),
-                                block_size=int(record["block_size"]))
-            if layout.block_size != self.config.block_size or positions.shape != (t,) or t == 0:
-                raise ValueError("block size or positions do not fit")
-            key = content_key(ns.digest(), kind, tokens)
-            if key != record["key"]:
-                raise ValueError("its key is not the key of its contents")
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("redis: ignoring an entry record that does not check out (%s)", exc)
-            return None
-        existing = self.registry.get(key)
-        if existing is not None:
-            return existing
-        self._pool_for(layout, create=True)
-        hashes = self._chain(ns, kind, key, tokens)
-        self.registry.claim(key, hashes)
-        now = self.clock()
-        ttl = self.config.default_ttl_s
-        entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=model, token_ids=tokens,
-                      positions=positions, rotated=bool(record["rotated"]), hashes=hashes,
-                      expires_at=now + ttl if ttl is not None else None, pinned=False, last_access=now,
-                      text=record.get("text"), source_key=record.get("source_key"),
-                      annotations=dict(record.get("annotations") or {}), generation=1)  # stored elsewhere
-        self.registry.add(entry)
-        return entry
-
-    def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]]) -> None:
-        """Entries shared through Redis: queue the entry's record and its new blocks (written through: replicas
-        read them there) for the sender."""
-        if not (self.config.share_entries and self.redis is not None):
-            return
-        if new:
-            data = read_to_cpu(pool, [i for _, i in new], [True] * len(new))
-            self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
-        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry), entry.source_key)]))
 
     def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
         """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
@@ -411,12 +216,12 @@ class PagedStore:
             self._expire()
             if source_key is not None:
                 self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
-            pool = self._pool_for(layout, create=True)
+            pool = self.budget.pool_for(layout, create=True)
             bs = layout.block_size
             n_blocks = -(-segment.num_tokens // bs)
-            if n_blocks > pool.num_blocks:
-                raise CapacityError(f"{layout.key}: the entry needs {n_blocks} blocks of {bs} tokens, the pool has "
-                                    f"{pool.num_blocks} in all")
+            if n_blocks > self.budget.max_blocks(layout):
+                raise CapacityError(f"{layout.key}: the entry needs {n_blocks} blocks of {bs} tokens, the store holds "
+                                    f"{self.budget.max_blocks(layout)} of them in all")
             key = content_key(ns.digest(), kind, segment.token_ids)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
@@ -698,90 +503,3 @@ class PagedStore:
             return self._info(entry, new_blocks=0)
 
         return self._run(locked)
-
-    def info(self, key: str, tenant: str) -> EntryInfo:
-        def locked(prefetched):
-            self._expire()
-            return self._info(self._entry_for(key, tenant, prefetched), new_blocks=0)
-
-        return self._run(locked)
-
-    @_sends_redis_writes
-    def derived(self, key: str, tenant: str) -> list[EntryInfo]:
-        """The tenant's entries derived from entry `key` (projections of it), whether or not it is still stored."""
-        with self._lock:
-            self._expire()
-            return [self._info(e, new_blocks=0) for e in self.registry.derived_from(key, tenant)]
-
-    @_sends_redis_writes
-    def sharing_prefix(self, key: str, tenant: str) -> list[tuple[str, int]]:
-        """The tenant's other prefix entries that share this prefix entry's first full blocks (same model, dtype and
-        adapter: blocks are namespaced), as (key, tokens shared), the most shared first. [] for a segment entry."""
-        with self._lock:
-            self._expire()
-            entry = self.registry.for_tenant(key, tenant)
-            if entry.kind != "prefix":
-                return []
-            shared: dict[str, int] = {}
-            for i, h in enumerate(entry.hashes):  # chained hashes: sharing block i means sharing blocks 0..i
-                for other in self.registry.users.get(h, ()):
-                    if other != key and self.registry.entries[other].kind == "prefix":
-                        shared[other] = (i + 1) * self.config.block_size
-            return sorted(shared.items(), key=lambda kv: (-kv[1], kv[0]))
-
-    @_sends_redis_writes
-    def keys(self, tenant: str) -> list[str]:
-        with self._lock:
-            self._expire()
-            return self.registry.keys(tenant)
-
-    @_sends_redis_writes
-    def purge_expired(self) -> None:
-        with self._lock:
-            self._expire()
-
-    @_sends_redis_writes
-    def tenant_usage(self, tenant: str) -> TenantUsage:
-        """What one tenant holds: its entries, their tokens, and the bytes of its distinct blocks per tier (tenants
-        never share blocks, so nothing here counts another tenant's KV)."""
-        with self._lock:
-            self._expire()
-            entries = [e for e in self.registry.entries.values() if e.namespace.tenant == tenant]
-            usage = TenantUsage(entries=len(entries), tokens=sum(e.token_ids.numel() for e in entries))
-            seen: set[BlockHash] = set()
-            for e in entries:
-                pool = self.pools.get(e.layout.key)
-                for h in e.hashes:
-                    if h not in seen:
-                        seen.add(h)
-                        tier = self.residency.tier_of(pool, h) or "redis"
-                        usage.bytes_used[tier] = usage.bytes_used.get(tier, 0) + e.layout.block_bytes
-            return usage
-
-    def capacity(self) -> dict[str, int]:
-        """Bytes each local tier may hold (fixed by the configuration)."""
-        return {"device": self.capacity_bytes, "cpu": self.config.cpu_capacity_bytes}
-
-    def redis_up(self) -> bool | None:
-        """Whether the Redis tier answers (as last seen; no round trip); None without one."""
-        if self.redis is None:
-            return None
-        return bool(self.redis.stats.available)
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            s = self._stats
-            out = StoreStats(hits=s.hits, misses=s.misses, hit_tokens=s.hit_tokens, puts=s.puts,
-                             entries=len(self.registry), evictions=dict(s.evictions),
-                             lost_entries=s.lost_entries, expired_entries=s.expired_entries)
-            out.bytes_used = {"device": sum(p.bytes_used for p in self.pools.values()),
-                              "cpu": self.cpu.bytes_used if self.cpu else 0}
-            out.bytes_capacity = {"device": self.capacity_bytes, "cpu": self.config.cpu_capacity_bytes}
-            if self.redis is not None:
-                out.redis = dict(vars(self.redis.stats))
-            return out
-
-    def check(self) -> list[str]:
-        """Every violated invariant, in words; [] when the store is consistent."""
-        with self._lock:
-            return check_store(self.pools, self.registry, self.residency, self.layout_bytes)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 from kvbridge.transfer.errors import CapacityError, NotFound
-from kvbridge.transfer.store.block_pool import BlockPool
+from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout
 from kvbridge.transfer.store.kv_blocks import Block, BlockHash
 from kvbridge.transfer.store.registry import EntryRegistry
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier, block_sums
@@ -56,10 +56,10 @@ def read_to_cpu(pool: BlockPool, block_ids: list[int], summed: list[bool]) -> li
 class NeedRemote(Exception):
     """Blocks that only Redis may have: fetch them without the store's lock, then call again with them."""
 
-    def __init__(self, hashes: list[BlockHash], layout_key: str, entries: list[str] = ()):
+    def __init__(self, hashes: list[BlockHash], layout: PoolLayout | None, entries: list[str] = ()):
         super().__init__(f"{len(hashes)} blocks and {len(entries)} entry records to fetch from Redis")
         self.hashes = hashes
-        self.layout_key = layout_key
+        self.layout = layout  # of the blocks' pool: what each block read back must fit
         self.entries = list(entries)  # entry keys whose records (shared entries) to fetch
 
 
@@ -156,7 +156,7 @@ class Residency:
             remote = [hashes[i] for i in missing if hashes[i] not in prefetched and hashes[i] not in self.pending
                       and (self.cpu is None or hashes[i] not in self.cpu)]
             if remote:
-                raise NeedRemote(remote, pool.layout.key)
+                raise NeedRemote(remote, pool.layout)
         pool.ref(present)  # protect them while promotion allocates
         try:
             if missing:
