@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,18 +70,33 @@ def small_server(gemma, smollm2, tmp_path_factory):
     running.stop(1)
 
 
+SLOW_S = 12.0  # what the slow path adds to each answer of the identity server (a plain request takes ~1-6 s)
+
+
 @pytest.fixture(scope="module")
-def engine(identity_server, small_server, tmp_path_factory):
+def slow_identity(identity_server):
+    """The identity server behind a loopback proxy that holds everything it sends for SLOW_S."""
+    from delayproxy import DelayProxy
+
+    proxy = DelayProxy(identity_server.address, SLOW_S)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def engine(identity_server, small_server, slow_identity, tmp_path_factory):
     from kvbridge.transfer.models import prepare_gguf
     from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
 
     servers = {"identity": {"address": identity_server.address},
                "small": {"address": small_server.address, "token": TOKEN},
+               "default": {"address": small_server.address, "token": TOKEN},  # what `eval rouge --engine vllm` asks
+               "slow": {"address": slow_identity.address},
                "wrong-token": {"address": small_server.address, "token": "not-the-token-0123456789"},
                "down": {"address": f"127.0.0.1:{_free_port()}"}}  # nothing listens there
     options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="float32",
                             max_model_len=1024, block_size=BLOCK,
-                            kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=20, retries=1))
+                            kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=60, retries=1))
     log = tmp_path_factory.mktemp("vllm") / "engine.log"
     with EngineProcess(options, log) as running:
         yield running
@@ -138,6 +154,25 @@ def test_identity_transfer_gives_vllms_own_tokens(engine, doc, own):
     assert _warnings(engine, offset) == []
 
 
+def test_an_engine_sweeps_what_a_killed_engine_left_in_shared_memory(request):
+    """A staging folder with a staged file, as an engine SIGKILLed between staging and loading leaves it (its pid is
+    a process that is gone): the next engine to start removes it; its own folder is private (0700)."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from kvbridge.vllm import handoff
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    left = handoff.stage(torch.zeros(1, 2, 1, 3, 4), handoff.private_folder("/dev/shm", pid=dead))
+    request.getfixturevalue("engine_bf16")  # starts now (this test runs before the module's other bf16 test)
+    assert not left.exists() and not left.parent.exists()
+    own = [p for p in Path("/dev/shm").glob(f"{handoff.PREFIX}{os.getuid()}-*")]
+    assert own and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in own)
+
+
 def test_identity_transfer_in_bfloat16_gives_vllms_own_tokens(engine_bf16, smollm2):
     """bfloat16 and blocks of 128: the KV crosses the wire in bfloat16 and lands in the bf16 kernels' layout. The two
     KVs are not bit-equal here (transformers' float32 KV rounded to bf16 against vLLM's bf16 forward, and the
@@ -165,6 +200,21 @@ def test_identity_transfer_in_bfloat16_gives_vllms_own_tokens(engine_bf16, smoll
     assert unsalted["num_cached_tokens"] == 512  # own's blocks, from vLLM's prefix cache (bf16: the tail computed
     assert unsalted["token_ids"][:12] == own["token_ids"][:12]  # over them may part from own's one pass later on)
     assert len(_warnings(engine_bf16, offset)) == 1
+
+
+def test_a_slow_kvbridge_server_does_not_delay_a_plain_request_submitted_after(engine, doc, own):
+    """The connector's lookups run on its own threads: while the scheduler waits for a slow server's projected cache
+    (each answer SLOW_S late), it goes on serving a request without kvbridge context submitted after it. The slow
+    request still loads the whole context once its cache comes, and gives vLLM's own tokens."""
+    prepared, prompt = doc
+    slow, plain = engine.generate_many([
+        {"prompt_token_ids": prompt, "max_tokens": NEW, "kvbridge": {"text": prepared.text, "server": "slow"}},
+        {"prompt_token_ids": prompt, "max_tokens": NEW}])
+    assert plain["finished"] == 0 and slow["finished"] == 1
+    assert plain["seconds"] < SLOW_S < slow["seconds"]
+    assert plain["loaded_tokens"] == 0 and plain["token_ids"] == own["token_ids"]
+    assert slow["kvbridge_error"] == "" and slow["loaded_tokens"] == CONTEXT
+    assert slow["token_ids"] == own["token_ids"]
 
 
 def test_the_connector_honours_recompute_tokens(engine, doc, own):
@@ -232,3 +282,56 @@ def test_a_prompt_that_does_not_begin_with_the_context_loads_nothing(engine, doc
     assert "shares only its first 1 tokens" in out["kvbridge_error"]  # the start token
     assert out["token_ids"] == own["token_ids"]
     assert len(_warnings(engine, offset)) == 1
+
+
+def test_eval_rouge_through_vllm_gives_the_in_process_figures_of_what_vllm_reads(engine, small_server, smollm2,
+                                                                                 tmp_path):
+    """`kvbridge eval rouge --engine vllm` (evaluate with the module's engine, the small pair's server) against the
+    in-process harness on the same server and documents. Contexts fill whole blocks, so the connector loads every
+    projected token, and vLLM reads loaded KV without an induction prior: each mode must give the in-process
+    `/noprior` figures (two engines in float32: the same summaries, NLL to float tolerance, the same top-1 tokens)."""
+    from kvbridge.eval.demo import SAMPLE
+    from kvbridge.eval.run import RunOptions, evaluate
+    from kvbridge.eval.summaries import (
+        EvalConfig,
+        ProjectedSource,
+        SummaryEvaluator,
+        parse_modes,
+        prepare,
+        read_records,
+    )
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.transfer.data import data_path
+
+    config = EvalConfig(max_doc_tokens=CONTEXT - 1, max_new_tokens=NEW)
+    data = tmp_path / "docs.jsonl"
+
+    lines = data_path(SAMPLE).read_text().splitlines()
+    records = read_records(data_path(SAMPLE))
+    chosen = [i for i, r in enumerate(records) if (d := prepare(r, smollm2, config)) is not None
+              and d.target_ids.numel() == CONTEXT][:2]
+    data.write_text("\n".join(lines[i] for i in chosen) + "\n")
+    modes = "full,none,tail:0.1,replace,served:blend:0.1,recompute:0.1"
+    run = evaluate(RunOptions(data=str(data), modes=modes, out=str(tmp_path / "out"), server=small_server.address,
+                              token=TOKEN, engine="vllm", bootstrap=50, progress=False),
+                   target=smollm2, config=config, engine=engine)
+    assert run["meta"]["engine"] == "vllm" and "target engine vLLM" in run["paths"]["markdown"].read_text()
+    docs = [prepare(r, smollm2, config) for r in read_records(data)]
+    reference_modes = parse_modes("full,none,tail:0.1,replace/noprior,served:blend:0.1/noprior")
+    with KVBridgeClient(small_server.address, token=TOKEN, timeout_s=600) as client:
+        evaluator = SummaryEvaluator(smollm2, reference_modes, config, ProjectedSource(client, smollm2))
+        reference = [evaluator.run(doc) for doc in docs]
+    assert len(run["results"]) == len(reference) == 2
+    for got, want in zip(run["results"], reference):
+        for name, ref_name in zip(modes.split(","), [m.name for m in reference_modes]):
+            mode, ref = got.modes[name], want.modes[ref_name]
+            assert mode.loaded_tokens == (CONTEXT if name in ("replace", "served:blend:0.1") else 0), name
+            assert mode.summary_ids == ref.summary_ids, (got.id, name)
+            assert abs(mode.nll - ref.nll) <= 1e-3 * abs(ref.nll) + 1e-2, (got.id, name, mode.nll, ref.nll)
+            assert mode.continuation_top1 == ref.continuation_top1, (got.id, name)
+        # recompute:0.1 leaves the context's last 16 tokens to vLLM: rounded to blocks, the last 32
+        assert got.modes["recompute:0.1"].loaded_tokens == CONTEXT - BLOCK
+        assert got.modes["replace"].kv_bytes > 0 and got.modes["full"].kv_bytes == 0
+    summary = run["summary"]["modes"]
+    assert summary["full"]["nll_recovery"]["value"] == pytest.approx(1.0)
+    assert summary["none"]["nll_recovery"]["value"] == pytest.approx(0.0)

@@ -51,13 +51,18 @@ def test_request_params_round_trip_and_bad_ones_are_named():
 def test_the_engine_config_reads_back(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-0123456789\n")
-    extra = kv_transfer_config(address="127.0.0.1:1", servers={"b": {"address": "127.0.0.1:2", "token": "t"}},
-                               timeout_s=3, recompute_tokens=32)["kv_connector_extra_config"]
+    whole = kv_transfer_config(address="127.0.0.1:1", servers={"b": {"address": "127.0.0.1:2", "token": "t"}},
+                               timeout_s=3, recompute_tokens=32, fetch_threads=2)
+    assert whole["kv_load_failure_policy"] == "recompute"  # a failed load is recomputed, not a failed request
+    extra = whole["kv_connector_extra_config"]
     extra["kvbridge_token_file"] = str(token_file)
     config = ConnectorConfig.from_extra(extra)
     assert config.servers["default"].address == "127.0.0.1:1"
     assert config.servers["default"].token == "s3cret-token-0123456789"
     assert config.servers["b"].token == "t" and config.timeout_s == 3 and config.recompute_tokens == 32
+    assert config.fetch_threads == 2 and ConnectorConfig.from_extra({"kvbridge_address": "h:1"}).fetch_threads == 4
+    with pytest.raises(ValueError, match="kvbridge_fetch_threads must be >= 1"):
+        ConnectorConfig.from_extra({**extra, "kvbridge_fetch_threads": 0})
     assert config.mode == "" and ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:0.1"}).mode == "blend:0.1"
     with pytest.raises(ValueError, match="kvbridge_mode must be"):
         ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:1.5"})
@@ -85,3 +90,26 @@ def test_kvbridge_demo_engine_vllm_without_the_vllm_venv_says_how_to_make_it(mon
     monkeypatch.setenv("KVBRIDGE_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
     with pytest.raises(SystemExit, match="KVBRIDGE_VLLM=1 ./setup.sh"):
         main(["demo", "--engine", "vllm"])
+
+
+def test_staging_folders_are_private_and_a_dead_engines_folder_is_swept(tmp_path):
+    """An engine's staging folder is 0700 and its own; the folder of an engine that is gone (a process that exited,
+    as a SIGKILLed engine would leave it, files and all) is removed by the next engine's sweep, a live one's kept."""
+    import os
+    import subprocess
+    import sys
+
+    mine = handoff.private_folder(tmp_path)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700 and handoff.private_folder(tmp_path) == mine
+    staged = handoff.stage(torch.zeros(1, 2, 1, 3, 4), mine)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = handoff.private_folder(tmp_path, pid=int(dead.stdout))
+    left = handoff.stage(torch.zeros(1, 2, 1, 3, 4), gone)
+    other = tmp_path / "unrelated"  # not a staging folder: never touched
+    other.mkdir()
+    assert handoff.sweep(tmp_path) == [gone]
+    assert not left.exists() and not gone.exists() and staged.exists() and other.exists()
+    loose = tmp_path / f"{handoff.PREFIX}{os.getuid()}-{os.getpid() + 10**7}"  # a shared folder under our name
+    loose.mkdir(mode=0o755)
+    with pytest.raises(PermissionError, match="not a private folder"):
+        handoff.private_folder(tmp_path, pid=os.getpid() + 10**7)

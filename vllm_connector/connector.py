@@ -10,18 +10,23 @@ Load it with
 
 (`kvbridge.vllm.engine.kv_transfer_config` builds the dict) and mark requests as `kvbridge.vllm.params` says.
 
-Scheduler side (the engine core process): `get_num_new_matched_tokens` fetches the request's projected cache from the
-server (`GetProjectedCache`, synchronous: the scheduler waits for it, bounded by `kvbridge_timeout_s`), matches its
-target token ids against the prompt (`params.match_prompt`: whole blocks, never the last token) and reports that many
-tokens; once vLLM has allocated blocks for them, `update_state_after_alloc` stages those tokens' KV in shared memory
-(`handoff`) and `build_connector_meta` tells the workers the file and the block ids. Anything that goes wrong (no
-server, a refused token, an unknown key, other tokens, another model's shapes) gives 0 tokens, one warning for the
-request, and a normal prefill: a request never fails because of kvbridge.
+Scheduler side (the engine core process), never waiting on kvbridge: `get_num_new_matched_tokens` hands the
+request's lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and answers None (vLLM asks again at its
+next step, meanwhile it schedules other requests); a fetch thread gets the projected cache from the server
+(`GetProjectedCache`, bounded by `kvbridge_timeout_s`), matches its target token ids against the prompt
+(`params.match_prompt`: whole blocks, never the last token) and stages those tokens' KV in shared memory (`handoff`).
+Once the lookup is done the connector reports that many tokens as an asynchronous load; `update_state_after_alloc`
+tells the workers, through `build_connector_meta`, the file and the request's block ids. Anything that goes wrong (no
+server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
+for the request, and a normal prefill: a request never fails because of kvbridge.
 
 Worker side: `start_load_kv` reads the staged file and writes the KV into the paged buffers layer by layer through
 the attention backend's own cache writer, `layer.impl.do_kv_cache_update(layer, key [T, H_kv, D], value, kv_cache,
 slot_mapping)`: the very call vLLM makes for the KV it computes, so the bytes land in the backend's layout whatever
-it is. The layouts (vLLM 0.32, one tensor per layer):
+it is; `get_finished` then reports the request's load done (a load that failed reports its blocks through
+`get_block_ids_with_load_errors`, and vLLM recomputes them: `kv_transfer_config` sets
+`kv_load_failure_policy="recompute"`, vLLM's default "fail" would fail the request instead).
+The layouts (vLLM 0.32, one tensor per layer):
   CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
              ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
              plain [block_size, D]. ISA "amx" (bfloat16 on a CPU with AMX tiles, block_size % 32 == 0 — these
@@ -39,7 +44,10 @@ hybrid layers) are not handled: the connector loads nothing for them (one warnin
 from __future__ import annotations
 
 import logging
+import shutil
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +77,7 @@ class Load:
     """One request's load, sent from the scheduler to the workers."""
 
     req_id: str
-    path: str  # the staged KV [L, 2, H_kv, num_tokens, D] (handoff.stage)
+    path: str  # the staged KV of the prompt's first tokens [L, 2, H_kv, >= start + num_tokens, D] (handoff.stage)
     block_ids: list[int]  # the request's blocks from position 0 (first KV cache group)
     start: int  # the first prompt position to write (tokens before it were cached locally)
     num_tokens: int
@@ -84,13 +92,19 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 class _Plan:
     """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
 
-    kv: torch.Tensor | None  # the fetched projected KV [L, 2, H_kv, T, D]; None after a failure or once staged
+    path: str | None  # the staged KV of prompt tokens 0..loadable-1 ([L, 2, H_kv, loadable, D]); None: nothing to load
     loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
     error: str = ""
-    staged: list[str] = field(default_factory=list)  # files not yet known to be taken by a worker
     loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
-    start: int = 0
-    fetch_s: float = 0.0  # the scheduler's wait for the server (GetProjectedCache, to the assembled tensor)
+    fetch_s: float = 0.0  # a fetch thread's wait for the server (GetProjectedCache, to the assembled tensor)
+    wire_bytes: int = 0  # KV bytes received from the server (0 through shared memory)
+    handed: bool = False  # the load went to the workers (they remove the file)
+
+
+def _discard_staged(lookup: Future) -> None:
+    """A finished lookup's staged file, when nobody will load it."""
+    if not lookup.cancelled() and lookup.result().path is not None:
+        handoff.discard(lookup.result().path)
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -108,18 +122,35 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
         self.wire_dtype = str(model.dtype).removeprefix("torch.")
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvbridge: kv_load_failure_policy is %r: a load that fails on a worker fails its request; "
+                        "with \"recompute\" (kvbridge.vllm.engine.kv_transfer_config sets it) vLLM prefills it",
+                        self._kv_transfer_config.kv_load_failure_policy)
         # scheduler side
         self._plans: dict[str, _Plan] = {}
-        self._pending: dict[str, Load] = {}  # staged this step, waiting for build_connector_meta
+        self._lookups: dict[str, Future] = {}  # lookups under way on the fetch threads
+        self._scheduler_s: dict[str, tuple[float, float]] = {}  # (sum, longest) of its connector calls' seconds
+        self._pending: dict[str, Load] = {}  # allocated this step, waiting for build_connector_meta
         self._clients: dict[str, Any] = {}
+        self._clients_lock = threading.Lock()
+        self._fetchers = self._staging = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._fetchers = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="kvbridge-fetch")
+            handoff.sweep(self.config.staging_dir)  # what killed engines left
+            self._staging = handoff.private_folder(self.config.staging_dir)
         # worker side
         self._load_errors: set[int] = set()
+        self._finished_loads: set[str] = set()
 
     # ---------------------------------------------------------------------------------------- scheduler side
 
     def _client(self, name: str):
         from kvbridge.server.client import KVBridgeClient
 
+        with self._clients_lock:
+            return self._client_locked(name, KVBridgeClient)
+
+    def _client_locked(self, name: str, KVBridgeClient):  # noqa: N803 - the class, imported once by _client
         if name not in self._clients:
             if name not in self.config.servers:
                 raise ValueError(f"no kvbridge server named {name!r} in this engine's kvbridge_servers "
@@ -129,15 +160,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                                  retries=self.config.retries, max_message_mb=64)
         return self._clients[name]
 
-    def _plan(self, request: Request, context: RequestContext) -> _Plan:
-        """Fetch the projected cache and match it against the prompt; a failed plan (one warning) on any error."""
+    def _plan(self, request_id: str, prompt: list[int], cache_salt: str | None, context: RequestContext) -> _Plan:
+        """On a fetch thread: fetch the projected cache, match it against the prompt and stage the tokens it covers;
+        a failed plan (one warning) on any error."""
         try:
             if self.tensor_parallel != 1:
                 raise ValueError(f"tensor parallelism {self.tensor_parallel} is not supported (heads are not split)")
             if self.num_groups != 1:
                 raise ValueError(f"the engine has {self.num_groups} KV cache groups (sliding-window or hybrid "
                                  "layers); the connector loads into one")
-            if self.prefix_caching and not request.cache_salt:
+            if self.prefix_caching and not cache_salt:
                 raise ValueError("prefix caching is on and the request has no cache_salt: projected KV would enter "
                                  "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
                                  "e.g. kvbridge.vllm.engine.cache_salt(...))")
@@ -154,76 +186,105 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 raise ValueError("the projected cache does not start at position 0")
             recompute = (context.recompute_tokens if context.recompute_tokens is not None
                          else self.config.recompute_tokens)
-            match = match_prompt(list(request.prompt_token_ids or []), seg.token_ids.tolist(), self.block_size,
-                                 recompute)
+            match = match_prompt(prompt, seg.token_ids.tolist(), self.block_size, recompute)
             if match.loadable == 0:
                 raise ValueError(match.reason)
-            return _Plan(kv=seg.kv, loadable=match.loadable, fetch_s=time.perf_counter() - t0)
+            fetch_s = time.perf_counter() - t0
+            path = handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)
+            return _Plan(path=str(path), loadable=match.loadable, fetch_s=fetch_s, wire_bytes=fetched.wire_bytes)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request.request_id,
-                        reason)
-            return _Plan(kv=None, loadable=0, error=reason)
+            log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request_id, reason)
+            return _Plan(path=None, loadable=0, error=reason)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        plan = self._plans.get(request.request_id)
+        """None while the request's lookup runs on a fetch thread; then (tokens to load, True: an asynchronous load),
+        or (0, False)."""
+        t0 = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self._timed(request.request_id, time.perf_counter() - t0)
+
+    def _timed(self, req_id: str, seconds: float) -> None:
+        """The scheduler's time inside this request's connector calls (kvbridge requests only)."""
+        if req_id in self._plans or req_id in self._lookups:
+            total, longest = self._scheduler_s.get(req_id, (0.0, 0.0))
+            self._scheduler_s[req_id] = (total + seconds, max(longest, seconds))
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        plan = self._plans.get(req_id)
         if plan is None:
-            try:
-                context = RequestContext.from_params(request.kv_transfer_params)
-            except ValueError as exc:
-                log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s",
-                            request.request_id, exc)
-                self._plans[request.request_id] = _Plan(kv=None, loadable=0, error=str(exc))
-                return 0, False
-            if context is None:
-                return 0, False
-            plan = self._plans[request.request_id] = self._plan(request, context)
-        if plan.kv is None:  # failed, or staged once already (a preempted request is recomputed by vLLM)
+            lookup = self._lookups.get(req_id)
+            if lookup is None:
+                try:
+                    context = RequestContext.from_params(request.kv_transfer_params)
+                except ValueError as exc:
+                    log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, exc)
+                    self._plans[req_id] = _Plan(path=None, loadable=0, error=str(exc))
+                    return 0, False
+                if context is None:
+                    return 0, False
+                self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, list(request.prompt_token_ids or []),
+                                                              request.cache_salt, context)
+                return None, False
+            if not lookup.done():
+                return None, False
+            plan = self._plans[req_id] = lookup.result()  # _plan never raises
+            del self._lookups[req_id]
+        if plan.path is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
-        return max(0, plan.loadable - num_computed_tokens), False
+        tokens = max(0, plan.loadable - num_computed_tokens)
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         plan = self._plans.get(request.request_id)
-        if num_external_tokens == 0 or plan is None or plan.kv is None:
+        if num_external_tokens == 0 or plan is None or plan.path is None or plan.handed:
             return
+        t0 = time.perf_counter()
         start = plan.loadable - num_external_tokens
-        path = handoff.stage(plan.kv[:, :, :, start:plan.loadable], self.config.staging_dir)
-        plan.staged.append(str(path))
-        plan.loaded, plan.start = num_external_tokens, start
-        plan.kv = None  # the scheduler keeps no KV once it is staged
-        self._pending[request.request_id] = Load(request.request_id, str(path), [], start, num_external_tokens)
+        plan.loaded = num_external_tokens
+        self._pending[request.request_id] = Load(request.request_id, plan.path, list(blocks.get_block_ids()[0]),
+                                                 start, num_external_tokens)
+        self._timed(request.request_id, time.perf_counter() - t0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVBridgeConnectorMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            load = self._pending.pop(new.req_id, None)
-            if load is not None:
-                meta.loads.append(Load(load.req_id, load.path, list(new.block_ids[0]), load.start, load.num_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: its block ids come whole
-            load = self._pending.pop(req_id, None)
-            if load is not None and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                meta.loads.append(Load(load.req_id, load.path, list(cached.new_block_ids[i][0]), load.start,
-                                       load.num_tokens))
-            elif load is not None:
-                handoff.discard(load.path)
-        for load in self._pending.values():  # allocated but not scheduled this step: never left staged
-            handoff.discard(load.path)
+        meta = KVBridgeConnectorMetadata(loads=list(self._pending.values()))
+        for load in meta.loads:
+            self._plans[load.req_id].handed = True  # the worker removes the file once read
         self._pending.clear()
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        plan = self._plans.pop(request.request_id, None)
+        req_id = request.request_id
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is not None:  # aborted while its lookup ran: the file it stages is removed when it is done
+            lookup.add_done_callback(_discard_staged)
+        plan = self._plans.pop(req_id, None)
+        in_calls, longest = self._scheduler_s.pop(req_id, (0.0, 0.0))
         if plan is None:
             return False, None
-        for path in plan.staged:  # normally already taken by the worker
-            handoff.discard(path)
-        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s}}
+        if plan.path is not None and not plan.handed:  # never loaded (vLLM computed the tokens itself)
+            handoff.discard(plan.path)
+        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
+                                  "wire_bytes": plan.wire_bytes, "scheduler_s": in_calls,
+                                  "scheduler_max_s": longest}}
 
     def shutdown(self):
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=False, cancel_futures=True)
+        for lookup in self._lookups.values():  # staged files of lookups that end after this
+            lookup.add_done_callback(_discard_staged)
+        self._lookups.clear()
+        for plan in self._plans.values():
+            if plan.path is not None and not plan.handed:
+                handoff.discard(plan.path)
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
     # ---------------------------------------------------------------------------------------- worker side
 
@@ -237,13 +298,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                                                               "do_kv_cache_update")}
         for load in meta.loads:
             try:
-                kv = handoff.take(load.path)  # [L, 2, H_kv, n, D]
-                self._write(load, kv, layers)
+                kv = handoff.take(load.path)  # [L, 2, H_kv, loadable, D]: the tokens from position 0
+                self._write(load, kv[:, :, :, load.start:load.start + load.num_tokens], layers)
             except Exception as exc:  # noqa: BLE001 - the scheduler recomputes the blocks we report
                 log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
                             load.num_tokens, exc)
                 first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
                 self._load_errors.update(load.block_ids[first:last + 1])
+            self._finished_loads.add(load.req_id)  # done, failed or not: failed blocks are reported beside it
 
     def _write(self, load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module]) -> None:
         """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer."""
@@ -262,13 +324,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward
+        return  # the loads are asynchronous: requests wait for get_finished, not the forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # no save side yet
 
     def wait_for_save(self):
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: nothing is saved, the requests whose loads this worker wrote since the last call)."""
+        loaded, self._finished_loads = self._finished_loads, set()
+        return None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

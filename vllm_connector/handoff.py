@@ -1,16 +1,63 @@
 """Fetched KV handed from the connector's scheduler side to its workers on the same host: a safetensors file in
-shared memory (/dev/shm), mode 0600, an unguessable name, removed by the worker once read. The scheduler's message
-to the workers then carries only a path and block ids, never the KV itself.
+shared memory, mode 0600, an unguessable name, removed by the worker once read. The scheduler's message to the
+workers then carries only a path and block ids, never the KV itself.
+
+Files live in the engine's private folder, `<staging_dir>/kvbridge-stage-<uid>-<pid>` (0700; pid: the engine core
+process that stages). An engine that is killed leaves its folder behind: the next engine to start on the host sweeps
+the folders of this user whose process is gone (`sweep`), so nothing stays in /dev/shm past one restart.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger("kvbridge.vllm")
+PREFIX = "kvbridge-stage-"
+
+
+def private_folder(base: str | Path, pid: int | None = None) -> Path:
+    """This process's staging folder under `base`, made 0700 (and checked to be ours and private when it exists)."""
+    path = Path(base) / f"{PREFIX}{os.getuid()}-{pid or os.getpid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        info = path.lstat()
+        if not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(f"{path} exists and is not a private folder of this user") from None
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with that pid: alive
+        return True
+    return True
+
+
+def sweep(base: str | Path) -> list[Path]:
+    """Remove this user's staging folders under `base` whose engine process is gone; the folders removed."""
+    removed = []
+    prefix = f"{PREFIX}{os.getuid()}-"
+    for path in Path(base).glob(f"{prefix}*"):
+        pid = path.name.removeprefix(prefix)
+        if not pid.isdigit() or _alive(int(pid)) or path.is_symlink():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.warning("kvbridge: removed %d staging folder(s) of engines that are gone: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def stage(kv: torch.Tensor, folder: str | Path) -> Path:

@@ -42,17 +42,20 @@ class ConnectorConfig:
 
     servers: dict[str, ServerRef]  # by the name requests use ("default" when they name none)
     target_model: str = ""  # the target's model name on the server ("": the server's only/first target)
-    timeout_s: float = 10.0  # one fetch; the scheduler waits for it (the fetch is synchronous)
+    timeout_s: float = 10.0  # one fetch (on a fetch thread: the scheduler never waits for it)
     retries: int = 1  # UNAVAILABLE retries: a server that is down costs about timeout-free backoff, not minutes
     recompute_tokens: int = 0  # default for requests that give none (the last token is always left to vLLM)
-    staging_dir: str = "/dev/shm"  # where the scheduler leaves fetched KV for the workers (same host)
+    staging_dir: str = "/dev/shm"  # the engine's private folder for fetched KV goes here (handoff; same host)
     mode: str = ""  # the server's correction for requests that name none ("": the server's own default)
+    fetch_threads: int = 4  # lookups (fetch, match, stage) running at once, off the scheduler's thread
 
     def __post_init__(self):
         if not self.servers:
             raise ValueError("the kvbridge connector needs at least one server (kvbridge_servers or kvbridge_address)")
         if self.timeout_s <= 0:
             raise ValueError(f"kvbridge_timeout_s must be > 0, got {self.timeout_s}")
+        if self.fetch_threads < 1:
+            raise ValueError(f"kvbridge_fetch_threads must be >= 1, got {self.fetch_threads}")
         if self.retries < 0 or self.recompute_tokens < 0:
             raise ValueError("kvbridge_retries and kvbridge_recompute_tokens must be >= 0")
         if self.mode:
@@ -64,7 +67,8 @@ class ConnectorConfig:
         kvbridge_address + kvbridge_token (or kvbridge_token_file): the "default" server;
         kvbridge_servers: {name: {"address": ..., "token": ...}} for more (or instead);
         kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
-        kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R)."""
+        kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R),
+        kvbridge_fetch_threads."""
         servers = {name: ServerRef(s["address"], s.get("token", "")) for name, s in
                    (extra.get("kvbridge_servers") or {}).items()}
         if extra.get("kvbridge_address"):
@@ -77,7 +81,8 @@ class ConnectorConfig:
                    retries=int(extra.get("kvbridge_retries", cls.retries)),
                    recompute_tokens=int(extra.get("kvbridge_recompute_tokens", cls.recompute_tokens)),
                    staging_dir=extra.get("kvbridge_staging_dir", cls.staging_dir),
-                   mode=extra.get("kvbridge_mode", cls.mode))
+                   mode=extra.get("kvbridge_mode", cls.mode),
+                   fetch_threads=int(extra.get("kvbridge_fetch_threads", cls.fetch_threads)))
 
 
 @dataclass(frozen=True)
