@@ -120,6 +120,12 @@ def store_rows(r: dict) -> list[Row]:
         rows.append(Row(f"store tokens/pool ({c['case']})", f"{c['ratio_tokens_over_pool']:.3f}", "-",
                         f"{c['tokens']:,} tokens in {c['entries']:,} entries held by a {c['pool_tokens']:,}-token "
                         "pool before its first eviction", c["ratio_tokens_over_pool"]))
+    b = r["budget"]
+    rows.append(Row("store bytes held/capacity (mixed layouts)", f"{b['ratio_bytes_over_capacity']:.3f}", ">= 0.95",
+                    f"{b['documents']} documents as source + projection ({b['bytes_per_token']['source']:,} and "
+                    f"{b['bytes_per_token']['target']:,} B/token) in one {b['capacity_bytes'] >> 20} MiB store before "
+                    f"its first eviction (a fixed quarter per layout: {b['fixed_quarter_ratio']:.3f})",
+                    b["ratio_bytes_over_capacity"]))
     if not r["redis"]:
         rows.append(Row("redis tier/raw", "skipped", "near 1", "no redis-server (or valkey-server) on PATH"))
     for x in r["redis"]:

@@ -36,6 +36,7 @@ import math
 import multiprocessing as mp
 import random
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -433,7 +434,10 @@ def run(args) -> dict:
     try:
         if redis is not None:
             redis.start()
-            serve_args += ["--redis-url", redis.url]
+            secret = work / "redis-secret"  # the replicas' shared HMAC key for what they write to Redis
+            secret.write_text(secrets.token_hex(32) + "\n")
+            secret.chmod(0o600)
+            serve_args += ["--redis-url", redis.url, "--redis-secret-file", str(secret)]
         server = ServeProcess(work / "server", serve_args, start_timeout_s=START_TIMEOUT_S)
         t0 = time.monotonic()
         server.start()
@@ -604,7 +608,8 @@ def run(args) -> dict:
             keys = sum(kinds.values())
             report["redis_keys_after_run"] = keys
             if keys:
-                records = [json.loads(r.get(k) or "{}") for k in r.scan_iter(match="kvbridge:entry:*", count=1000)]
+                records = [json.loads((r.get(k) or b"- {}").split(b" ", 1)[-1])  # "<tag> <json>"
+                           for k in r.scan_iter(match="kvbridge:entry:*", count=1000)]
                 report["redis_records_after_run"] = [
                     {"key": e.get("key"), "tenant": e.get("tenant"), "model": e.get("model_name"),
                      "source_key": e.get("source_key"), "tokens": len(e.get("token_ids") or ()),

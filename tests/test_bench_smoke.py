@@ -17,21 +17,24 @@ TABLE_HEADER = "| measurement | ratio | goal | detail |"
 # bench_all --quick's table: one row per ratio (TTFT at its quick context lengths, 256 and 512 tokens)
 ALL_QUICK_ROWS = (
     "TTFT replace/full @256 (warm, same host)", "TTFT replace/full @256 (warm, stream)",
-    "TTFT served blend:0.1/full @256 (warm, same host)", "TTFT replace/full @256 (cold)", "TTFT blend:0.1/full @256 (warm)",
+    "TTFT served blend:0.1/full @256 (warm, same host)", "TTFT replace/full @256 (cold)",
+    "TTFT blend:0.1/full @256 (warm)",
     "TTFT blend:0.1 with/without induction prior @256",
     "TTFT replace/full @512 (warm, same host)", "TTFT replace/full @512 (warm, stream)",
-    "TTFT served blend:0.1/full @512 (warm, same host)", "TTFT replace/full @512 (cold)", "TTFT blend:0.1/full @512 (warm)",
+    "TTFT served blend:0.1/full @512 (warm, same host)", "TTFT replace/full @512 (cold)",
+    "TTFT blend:0.1/full @512 (warm)",
     "TTFT blend:0.1 with/without induction prior @512",
     "projection/prefill speed @", "store get/copy source @2048",
     "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
     "store lookup per block", "store hash_chain/lookup", "store tokens/pool (distinct entries)",
-    "store tokens/pool (shared 1024-token prefix)", "store tokens/pool (growing conversation)", "redis tier/raw put",
+    "store tokens/pool (shared 1024-token prefix)", "store tokens/pool (growing conversation)",
+    "store bytes held/capacity (mixed layouts)", "redis tier/raw put",
     "redis tier/raw get", "gRPC stream grpc/raw",
     "gRPC wire projected/source", "suffix prefilled tokens without/with", "suffix TTFT median without/with",
     "suffix TTFT sum without/with",
 )
 # each benchmark's lines start with its tag; among them, its ratio and its goal
-BENCHMARKS = ("get", "lookup", "capacity", "redis")
+BENCHMARKS = ("get", "lookup", "capacity", "redis", "budget")
 
 
 def _check_store_piece(lines: list[str], out: str) -> None:

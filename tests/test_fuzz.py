@@ -228,8 +228,9 @@ def bad_blob(data, good: bytes, part: torch.Tensor) -> bytes:
                                            torch.uint8, torch.bool, torch.int64, torch.float8_e4m3fn]))  # fmt: skip
         return st_save({"kv": part.to(other)})
     if how == "shape":
+        # flatten, not reshape(-1, ...): that fails on a part of 0 tokens (0 elements)
         shapes = [part.flatten(), part.transpose(0, 3).contiguous(), part[..., :0].contiguous(), part[None],
-                  torch.cat((part, part), 3), part.flatten(0, 1)]  # flatten: reshape(-1, ...) fails on 0 elements  # fmt: skip
+                  torch.cat((part, part), 3), part.flatten(0, 1)]
         return st_save({"kv": data.draw(st.sampled_from(shapes))})
     if how == "nonfinite":
         broken = part.clone()

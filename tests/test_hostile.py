@@ -267,7 +267,13 @@ def test_a_download_nobody_reads_is_cancelled_by_the_watchdog(tmp_path, tiny_sou
                 while running.watchdog.watching:
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
-            lines = [r.getMessage() for r in caplog.records if "GetSourceCache" in r.getMessage()]
+
+                def logged() -> list[str]:  # the stream's thread logs after it stops being watched
+                    return [r.getMessage() for r in caplog.records if "GetSourceCache" in r.getMessage()]
+
+                while not logged() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            lines = logged()
             assert len(lines) == 1 and "no chunk taken for 60 s, cancelled" in lines[0], lines
             _still_works(channel, ALICE)
     finally:

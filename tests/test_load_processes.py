@@ -9,6 +9,7 @@ test reads its JSON report. The full run (64 processes, 60 s) and its figures: b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,18 +25,20 @@ CLIENTS, SECONDS, TENANTS = 12, 16, 4
 
 @pytest.mark.parametrize("redis", [True, False], ids=["redis-tier", "no-redis"])
 def test_client_processes_through_a_restart_leave_no_errors_and_nothing_behind(tmp_path, tiny_adapter_file, redis):
-    from redisproc import redis_available
+    from redisproc import redis_available, write_secret_file
 
     if redis and not redis_available():
         pytest.fail("no redis-server (or valkey-server) on PATH: install it (apt-get install redis-server)")
     adapter = tmp_path / "tiny-pair.safetensors"
     shutil.copy(tiny_adapter_file, adapter)
     report_file = tmp_path / "report.json"
+    # the runner's servers (and the one restarted) read their Redis tier's secret from the file this names
+    env = {**os.environ, "KVBRIDGE_REDIS_SECRET_FILE": str(write_secret_file(tmp_path))}
     proc = subprocess.run([sys.executable, str(RUNNER), "--preset", "tiny", "--clients", str(CLIENTS),
                            "--seconds", str(SECONDS), "--tenants", str(TENANTS), "--restart", "term",
                            "--redis" if redis else "--no-redis", "--adapter", str(adapter),
                            "--json", str(report_file)],
-                          cwd=RUNNER.parents[1], capture_output=True, text=True, timeout=900, check=False)
+                          cwd=RUNNER.parents[1], env=env, capture_output=True, text=True, timeout=900, check=False)
     print(proc.stdout)
     assert proc.returncode == 0, f"load test exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
     r = json.loads(report_file.read_text())

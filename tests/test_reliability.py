@@ -29,6 +29,7 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.client import KVBridgeClient, KVBridgeError
 from kvbridge.transfer import kvcache
+from redisproc import TEST_SECRET, write_secret_file
 
 pytestmark = pytest.mark.integration
 
@@ -381,7 +382,8 @@ def test_server_killed_mid_stream_then_back_on_its_port(tmp_path, tiny_source, t
     adapters = tmp_path / "adapters"
     serve = ServeProcess(tmp_path / "serve", [
         "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
-        "--correction", "replace", "--adapters", str(adapters), "--fit-adapter", "--no-selfcheck", "--token-file", str(tmp_path / "tokens")],
+        "--correction", "replace", "--adapters", str(adapters), "--fit-adapter", "--no-selfcheck", "--token-file",
+        str(tmp_path / "tokens")],
         env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     metadata = (("authorization", f"Bearer {CRASH_TOKEN}"),)
     text = " ".join(_words()[:500])  # ~1300 source tokens, ~2000 target tokens: 9 MB of projected KV
@@ -626,6 +628,7 @@ def test_redis_killed_and_restarted_while_clients_run(tiny_source, tiny_target, 
     # 4 MB: pools of 64 source blocks (16 KB) and 14 target blocks (72 KB); a 256 KB CPU tier under them: the
     # clients' projections alone need ~80 target blocks, so blocks go down to Redis and come back all the time.
     store = PagedStore(StoreConfig(capacity_bytes=4 << 20, cpu_capacity_bytes=256 << 10, redis_url=redis_server.url,
+                                   redis_secret=TEST_SECRET,
                                    redis_retry_s=retry_s, device="cpu"), clock=clock)
     # No kept wire messages or same-host files: a repeated fetch would be answered from them without reading a
     # block, and this test is about blocks going down to Redis and coming back.
@@ -719,7 +722,7 @@ def test_a_corrupt_block_in_redis_is_a_miss_never_bad_data(tiny_source, tiny_tar
 
     # 4 MB, no CPU tier: a source pool of 64 blocks; evicted blocks go straight to Redis
     running = _start(tiny_source, [tiny_target], adapters_dir, store_capacity_mb=4, cpu_tier_mb=0,
-                     redis_url=redis_server.url)
+                     redis_url=redis_server.url, redis_secret_file=str(write_secret_file(redis_server.workdir)))
     store = running.service.store
     r = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     try:
@@ -772,11 +775,12 @@ def test_a_corrupt_block_in_redis_is_a_miss_never_bad_data(tiny_source, tiny_tar
 
 def test_a_full_store_evicts_by_policy_keeps_pinned_entries_and_refuses_politely(tiny_source, tiny_target,
                                                                                 adapters_dir):
-    """A 2 MB store (32 source blocks, 7 target blocks; no lower tier): distinct texts until eviction; every call
-    is OK or RESOURCE_EXHAUSTED; the oldest unpinned entries are gone (NOT_FOUND), the pinned one stays exact;
-    pinning until full ends in RESOURCE_EXHAUSTED with a sentence, leaving the store as it was."""
+    """A 2 MB store (one byte budget: 128 of the tiny source's 16 KB blocks, shared with projections; no lower
+    tier): distinct texts until eviction; every call is OK or RESOURCE_EXHAUSTED; the oldest unpinned entries are
+    gone (NOT_FOUND), the pinned one stays exact; pinning until full ends in RESOURCE_EXHAUSTED with a sentence,
+    leaving the store as it was."""
     running = _start(tiny_source, [tiny_target], adapters_dir, store_capacity_mb=2, cpu_tier_mb=0,
-                     tenant_max_pinned_mb=2)  # the tenant may pin the whole pool: this is about the store filling
+                     tenant_max_pinned_mb=4)  # the tenant may pin past the pool: this is about the store filling
     store = running.service.store
     codes = Counter()
 
@@ -791,7 +795,7 @@ def test_a_full_store_evicts_by_policy_keeps_pinned_entries_and_refuses_politely
 
     try:
         with KVBridgeClient(running.address, token=ALICE, retries=0) as alice:
-            texts = [_text(200 + i, words=15) for i in range(60)]
+            texts = [_text(100 + i, words=15) for i in range(140)]  # ~3 blocks of 16 KB each
             pinned = alice.ingest(texts[0], pin=True)
             keys = []
             for text in texts[1:26]:  # ~3 blocks each: twice what the source pool holds
@@ -810,7 +814,8 @@ def test_a_full_store_evicts_by_policy_keeps_pinned_entries_and_refuses_politely
             pinned_kv = kvcache.extract(tiny_source.model, tiny_source.spec, pinned.source_token_ids)
             assert torch.equal(alice.fetch_source(key=pinned.entries[0].key).segment.kv, pinned_kv.kv)
 
-            code, details = _code(lambda: alice.ingest(" ".join(_words()[:400])))  # more blocks than the pool
+            # more blocks than the whole pool (one byte budget for every layout: ~2,500 tokens of 1 KB against 2 MB)
+            code, details = _code(lambda: alice.ingest(" ".join(_words()[:800])))
             assert code == EXHAUSTED and "the store is full" in details and "in all" in details, details
 
             pins = [pinned.entries[0].key]
