@@ -366,13 +366,19 @@ class KVBridgeClient:
     def fetch_projected(self, text: str | None = None, key: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, dtype: str = "", require_cached: bool = False,
                         chunk_bytes: int = 0, timeout_s: float | None = None,
-                        transport: str | None = None, mode: str = "") -> FetchedCache:
+                        transport: str | None = None, mode: str = "", prompt=None) -> FetchedCache:
         """The server projects the source entry (by key, or by text: ingested if missing) into target_model, and
         serves it corrected as `mode` says: "replace", "recompute:R", "blend:R"; "" for the server's default.
-        transport: None for the client's default, else "stream", "shared_memory" or "auto"."""
+        transport: None for the client's default, else "stream", "shared_memory" or "auto".
+        prompt: the target prompt's token ids, when the document does not begin it (a chat template or an
+        instruction before it): the cache then holds the target's own KV of the tokens before the document, then
+        the document at its positions in the prompt (not with offset)."""
         request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
                                                dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes,
                                                mode=mode)
+        if prompt is not None:
+            request.prompt.SetInParent()  # present even when empty (the server refuses an empty prompt by name)
+            request.prompt.ids.extend(int(t) for t in prompt)
         _set_key_or_text(request, key, text)
         return self._fetch("GetProjectedCache", request, timeout_s, transport)
 

@@ -20,7 +20,9 @@ from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
-from kvbridge.transfer.align import Alignment, align_tokens, tokenize
+from kvbridge.server.prompt_place import locate
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
@@ -144,6 +146,62 @@ class Projecting:
         placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
         return replace(placed, mode=str(correction),
                        recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
+
+    def prompt_cache(self, tenant: str, prompt: list[int], key: str | None = None, text: str | None = None,
+                     target_model: str = "", adapter: str = "", require_cached: bool = False, out: KVOut | None = None,
+                     mode: str = "") -> CacheResult:
+        """The projected (and corrected) cache for a target prompt that holds the document (server/prompt_place.py):
+        the target's own KV of the prompt's tokens before the document, then the document's projected KV at its
+        positions in the prompt. A prompt that begins with the stored cache's tokens gets `projected_cache` at
+        offset 0 (gathered into `out` when warm)."""
+        target = self.model(target_model, "target")
+        spec = target.lm.spec
+        if not prompt:
+            raise ValueError("prompt: no token ids")
+        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside {spec.name!r}'s vocabulary of {spec.vocab_size}")
+        if len(prompt) > target.max_positions:
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed {spec.name!r}'s {target.max_positions} positions")
+        document = self._document_ids(tenant, target, key, text)
+        if document is not None and locate(prompt, document).as_stored:  # as stored: the warm fast path
+            return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
+        base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
+        seg = base.segment
+        where = locate(prompt, seg.token_ids.tolist())
+        if where.as_stored:
+            return base
+        first = 1 + where.skip  # the first served document token in the stored cache
+        served = seg.num_tokens - first
+        if where.head + served > target.max_positions:
+            raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
+                             f"{spec.name!r}'s {target.max_positions} positions")
+        doc = seg.slice(first, seg.num_tokens)
+        moved = torch.arange(where.head, where.head + served)
+        keys = target.lm.rope.shift_all(doc.keys.float(), doc.positions, moved)
+        doc = doc.with_keys(keys.to(doc.dtype), moved, rotated=True)
+        parts = [doc]
+        if where.head:
+            with target.lock:
+                own = kvcache.extract(target.lm.model, spec, torch.tensor(prompt[:where.head]))
+            self._count("prompt_head", computed=where.head)
+            parts.insert(0, own.to(device=doc.device, dtype=doc.dtype))
+        shift = where.head - first
+        return replace(base, segment=KVSegment.concat(parts),
+                       recomputed=tuple(p + shift for p in base.recomputed if p >= first))
+
+    def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None) -> list[int] | None:
+        """The stored projection's target ids (start token, document) from the text, without fetching; None when the
+        server does not know the text."""
+        if text is None and key is not None:
+            try:
+                text = self.store.info(key, tenant).text
+            except NotFound:
+                return None
+        if not text or not text.strip():
+            return None
+        ids = tokenize(target.lm.tokenizer, text, add_special_tokens=False).ids.tolist()
+        return [start_token_id(target.lm.tokenizer), *ids]
 
     def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
                             ) -> tuple[EntryInfo, KVSegment] | None:

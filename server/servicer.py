@@ -229,10 +229,16 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             which = request.WhichOneof("input")
             if which is None:
                 raise ValueError("give key or text")
+            key, text = (request.key if which == "key" else None), (request.text if which == "text" else None)
+            if request.HasField("prompt"):
+                if request.offset:
+                    raise ValueError("give offset or prompt, not both (a prompt places the document itself)")
+                return self.service.prompt_cache(
+                    tenant, list(request.prompt.ids), key=key, text=text, target_model=request.target_model,
+                    adapter=request.adapter, require_cached=request.require_cached, out=out, mode=request.mode)
             return self.service.projected_cache(
-                tenant, key=request.key if which == "key" else None, text=request.text if which == "text" else None,
-                target_model=request.target_model, adapter=request.adapter, offset=request.offset,
-                require_cached=request.require_cached, out=out, mode=request.mode)
+                tenant, key=key, text=text, target_model=request.target_model, adapter=request.adapter,
+                offset=request.offset, require_cached=request.require_cached, out=out, mode=request.mode)
         yield from self._stream("GetProjectedCache", context, fetch, request.dtype, request.chunk_bytes,
                                 request.transport)
 

@@ -13,7 +13,8 @@ Load it with
 Scheduler side (the engine core process), never waiting on kvbridge: `get_num_new_matched_tokens` hands the
 request's lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and answers None (vLLM asks again at its
 next step, meanwhile it schedules other requests); a fetch thread gets the projected cache from the server
-(`GetProjectedCache`, bounded by `kvbridge_timeout_s`), matches its target token ids against the prompt
+(`GetProjectedCache` with the prompt's token ids: the server places the document where the prompt has it, after
+the target's own KV of the tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt
 (`params.match_prompt`: whole blocks, never the last token) and stages those tokens' KV in shared memory (`handoff`).
 Once the lookup is done the connector reports that many tokens as an asynchronous load; `update_state_after_alloc`
 tells the workers, through `build_connector_meta`, the file and the request's block ids. Anything that goes wrong (no
@@ -176,7 +177,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             fetched = self._client(context.server).fetch_projected(
                 key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
-                dtype=self.wire_dtype, mode=context.mode if context.mode is not None else self.config.mode)
+                dtype=self.wire_dtype, mode=context.mode if context.mode is not None else self.config.mode,
+                prompt=prompt)  # the server places the document where the prompt has it (after a chat template)
             seg = fetched.segment
             if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
                 raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "

@@ -83,7 +83,25 @@ class EngineOptions:
     env: dict[str, str] = field(default_factory=dict)
 
 
-class EngineProcess:
+class LoggedProcess:
+    """A child process whose output goes to the file `log_path` (opened as `_log`)."""
+
+    log_path: Path
+    _log: Any
+
+    def log_text(self, offset: int = 0) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[offset:].decode(errors="replace")
+
+    def log_size(self) -> int:
+        self._log.flush()
+        return self.log_path.stat().st_size
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+class EngineProcess(LoggedProcess):
     """`python -m kvbridge.vllm.driver` in the vLLM venv: one engine, requests one at a time over a pipe; its log
     (vLLM's and the connector's, both processes) goes to `log_path`."""
 
@@ -152,17 +170,6 @@ class EngineProcess:
         if "score_error" in reply:
             raise RuntimeError(f"vLLM scored no prompt: {reply['score_error']}")
         return reply
-
-    def log_text(self, offset: int = 0) -> str:
-        self._log.flush()
-        return self.log_path.read_bytes()[offset:].decode(errors="replace")
-
-    def log_size(self) -> int:
-        self._log.flush()
-        return self.log_path.stat().st_size
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def close(self, timeout_s: float = 60.0) -> None:
         if self._proc.poll() is None:

@@ -11,10 +11,13 @@ parameters:
 with exactly one of `key` (an entry the server holds: `KVBridgeClient.ingest(...).entries[0].key`) and `text` (the
 server ingests the text when it has no entry for it), and optionally `adapter` (default: the server's default for
 the target), `server` (a name from the engine's `servers`; default "default") and `recompute_tokens` (leave at least
-this many of the context's last tokens to vLLM's own prefill). The prompt's token ids must begin with the projected
-cache's target token ids: the target's start token, then the target tokenization of the text (`request_prompt`
-gives them from a fetched cache). vLLM loads the longest common prefix of the two, rounded down to whole vLLM blocks,
-never the prompt's last token (vLLM needs one token to compute logits from), and prefills the rest itself.
+this many of the context's last tokens to vLLM's own prefill). The prompt holds the text anywhere: the connector
+sends the prompt's token ids with its fetch, and the server serves the target's own KV of the tokens before the text
+(a chat template, a system prompt, an instruction; computed exactly), then the projected text at its positions in
+the prompt (`server/prompt_place.py`); a prompt that begins with the stored cache's ids (the target's start token,
+then the text's tokens) gets the cache as stored, and a text prompt without the start token gets the text from
+position 0. vLLM loads the longest common prefix of the prompt and the served ids, rounded down to whole vLLM
+blocks, never the prompt's last token (vLLM needs one token to compute logits from), and prefills the rest itself.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def match_prompt(prompt_ids: list[int], cache_ids: list[int], block_size: int, r
         return Match(common, loadable)
     if common < len(cache_ids) and common < len(prompt_ids):
         reason = (f"the prompt shares only its first {common} tokens with the projected cache, less than a block of "
-                  f"{block_size} (it must begin with the cache's start token and the text's tokens)")
+                  f"{block_size}")
     else:
         reason = (f"the {common} shared tokens (less {recompute_tokens} to recompute and the prompt's last token) "
                   f"fill no whole block of {block_size}")

@@ -166,7 +166,7 @@ class LookupResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class GetProjectedCacheRequest(_message.Message):
-    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes", "transport", "mode")
+    __slots__ = ("key", "text", "target_model", "adapter", "offset", "dtype", "require_cached", "chunk_bytes", "transport", "mode", "prompt")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class GetProjectedCacheRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     key: str
     text: str
     target_model: str
@@ -187,7 +188,8 @@ class GetProjectedCacheRequest(_message.Message):
     chunk_bytes: int
     transport: Transport
     mode: str
-    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., mode: _Optional[str] = ...) -> None: ...
+    prompt: TokenIds
+    def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., target_model: _Optional[str] = ..., adapter: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., mode: _Optional[str] = ..., prompt: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class GetSourceCacheRequest(_message.Message):
     __slots__ = ("key", "text", "dtype", "require_cached", "chunk_bytes", "transport")

@@ -1,0 +1,110 @@
+"""A projected fetch for a target prompt that holds the document after other tokens (server/prompt_place.py,
+`Projecting.prompt_cache`): the target's own KV of the prompt's head, exactly, then the projected document at its
+positions in the prompt; a prompt that begins with the stored cache's tokens gets the cache as stored."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.prompt_place import locate
+from kvbridge.server.service import KVBridgeService
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.store import PagedStore, StoreConfig
+
+TEXT = ("Readers skip the fields they do not understand, and writers keep the order of the fields they were given. "
+        "A reader may stop at any field; a writer never reorders what it was handed.")
+
+
+def test_locate_finds_the_document_after_a_head_and_skips_a_cut_first_token():
+    cache = [0, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # start token 0, document 10..18
+    assert locate([0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 99], cache).as_stored
+    assert locate([0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 99], cache, probe=3).as_stored
+    where = locate([5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17, 18, 99], cache)
+    assert (where.head, where.skip, where.as_stored) == (3, 0, False)
+    where = locate([10, 11, 12, 13, 14, 15, 16, 17, 18], cache)  # a text prompt without the start token
+    assert (where.head, where.skip, where.as_stored) == (0, 0, False)
+    where = locate([5, 6, 77, 11, 12, 13, 14, 15, 16, 17, 18, 99], cache)  # the head's last token ate the first one
+    assert (where.head, where.skip) == (3, 1)
+    where = locate([1, 10, 11, 2, 10, 11, 12, 13, 14, 15, 16, 17, 3], cache)  # a partial run earlier is no match
+    assert (where.head, where.skip) == (4, 0)
+    assert locate([7, 10, 11, 12], [0, 10, 11, 12]).head == 1  # a document shorter than the probe: all of it
+    with pytest.raises(ValueError, match="does not hold the document"):
+        locate([1, 2, 3, 4, 5, 6, 7, 8, 9], cache)
+    with pytest.raises(ValueError, match="no document tokens"):
+        locate([1, 2], [0])
+
+
+def _service(tiny_source, tiny_target, folder, adapter) -> KVBridgeService:
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"))
+    registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
+    registry.add("fitted", adapter, make_default=True)
+    return KVBridgeService(tiny_source, [tiny_target], store, registry)
+
+
+@pytest.mark.parametrize("mode", ["replace", "blend:0.2"])
+def test_a_prompt_with_a_head_gets_its_own_kv_then_the_document_at_its_positions(tmp_path, tiny_source, tiny_target,
+                                                                                adapter, mode):
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    stored = service.projected_cache("t", text=TEXT, mode=mode)
+    ids = stored.segment.token_ids.tolist()  # start token, then the document
+    head = [ids[0], 17, 23, 5, 42]  # a template's tokens before the document
+    prompt = head + ids[1:] + [7, 8]
+    served = service.prompt_cache("t", prompt, text=TEXT, mode=mode)
+    seg = served.segment
+    h = len(head)
+    assert seg.token_ids.tolist() == prompt[:h] + ids[1:]
+    assert torch.equal(seg.positions, torch.arange(seg.num_tokens))
+    own = kvcache.extract(tiny_target.model, tiny_target.spec, torch.tensor(head))
+    torch.testing.assert_close(seg.kv[:, :, :, :h], own.kv.to(seg.dtype), rtol=0, atol=0)  # exactly the target's
+    # the document: the stored KV moved by RoPE, as an offset fetch moves it (that one keeps the start token)
+    moved = service.projected_cache("t", text=TEXT, mode=mode, offset=h - 1).segment
+    torch.testing.assert_close(seg.kv[:, :, :, h:].float(), moved.kv[:, :, :, 1:].float(), rtol=1e-5, atol=1e-5)
+    assert served.mode == stored.mode and served.entry_key == stored.entry_key
+    assert list(served.recomputed) == [p + h - 1 for p in stored.recomputed if p >= 1]
+
+
+def test_a_prompt_as_stored_gets_the_stored_cache_and_one_without_start_token_begins_with_the_document(
+        tmp_path, tiny_source, tiny_target, adapter):
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    stored = service.projected_cache("t", text=TEXT, mode="replace")
+    ids = stored.segment.token_ids.tolist()
+    same = service.prompt_cache("t", ids + [9, 9], text=TEXT, mode="replace")
+    assert torch.equal(same.segment.kv, stored.segment.kv) and same.segment.token_ids.tolist() == ids
+    bare = service.prompt_cache("t", ids[1:] + [9], key=stored.source_key, mode="replace")
+    assert bare.segment.token_ids.tolist() == ids[1:]
+    assert torch.equal(bare.segment.positions, torch.arange(len(ids) - 1))
+    moved = tiny_target.rope.shift_all(stored.segment.keys.float()[:, :, 1:], stored.segment.positions[1:],
+                                       torch.arange(len(ids) - 1))
+    torch.testing.assert_close(bare.segment.keys.float(), moved, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bare.segment.values, stored.segment.values[:, :, 1:], rtol=0, atol=0)
+
+
+def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_source, tiny_target, adapter):
+    from kvbridge.server.app import start_server
+    from kvbridge.server.client import KVBridgeClient, KVBridgeError
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="tiny", listen="127.0.0.1:0", selfcheck=False, adapters=str(tmp_path),
+                         store_capacity_mb=32, store_device="cpu", shm_dir=None)
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    running = start_server(service, config)
+    try:
+        with KVBridgeClient(running.address, retries=0) as client:
+            key = client.ingest(TEXT).entries[0].key
+            ids = client.fetch_projected(key=key, mode="replace").segment.token_ids.tolist()
+            keys_before = sorted(service.store.keys(""))
+            vocab = tiny_target.spec.vocab_size
+            for prompt, offset, words in (([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0, "does not hold the document"),
+                                          ([vocab, *ids], 0, "vocabulary"), ([], 0, "no token ids"),
+                                          ([5, *ids[1:]], 3, "offset or prompt")):
+                with pytest.raises(KVBridgeError) as info:
+                    client.fetch_projected(key=key, mode="replace", prompt=prompt, offset=offset)
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details, prompt
+            assert sorted(service.store.keys("")) == keys_before  # nothing stored, nothing removed
+            head = [ids[0], 30, 31]
+            fetched = client.fetch_projected(key=key, mode="replace", prompt=head + ids[1:] + [4])
+            assert fetched.segment.token_ids.tolist() == head + ids[1:]
+    finally:
+        running.stop(grace_s=1)
