@@ -124,3 +124,27 @@ def test_a_request_without_kvbridge_context_is_unchanged(api, document, smollm2)
     reference, _ = greedy(smollm2, context, torch.tensor(prompt[-1:]), NEW, stop=set())
     assert choice["token_ids"] == reference[:len(choice["token_ids"])]
     assert "kvbridge: request" not in api.log_text(offset)
+
+
+def test_the_readmes_curl_requests_load_the_document(api):
+    """README's two curl requests (its bash block as it stands, against this server's port): both load tokens."""
+    import json
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl -s localhost:8000" in b)
+    script = block.replace("localhost:8000", f"127.0.0.1:{api.port}")
+    env = {**os.environ, "KVBRIDGE_HOME": str(Path(api.model).parents[1])}
+    out = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, env=env, timeout=300, check=True)
+    answers, text, decoder = [], out.stdout.strip(), json.JSONDecoder()
+    while text:
+        answer, end = decoder.raw_decode(text)
+        answers.append(answer)
+        text = text[end:].strip()
+    assert [a["object"] for a in answers] == ["text_completion", "chat.completion"], out.stdout[:500]
+    for answer in answers:
+        done = answer["kv_transfer_params"]["kvbridge"]
+        assert done["error"] == "" and done["loaded_tokens"] >= 64, done
