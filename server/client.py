@@ -18,9 +18,9 @@ and the server's sentence.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -38,83 +38,22 @@ from kvbridge.server.chunks import (
     wire_dtype,
 )
 from kvbridge.server.config import is_loopback, split_address
+from kvbridge.server.replies import (
+    Entry,
+    FetchedCache,
+    IngestReply,
+    KVBridgeError,
+    LookupReply,
+    SharedSegment,
+    entry_of,
+)
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
 log = logging.getLogger(__name__)
 HEADROOM_TOKENS = 64  # slots a streamed fetch leaves after each row of its KV, for the cache's next tokens
 
-__all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply"]
-
-
-class KVBridgeError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str, method: str = ""):
-        super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: str
-    kind: str
-    num_tokens: int
-    start: int
-    new_blocks: int
-    tier: str
-    model: str
-
-
-@dataclass(frozen=True)
-class IngestReply:
-    entries: list[Entry]
-    source_token_ids: torch.Tensor  # [T] int64
-    model: str
-
-
-@dataclass(frozen=True)
-class LookupReply:
-    key: str | None
-    num_tokens: int
-    query_tokens: int
-    tier: str | None
-
-
-@dataclass(frozen=True)
-class FetchedCache:
-    segment: KVSegment  # rotated KV at `segment.positions`
-    entry_key: str
-    source_key: str
-    adapter: str  # "name@version" of a server-side projection; "" for source KV
-    text: str  # the text the entry was made from ("" when the server did not send it)
-    exact_coverage: float
-    wire_bytes: int  # bytes of chunk data received (0 through shared memory)
-    num_chunks: int
-    transport: str = "stream"  # how the KV came: "stream" or "shared_memory" (then segment.kv maps the file)
-    mode: str = ""  # the correction the server served ("replace", "blend:0.1", ...); "" for source KV
-    recomputed: torch.Tensor | None = None  # [R] int64: positions whose KV a correction recomputed with the target
-    # [L, 2, H, T + headroom, D] whose first T slots of each row are segment.kv, until a cache takes it
-    room: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
-
-    @property
-    def dtype(self) -> str:
-        """The dtype the KV came in over the wire (the server's: the target's dtype, bf16 for the production pair on
-        CUDA, unless the request asked for another)."""
-        return dtype_name(self.segment.dtype)
-
-    def to_cache(self, lm):
-        """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1). The first cache made
-        of a fetch writes the next tokens into the slots the fetch left after each row (no copy of the cache at the
-        first forward; the segment's own slots are never written); later ones copy at their first forward."""
-        from kvbridge.transfer import kvcache
-
-        room = self.room.pop() if self.room else None
-        return kvcache.to_cache(self.segment, lm.model, lm.spec, room=room)
-
-
-def _entry(e: pb2.Entry) -> Entry:
-    return Entry(key=e.key, kind=e.kind, num_tokens=e.num_tokens, start=e.start, new_blocks=e.new_blocks,
-                 tier=e.tier, model=e.model)
+__all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply", "SharedSegment"]
 
 
 def _read(value: bytes | str | Path | None) -> bytes | None:
@@ -190,19 +129,26 @@ class KVBridgeClient:
                     continue
                 raise KVBridgeError(exc.code(), exc.details() or "", method) from None
 
-    def _fetch(self, method: str, request, timeout_s: float | None, transport: str | None) -> FetchedCache:
+    def _fetch(self, method: str, request, timeout_s: float | None, transport: str | None,
+               keep_shared: bool = False) -> FetchedCache:
         """The fetch by the transport asked for; through shared memory, by stream when the segment cannot be read."""
         wanted = self.transport if transport is None else _transport(transport, self.address)
         request.transport = pb2.SHARED_MEMORY if wanted == "shared_memory" else pb2.STREAM
-        fetched = self._fetch_once(method, request, timeout_s)
+        fetched = self._fetch_once(method, request, timeout_s, keep_shared)
         if fetched is not None:
             return fetched
         request.transport = pb2.STREAM
         return self._fetch_once(method, request, timeout_s)
 
-    def _mapped(self, method: str, header, timeout_s: float | None) -> torch.Tensor | None:
+    def release_segment(self, shared: SharedSegment) -> None:
+        """Tell the server a segment kept by a keep_shared fetch was read (it removes the file); not waited for."""
+        self._release_later(pb2.ReleaseSegmentRequest(name=shared.name, read=True), shared.ttl_s)
+
+    def _mapped(self, method: str, header, timeout_s: float | None, keep: bool = False
+                ) -> torch.Tensor | SharedSegment | None:
         """The shared segment's tensor [L, 2, H, T + headroom, D] mapped, the KV in the first T slots of each row
-        (None when it cannot be opened or checked here); the server is told either way, so it removes the file now."""
+        (None when it cannot be opened or checked here); the server is told either way, so it removes the file now.
+        keep: only check that the file opens here and leave it to another reader (a SharedSegment; not released)."""
         s = header.shared
         shape = (header.num_layers, 2, header.num_kv_heads, len(header.token_ids) + s.headroom_tokens,
                  header.head_dim)
@@ -212,6 +158,10 @@ class KVBridgeClient:
             if s.headroom_tokens < 0:
                 raise shm_layout.SegmentError(f"headroom_tokens {s.headroom_tokens} < 0")
             shm_layout.check_path(s.path, s.name)
+            if keep:  # readable here: its reader maps it and checks the rest (layout, checksum)
+                os.close(shm_layout.open_segment(s.path, s.size))
+                return SharedSegment(path=s.path, name=s.name, size=s.size, checksum=s.checksum, shape=shape,
+                                     dtype=header.dtype, ttl_s=s.ttl_s)
             kv = shm_layout.map_kv(s.path, s.size, s.checksum, shape, wire_dtype(header.dtype))
         except OSError as exc:
             log.info("%s: shared-memory segment not readable here (%s); fetching by stream", method, exc)
@@ -243,14 +193,15 @@ class KVBridgeClient:
 
         future.add_done_callback(done)
 
-    def _fetch_once(self, method: str, request, timeout_s: float | None) -> FetchedCache | None:
+    def _fetch_once(self, method: str, request, timeout_s: float | None, keep_shared: bool = False
+                    ) -> FetchedCache | None:
         """One fetch; None when the server named a shared segment this client cannot read."""
         call = self._downloads[method]
         for attempt in range(self.retries + 1):
             received = 0
             try:
                 stream = call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-                header, assembler, wire = None, None, 0
+                header, assembler, wire, shared = None, None, 0, None
                 for raw in stream:
                     received += 1
                     try:
@@ -281,10 +232,15 @@ class KVBridgeClient:
                 if header is not None and header.HasField("shared"):
                     if received != 1:
                         raise KVBridgeError(grpc.StatusCode.INTERNAL, "chunks came after a shared segment", method)
-                    room = self._mapped(method, header, timeout_s)
+                    room = self._mapped(method, header, timeout_s, keep_shared)
                     if room is None:
                         return None
-                    kv = room[:, :, :, :len(header.token_ids)]
+                    if isinstance(room, SharedSegment):
+                        shared, room = room, None
+                        kv = torch.empty((*shared.shape[:3], len(header.token_ids), shared.shape[4]),
+                                         dtype=wire_dtype(header.dtype), device="meta")
+                    else:
+                        kv = room[:, :, :, :len(header.token_ids)]
                 elif header is None or not assembler.complete:
                     raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "
                                         + (assembler.missing() if assembler else "no header"), method)
@@ -300,7 +256,7 @@ class KVBridgeClient:
                                     adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
                                     wire_bytes=wire, num_chunks=received,
                                     transport="shared_memory" if header.HasField("shared") else "stream",
-                                    room=[room], mode=header.mode,
+                                    room=[room] if room is not None else [], mode=header.mode, shared=shared,
                                     recomputed=_recomputed(header.recomputed_positions, segment.positions))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
@@ -320,7 +276,7 @@ class KVBridgeClient:
                                     pb2.IngestRequest.STORE_WHOLE)
         _set_input(request, text, token_ids)
         reply = self._unary("Ingest", request, timeout_s)
-        return IngestReply(entries=[_entry(e) for e in reply.entries],
+        return IngestReply(entries=[entry_of(e) for e in reply.entries],
                            source_token_ids=int64_tensor(reply.source_token_ids),
                            model=reply.model)
 
@@ -347,7 +303,7 @@ class KVBridgeClient:
             try:
                 reply = self._stub.PutSourceKV(messages(), timeout=timeout_s or self.timeout_s,
                                                metadata=self._metadata)
-                return _entry(reply.entry)
+                return entry_of(reply.entry)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
                     self._sleep(attempt)  # nothing was committed: the upload starts over
@@ -366,13 +322,16 @@ class KVBridgeClient:
     def fetch_projected(self, text: str | None = None, key: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, dtype: str = "", require_cached: bool = False,
                         chunk_bytes: int = 0, timeout_s: float | None = None,
-                        transport: str | None = None, mode: str = "", prompt=None) -> FetchedCache:
+                        transport: str | None = None, mode: str = "", prompt=None,
+                        keep_shared: bool = False) -> FetchedCache:
         """The server projects the source entry (by key, or by text: ingested if missing) into target_model, and
         serves it corrected as `mode` says: "replace", "recompute:R", "blend:R"; "" for the server's default.
         transport: None for the client's default, else "stream", "shared_memory" or "auto".
         prompt: the target prompt's token ids, when the document does not begin it (a chat template or an
         instruction before it): the cache then holds the target's own KV of the tokens before the document, then
-        the document at its positions in the prompt (not with offset)."""
+        the document at its positions in the prompt (not with offset).
+        keep_shared: a same-host segment is left for another process to read (`FetchedCache.shared`; the caller
+        releases it with release_segment), not mapped here."""
         request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
                                                dtype=dtype, require_cached=require_cached, chunk_bytes=chunk_bytes,
                                                mode=mode)
@@ -380,7 +339,7 @@ class KVBridgeClient:
             request.prompt.SetInParent()  # present even when empty (the server refuses an empty prompt by name)
             request.prompt.ids.extend(int(t) for t in prompt)
         _set_key_or_text(request, key, text)
-        return self._fetch("GetProjectedCache", request, timeout_s, transport)
+        return self._fetch("GetProjectedCache", request, timeout_s, transport, keep_shared)
 
     def fetch_source(self, text: str | None = None, key: str | None = None, dtype: str = "",
                      require_cached: bool = False, chunk_bytes: int = 0, timeout_s: float | None = None,

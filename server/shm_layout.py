@@ -192,12 +192,9 @@ def check_path(path: str, name: str) -> None:
         raise SegmentError(f"{path!r} is not a kvbridge segment path (ROOT/kvbridge-*/NAME.safetensors)")
 
 
-def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tuple[int, ...],
-           dtype: torch.dtype) -> torch.Tensor:
-    """The segment's tensor of this shape ([L, 2, H, T + headroom, D]: the KV in the first T slots of each row),
-    a copy-on-write map of the file (no copy of the data; the map outlives the file's removal; what the caller
-    writes into it stays its own). SegmentError when the file is not exactly what the fetch's header described; OSError
-    (PermissionError, FileNotFoundError) when it cannot be opened here."""
+def open_segment(path: str | os.PathLike, size: int) -> int:
+    """A read-only descriptor of the segment file, checked to be a regular 0600 file (no link) of `size` bytes;
+    SegmentError when it is not, OSError when it cannot be opened here. The caller closes it."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -205,6 +202,20 @@ def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tu
             raise SegmentError(f"{path}: not a regular file of mode 0600 (mode {stat.filemode(st.st_mode)})")
         if st.st_size != size or size < 8:
             raise SegmentError(f"{path}: {st.st_size} bytes, the header says {size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_kv(path: str | os.PathLike, size: int, expected_checksum: str, shape: tuple[int, ...],
+           dtype: torch.dtype) -> torch.Tensor:
+    """The segment's tensor of this shape ([L, 2, H, T + headroom, D]: the KV in the first T slots of each row),
+    a copy-on-write map of the file (no copy of the data; the map outlives the file's removal; what the caller
+    writes into it stays its own). SegmentError when the file is not exactly what the fetch's header described; OSError
+    (PermissionError, FileNotFoundError) when it cannot be opened here."""
+    fd = open_segment(path, size)
+    try:
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -89,6 +89,7 @@ def engine(identity_server, small_server, slow_identity, tmp_path_factory):
     from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
 
     servers = {"identity": {"address": identity_server.address},
+               "identity-stream": {"address": identity_server.address, "transport": "stream"},
                "small": {"address": small_server.address, "token": TOKEN},
                "default": {"address": small_server.address, "token": TOKEN},  # what `eval rouge --engine vllm` asks
                "slow": {"address": slow_identity.address},
@@ -152,6 +153,24 @@ def test_identity_transfer_gives_vllms_own_tokens(engine, doc, own):
     assert out["num_cached_tokens"] == CONTEXT
     assert out["token_ids"] == own["token_ids"]
     assert _warnings(engine, offset) == []
+
+
+def test_the_worker_reads_a_same_host_servers_segment_and_it_is_released(engine, doc, own, identity_server):
+    """On one host the worker maps the server's own shared-memory segment (no KV on the wire, no staged copy) and the
+    scheduler releases it once loaded; a server asked to stream gives the same tokens through a staged file."""
+    import time
+
+    prepared, prompt = doc
+    out = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": "identity"})
+    assert out["kvbridge_transport"] == "shared_memory" and out["kvbridge_wire_bytes"] == 0
+    assert out["loaded_tokens"] == CONTEXT and out["token_ids"] == own["token_ids"]
+    deadline = time.monotonic() + 30
+    while len(identity_server.segments) and time.monotonic() < deadline:  # the release is not waited for
+        time.sleep(0.05)
+    assert len(identity_server.segments) == 0
+    streamed = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": "identity-stream"})
+    assert streamed["kvbridge_transport"] == "stream" and streamed["kvbridge_wire_bytes"] > 0
+    assert streamed["loaded_tokens"] == CONTEXT and streamed["token_ids"] == own["token_ids"]
 
 
 def test_an_engine_sweeps_what_a_killed_engine_left_in_shared_memory(request):
@@ -332,7 +351,8 @@ def test_eval_rouge_through_vllm_gives_the_in_process_figures_of_what_vllm_reads
             assert mode.continuation_top1 == ref.continuation_top1, (got.id, name)
         # recompute:0.1 leaves the context's last 16 tokens to vLLM: rounded to blocks, the last 32
         assert got.modes["recompute:0.1"].loaded_tokens == CONTEXT - BLOCK
-        assert got.modes["replace"].kv_bytes > 0 and got.modes["full"].kv_bytes == 0
+        # same host: the worker read the server's segment, no KV bytes on the wire
+        assert got.modes["replace"].kv_bytes == 0 and got.modes["full"].kv_bytes == 0
     summary = run["summary"]["modes"]
     assert summary["full"]["nll_recovery"]["value"] == pytest.approx(1.0)
     assert summary["none"]["nll_recovery"]["value"] == pytest.approx(0.0)

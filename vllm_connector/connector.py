@@ -15,18 +15,22 @@ request's lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and
 next step, meanwhile it schedules other requests); a fetch thread gets the projected cache from the server
 (`GetProjectedCache` with the prompt's token ids: the server places the document where the prompt has it, after
 the target's own KV of the tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt
-(`params.match_prompt`: whole blocks, never the last token) and stages those tokens' KV in shared memory (`handoff`).
-Once the lookup is done the connector reports that many tokens as an asynchronous load; `update_state_after_alloc`
-tells the workers, through `build_connector_meta`, the file and the request's block ids. Anything that goes wrong (no
+(`params.match_prompt`: whole blocks, never the last token). A same-host server puts the KV in a shared-memory
+segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy); a streamed
+fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the connector reports that
+many tokens as an asynchronous load; `update_state_after_alloc` tells the workers, through `build_connector_meta`,
+where the KV is and the request's block ids; the server's segment is released once the workers report the load
+(`update_connector_output`), or when the request ends. Anything that goes wrong (no
 server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
 for the request, and a normal prefill: a request never fails because of kvbridge.
 
-Worker side: `start_load_kv` reads the staged file and writes the KV into the paged buffers layer by layer through
-the attention backend's own cache writer, `layer.impl.do_kv_cache_update(layer, key [T, H_kv, D], value, kv_cache,
-slot_mapping)`: the very call vLLM makes for the KV it computes, so the bytes land in the backend's layout whatever
-it is; `get_finished` then reports the request's load done (a load that failed reports its blocks through
-`get_block_ids_with_load_errors`, and vLLM recomputes them: `kv_transfer_config` sets
-`kv_load_failure_policy="recompute"`, vLLM's default "fail" would fail the request instead).
+Worker side: `start_load_kv` maps the server's segment (path, mode, size, layout and checksum checked) or reads the
+staged file, and writes the KV into the paged buffers layer by layer through the attention backend's own cache
+writer, `layer.impl.do_kv_cache_update(layer, key [T, H_kv, D], value, kv_cache, slot_mapping)`: the very call vLLM
+makes for the KV it computes, so the bytes land in the backend's layout whatever it is; `get_transfer_results` then
+reports the request's load done, or failed (a segment gone past its TTL, a bad checksum): vLLM then computes the
+request from its first token (`kv_transfer_config` sets `kv_load_failure_policy="recompute"`; vLLM's default "fail"
+would fail the request instead).
 The layouts (vLLM 0.32, one tensor per layer):
   CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
              ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
@@ -38,8 +42,17 @@ The layouts (vLLM 0.32, one tensor per layer):
   FLASH_ATTN (CUDA) logical [num_blocks, H_kv, block_size, 2·D] (K = [..., :D], V = [..., D:]), physically
              NHD (`kv_cache.transpose(1, 2)` is [num_blocks, block_size, H_kv, 2·D]); written by
              `reshape_and_cache_flash`. Not run here (no GPU).
-Tensor parallelism (heads split over workers) and engines with more than one KV cache group (sliding-window or
-hybrid layers) are not handled: the connector loads nothing for them (one warning per request).
+KV cache groups: the connector loads into an engine with one group, full attention or sliding window. vLLM 0.32
+gives a model whose every layer has the same window (Phi-3: 2047) one `SlidingWindowSpec` group, its block size the
+group's own (`Attention.get_kv_cache_spec`; --block-size here); a model that mixes windowed and global layers gets
+one `FullAttentionSpec` group, since vLLM turns its hybrid manager off for a connector without `SupportsHMA`
+(`VllmConfig`, `unify_hybrid_kv_cache_specs`). For N tokens loaded into a window W, `SlidingWindowManager` puts the
+shared null block (id 0) at the first (N - W + 1) // block_size places of the request's block table
+(`add_local_computed_blocks`) and real blocks after them (`allocate_external_computed_blocks`); the forward never
+reads the null ones (the CPU kernel skips blocks out of the window). `_write` writes the positions that have a real
+block and never block 0, and the connector still reports all N tokens loaded: vLLM would have dropped the others
+itself. More than one group (the hybrid manager on), another kind of group (MLA, Mamba) and tensor parallelism
+(heads split over workers): nothing loaded, one warning per request naming it.
 """
 
 from __future__ import annotations
@@ -53,14 +66,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvbridge.vllm import handoff
+from kvbridge.vllm import handoff, layouts
 from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, match_prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,7 +93,9 @@ class Load:
     """One request's load, sent from the scheduler to the workers."""
 
     req_id: str
-    path: str  # the staged KV of the prompt's first tokens [L, 2, H_kv, >= start + num_tokens, D] (handoff.stage)
+    # the KV of the prompt's first tokens [L, 2, H_kv, >= start + num_tokens, D]: the server's own segment (same host,
+    # handoff.read maps it and checks its checksum), else a file the scheduler staged (handoff.stage)
+    source: handoff.KVSource
     block_ids: list[int]  # the request's blocks from position 0 (first KV cache group)
     start: int  # the first prompt position to write (tokens before it were cached locally)
     num_tokens: int
@@ -93,19 +110,15 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 class _Plan:
     """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
 
-    path: str | None  # the staged KV of prompt tokens 0..loadable-1 ([L, 2, H_kv, loadable, D]); None: nothing to load
+    source: handoff.KVSource | None  # the KV of prompt tokens 0..loadable-1 (or more); None: nothing to load
     loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
+    server: str = ""  # the kvbridge server it came from (whose shared segment is released once loaded)
     error: str = ""
     loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
     fetch_s: float = 0.0  # a fetch thread's wait for the server (GetProjectedCache, to the assembled tensor)
     wire_bytes: int = 0  # KV bytes received from the server (0 through shared memory)
-    handed: bool = False  # the load went to the workers (they remove the file)
-
-
-def _discard_staged(lookup: Future) -> None:
-    """A finished lookup's staged file, when nobody will load it."""
-    if not lookup.cancelled() and lookup.result().path is not None:
-        handoff.discard(lookup.result().path)
+    handed: bool = False  # the load went to the workers (they remove a staged file)
+    released: bool = False  # the KV's source is given up (a staged file removed, the server's segment released)
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -113,13 +126,25 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = ConnectorConfig.from_extra(extra)
-        self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         self.shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
         self.tensor_parallel = parallel.tensor_parallel_size
-        # one KV cache group (every layer full attention, one block table): what the loads' block ids assume
-        self.num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        # one KV cache group (one block table for every layer: what the loads' block ids are), of full or sliding-window
+        # attention; its block size is the group's own (vLLM may pick a sliding-window group's apart from --block-size)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        specs = [group.kv_cache_spec for group in groups]
+        self.block_size = specs[0].block_size if len(specs) == 1 else vllm_config.cache_config.block_size
+        named = [type(spec).__name__ + (f" (sliding window {spec.sliding_window})"
+                                        if getattr(spec, "sliding_window", None) else "") for spec in specs]
+        self.kv_cache_refusal = ""  # why the connector cannot load into this engine's KV cache ("": it can)
+        if len(specs) > 1:
+            self.kv_cache_refusal = (f"the engine has {len(specs)} KV cache groups ({', '.join(named)}: hybrid "
+                                     "attention with vLLM's hybrid KV cache manager on); the connector loads into one")
+        elif specs and (isinstance(specs[0], MLAAttentionSpec)
+                        or not isinstance(specs[0], (FullAttentionSpec, SlidingWindowSpec))):
+            self.kv_cache_refusal = (f"the engine's KV cache is {named[0]}; the connector loads into full or "
+                                     "sliding-window attention")
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
         self.wire_dtype = str(model.dtype).removeprefix("torch.")
@@ -140,8 +165,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             handoff.sweep(self.config.staging_dir)  # what killed engines left
             self._staging = handoff.private_folder(self.config.staging_dir)
         # worker side
-        self._load_errors: set[int] = set()
         self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
 
     # ---------------------------------------------------------------------------------------- scheduler side
 
@@ -158,18 +183,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                  f"({sorted(self.config.servers)})")
             ref = self.config.servers[name]
             self._clients[name] = KVBridgeClient(ref.address, token=ref.token or None, timeout_s=self.config.timeout_s,
-                                                 retries=self.config.retries, max_message_mb=64)
+                                                 retries=self.config.retries, max_message_mb=64,
+                                                 transport=ref.transport)
         return self._clients[name]
 
     def _plan(self, request_id: str, prompt: list[int], cache_salt: str | None, context: RequestContext) -> _Plan:
         """On a fetch thread: fetch the projected cache, match it against the prompt and stage the tokens it covers;
-        a failed plan (one warning) on any error."""
+        a failed plan (one warning) on any error. A same-host server's segment is left for the worker to read."""
+        fetched = None
         try:
             if self.tensor_parallel != 1:
                 raise ValueError(f"tensor parallelism {self.tensor_parallel} is not supported (heads are not split)")
-            if self.num_groups != 1:
-                raise ValueError(f"the engine has {self.num_groups} KV cache groups (sliding-window or hybrid "
-                                 "layers); the connector loads into one")
+            if self.kv_cache_refusal:
+                raise ValueError(self.kv_cache_refusal)
             if self.prefix_caching and not cache_salt:
                 raise ValueError("prefix caching is on and the request has no cache_salt: projected KV would enter "
                                  "vLLM's prefix cache under the plain tokens' hash (give the prompt a cache_salt, "
@@ -178,7 +204,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             fetched = self._client(context.server).fetch_projected(
                 key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
                 dtype=self.wire_dtype, mode=context.mode if context.mode is not None else self.config.mode,
-                prompt=prompt)  # the server places the document where the prompt has it (after a chat template)
+                prompt=prompt,  # the server places the document where the prompt has it (after a chat template)
+                keep_shared=True)  # through shared memory: the worker maps the server's segment, no second copy
             seg = fetched.segment
             if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
                 raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "
@@ -192,12 +219,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if match.loadable == 0:
                 raise ValueError(match.reason)
             fetch_s = time.perf_counter() - t0
-            path = handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)
-            return _Plan(path=str(path), loadable=match.loadable, fetch_s=fetch_s, wire_bytes=fetched.wire_bytes)
+            source = (fetched.shared if fetched.shared is not None
+                      else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
+            return _Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
+                         wire_bytes=fetched.wire_bytes)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
+            if fetched is not None and fetched.shared is not None:
+                self._release(_Plan(source=fetched.shared, loadable=0, server=context.server))
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request_id, reason)
-            return _Plan(path=None, loadable=0, error=reason)
+            return _Plan(source=None, loadable=0, error=reason)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """None while the request's lookup runs on a fetch thread; then (tokens to load, True: an asynchronous load),
@@ -224,7 +255,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     context = RequestContext.from_params(request.kv_transfer_params)
                 except ValueError as exc:
                     log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, exc)
-                    self._plans[req_id] = _Plan(path=None, loadable=0, error=str(exc))
+                    self._plans[req_id] = _Plan(source=None, loadable=0, error=str(exc))
                     return 0, False
                 if context is None:
                     return 0, False
@@ -235,53 +266,80 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 return None, False
             plan = self._plans[req_id] = lookup.result()  # _plan never raises
             del self._lookups[req_id]
-        if plan.path is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
+        if plan.source is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
         tokens = max(0, plan.loadable - num_computed_tokens)
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         plan = self._plans.get(request.request_id)
-        if num_external_tokens == 0 or plan is None or plan.path is None or plan.handed:
+        if num_external_tokens == 0 or plan is None or plan.source is None or plan.handed:
             return
         t0 = time.perf_counter()
         start = plan.loadable - num_external_tokens
         plan.loaded = num_external_tokens
-        self._pending[request.request_id] = Load(request.request_id, plan.path, list(blocks.get_block_ids()[0]),
+        self._pending[request.request_id] = Load(request.request_id, plan.source, list(blocks.get_block_ids()[0]),
                                                  start, num_external_tokens)
         self._timed(request.request_id, time.perf_counter() - t0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVBridgeConnectorMetadata(loads=list(self._pending.values()))
         for load in meta.loads:
-            self._plans[load.req_id].handed = True  # the worker removes the file once read
+            self._plans[load.req_id].handed = True  # the worker removes a staged file once read
         self._pending.clear()
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' finished loads: the server's segments they read are released now."""
+        for req_id in connector_output.finished_recving or ():
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.handed:
+                self._release(plan)
+
+    def _release(self, plan: _Plan) -> None:
+        """Give up a plan's KV once: a staged file nobody loaded is removed (a loaded one the worker removed), the
+        server's segment is released (without waiting; the server removes it after its TTL otherwise)."""
+        if plan.source is None or plan.released:
+            return
+        plan.released = True
+        if isinstance(plan.source, str):
+            if not plan.handed:
+                handoff.discard(plan.source)
+            return
+        try:
+            self._client(plan.server).release_segment(plan.source)
+        except Exception as exc:  # noqa: BLE001 - the server's sweeper removes the segment after its TTL
+            log.warning("kvbridge: releasing segment %s failed, the server removes it after %g s: %s",
+                        plan.source.name, plan.source.ttl_s, exc)
+
+    def _release_lookup(self, lookup: Future) -> None:
+        """A lookup that ends after its request did: its KV is given up."""
+        if not lookup.cancelled():
+            self._release(lookup.result())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         lookup = self._lookups.pop(req_id, None)
-        if lookup is not None:  # aborted while its lookup ran: the file it stages is removed when it is done
-            lookup.add_done_callback(_discard_staged)
+        if lookup is not None:  # aborted while its lookup ran: what it fetches is given up when it is done
+            lookup.add_done_callback(self._release_lookup)
         plan = self._plans.pop(req_id, None)
         in_calls, longest = self._scheduler_s.pop(req_id, (0.0, 0.0))
         if plan is None:
             return False, None
-        if plan.path is not None and not plan.handed:  # never loaded (vLLM computed the tokens itself)
-            handoff.discard(plan.path)
+        self._release(plan)  # loaded, or never (vLLM computed the tokens itself)
+        transport = "" if plan.source is None else "stream" if isinstance(plan.source, str) else "shared_memory"
         return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
-                                  "wire_bytes": plan.wire_bytes, "scheduler_s": in_calls,
+                                  "wire_bytes": plan.wire_bytes, "transport": transport, "scheduler_s": in_calls,
                                   "scheduler_max_s": longest}}
 
     def shutdown(self):
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=False, cancel_futures=True)
-        for lookup in self._lookups.values():  # staged files of lookups that end after this
-            lookup.add_done_callback(_discard_staged)
+        for lookup in self._lookups.values():  # what lookups that end after this fetch
+            lookup.add_done_callback(self._release_lookup)
         self._lookups.clear()
         for plan in self._plans.values():
-            if plan.path is not None and not plan.handed:
-                handoff.discard(plan.path)
+            self._release(plan)
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -300,30 +358,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                                                               "do_kv_cache_update")}
         for load in meta.loads:
             try:
-                kv = handoff.take(load.path)  # [L, 2, H_kv, loadable, D]: the tokens from position 0
+                kv = handoff.read(load.source)  # [L, 2, H_kv, >= start + n, D]: the tokens from position 0
                 self._write(load, kv[:, :, :, load.start:load.start + load.num_tokens], layers)
-            except Exception as exc:  # noqa: BLE001 - the scheduler recomputes the blocks we report
+            except Exception as exc:  # noqa: BLE001 - reported as a failed receive: vLLM recomputes the request
                 log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
                             load.num_tokens, exc)
-                first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
-                self._load_errors.update(load.block_ids[first:last + 1])
-            self._finished_loads.add(load.req_id)  # done, failed or not: failed blocks are reported beside it
+                self._failed_loads.add(load.req_id)
+            self._finished_loads.add(load.req_id)  # done, failed or not
 
     def _write(self, load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module]) -> None:
-        """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer."""
+        """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer: the
+        positions that have a real block (a sliding-window group's table holds the null block, id 0, before the
+        window; nothing is written there)."""
         if kv.shape[0] != len(layers) or kv.shape[3] != load.num_tokens:
             raise ValueError(f"staged KV {tuple(kv.shape)} does not fit {len(layers)} layers x {load.num_tokens} "
                              "tokens")
-        positions = torch.arange(load.start, load.start + load.num_tokens)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long)
+        kept, slots = layouts.slot_mapping(load.block_ids, load.start, load.num_tokens, self.block_size)  # [n'], [n']
+        if kept.numel() == 0:
+            return
+        if kept.numel() < load.num_tokens:
+            kv = kv.index_select(3, kept)  # [L, 2, H_kv, n', D]
         for index in sorted(layers):  # layer by layer
             layer = layers[index]
             cache = layer.kv_cache
-            slots = (blocks[positions // self.block_size] * self.block_size
-                     + positions % self.block_size).to(cache.device)  # [n]
-            key = kv[index, 0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [n, H, D]
+            key = kv[index, 0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [n', H, D]
             value = kv[index, 1].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
-            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # the loads are asynchronous: requests wait for get_finished, not the forward
@@ -335,10 +395,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None: nothing is saved, the requests whose loads this worker wrote since the last call)."""
+        """(None: nothing is saved, the requests whose loads this worker finished since the last call, failed ones
+        too: get_transfer_results tells which failed)."""
         loaded, self._finished_loads = self._finished_loads, set()
         return None, loaded or None
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads, and among them the failed ones: vLLM computes those requests from their first token
+        (with kv_load_failure_policy="recompute"). A whole request, not its blocks: in a sliding-window group the
+        blocks before a failed one are null blocks that a recompute from that block would read."""
+        failed, self._failed_loads = self._failed_loads, set()
+        _, loaded = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=failed)

