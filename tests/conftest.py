@@ -95,3 +95,85 @@ def redis_server(tmp_path):
 @pytest.fixture
 def redis_url(redis_server):
     return redis_server.url
+
+
+# ------------------------------------------------------------------------------------------------ in-process servers
+# tests/served.py starts them. `server` and `identity_server`: one each for the session (tests/test_server*.py run
+# every scenario against them); `adapters_dir`: a folder per module, for the servers a module starts itself.
+
+
+def _adapters_folder(folder, tiny_adapter_file):
+    import shutil
+
+    shutil.copy(tiny_adapter_file, folder / "tiny-pair.safetensors")
+    (folder / "notes.txt").write_text("not an adapter")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapters_dir(tmp_path_factory, tiny_adapter_file):
+    """An adapters folder for the servers a module starts: the fitted tiny-pair adapter and a file that is not an
+    adapter. Each module has its own and may add to it (tests/test_fuzz.py replaces it with a stranger one)."""
+    return _adapters_folder(tmp_path_factory.mktemp("adapters"), tiny_adapter_file)
+
+
+@pytest.fixture(scope="session")
+def server_adapters_dir(tmp_path_factory, tiny_adapter_file):
+    """The adapters folder of `server` (as adapters_dir); a test may add an adapter to it and load it."""
+    return _adapters_folder(tmp_path_factory.mktemp("server-adapters"), tiny_adapter_file)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_source, tiny_target, server_adapters_dir):
+    """tiny-qwen2 -> tiny-phi3 through the fitted adapter, tenants alice and bob, /metrics on a free port."""
+    import served
+
+    running = served.start(tiny_source, [tiny_target], server_adapters_dir, metrics_listen="127.0.0.1:0")
+    yield running
+    running.stop(1)
+
+
+@pytest.fixture(scope="session")
+def identity_server(tiny_target, tmp_path_factory):
+    """tiny-phi3 -> itself through the identity adapter, open (no tokens): exact transfers."""
+    import served
+    from kvbridge.adapters.identity import identity_adapter
+
+    running = served.start(tiny_target, [tiny_target], tmp_path_factory.mktemp("no-adapters"), tokens=None,
+                           metrics_listen="127.0.0.1:0")
+    running.service.adapters.add("identity", identity_adapter(tiny_target), make_default=True)
+    yield running
+    running.stop(1)
+
+
+@pytest.fixture()
+def alice(server):
+    import served
+    from kvbridge.server.client import KVBridgeClient
+
+    with KVBridgeClient(server.address, token=served.ALICE, timeout_s=60) as client:
+        yield client
+
+
+@pytest.fixture()
+def bob(server):
+    import served
+    from kvbridge.server.client import KVBridgeClient
+
+    with KVBridgeClient(server.address, token=served.BOB, timeout_s=60) as client:
+        yield client
+
+
+@pytest.fixture
+def shm_root():
+    """A folder of the test's own on tmpfs (/dev/shm), where a spare's pages are allocated when it is made and a
+    server's segment folders go (other processes' kvbridge-* folders in /dev/shm stay out of the checks)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    root = Path(tempfile.mkdtemp(prefix="kvb-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

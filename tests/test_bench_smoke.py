@@ -5,6 +5,8 @@ No timing is asserted (STYLE 9): the numbers belong to the machine that printed 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,45 @@ ALL_QUICK_ROWS = (
 )
 # each benchmark's lines start with its tag; among them, its ratio and its goal
 BENCHMARKS = ("get", "lookup", "capacity", "redis", "budget")
+# loose bounds on every printed ratio: no timing asserted (STYLE 9), but a zero, a negative, an infinity or a
+# ratio of a thousand is a broken measurement, not a slow machine
+RATIO_RANGE = (0.0, 100.0)
+NUMBER = r"(\d[\d,]*(?:\.\d+)?)"  # as the benchmarks print them: 1,544 or 0.68 or 19.9
+
+
+def _number(text: str) -> tuple[float, float]:
+    """A printed figure and half its last digit (what rounding may have taken off or added)."""
+    digits = text.replace(",", "")
+    decimals = len(digits.partition(".")[2])
+    return float(digits), 0.5 * 10.0 ** -decimals
+
+
+def _check_ratio(ratio: float, what: str, figures: tuple[str, str] | None = None) -> None:
+    """ratio is finite and within RATIO_RANGE; figures: the printed numerator and denominator it was computed
+    from, which it must equal up to their rounding."""
+    low, high = RATIO_RANGE
+    assert math.isfinite(ratio) and low < ratio < high, f"{what}: ratio {ratio} is not in ({low}, {high})"
+    if figures is None:
+        return
+    (a, da), (b, db) = _number(figures[0]), _number(figures[1])
+    smallest = max(a - da, 0.0) / (b + db)
+    largest = (a + da) / (b - db) if b - db > 0 else math.inf
+    assert smallest * 0.999 <= ratio <= largest * 1.001, (
+        f"{what}: ratio {ratio} is not {figures[0]} / {figures[1]} (between {smallest:.4g} and {largest:.4g})")
+
+
+def _check_table_ratios(cells: list[list[str]], rows: list[dict]) -> None:
+    """Each table row: its printed ratio equals its JSON value to the printed digits, lies in RATIO_RANGE, and is
+    the quotient of the two figures its detail starts with ("A vs B") or names (tokens held by a pool)."""
+    for (name, printed, _, detail), row in zip(cells, rows):
+        shown = re.match(NUMBER, printed)
+        assert shown, f"{name}: ratio cell {printed!r} is not a number"
+        value, half = _number(shown.group(1))
+        assert abs(value - row["value"]) <= half * 1.001, f"{name}: printed {printed}, JSON value {row['value']}"
+        pair = re.match(rf"{NUMBER}(?: \S+)? vs {NUMBER}", detail)
+        pool = re.match(rf"{NUMBER} tokens in .* held by a {NUMBER}-token pool", detail)
+        figures = pair or pool
+        _check_ratio(row["value"], name, figures.groups() if figures else None)
 
 
 def _check_store_piece(lines: list[str], out: str) -> None:
@@ -96,6 +137,12 @@ def test_bench_prefix_quick_runs_and_prints_its_ratio():
     lines = out.splitlines()
     assert lines[0].startswith("machine:") and lines[-1].startswith("prefix "), out
     assert "2048 cached + 256 new tokens vs a fresh 2304-token Ingest" in lines[-1] and " = " in lines[-1], out
+    # the extending Ingest against the fresh one: both timed, the quotient printed, and the cached prefix reused
+    figures = re.search(rf"{NUMBER} ms vs {NUMBER} ms = {NUMBER} \(goal", lines[-1])
+    assert figures, lines[-1]
+    extend, fresh, ratio = figures.groups()
+    _check_ratio(float(ratio), "prefix extend/fresh", (extend, fresh))
+    assert float(fresh) > 0 and "; 2048 source tokens reused in all" in lines[-1], lines[-1]
 
 
 @pytest.mark.integration
@@ -136,6 +183,7 @@ def test_bench_all_quick_prints_one_row_per_ratio(tmp_path):
     assert report["machine"] == lines[0] and report["errors"] == {}, report["errors"]
     assert [row["measurement"] for row in report["rows"]] == names
     assert all(isinstance(row["value"], float) for row in report["rows"]), report["rows"]
+    _check_table_ratios(cells, report["rows"])
 
 
 def test_kvbridge_bench_forwards_its_options_to_bench_all(capsys):

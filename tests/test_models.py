@@ -98,13 +98,19 @@ def test_grouped_sdpa_equals_transformers_sdpa_over_a_cache_and_reads_the_kv_hea
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_device_dtype_and_attention_choices():
+def test_device_dtype_and_attention_choices(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     assert attention_implementation(torch.device("cpu")) == GROUPED_SDPA
-    if not torch.cuda.is_available():
-        assert resolve_device("auto") == torch.device("cpu")
-        with pytest.raises(ValueError, match="CUDA is not available"):
-            resolve_device("cuda")
+    # both answers of "auto", whichever machine runs this: torch.cuda.is_available() decides
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device 'cuda' was asked for but CUDA is not available on this machine"):
+        resolve_device("cuda")
+    assert resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda:1")
+    assert resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.undo()
     assert resolve_dtype("bfloat16") == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == torch.float32  # bfloat16 on CUDA
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -116,17 +122,85 @@ def test_device_dtype_and_attention_choices():
     assert attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"
 
 
+class _FlashModel(torch.nn.Module):
+    """A model configured for flash_attention_2 whose forward raises `error` (None: it runs)."""
+
+    def __init__(self, error: Exception | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"_attn_implementation": "flash_attention_2"})()
+        self.error, self.forwards = error, []
+
+    def forward(self, input_ids, logits_to_keep):  # input_ids: [1, T]
+        self.forwards.append((tuple(input_ids.shape), self.config._attn_implementation))
+        if self.error is not None:
+            raise self.error
+        return torch.zeros(1, logits_to_keep, 4)
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.config._attn_implementation = name
+
+
+def test_flash_attn_is_used_only_where_a_forward_through_it_works(caplog):
+    """check_attention runs one short forward through flash-attn: kept when it runs, SDPA (and a warning naming the
+    model and the error) when it raises; any other attention is left alone without a forward."""
+    from kvbridge.transfer.models import check_attention
+
+    works = _FlashModel(None)
+    assert check_attention(works, "fine") == "flash_attention_2" and works.forwards == [((1, 4), "flash_attention_2")]
+    broken = _FlashModel(RuntimeError("FlashAttention only supports Ampere GPUs or newer."))
+    with caplog.at_level("WARNING", logger="kvbridge.transfer.models"):
+        assert check_attention(broken, "old-gpu") == "sdpa"
+    assert broken.config._attn_implementation == "sdpa" and len(broken.forwards) == 1
+    assert "old-gpu: flash-attn failed its first forward (RuntimeError: FlashAttention only supports" in caplog.text
+    other = _FlashModel(RuntimeError("never run"))
+    other.set_attn_implementation("sdpa")
+    assert check_attention(other, "plain") == "sdpa" and other.forwards == []
+
+
+def _flash_attn_kernel_runs() -> bool:
+    """Whether flash-attn is installed and its kernel runs on this GPU in bf16 (asked of flash-attn itself, not
+    of kvbridge)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return False
+    q = torch.randn(1, 8, 4, 16, device="cuda", dtype=torch.bfloat16)  # [B, S, H, D]
+    try:
+        out = flash_attn_func(q, q, q, causal=True)
+    except Exception:  # an incompatible wheel or GPU
+        return False
+    return bool(out.isfinite().all())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flash_attn_is_used_only_where_a_forward_through_it_works():
-    import importlib.util
-
-    from kvbridge.transfer.models import random_model
-
+def test_on_cuda_with_a_working_flash_attn_the_model_uses_it():
+    if not _flash_attn_kernel_runs():
+        pytest.skip("flash-attn is not installed or its kernel does not run on this GPU")
     lm = random_model(zoo.configs()["qwen2"], "q", device="cuda", dtype="auto")
     assert lm.spec.dtype == "bfloat16"
-    expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-    assert lm.model.config._attn_implementation == expected  # flash-attn where installed: no silent fallback
+    assert lm.model.config._attn_implementation == "flash_attention_2"  # no silent fallback where it works
+    ids = torch.randint(3, lm.spec.vocab_size, (1, 16), device="cuda")
+    with torch.no_grad():
+        assert bool(lm.model(input_ids=ids).logits.isfinite().all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_without_flash_attn_the_model_uses_sdpa(monkeypatch):
+    import importlib.util
+
+    from kvbridge.transfer import models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else
+                        real(name, *a))
+    lm = random_model(zoo.configs()["qwen2"], "q", device="cuda", dtype="auto")
+    assert lm.spec.dtype == "bfloat16" and lm.model.config._attn_implementation == "sdpa"
+    ids = torch.randint(3, lm.spec.vocab_size, (1, 16), device="cuda")
+    with torch.no_grad():
+        assert bool(lm.model(input_ids=ids).logits.isfinite().all())
 
 
 def test_preset_errors():

@@ -1,42 +1,29 @@
 """The same-host data plane (issue 16, part 3): KV through a 0600 shared-memory file instead of the gRPC stream.
 
-The file layout and the server's registry are tested alone (a fake clock for the TTL); then a real `kvbridge serve`
-process (the tiny pair) against the project's client and raw grpcio stubs: bit-identical KV to the stream, the
-file's mode, its removal once read and after its TTL, the fallback to the stream, another tenant, and no segment
-left after the server stops. A finished file is kept for the next fetch of the same KV (kept files): linked under a
-new name, never for another tenant or another entry.
+The file layout and the server's registry, alone (a fake clock for the TTL): a segment maps back bit-identical
+without a copy, a file that is not what its header says is refused, the registry releases to the owner only, sweeps
+after the TTL, refuses past max_bytes, keeps spares, and keeps a finished file for the next fetch of the same KV
+(kept files): linked under a new name, never for another tenant or another entry. Through a server:
+tests/test_shm_server.py.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
-import time
-from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server import shm_layout
-from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
 from safetensors.torch import load_file
-
-ALICE = "alice-token-0123456789abcdef0"
-BOB = "bob-token-0123456789abcdef012"
-TEXT = ("Each record holds a name and a value; readers skip the fields they do not know and keep the rest. "
-        "Writers keep the order of the fields they were given, and a reader may stop at any field.")
-TTL_S = 3.0
 
 
 def _kv(dtype=torch.float32, shape=(3, 2, 2, 17, 8)) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
-def _mode(path) -> int:
+def file_mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
@@ -48,7 +35,7 @@ def test_a_segment_maps_back_bit_identical_without_a_copy(tmp_path, dtype):
     kv = _kv(dtype)
     path = tmp_path / "seg.safetensors"
     size, checksum = shm_layout.write(path, kv)
-    assert _mode(path) == 0o600 and path.stat().st_size == size
+    assert file_mode(path) == 0o600 and path.stat().st_size == size
     assert checksum == shm_layout.checksum(path.read_bytes())
     assert torch.equal(load_file(str(path))["kv"], kv)  # a valid safetensors file
     mapped = shm_layout.map_kv(path, size, checksum, tuple(kv.shape), dtype)
@@ -111,10 +98,10 @@ class FakeClock:
 def test_registry_releases_to_the_owner_only_sweeps_after_the_ttl_and_cleans_up(tmp_path):
     clock = FakeClock()
     registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20, clock=clock)
-    assert _mode(registry.folder) == 0o700 and registry.folder.name.startswith("kvbridge-")
+    assert file_mode(registry.folder) == 0o700 and registry.folder.name.startswith("kvbridge-")
     kept = registry.publish("alice", _kv())
     read = registry.publish("alice", _kv())
-    assert _mode(kept.path) == 0o600 and kept.name != read.name and len(kept.name) >= 32
+    assert file_mode(kept.path) == 0o600 and kept.name != read.name and len(kept.name) >= 32
     assert registry.release("bob", read.name) is False and read.path.exists()  # another tenant finds nothing
     assert registry.release("alice", read.name) is True and not read.path.exists()
     assert registry.release("alice", read.name) is False
@@ -152,7 +139,7 @@ def test_a_segment_filled_in_place_is_named_only_when_complete_and_sums_its_byte
         buffer[layer].copy_(kv[layer])
         pending.written(layer, layer + 1)
     segment = pending.publish(buffer)  # the buffer itself: no copy
-    assert _mode(segment.path) == 0o600 and segment.checksum == shm_layout.checksum(segment.path.read_bytes())
+    assert file_mode(segment.path) == 0o600 and segment.checksum == shm_layout.checksum(segment.path.read_bytes())
     assert torch.equal(load_file(str(segment.path))["kv"], kv)
     assert torch.equal(shm_layout.map_kv(segment.path, segment.size, segment.checksum, shape, dtype), kv)
     assert registry.held_bytes == segment.size == segment.path.stat().st_size
@@ -168,15 +155,6 @@ def test_a_fetch_that_fails_leaves_no_file_and_gives_its_bytes_back(tmp_path):
     registry.close()
 
 
-@pytest.fixture
-def shm_root():
-    """A folder on tmpfs (/dev/shm), where a spare's pages are allocated when it is made."""
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    root = Path(tempfile.mkdtemp(prefix="kvb-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root)
-
 
 def test_released_segments_leave_spares_that_the_next_segments_are_written_into(shm_root):
     kv = _kv()
@@ -186,7 +164,7 @@ def test_released_segments_leave_spares_that_the_next_segments_are_written_into(
     registry.release("alice", first.name)
     assert registry.make_spares() == 2
     spares = sorted(p for p in registry.folder.iterdir() if p.name != ".lock")
-    assert len(spares) == 2 and all(_mode(p) == 0o600 and not p.name.endswith(".safetensors") for p in spares)
+    assert len(spares) == 2 and all(file_mode(p) == 0o600 and not p.name.endswith(".safetensors") for p in spares)
     assert all(p.stat().st_blocks * 512 >= first.size for p in spares)  # pages allocated, not a sparse file
     assert registry.held_bytes == 2 * first.size
     second = registry.publish("bob", kv.flip(0).contiguous())  # written into a spare, renamed
@@ -260,7 +238,7 @@ def test_a_kept_file_serves_the_next_fetch_of_the_same_kv_by_a_new_name_without_
     first, _ = _gathered(registry, "alice", ("entry", 1), kv)
     assert registry.kept_files == 1 and registry.kept_hits == 0
     kept = [p for p in registry.folder.iterdir() if p.name.startswith("kept-")]
-    assert len(kept) == 1 and _mode(kept[0]) == 0o600 and not kept[0].name.endswith(".safetensors")
+    assert len(kept) == 1 and file_mode(kept[0]) == 0o600 and not kept[0].name.endswith(".safetensors")
     assert registry.release("alice", first.name) and not first.path.exists() and kept[0].exists()
 
     clock.now = 4.0
@@ -364,190 +342,3 @@ def test_the_store_touches_an_entry_by_its_serial_and_refuses_another(tmp_path):
     assert again.key == info.key and again.serial != info.serial
     with pytest.raises(NotFound, match="stored again"):
         store.touch(info.key, "alice", held, info.serial)
-
-
-# ------------------------------------------------------------------------------------------------ a real server
-
-
-def _shm_entries() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("kvbridge-*")}
-
-
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory, tiny_adapter_file):
-    from serveproc import ServeProcess
-
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    home = tmp_path_factory.mktemp("shm")
-    (home / "tokens").write_text(f"alice {ALICE}\nbob {BOB}\n")
-    (home / "adapters").mkdir()
-    shutil.copy(tiny_adapter_file, home / "adapters" / "tiny-pair.safetensors")
-    before = _shm_entries()
-    proc = ServeProcess(home / "serve", [
-        "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
-        "--adapters", str(home / "adapters"), "--no-selfcheck", "--token-file", str(home / "tokens"),
-        "--shm-ttl-s", str(TTL_S)], env={"KVBRIDGE_HOME": str(home)}, start_timeout_s=240)
-    proc.start()
-    proc.shm_before = before
-    yield proc
-    proc.kill()
-
-
-@pytest.fixture(scope="module")
-def entry_key(serve):
-    with KVBridgeClient(serve.address, token=ALICE) as client:
-        return client.ingest(TEXT).entries[0].key
-
-
-def _raw_fetch(serve, token: str, key: str) -> pb2.CacheHeader:
-    """A projected fetch through shared memory by raw grpcio stubs, never released: the header."""
-    with grpc.insecure_channel(serve.address) as channel:
-        stub = pb2_grpc.KVBridgeStub(channel)
-        messages = list(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(key=key, transport=pb2.SHARED_MEMORY),
-                                               metadata=(("authorization", f"Bearer {token}"),), timeout=60))
-    assert len(messages) == 1 and not messages[0].HasField("chunk")
-    header = messages[0].header
-    assert header.HasField("shared") and header.num_chunks == 0
-    return header
-
-
-def _release(serve, token: str, name: str, read: bool = True) -> bool:
-    with grpc.insecure_channel(serve.address) as channel:
-        return pb2_grpc.KVBridgeStub(channel).ReleaseSegment(
-            pb2.ReleaseSegmentRequest(name=name, read=read), metadata=(("authorization", f"Bearer {token}"),),
-            timeout=30).removed
-
-
-def test_same_host_fetches_are_bit_identical_to_the_stream_and_leave_no_file(serve, entry_key):
-    with KVBridgeClient(serve.address, token=ALICE, transport="auto") as client:  # 127.0.0.1: shared memory
-        for fetch in (client.fetch_projected, client.fetch_source):
-            for dtype in ("", "bfloat16"):
-                streamed = fetch(key=entry_key, dtype=dtype, transport="stream")
-                shared = fetch(key=entry_key, dtype=dtype)
-                assert (streamed.transport, shared.transport) == ("stream", "shared_memory")
-                assert shared.wire_bytes == 0 and shared.num_chunks == 1 and streamed.wire_bytes > 0
-                assert shared.segment.kv.dtype == streamed.segment.kv.dtype
-                assert torch.equal(shared.segment.kv, streamed.segment.kv)
-                assert torch.equal(shared.segment.token_ids, streamed.segment.token_ids)
-                assert torch.equal(shared.segment.positions, streamed.segment.positions)
-                assert (shared.entry_key, shared.source_key, shared.adapter, shared.text) == (
-                    streamed.entry_key, streamed.source_key, streamed.adapter, streamed.text)
-    header = _raw_fetch(serve, ALICE, entry_key)
-    folder = Path(header.shared.path).parent
-    assert _mode(header.shared.path) == 0o600 and _mode(folder) == 0o700
-    assert os.stat(header.shared.path).st_uid == os.geteuid()
-    assert [p.name for p in folder.glob("*.safetensors")] == [Path(header.shared.path).name]  # the client's went
-    assert _release(serve, ALICE, header.shared.name) is True
-    assert not Path(header.shared.path).exists() and not any(folder.glob("*.safetensors"))
-
-
-def _mapped_kv(header, dtype: torch.dtype) -> torch.Tensor:
-    """The KV [L, 2, H, T, D] of a fetch's shared segment, read as a client does; its headroom slots are zeros."""
-    t, room = len(header.token_ids), header.shared.headroom_tokens
-    shape = (header.num_layers, 2, header.num_kv_heads, t + room, header.head_dim)
-    mapped = shm_layout.map_kv(header.shared.path, header.shared.size, header.shared.checksum, shape, dtype)
-    assert not mapped[:, :, :, t:].any()
-    return mapped[:, :, :, :t]
-
-
-def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_entry_is_made_again(serve):
-    """A warm same-host fetch of a projection fetched before gets the first fetch's file under a new name (the same
-    inode, nothing written); once the source entry is deleted and ingested again (a new projected entry, same key),
-    the fetch gets a new file."""
-    with KVBridgeClient(serve.address, token=ALICE) as client:
-        key = client.ingest(TEXT + " Kept.").entries[0].key
-        expected = client.fetch_projected(key=key, transport="stream").segment.kv
-    first = _raw_fetch(serve, ALICE, key)
-    inode = os.stat(first.shared.path).st_ino
-    assert _release(serve, ALICE, first.shared.name) is True
-    second = _raw_fetch(serve, ALICE, key)
-    assert second.shared.name != first.shared.name and os.stat(second.shared.path).st_ino == inode
-    assert second.shared.checksum == first.shared.checksum
-    assert torch.equal(_mapped_kv(second, expected.dtype), expected)
-    assert _release(serve, ALICE, second.shared.name) is True
-    assert not Path(first.shared.path).exists() and not Path(second.shared.path).exists()
-    with KVBridgeClient(serve.address, token=ALICE) as client:
-        assert client.delete(key) >= 2  # the source entry and its projection
-        assert client.ingest(TEXT + " Kept.").entries[0].key == key
-        client.fetch_projected(key=key, transport="stream")  # projected again: a new entry, same key
-    third = _raw_fetch(serve, ALICE, key)
-    assert os.stat(third.shared.path).st_ino != inode
-    assert torch.equal(_mapped_kv(third, expected.dtype), expected)
-    assert _release(serve, ALICE, third.shared.name) is True
-
-
-def test_a_client_that_cannot_open_the_segment_streams_and_the_server_drops_it(serve, entry_key, monkeypatch):
-    tried = []
-
-    def cannot_open(path, *args):
-        tried.append(path)
-        raise PermissionError(13, "Permission denied", path)  # as for a client under another OS user
-
-    with KVBridgeClient(serve.address, token=ALICE, transport="shared_memory") as client:
-        expected = client.fetch_projected(key=entry_key, transport="stream")
-        monkeypatch.setattr(shm_layout, "map_kv", cannot_open)
-        fetched = client.fetch_projected(key=entry_key)
-    assert len(tried) == 1 and fetched.transport == "stream" and fetched.wire_bytes > 0
-    assert torch.equal(fetched.segment.kv, expected.segment.kv)
-    assert not Path(tried[0]).exists()  # released (read=False) before the stream
-
-
-def test_another_tenant_can_neither_release_nor_fetch_the_segment(serve, entry_key):
-    header = _raw_fetch(serve, ALICE, entry_key)
-    path = Path(header.shared.path)
-    assert _release(serve, BOB, header.shared.name) is False and path.exists()
-    assert _release(serve, BOB, path.name) is False and _release(serve, BOB, str(path)) is False  # never a path
-    with grpc.insecure_channel(serve.address) as channel, pytest.raises(grpc.RpcError) as info:
-        list(pb2_grpc.KVBridgeStub(channel).GetProjectedCache(
-            pb2.GetProjectedCacheRequest(key=entry_key, transport=pb2.SHARED_MEMORY),
-            metadata=(("authorization", f"Bearer {BOB}"),), timeout=60))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert _release(serve, ALICE, header.shared.name) is True and not path.exists()
-
-
-def test_another_os_user_can_neither_list_nor_open_a_segment(serve, entry_key):
-    """The folder (0700) and the file (0600) belong to the server's user: `nobody` gets EACCES on both. Needs root
-    to switch users (util-linux setpriv), as the test machines run."""
-    import subprocess
-
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("switching to another OS user needs root and setpriv")
-    header = _raw_fetch(serve, ALICE, entry_key)
-    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    for cmd in (["cat", header.shared.path], ["ls", str(Path(header.shared.path).parent)]):
-        done = subprocess.run([*as_nobody, *cmd], capture_output=True, text=True, timeout=30, check=False)
-        assert done.returncode != 0 and "Permission denied" in done.stderr, (cmd, done.stderr)
-    assert _release(serve, ALICE, header.shared.name) is True
-
-
-def test_a_segment_never_released_is_removed_after_its_ttl(serve, entry_key):
-    header = _raw_fetch(serve, ALICE, entry_key)
-    assert header.shared.ttl_s == TTL_S
-    path = Path(header.shared.path)
-    deadline = time.monotonic() + TTL_S + 30  # the server's own sweeper, a real process: its clock is real time
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not path.exists()
-    assert _release(serve, ALICE, header.shared.name) is False
-
-
-def test_no_segment_is_left_after_the_server_stops_or_is_killed_and_restarted(serve, entry_key):
-    """Last in this file: it stops the module's server, with a segment never released; then kills it (SIGKILL leaves
-    the folder) and starts it again (the new server removes the dead one's folder)."""
-    header = _raw_fetch(serve, ALICE, entry_key)
-    assert Path(header.shared.path).exists()
-    assert serve.stop() == 0
-    assert not Path(header.shared.path).parent.exists()
-    assert _shm_entries() <= serve.shm_before
-    serve.start()
-    with KVBridgeClient(serve.address, token=ALICE) as client:
-        key = client.ingest(TEXT).entries[0].key
-    killed = Path(_raw_fetch(serve, ALICE, key).shared.path)
-    serve.kill()
-    assert killed.exists()
-    serve.start()
-    assert not killed.parent.exists()
-    assert serve.stop() == 0
-    assert _shm_entries() <= serve.shm_before

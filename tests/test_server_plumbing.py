@@ -1,0 +1,118 @@
+"""The server's plumbing, end to end (a real gRPC server on a loopback port, the tiny pair): health and reflection
+without a token, /metrics, the client's retries and deadlines, draining streams at shutdown, TLS. The servers are
+the session fixtures of tests/conftest.py, or started here; the transfers: tests/test_server.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import served
+from kvbridge.proto import pb2, pb2_grpc
+from kvbridge.server.client import KVBridgeClient
+from served import ALICE, TEXT
+
+pytestmark = pytest.mark.integration
+
+
+# ------------------------------------------------------------------------------------------------ plumbing
+
+
+def test_health_and_reflection_answer(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as channel:  # no token: probes and tools stay open
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "kvbridge.v1.KVBridge"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvbridge.v1.KVBridge")]
+        listed, files = list(reflect.ServerReflectionInfo(iter(requests), timeout=10))
+        services = {s.name for s in listed.list_services_response.service}
+        assert {"kvbridge.v1.KVBridge", "grpc.health.v1.Health"} <= services
+        from google.protobuf import descriptor_pb2
+
+        proto = descriptor_pb2.FileDescriptorProto.FromString(files.file_descriptor_response.file_descriptor_proto[0])
+        assert proto.name == "kvbridge/v1/kvbridge.proto" and proto.package == "kvbridge.v1"
+
+
+def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
+    alice.ingest(TEXT)  # its own Ingest, so the test does not lean on an earlier one
+    alice.fetch_projected(text=TEXT)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'kvbridge_requests_total{code="OK",method="GetProjectedCache"}' in body
+    assert 'kvbridge_request_seconds_bucket{le="0.001",method="Ingest"}' in body
+    assert 'kvbridge_streamed_bytes_total{direction="out",method="GetProjectedCache"}' in body
+    assert 'kvbridge_store_bytes{tier="device"}' in body and "kvbridge_store_hits_total" in body
+    assert "\nkvbridge_store_check_problems 0.0\n" in body  # store.check() on every scrape: consistent
+
+
+def test_client_retries_unavailable_with_backoff_then_reports_it(monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = KVBridgeClient(f"127.0.0.1:{port}", retries=3, backoff_s=0.001, timeout_s=5)
+    waits = []
+    monkeypatch.setattr(client, "_sleep", lambda attempt: waits.append(attempt))
+    for call in (client.stats, lambda: client.fetch_source(text=TEXT)):
+        waits.clear()
+        code, _ = served.code(call)
+        assert code == grpc.StatusCode.UNAVAILABLE and waits == [0, 1, 2]
+    client.close()
+
+
+def test_every_call_has_a_deadline(server):
+    with KVBridgeClient(server.address, token=ALICE, timeout_s=1e-4, retries=0) as client:
+        code, _ = served.code(lambda: client.fetch_projected(text=served.text(8)))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_shutdown_drains_streams_in_flight(tiny_source, tiny_target, adapters_dir):
+    from kvbridge.server.chunks import ChunkAssembler, wire_dtype
+
+    running = served.start(tiny_source, [tiny_target], adapters_dir, chunk_kb=4)
+    channel = grpc.insecure_channel(running.address)
+    stream = pb2_grpc.KVBridgeStub(channel).GetProjectedCache(
+        pb2.GetProjectedCacheRequest(text=TEXT), metadata=(("authorization", f"Bearer {ALICE}"),), timeout=30)
+    first = next(stream)
+    h = first.header
+    assembler = ChunkAssembler(h.num_layers, h.num_kv_heads, len(h.token_ids), h.head_dim, wire_dtype(h.dtype))
+    stopper = threading.Thread(target=running.stop, args=(20,))
+    stopper.start()
+    for message in [first, *stream]:
+        c = message.chunk
+        assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
+    assert assembler.complete and h.num_chunks > 3
+    stopper.join(30)
+    channel.close()
+    with KVBridgeClient(running.address, token=ALICE, retries=0, timeout_s=5) as client:
+        code, _ = served.code(client.stats)
+        assert code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_with_a_self_signed_pair(tmp_path, tiny_source, tiny_target, adapters_dir):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    running = served.start(tiny_source, [tiny_target], adapters_dir, tls_cert=str(cert), tls_key=str(key))
+    try:
+        with KVBridgeClient(f"localhost:{running.port}", token=ALICE, tls_root_cert=cert) as client:
+            fetched = client.fetch_projected(text=TEXT)
+            assert fetched.segment.num_tokens > 0
+        with KVBridgeClient(f"localhost:{running.port}", token=ALICE, retries=0, timeout_s=5) as plain:
+            code, _ = served.code(plain.stats)
+            assert code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        running.stop(1)
