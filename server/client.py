@@ -284,12 +284,22 @@ class KVBridgeClient:
                       session_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                       timeout_s: float | None = None) -> Entry:
         """Upload source KV computed here; the server stores it only once every chunk has arrived."""
-        kv = segment.kv.detach().cpu()
-        header = pb2.KVHeader(model=pb2.ModelRef(name=segment.model.name, config_hash=segment.model.config_hash),
-                              dtype=dtype_name(kv.dtype), num_layers=segment.num_layers,
-                              num_kv_heads=segment.num_kv_heads, head_dim=segment.head_dim,
-                              token_ids=segment.token_ids.tolist(), positions=segment.positions.tolist(),
-                              rotated=segment.rotated, kind=kind, session_id=session_id,
+        return self.put_kv(segment.kv, segment.token_ids.tolist(), segment.positions.tolist(), segment.model.name,
+                           segment.model.config_hash, segment.rotated, kind, ttl_s, pin, session_id, chunk_bytes,
+                           timeout_s)
+
+    def put_kv(self, kv: torch.Tensor, token_ids: list[int], positions: list[int] | None = None, model: str = "",
+               config_hash: str = "", rotated: bool = True, kind: str = "prefix", ttl_s: float | None = None,
+               pin: bool = False, session_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               timeout_s: float | None = None) -> Entry:
+        """put_source_kv from parts: kv [L, 2, H, T, D] of `model` ("": the server's source model; config_hash "":
+        not checked, the server checks the shapes) at positions (None: 0..T-1)."""
+        kv = kv.detach().cpu()
+        header = pb2.KVHeader(model=pb2.ModelRef(name=model, config_hash=config_hash), dtype=dtype_name(kv.dtype),
+                              num_layers=kv.shape[0], num_kv_heads=kv.shape[2], head_dim=kv.shape[4],
+                              token_ids=[int(t) for t in token_ids],
+                              positions=list(range(len(token_ids))) if positions is None else positions,
+                              rotated=rotated, kind=kind, session_id=session_id,
                               options=pb2.StoreOptions(ttl_s=ttl_s or 0, pin=pin))
 
         def messages():

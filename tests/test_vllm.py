@@ -97,7 +97,8 @@ def engine(identity_server, small_server, slow_identity, tmp_path_factory):
                "down": {"address": f"127.0.0.1:{_free_port()}"}}  # nothing listens there
     options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="float32",
                             max_model_len=1024, block_size=BLOCK,
-                            kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=60, retries=1))
+                            kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=60, retries=1,
+                                                                  role="kv_both"))  # loads, and saves when asked
     log = tmp_path_factory.mktemp("vllm") / "engine.log"
     with EngineProcess(options, log) as running:
         yield running
@@ -356,3 +357,38 @@ def test_eval_rouge_through_vllm_gives_the_in_process_figures_of_what_vllm_reads
     summary = run["summary"]["modes"]
     assert summary["full"]["nll_recovery"]["value"] == pytest.approx(1.0)
     assert summary["none"]["nll_recovery"]["value"] == pytest.approx(0.0)
+
+
+def test_a_source_engine_saves_a_texts_kv_and_a_target_engine_loads_its_projection(engine, doc, own,
+                                                                                 identity_server, smollm2):
+    """The save side: the engine, as the source (SmolLM2 is the identity server's source), stores the KV it computes
+    for a prompt that asks; the server then projects that entry for the engine as the target without running its
+    own source model on the text, and the tokens are vLLM's own. (The server's source and target are one module
+    here: the hook counts either's forwards, and `replace` asks for none of the target's.)"""
+    import time
+
+    from kvbridge.server.client import KVBridgeClient
+
+    prepared, prompt = doc
+    source = identity_server.service.models[identity_server.service.source_name].lm
+    forwards = []
+    hook = source.model.model.layers[0].register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        text = prepared.text + " And one more sentence, so that no earlier test stored this text."
+        ids = source.tokenizer(text)["input_ids"]  # the source's own tokenization: start token, then the text
+        saved = engine.generate(ids, max_tokens=1, kvbridge={"save": {"server": "identity"}})
+        assert saved["kvbridge_error"] == "" and saved["loaded_tokens"] == 0
+        with KVBridgeClient(identity_server.address) as client:
+            deadline = time.monotonic() + 60
+            while client.lookup(token_ids=ids).key is None and time.monotonic() < deadline:
+                time.sleep(0.1)  # the upload runs on the worker's thread, after the request
+            assert client.lookup(token_ids=ids).key is not None
+        question = prompt[CONTEXT:]
+        wanted = engine.generate(ids + question, max_tokens=NEW)
+        out = engine.generate(ids + question, max_tokens=NEW, kvbridge={"text": text, "server": "identity",
+                                                                   "mode": "replace"})
+        assert out["kvbridge_error"] == "" and out["loaded_tokens"] == len(ids) // BLOCK * BLOCK
+        assert out["token_ids"] == wanted["token_ids"]
+        assert forwards == []  # the server never ran the source model on the text
+    finally:
+        hook.remove()

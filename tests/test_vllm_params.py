@@ -113,3 +113,50 @@ def test_staging_folders_are_private_and_a_dead_engines_folder_is_swept(tmp_path
     loose.mkdir(mode=0o755)
     with pytest.raises(PermissionError, match="not a private folder"):
         handoff.private_folder(tmp_path, pid=os.getpid() + 10**7)
+
+
+def test_a_save_request_goes_alone_and_bad_ones_are_named():
+    from kvbridge.vllm.params import SaveRequest
+
+    assert SaveRequest.from_params({"kvbridge": {"save": {}}}) == SaveRequest()
+    assert SaveRequest.from_params({"kvbridge": {"save": {"server": "src", "tokens": 7}}}) == SaveRequest("src", 7)
+    assert SaveRequest.from_params({"kvbridge": {"text": "x"}}) is None and SaveRequest.from_params(None) is None
+    assert RequestContext.from_params({"kvbridge": {"save": {}}}) is None  # a save is no load
+    for bad, words in (({"save": {"tokens": 0}}, "tokens"), ({"save": {"tokens": True}}, "tokens"),
+                       ({"save": {"server": ""}}, "server"), ({"save": {"other": 1}}, "optional"),
+                       ({"save": []}, "must be a dict")):
+        with pytest.raises(ValueError, match=words):
+            SaveRequest.from_params({"kvbridge": bad})
+    with pytest.raises(ValueError, match="goes alone"):
+        RequestContext.from_params({"kvbridge": {"save": {}, "text": "x"}})
+    with pytest.raises(ValueError, match="role"):
+        kv_transfer_config(address="127.0.0.1:1", role="kv_sometimes")
+    assert kv_transfer_config(address="127.0.0.1:1", role="kv_both")["kv_role"] == "kv_both"
+
+
+def test_the_save_tracker_hands_out_each_position_once_across_chunked_steps():
+    """A prompt of 100 tokens saving its first 70: a first step of 40 (10 of them from vLLM's prefix cache), a
+    second of 50; a request that saves nothing is not listed."""
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.params import SaveRequest
+    from kvbridge.vllm.saving import SaveTracker
+
+    def step(new=(), cached=(), scheduled=None):
+        ids = [c[0] for c in cached]
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=n, block_ids=(b,)) for r, n, b in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=ids, resumed_req_ids=set(),
+                                                  new_block_ids=[(c[2],) if c[2] else None for c in cached],
+                                                  num_computed_tokens=[c[1] for c in cached]),
+            num_scheduled_tokens=scheduled or {})
+
+    tracker = SaveTracker()
+    tracker.add("a", SaveRequest(tokens=70), list(range(100)))
+    first = tracker.chunks(step(new=[("a", 10, [3, 4]), ("b", 0, [5])], scheduled={"a": 30, "b": 9}))
+    assert [(c.req_id, c.start, c.end, c.block_ids, c.token_ids) for c in first] == [("a", 0, 40, [3, 4], None)]
+    second = tracker.chunks(step(cached=[("a", 40, [6, 7])], scheduled={"a": 50}))
+    assert [(c.start, c.end, c.block_ids, c.total) for c in second] == [(40, 70, [3, 4, 6, 7], 70)]
+    assert second[0].token_ids == list(range(70))
+    assert tracker.chunks(step(cached=[("a", 90, None)], scheduled={"a": 1})) == []  # decoding: nothing new
+    assert tracker.finish("a") == {"saved_tokens": 70, "save_server": "default"} and tracker.finish("a") is None

@@ -8,7 +8,9 @@ Load it with
                                           "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": {"kvbridge_address": "127.0.0.1:50051"}})
 
-(`kvbridge.vllm.engine.kv_transfer_config` builds the dict) and mark requests as `kvbridge.vllm.params` says.
+(`kvbridge.vllm.engine.kv_transfer_config` builds the dict) and mark requests as `kvbridge.vllm.params` says. With
+kv_role "kv_producer" or "kv_both" the engine also saves the KV of requests that ask into kvbridge (`saving`: the
+source side, so the server need not run the source model on that text).
 
 Scheduler side (the engine core process), never waiting on kvbridge: `get_num_new_matched_tokens` hands the
 request's lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and answers None (vLLM asks again at its
@@ -67,7 +69,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvbridge.vllm import handoff, layouts
-from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, match_prompt
+from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, SaveRequest, match_prompt
+from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -104,6 +107,7 @@ class Load:
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    saves: list[SaveChunk] = field(default_factory=list)  # what the step's forward makes savable (saving.py)
 
 
 @dataclass
@@ -164,9 +168,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._fetchers = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="kvbridge-fetch")
             handoff.sweep(self.config.staging_dir)  # what killed engines left
             self._staging = handoff.private_folder(self.config.staging_dir)
+        self.saving = self._kv_transfer_config.is_kv_producer  # kv_producer / kv_both: requests may save their KV
+        self._saves = SaveTracker()
         # worker side
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
+        self._saver = (Saver(self.config, model.model, self.block_size)
+                       if self.saving and role == KVConnectorRole.WORKER else None)
 
     # ---------------------------------------------------------------------------------------- scheduler side
 
@@ -251,7 +259,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if plan is None:
             lookup = self._lookups.get(req_id)
             if lookup is None:
+                if req_id in self._saves:
+                    return 0, False
                 try:
+                    save = SaveRequest.from_params(request.kv_transfer_params)
+                    if save is not None:
+                        if not self.saving:
+                            raise ValueError("the request asks to save its KV and the engine's kv_role "
+                                             f"{self._kv_transfer_config.kv_role!r} saves nothing (kv_producer or "
+                                             "kv_both save)")
+                        self._saves.add(req_id, save, list(request.prompt_token_ids or []))
+                        return 0, False
                     context = RequestContext.from_params(request.kv_transfer_params)
                 except ValueError as exc:
                     log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, exc)
@@ -283,7 +301,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._timed(request.request_id, time.perf_counter() - t0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVBridgeConnectorMetadata(loads=list(self._pending.values()))
+        meta = KVBridgeConnectorMetadata(loads=list(self._pending.values()), saves=self._saves.chunks(scheduler_output))
         for load in meta.loads:
             self._plans[load.req_id].handed = True  # the worker removes a staged file once read
         self._pending.clear()
@@ -324,6 +342,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             lookup.add_done_callback(self._release_lookup)
         plan = self._plans.pop(req_id, None)
         in_calls, longest = self._scheduler_s.pop(req_id, (0.0, 0.0))
+        saved = self._saves.finish(req_id)
+        if saved is not None:
+            return False, {PARAMS_KEY: saved}
         if plan is None:
             return False, None
         self._release(plan)  # loaded, or never (vLLM computed the tokens itself)
@@ -343,6 +364,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        if self._saver is not None:
+            self._saver.close()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
 
@@ -389,10 +412,24 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # the loads are asynchronous: requests wait for get_finished, not the forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # no save side yet
+        """The save side: this layer's positions of the step's saving requests, read out of its paged buffer."""
+        if self._saver is None:
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.saves:
+            return
+        from vllm.forward_context import get_forward_context
+
+        layer = get_forward_context().no_compile_layers.get(layer_name)
+        self._saver.save_layer(extract_layer_index(layer_name), self.shape[0], layer, kv_layer, meta.saves)
 
     def wait_for_save(self):
-        return
+        """After the step's forward: the saves it completed go to their upload thread (the forward never waits)."""
+        if self._saver is None:
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVBridgeConnectorMetadata) and meta.saves:
+            self._saver.step_done(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: nothing is saved, the requests whose loads this worker finished since the last call, failed ones

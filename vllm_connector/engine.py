@@ -41,9 +41,13 @@ def vllm_available() -> str:
 
 
 def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
-                       **extra: Any) -> dict[str, Any]:
+                       role: str = "kv_consumer", **extra: Any) -> dict[str, Any]:
     """vLLM's kv_transfer_config for the kvbridge connector; `extra` are further kvbridge_* fields without the
-    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode, fetch_threads)."""
+    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode, fetch_threads, transport).
+    role: "kv_consumer" (loads projected KV), "kv_producer" (saves the KV of requests that ask, the source side)
+    or "kv_both"."""
+    if role not in ("kv_consumer", "kv_producer", "kv_both"):
+        raise ValueError(f"role must be kv_consumer, kv_producer or kv_both, got {role!r}")
     config: dict[str, Any] = {f"kvbridge_{k}": v for k, v in extra.items()}
     if address:
         config["kvbridge_address"], config["kvbridge_token"] = address, token
@@ -51,7 +55,7 @@ def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, di
         config["kvbridge_servers"] = servers
     # "recompute": a load that fails on a worker leaves its blocks to vLLM's own prefill (vLLM's default, "fail",
     # would fail the request)
-    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": role,
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": config}
 
 

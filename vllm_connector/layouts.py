@@ -70,7 +70,28 @@ def write_cpu_amx(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     v[block, :, :, offset // 2, :, offset % 2] = value.to(kv_cache.dtype).view(-1, h, d // 16, 16)
 
 
+def read_cpu_vec(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The save side's inverse of write_cpu_vec: (key, value) [T, H, D] at slots [T] of kv_cache [B, H, bs, 2D]."""
+    b, h, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    k_half, v_half = _halves(kv_cache)
+    block, offset = slots // bs, slots % bs
+    return k_half.view(b, h, d, bs)[block, :, :, offset], v_half.view(b, h, bs, d)[block, :, offset, :]
+
+
+def read_cpu_amx(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The save side's inverse of write_cpu_amx. Same arguments as read_cpu_vec."""
+    b, h, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    k_half, v_half = _halves(kv_cache)
+    block, offset = slots // bs, slots % bs
+    k = k_half.view(b, h, bs // 16, d // 2, 16, 2)[block, :, offset // 16, :, offset % 16, :]  # [T, H, D/2, 2]
+    v = v_half.view(b, h, d // 16, bs // 2, 16, 2)[block, :, :, offset // 2, :, offset % 2]  # [T, H, D/16, 16]
+    return k.reshape(-1, h, d), v.reshape(-1, h, d)
+
+
 REFERENCES = {"vec": write_cpu_vec, "vec16": write_cpu_vec, "amx": write_cpu_amx}
+READERS = {"vec": read_cpu_vec, "vec16": read_cpu_vec, "amx": read_cpu_amx}
 
 
 def check(head_dims=(64, 128), block_sizes=(32, 128), num_kv_heads: int = 3, num_blocks: int = 6,
@@ -101,6 +122,9 @@ def check(head_dims=(64, 128), block_sizes=(32, 128), num_kv_heads: int = 3, num
                     if not torch.equal(ours, theirs):
                         problems.append(f"{checked[-1]}: {int((ours != theirs).sum())} of {ours.numel()} elements "
                                         "differ from ops.cpu_attn_reshape_and_cache")
+                    got_k, got_v = READERS[isa](theirs, slots)  # the save side reads vLLM's own bytes back
+                    if not (torch.equal(got_k, key) and torch.equal(got_v, value)):
+                        problems.append(f"{checked[-1]}: the reader does not give back what vLLM wrote")
     print("checked: " + " ".join(checked), file=sys.stderr)
     return problems
 

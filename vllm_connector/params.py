@@ -113,9 +113,14 @@ class RequestContext:
         p = kv_transfer_params[PARAMS_KEY]
         if not isinstance(p, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict, got {type(p).__name__}")
-        unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens", "mode"}
+        unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens", "mode", "save"}
         if unknown:
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] has unknown fields {sorted(unknown)}")
+        if "save" in p:  # a request of the save side (SaveRequest), not a load
+            if set(p) != {"save"}:
+                raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['save'] goes alone (a request saves its KV "
+                                 f"or loads a context, not both); got also {sorted(set(p) - {'save'})}")
+            return None
         key, text = p.get("key"), p.get("text")
         if (key is None) == (text is None):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] needs exactly one of 'key' and 'text'")
@@ -127,6 +132,34 @@ class RequestContext:
             _check_mode(mode, "mode")
         return cls(key=key, text=text, adapter=p.get("adapter", ""), server=p.get("server", "default"),
                    recompute_tokens=recompute, mode=mode)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """A request of the save side (an engine with kv_role kv_producer or kv_both): store the KV vLLM computes for
+    its prompt's first `tokens` tokens (None: all of them) in the kvbridge server `server`, as a source entry:
+    kv_transfer_params={"kvbridge": {"save": {"server": "default", "tokens": N}}} (both optional)."""
+
+    server: str = "default"
+    tokens: int | None = None
+
+    @classmethod
+    def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> SaveRequest | None:
+        """None when the request asks for no save; ValueError (a sentence) when it asks with a malformed one."""
+        p = (kv_transfer_params or {}).get(PARAMS_KEY)
+        if not isinstance(p, dict) or "save" not in p:
+            return None
+        save = p["save"]
+        if not isinstance(save, dict) or set(save) - {"server", "tokens"}:
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['save'] must be a dict with optional 'server' and "
+                             f"'tokens', got {save!r}")
+        tokens = save.get("tokens")
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"save tokens must be an int >= 1, got {tokens!r}")
+        server = save.get("server", "default")
+        if not isinstance(server, str) or not server:
+            raise ValueError(f"save server must be a server name, got {server!r}")
+        return cls(server=server, tokens=tokens)
 
 
 def _check_mode(mode: Any, field_name: str) -> None:
