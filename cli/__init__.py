@@ -1,6 +1,6 @@
 """The `kvbridge` command, assembled at the top from the subcommands each layer offers (`add_parsers` of
-kvbridge.transfer.cli, .adapters.cli, .server.cli and .eval.cli), plus `bench` (the repository's bench/ folder).
-Subcommands import their part lazily."""
+kvbridge.transfer.cli and .corpus, .adapters.cli, .server.cli and .eval.cli), plus `bench` (the repository's bench/
+folder). Subcommands import their part lazily."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbridge.eval.cli import add_parsers as eval_parsers
     from kvbridge.server.cli import add_parsers as server_parsers
     from kvbridge.transfer.cli import add_parsers as transfer_parsers
+    from kvbridge.transfer.corpus import add_parsers as corpus_parsers
 
     parser = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: a small causal LM generates from the "
                                      "projected KV cache of a large one.")
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     eval_parsers(sub)
+    corpus_parsers(sub)
     return parser
 
 

@@ -1,0 +1,214 @@
+"""The project's text corpora rebuilt from Debian documentation packages, and the `kvbridge data build` command.
+
+Three files, byte for byte those in ../shared/data that training and evaluation read (their sha256 are recorded in
+kvbridge/transfer/data/corpus_sha256.json with the package versions they were built from):
+
+- pydoc_summaries.jsonl: one record {id, document, summary} per Python 3.11 library module page whose first
+  line is its title ":mod:`NAME` --- SUMMARY" and whose text has at least MIN_SUMMARY_WORDS words: id "pydoc:NAME",
+  document the page's first DOCUMENT_WORDS words after the title (and a first "Source code:" line), summary the
+  title's text after the dashes. Pages in file name order.
+- pydoc_corpus.txt: every other page of the Python documentation (all but library/), as text, in path order,
+  pages of fewer than MIN_PAGE_WORDS words left out, one blank line between pages. Disjoint from the above.
+- kernel_docs_corpus.txt: English prose paragraphs of the Linux kernel's Documentation/**/*.rst in path order
+  (translations/ and devicetree/ left out), each on one line, blank lines between, each paragraph once
+  (its first place); `is_prose` says which paragraphs count.
+
+Sources: the reStructuredText that Debian's python3.11-doc ships beside its HTML (html/_sources/) and the
+.rst.gz of linux-doc-6.1, converted by kvbridge.transfer.rst_text. Nothing here needs the network: the packages do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvbridge.transfer.rst_text import rst_to_text, title_text
+
+PACKAGES = ("python3.11-doc", "linux-doc-6.1")
+PYTHON_DOC = Path("/usr/share/doc/python3.11/html/_sources")  # python3.11-doc's reStructuredText sources
+KERNEL_DOC = Path("/usr/share/doc/linux-doc-6.1/Documentation")  # linux-doc-6.1's, gzipped
+SUMMARIES, PYDOC_CORPUS, KERNEL_CORPUS = "pydoc_summaries.jsonl", "pydoc_corpus.txt", "kernel_docs_corpus.txt"
+OUTPUTS = (SUMMARIES, PYDOC_CORPUS, KERNEL_CORPUS)
+HASHES_FILE = "corpus_sha256.json"  # in kvbridge.transfer.data
+
+DOCUMENT_WORDS = 600  # a summary record's document: the page's first 600 words
+MIN_SUMMARY_WORDS = 120  # pages shorter than this (urllib, tty, keyword: an index or a few lines) make no record
+MIN_PAGE_WORDS = 10  # pydoc_corpus.txt leaves out pages that are a bare title (whatsnew/changelog)
+KERNEL_SKIPPED = ("translations", "devicetree")  # not English; the devicetree guides are not in the shared corpus
+MIN_PARAGRAPH_CHARS = 300  # counted with trailing spaces removed
+MIN_LETTER_FRACTION = 0.88  # letters and whitespace over all characters: tables and code fall below
+MAX_BARS = 2  # more "|" than this is a table row or |substitution| references
+
+MODULE_TITLE = re.compile(r"^:mod:`!?([^`]+)` ---? (.+)$")
+
+
+def summary_record(page: str) -> dict[str, str] | None:
+    """The record of a library page's reStructuredText source, or None if it is no module page (its first line is
+    not ":mod:`NAME` --- SUMMARY") or has fewer than MIN_SUMMARY_WORDS words."""
+    title = MODULE_TITLE.match(page.strip().split("\n", 1)[0])
+    if title is None:
+        return None
+    lines = "\n\n".join(rst_to_text(page).split("\n\n")[1:]).split("\n")  # the text below the title
+    if lines[0].startswith("Source code:"):
+        lines = lines[1:]
+    words = " ".join(lines).split()
+    if len(words) < MIN_SUMMARY_WORDS:
+        return None
+    return {"id": f"pydoc:{title.group(1)}", "document": " ".join(words[:DOCUMENT_WORDS]),
+            "summary": title_text(title.group(2))}
+
+
+def is_prose(paragraph: str) -> bool:
+    """Whether a converted kernel paragraph (lines as in the source) goes into the corpus: long enough, no line
+    indented by two spaces or a tab (code, literal blocks, definitions), mostly letters, not a table."""
+    lines = paragraph.split("\n")
+    if len("\n".join(line.rstrip() for line in lines)) < MIN_PARAGRAPH_CHARS:
+        return False
+    if any(line.startswith(("  ", "\t")) for line in lines):
+        return False
+    letters = sum(c.isalpha() or c.isspace() for c in paragraph)
+    return letters / len(paragraph) >= MIN_LETTER_FRACTION and paragraph.count("|") <= MAX_BARS
+
+
+def prose_paragraphs(text: str) -> Iterator[str]:
+    """The prose paragraphs of a converted kernel page, each on one line."""
+    for paragraph in re.split(r"\n\s*\n", text):
+        if is_prose(paragraph):
+            yield " ".join(line.strip() for line in paragraph.split("\n"))
+
+
+def _files(root: Path, pattern: str) -> list[Path]:
+    """Files under root matching pattern, in the order of their path's parts (deterministic, locale-free)."""
+    return sorted(root.rglob(pattern), key=lambda p: p.relative_to(root).parts)
+
+
+def pydoc_summaries(python_doc: Path = PYTHON_DOC) -> str:
+    """pydoc_summaries.jsonl's text."""
+    pages = sorted((python_doc / "library").glob("*.rst.txt"))  # one folder: name order
+    records = (summary_record(p.read_text(encoding="utf-8")) for p in pages)
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r is not None)
+
+
+def pydoc_corpus(python_doc: Path = PYTHON_DOC) -> str:
+    """pydoc_corpus.txt's text."""
+    pages = (rst_to_text(p.read_text(encoding="utf-8")) for p in _files(python_doc, "*.rst.txt")
+             if p.relative_to(python_doc).parts[0] != "library")
+    return "\n\n".join(page for page in pages if len(page.split()) >= MIN_PAGE_WORDS) + "\n"
+
+
+def kernel_corpus(kernel_doc: Path = KERNEL_DOC) -> str:
+    """kernel_docs_corpus.txt's text."""
+    seen: set[str] = set()
+    out = []
+    for path in _files(kernel_doc, "*.rst.gz"):
+        if path.relative_to(kernel_doc).parts[0] in KERNEL_SKIPPED:
+            continue
+        for paragraph in prose_paragraphs(rst_to_text(gzip.decompress(path.read_bytes()).decode("utf-8"))):
+            if paragraph not in seen:
+                seen.add(paragraph)
+                out.append(paragraph)
+    return "\n\n".join(out) + "\n"
+
+
+def check_sources(python_doc: Path = PYTHON_DOC, kernel_doc: Path = KERNEL_DOC) -> None:
+    """Raise FileNotFoundError naming the packages to install if a source folder is missing."""
+    missing = [f"{folder} (package {package})" for folder, package in ((python_doc, PACKAGES[0]),
+                                                                       (kernel_doc, PACKAGES[1]))
+               if not folder.is_dir()]
+    if missing:
+        raise FileNotFoundError(f"no {' and no '.join(missing)}: install them with `apt-get install -y "
+                                f"--no-install-recommends {' '.join(PACKAGES)}` as root (or `kvbridge data build "
+                                f"--install`), or unpack the .deb files (apt-get download, dpkg-deb -x) and pass "
+                                f"--python-doc and --kernel-doc")
+
+
+def install_packages() -> None:
+    """apt-get install the source packages (needs root and Debian's package mirrors)."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+        print("+", " ".join(command), flush=True)
+        if subprocess.run(command, env=env).returncode != 0:
+            raise RuntimeError(f"`{' '.join(command)}` failed (it needs root and Debian's package mirrors)")
+
+
+def package_versions() -> dict[str, str | None]:
+    """The installed version of each source package (None: not installed, or no dpkg here)."""
+    versions: dict[str, str | None] = {}
+    for package in PACKAGES:
+        versions[package] = None
+        try:
+            done = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True)
+        except FileNotFoundError:
+            continue
+        if done.returncode == 0 and done.stdout.strip():
+            versions[package] = done.stdout.strip()
+    return versions
+
+
+def build(out: Path, python_doc: Path = PYTHON_DOC, kernel_doc: Path = KERNEL_DOC) -> dict[str, Path]:
+    """Write the three files into out (created if needed); returns their paths by name."""
+    check_sources(python_doc, kernel_doc)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = {SUMMARIES: pydoc_summaries(python_doc), PYDOC_CORPUS: pydoc_corpus(python_doc),
+             KERNEL_CORPUS: kernel_corpus(kernel_doc)}
+    paths = {}
+    for name, text in texts.items():
+        path = out / name
+        partial = path.with_name(path.name + ".partial")
+        partial.write_bytes(text.encode("utf-8"))
+        os.replace(partial, path)
+        paths[name] = path
+    return paths
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def recorded() -> dict:
+    """corpus_sha256.json: {"sha256": {name: hex}, "packages": {package: version}}."""
+    from kvbridge.transfer.data import data_path
+
+    return json.loads(data_path(HASHES_FILE).read_text(encoding="utf-8"))
+
+
+def cmd_data_build(args: argparse.Namespace) -> int:
+    if args.install:
+        install_packages()
+    paths = build(Path(args.out), Path(args.python_doc), Path(args.kernel_doc))
+    record = recorded()
+    differ = 0
+    for name, path in paths.items():
+        digest, want = sha256_of(path), record["sha256"][name]
+        differ += digest != want
+        verdict = "equals the recorded hash" if digest == want else f"DIFFERS from the recorded {want}"
+        print(f"{name}: {path.stat().st_size} bytes, sha256 {digest}: {verdict}")
+    if differ:
+        built = package_versions()
+        print(f"built from {built}; the recorded hashes are of {record['packages']}")
+    return 1 if differ and args.check else 0
+
+
+def add_parsers(sub) -> None:
+    data = sub.add_parser("data", help="rebuild the text corpora that training and evaluation read")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    p = dsub.add_parser("build", help=f"write {', '.join(OUTPUTS)} from Debian's {' and '.join(PACKAGES)} and "
+                                      "say for each whether its sha256 equals the recorded one")
+    p.add_argument("--out", required=True,
+                   help="folder to write the three files into (the one training reads: $KVBRIDGE_DATA)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a file's hash differs from the recorded one")
+    p.add_argument("--install", action="store_true",
+                   help=f"first apt-get install {' '.join(PACKAGES)} (root; python3.11-doc wants the python3.11 "
+                        "packages of its own version and may upgrade them)")
+    p.add_argument("--python-doc", default=str(PYTHON_DOC), help=f"python3.11-doc's sources (default {PYTHON_DOC})")
+    p.add_argument("--kernel-doc", default=str(KERNEL_DOC), help=f"linux-doc-6.1's Documentation (default "
+                                                                 f"{KERNEL_DOC})")
+    p.set_defaults(func=cmd_data_build)
