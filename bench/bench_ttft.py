@@ -11,7 +11,7 @@ running in this process (loopback port 0). Then, over several rounds (the order 
   question over it;
 - replace, warm, same host: the same through shared memory (transport="shared_memory": the client maps the file the
   server names), fetched again: the server links the file it wrote for the previous fetch of this projection
-  (server/shm_segments.py, kept files) — the issue's goal (replace/full <= 0.04 at 2k tokens, warm, same host) is
+  (server/shm_reuse.py, kept files) — the issue's goal (replace/full <= 0.04 at 2k tokens, warm, same host) is
   judged on this one; and the first same-host fetch (the server's kept files dropped first, untimed: the store
   gathers the projection into a new file), as information;
 - replace, cold: the same after the projected entry was deleted from the server's store (untimed), so the server

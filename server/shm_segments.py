@@ -1,15 +1,15 @@
 """The server's same-host segments: each fetch asking for shared memory gets its KV written (the store gathers it
-straight into the file's map) to a file in a private folder under /dev/shm, handed to that tenant by an unguessable
-name once complete, and removed when the tenant releases it, when its TTL passes (a sweeper thread), or when the
-server stops. The file is a spare when one is ready: tmpfs allocates and zeroes a page on its first touch, which
-costs more than the copy into it, so after a segment is released a thread makes spare files of its size (pages
-allocated, zeroed and unnamed, never told to anyone) for the next fetches.
+straight into the file's map) to a file in a private folder under /dev/shm (`shm_folder`), handed to that tenant by
+an unguessable name once complete, and removed when the tenant releases it, when its TTL passes (a sweeper thread), or
+when the server stops. The file is a spare when one is ready (`shm_reuse`: a thread makes spare files, pages
+allocated, zeroed and unnamed, never told to anyone, at the sizes of the last released segments).
 
-A finished file is also kept (a second, private name: `kept-*`) for `keep_s` after the last fetch that used it, tagged
-by what it holds (the tenant, the store entry and its serial, shape and dtype): the next same-host fetch of the same
-KV by the same tenant gets a new name linked to it (a hard link, nothing copied or written) instead of a new file.
-The server never writes a file once it is named, and clients map it copy-on-write, so every name sees the KV the
-first fetch wrote. Kept files give way (least recently used first, after the spares) to new segments at max_bytes.
+A finished file is also kept (`shm_reuse`: a second, private name, `kept-*`) for `keep_s` after the last fetch that
+used it, tagged by what it holds (the tenant, the store entry and its serial, shape and dtype): the next same-host
+fetch of the same KV by the same tenant gets a new name linked to it (a hard link, nothing copied or written) instead
+of a new file. The server never writes a file once it is named, and clients map it copy-on-write, so every name sees
+the KV the first fetch wrote. Kept files give way (least recently used first, after the spares) to new segments at
+max_bytes.
 
 Invariants:
 - the folder is the server's own (mkdtemp: a random name, mode 0700) and every file in it is 0600: only the server's
@@ -18,17 +18,15 @@ Invariants:
   tenant finds nothing. Names from clients are looked up, never used as paths.
 - while the server lives, its folder holds `.lock`, flock-ed by it (the kernel drops the lock when the process dies,
   SIGKILL included): a new registry removes the folders under its root whose `.lock` it can take (left by a server
-  that was killed), and no other.
+  that was killed), and no other (`shm_folder`).
 - `held_bytes` is the sum of the sizes of the live segments, the kept files, the spares and the files being filled
   (a live name of a kept file counts again: an upper bound of the memory they hold), and never exceeds max_bytes:
   spares go first, then kept files, then a fetch that would pass it is streamed instead (SegmentsFull).
 - a kept file is lent only to its own tenant, under its own tag; a tenant's client is told a fresh name, never the
   kept one.
 """
-
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import secrets
@@ -41,22 +39,16 @@ from pathlib import Path
 
 import torch
 from kvbridge.server import shm_layout
+from kvbridge.server.shm_folder import FOLDER_PREFIX, SPARE_PREFIX, hold_lock, remove_stale_folders
+from kvbridge.server.shm_reuse import KeptFile, KeptFiles, SpareFiles
+
+__all__ = ["SegmentRegistry", "PendingSegment", "Segment", "SegmentsFull", "KeptFile", "remove_stale_folders"]
 
 log = logging.getLogger(__name__)
 
 
 class SegmentsFull(Exception):
     """The live segments hold max_bytes already: this fetch goes by stream."""
-
-
-@dataclass(slots=True)
-class KeptFile:
-    """A finished segment file kept under a private name for the next fetches of the same KV."""
-
-    path: Path  # folder / f"kept-{token}": never told to a client
-    size: int
-    checksum: str
-    last_used: float  # on the registry's clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +61,7 @@ class Segment:
     expires_at: float  # on the registry's clock
 
 
-class SegmentRegistry:
+class SegmentRegistry(KeptFiles, SpareFiles):
     def __init__(self, root: str | Path = "/dev/shm", ttl_s: float = 30.0, max_bytes: int = 4 << 30,
                  clock=time.monotonic, spares: int = 2, keep_s: float = 30.0, headroom: int = 0):
         if ttl_s <= 0 or max_bytes <= 0 or keep_s < 0 or headroom < 0:
@@ -82,7 +74,7 @@ class SegmentRegistry:
         self.clock = clock
         remove_stale_folders(root)
         self.folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root))  # 0700, random name
-        self._lock_fd = _hold_lock(self.folder)
+        self._lock_fd = hold_lock(self.folder)
         self.spares = spares  # spare files kept ready (made only once start() runs the thread that makes them)
         self.held_bytes = 0
         self._live: dict[str, Segment] = {}
@@ -152,38 +144,6 @@ class SegmentRegistry:
         while self._kept and self.held_bytes + nbytes > self.max_bytes:
             self._drop_kept(next(iter(self._kept)))
 
-    # kept files: a finished segment's file under a second name, for the next fetch of the same KV
-
-    def _find_kept(self, tenant: str, tag: tuple) -> KeptFile | None:
-        if not self.keep_s:
-            return None
-        with self._lock:
-            kept = self._kept.pop((tenant, tag), None)
-            if kept is not None:
-                kept.last_used = self.clock()
-                self._kept[(tenant, tag)] = kept  # now the most recently used
-            return kept
-
-    def _keep(self, tenant: str, tag: tuple, segment: Segment) -> None:
-        """Keep segment's file (just published, not yet told to its client) under a private name for tag."""
-        if not self.keep_s:
-            return
-        with self._lock:
-            if (tenant, tag) in self._kept or self._stop.is_set():
-                return
-            self._make_room(segment.size)
-            if self.held_bytes + segment.size > self.max_bytes:
-                return
-            path = self.folder / f"{KEPT_PREFIX}{secrets.token_urlsafe(12)}"
-            try:
-                os.link(segment.path, path)
-            except OSError as exc:
-                log.info("shared-memory segment not kept (%s)", exc)
-                return
-            self.held_bytes += segment.size
-            self._kept[(tenant, tag)] = KeptFile(path=path, size=segment.size, checksum=segment.checksum,
-                                                 last_used=self.clock())
-
     def _link(self, tenant: str, kept: KeptFile) -> Segment:
         """A new segment of `tenant`: a fresh name linked to a kept file, nothing copied. SegmentsFull; OSError
         (FileNotFoundError: the kept file went in the meantime)."""
@@ -203,24 +163,6 @@ class SegmentRegistry:
             self.kept_hits += 1
         return segment
 
-    def _drop_kept(self, key: tuple) -> None:
-        kept = self._kept.pop(key)
-        self.held_bytes -= kept.size
-        kept.path.unlink(missing_ok=True)
-
-    def drop_kept(self) -> int:
-        """Remove every kept file (the next fetches write new ones); how many."""
-        with self._lock:
-            keys = list(self._kept)
-            for key in keys:
-                self._drop_kept(key)
-        return len(keys)
-
-    @property
-    def kept_files(self) -> int:
-        with self._lock:
-            return len(self._kept)
-
     def _give_back(self, path: Path, reserved: int) -> None:
         path.unlink(missing_ok=True)
         self._give_back_bytes(reserved)
@@ -228,57 +170,6 @@ class SegmentRegistry:
     def _give_back_bytes(self, reserved: int) -> None:
         with self._lock:
             self.held_bytes -= reserved
-
-    # spares: files whose pages are allocated ahead (tmpfs allocates and zeroes each 4 KiB page on first touch, which
-    # cost more than the copy into it), made by a thread between fetches, at the sizes of the last fetches
-
-    def _take_spare(self, nbytes: int) -> tuple[Path, int] | None:
-        if not self._spares:
-            return None
-        fitting = [s for s in self._spares if s[1] >= nbytes]
-        spare = min(fitting, key=lambda s: s[1]) if fitting else max(self._spares, key=lambda s: s[1])
-        self._spares.remove(spare)
-        return spare
-
-    def _drop_spare(self, spare: tuple[Path, int]) -> None:
-        self._spares.remove(spare)
-        self.held_bytes -= spare[1]
-        spare[0].unlink(missing_ok=True)
-
-    def make_spares(self) -> int:
-        """Make the spares wanted now, in this thread (the thread start() runs does it between fetches); how many."""
-        made = 0
-        while self._make_one(wait=False):
-            made += 1
-        return made
-
-    def _make_one(self, wait: bool) -> bool:
-        """Make one wanted spare (waiting for a want when `wait`); False when stopped or (not waiting) none wanted."""
-        with self._lock:
-            while True:
-                if self._stop.is_set() or not (self._wanted or wait):
-                    return False
-                if self._wanted:
-                    nbytes = self._wanted.pop(0)
-                    if len(self._spares) < self.spares and self.held_bytes + nbytes <= self.max_bytes:
-                        break
-                else:
-                    self._wake.wait()
-            self.held_bytes += nbytes
-        path = self.folder / f"{SPARE_PREFIX}{secrets.token_urlsafe(12)}"
-        try:
-            shm_layout.make_spare(path, nbytes)
-        except OSError as exc:
-            log.info("no spare shared-memory file (%s)", exc)
-            self._give_back_bytes(nbytes)
-            return True
-        with self._lock:
-            if self._stop.is_set():  # close() is removing the files: this one too
-                self.held_bytes -= nbytes
-                path.unlink(missing_ok=True)
-                return False
-            self._spares.append((path, nbytes))
-        return True
 
     def release(self, tenant: str, name: str) -> bool:
         """Remove the tenant's segment `name`; False when it has none of that name (gone, or another's)."""
@@ -328,10 +219,6 @@ class SegmentRegistry:
         for thread in self._threads:
             thread.start()
 
-    def _make_spares_until_closed(self) -> None:
-        while self._make_one(wait=True):
-            pass
-
     def close(self) -> None:
         """Stop the sweeper and remove every segment and the folder (server shutdown)."""
         with self._lock:
@@ -348,12 +235,6 @@ class SegmentRegistry:
                 self._drop_kept(key)
         shutil.rmtree(self.folder, ignore_errors=True)
         os.close(self._lock_fd)
-
-
-FOLDER_PREFIX = "kvbridge-"
-LOCK_NAME = ".lock"
-SPARE_PREFIX = "spare-"  # files being made or filled: never named to a client (no .safetensors)
-KEPT_PREFIX = "kept-"  # kept files' private names (no .safetensors): clients get other names linked to them
 
 
 class PendingSegment:
@@ -452,7 +333,7 @@ class PendingSegment:
             raise
         self._path, self._filling, self._reserved = None, None, 0  # the registry's now
         if keep:
-            self.registry._keep(self.tenant, self._tag, segment)
+            self.registry._keep(self.tenant, self._tag, segment.path, segment.size, segment.checksum)
         return segment
 
     def discard(self) -> None:
@@ -461,40 +342,3 @@ class PendingSegment:
         if self._path is not None:
             self.registry._give_back(self._path, self._reserved)
             self._path, self._filling, self._reserved = None, None, 0
-
-
-def _hold_lock(folder: Path) -> int:
-    """Create folder/.lock already locked (made under another name, locked, then renamed: a folder whose `.lock`
-    exists is never taken for a dead server's); the open descriptor, held for the server's life."""
-    making = folder / f"{LOCK_NAME}.new"
-    fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.rename(making, folder / LOCK_NAME)
-    return fd
-
-
-def remove_stale_folders(root: str | Path) -> list[Path]:
-    """Remove the segment folders under root left by servers that died without closing (their `.lock` is free);
-    the folders removed. Files and folders without a `.lock` (another program's, or a server still starting) are
-    left alone."""
-    removed = []
-    for folder in Path(root).glob(f"{FOLDER_PREFIX}*"):
-        lock = folder / LOCK_NAME
-        try:
-            if folder.is_symlink() or not folder.is_dir() or folder.stat().st_uid != os.geteuid():
-                continue
-            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live server holds it
-            os.close(fd)
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        os.close(fd)
-        removed.append(folder)
-    if removed:
-        log.warning("removed %d shared-memory folder(s) left by a server that did not stop cleanly: %s", len(removed),
-                    ", ".join(map(str, removed)))
-    return removed

@@ -1,6 +1,6 @@
 """The wire messages of recent streamed fetches, kept for the next streamed fetch of the same KV: a warm fetch then
 sends the bytes it sent before (no gather from the store, no chunk copied out or joined), as a same-host fetch links
-a kept file (server/shm_segments.py).
+a kept file (server/shm_reuse.py).
 
 What a kept fetch is: the tenant, the store entry and its serial (`EntryInfo.serial`: a re-made entry never
 matches), the KV's shape and wire dtype, and the chunk size asked for. The messages are the CacheChunk bytes of

@@ -84,7 +84,8 @@ def test_a_decode_step_under_the_prior_on_the_meta_device_runs_and_stays_there(m
 
 
 class _Recorder(TorchDispatchMode):
-    """The ops the induction prior's own code dispatches (the Python stack passes through induction.py)."""
+    """The ops the induction prior's own code dispatches (the Python stack passes through induction.py or
+    induction_attention.py)."""
 
     def __init__(self):
         super().__init__()
@@ -92,7 +93,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if any(frame.filename.endswith("suffix/induction.py") for frame in traceback.extract_stack()):
+        if any(frame.filename.endswith(("suffix/induction.py", "suffix/induction_attention.py"))
+               for frame in traceback.extract_stack()):
             device = (kwargs or {}).get("device")
             self.ops.append((func.overloadpacket.__name__, str(device)))
         return out

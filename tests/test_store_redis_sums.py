@@ -11,7 +11,7 @@ import torch
 from kvbridge.transfer.checksum import sum64
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
-from kvbridge.transfer.store import PagedStore, StoreConfig, tiers
+from kvbridge.transfer.store import PagedStore, StoreConfig, block_blob, tiers
 from kvbridge.transfer.store.tiers import BlockSums, CpuTier, RedisTier, block_sums
 from redisproc import TEST_SECRET
 
@@ -113,7 +113,7 @@ def test_a_put_sends_the_kept_sum_and_the_blob_reads_back(redis_url, sent, monke
     cpu = CpuTier(1 << 20, checksums=True)
     cpu.put(b"a" * 16, "k", _block(0))
     block = cpu.pop(b"a" * 16)[1]
-    monkeypatch.setattr(tiers, "sum64", lambda data: pytest.fail("the put read the block again"))
+    monkeypatch.setattr(block_blob, "sum64", lambda data: pytest.fail("the put read the block again"))
     tier = RedisTier(redis_url, secret=TEST_SECRET)
     assert tier.put_many([(b"a" * 16, "k", block)])
     monkeypatch.undo()  # the read side sums every blob

@@ -13,12 +13,11 @@ deleting an entry deletes what was derived from it.
 Where a block lives and how it moves between tiers: `residency`. How the pools of every layout share one device
 byte budget (which layout gives up room when another needs it): `budget`. What is stored, TTL, pins and links:
 `registry`. Entries shared with other replicas through Redis (the lock-free Redis round trips, adopting records):
-`sharing`. What callers may ask of it without changing it (info, usage, stats, `check`): `queries`. The invariants
-`check` verifies: `checker`. One lock serialises every public method (the gRPC server
-calls in from many threads).
-
-(About 500 lines: the facade's public methods and their locking in one place; the parts they call live in
-kv_blocks, block_pool, budget, tiers, residency, registry, sharing, queries and checker.)
+`sharing`. What callers may ask of it without changing it (info, usage, stats, `check`): `queries`. Finding the longest
+cached prefix of a token sequence (`lookup`, `get_prefix`): `prefix_lookup`. How entries leave it (delete, expiry,
+loss) and the listeners told: `removal`. The invariants `check` verifies: `checker`. One lock serialises every public
+method (the gRPC server calls in from many threads). This module: the store's state, and storing, reading, pinning and
+refreshing entries.
 """
 
 from __future__ import annotations
@@ -45,10 +44,12 @@ from kvbridge.transfer.store.config import (
     default_capacity,
 )
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
+from kvbridge.transfer.store.prefix_lookup import PrefixLookup
 from kvbridge.transfer.store.queries import StoreQueries
 from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
-from kvbridge.transfer.store.residency import Residency, lowest
-from kvbridge.transfer.store.sharing import _ENTRY_KEY, RedisSharing, _sends_redis_writes
+from kvbridge.transfer.store.removal import EntryRemoval
+from kvbridge.transfer.store.residency import Residency
+from kvbridge.transfer.store.sharing import RedisSharing
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ __all__ = ["PagedStore", "StoreConfig", "EntryInfo", "LookupResult", "StoreStats
 DEFAULT_CONFIG = StoreConfig()
 
 
-class PagedStore(StoreQueries, RedisSharing):
+class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
     def __init__(self, config: StoreConfig = DEFAULT_CONFIG, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
@@ -80,13 +81,6 @@ class PagedStore(StoreQueries, RedisSharing):
         self._sending = threading.Lock()  # one thread sends the queued Redis writes at a time
         # keys whose "forget" is queued or being sent: their records may still be in Redis, never adopted back
         self._forgetting: Counter[str] = Counter()
-
-    def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        """Call listener(key, tenant, reason) whenever an entry leaves the store; reason is "deleted", "expired" or
-        "lost" (a block left the last tier). It runs under the store's lock: it must be quick and must not call
-        the store (queue the event and act on it later)."""
-        with self._lock:
-            self._listeners.append(listener)
 
     @property
     def cpu(self) -> CpuTier | None:
@@ -118,37 +112,6 @@ class PagedStore(StoreQueries, RedisSharing):
         root = chain_root(digest, kind, key.encode() if kind == "segment" else b"")
         return hash_chain(tokens, self.config.block_size, root, digest)
 
-    def _remove_entry(self, entry: Entry, reason: str) -> None:
-        """Forget an entry; blocks no other entry uses are dropped from the local tiers, and from Redis too unless
-        the entry was lost (then Redis has the data or not). With entries shared through Redis, only its partial
-        tail block goes from Redis: its full blocks may be used by entries this store cannot see (another
-        replica's, or its own before a restart), and expire there after redis_ttl_s."""
-        pool = self.pools.get(entry.layout.key)
-        if entry.pinned and pool is not None:
-            pool.unref([pool.lookup(h) for h in entry.hashes])
-        orphans = self.registry.discard(entry)
-        if self.config.share_entries and self.redis is not None and reason != "lost":
-            tail = entry.hashes[-1] if entry.token_ids.numel() % entry.layout.block_size else None
-            self.residency.drop(pool, [h for h in orphans if h != tail], drop_remote=False)
-            orphans = [h for h in orphans if h == tail]
-        self.residency.drop(pool, orphans, drop_remote=reason != "lost")
-        if self.config.share_entries and self.redis is not None and (
-                reason == "deleted" or (reason == "lost" and self.redis.stats.available)):
-            # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
-            self.residency.outbox.append(("forget", [entry.key]))
-            self._forgetting[entry.key] += 1
-        for listener in self._listeners:
-            listener(entry.key, entry.namespace.tenant, reason)
-
-    def _lose(self, hashes: list[BlockHash]) -> None:
-        """Blocks that left the last tier: the entries using them cannot be served any more."""
-        for h in hashes:
-            for key in list(self.registry.users.get(h, ())):
-                entry = self.registry.get(key)
-                if entry is not None:
-                    self._stats.lost_entries += 1
-                    self._remove_entry(entry, "lost")
-
     def _allocate(self, pool: BlockPool, n: int):
         blocks, lost = self.budget.allocate(pool, n, self.residency.demote)
         self._lose(lost)
@@ -157,12 +120,6 @@ class PagedStore(StoreQueries, RedisSharing):
     def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
                        prefetched: dict | None = None):
         return self.residency.make_resident(pool, hashes, keep_ref, self._allocate, prefetched)
-
-    def _expire(self) -> None:
-        for entry in self.registry.due(self.clock()):
-            if self.registry.get(entry.key) is entry:  # not lost meanwhile
-                self._stats.expired_entries += 1
-                self._remove_entry(entry, "expired")
 
     def _info(self, entry: Entry, new_blocks: int) -> EntryInfo:
         pool = self.pools.get(entry.layout.key)
@@ -341,125 +298,6 @@ class PagedStore(StoreQueries, RedisSharing):
             return self._hit(entry, kv)
 
         return self._run(locked)
-
-    @_sends_redis_writes
-    def lookup(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
-               adapter: str = "", kind: str = "prefix") -> LookupResult:
-        """The entry holding exactly these tokens, else (prefix kind) the longest cached full-block prefix."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().reshape(-1)
-        ns = self._namespace(tenant, model, dtype, adapter)
-        key = content_key(ns.digest(), kind, token_ids)
-        if self.config.share_entries and self.redis is not None:  # an entry another replica stored?
-            with self._lock:
-                local = self.registry.get(key) is not None or key in self._forgetting  # being deleted: no record
-            records = {} if local else self.redis.get_entries([key])  # no lock held
-            if records:
-                with self._lock:
-                    self._adopt(records[key], tenant)
-        with self._lock:
-            self._expire()
-            entry = self.registry.get(key)
-            pool = self._pool_of(ns)
-            if entry is not None:
-                tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
-                self._stats.hits += 1
-                self._stats.hit_tokens += token_ids.numel()
-                return LookupResult(key, token_ids.numel(), lowest(tiers))
-            if kind == "segment" or token_ids.numel() < self.config.block_size:
-                self._stats.misses += 1
-                return LookupResult(None, 0, None)
-            digest = ns.digest()
-            hashes = hash_chain(token_ids, self.config.block_size, chain_root(digest, "prefix"), digest,
-                                full_only=True)
-            found, tiers = 0, set()
-            on_device = pool.hash_to_block if pool is not None else {}
-            cpu = self.cpu
-            for h in hashes:  # the hot loop: a dict probe per block, the CPU tier only on a device miss
-                if h in on_device:
-                    tiers.add("device")
-                elif cpu is not None and h in cpu:
-                    tiers.add("cpu")
-                else:
-                    break
-                found += 1
-            pending = self.residency.pending
-            while found < len(hashes) and hashes[found] in pending:
-                tiers.add("redis")
-                found += 1
-            if found == len(hashes) or self.redis is None:
-                return self._counted_lookup(found, tiers)
-        # the rest may be in Redis: asked without the lock (a lookup is a hint: blocks may move meanwhile)
-        for ok in self.redis.exists_many(hashes[found:]):
-            if not ok:
-                break
-            tiers.add("redis")
-            found += 1
-        with self._lock:
-            return self._counted_lookup(found, tiers)
-
-    def _counted_lookup(self, found_blocks: int, tiers: set) -> LookupResult:
-        if found_blocks == 0:
-            self._stats.misses += 1
-            return LookupResult(None, 0, None)
-        self._stats.hits += 1
-        self._stats.hit_tokens += found_blocks * self.config.block_size
-        return LookupResult(None, found_blocks * self.config.block_size, lowest(tiers))
-
-    def get_prefix(self, token_ids: torch.Tensor, tenant: str, model: ModelIdentity, dtype: torch.dtype | str,
-                   num_tokens: int, adapter: str = "") -> KVSegment:
-        """KV of the first num_tokens (a multiple of block_size, as `lookup` reports) of a cached prefix."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().reshape(-1)
-        bs = self.config.block_size
-        if num_tokens <= 0 or num_tokens % bs or num_tokens > token_ids.numel():
-            raise ValueError(f"num_tokens must be a positive multiple of {bs} and at most {token_ids.numel()}, "
-                             f"got {num_tokens}")
-        ns = self._namespace(tenant, model, dtype, adapter)
-        def locked(prefetched):
-            pool = self._pool_of(ns)
-            if pool is None:
-                raise NotFound(f"nothing stored for {ns.model} in {ns.dtype}")
-            digest = ns.digest()
-            hashes = hash_chain(token_ids[:num_tokens], bs, chain_root(digest, "prefix"), digest)
-            blocks = self._make_resident(pool, hashes, keep_ref=True, prefetched=prefetched)
-            try:
-                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), num_tokens)
-            finally:
-                pool.unref(blocks)
-            self._stats.hits += 1
-            self._stats.hit_tokens += num_tokens
-            return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),
-                             positions=torch.arange(num_tokens, dtype=torch.int64), model=model, rotated=True)
-
-        return self._run(locked)
-
-    @_sends_redis_writes
-    def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
-        """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
-        every block only they used, from every tier (entries shared through Redis: see _remove_entry). Returns
-        how many entries went: 0 if there was nothing.
-        if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
-        one's own put without taking an entry someone else stored or used since)."""
-        if if_generation is None and isinstance(key, str) and _ENTRY_KEY.fullmatch(key):
-            self._adopt_family(key, tenant)
-        with self._lock:
-            entry = self.registry.get(key) if isinstance(key, str) else None
-            if entry is not None and entry.namespace.tenant != tenant:
-                entry = None
-            if if_generation is not None:
-                if entry is None or entry.generation != if_generation or self.registry.derived_from(key, tenant):
-                    return 0
-            doomed = [entry] if entry is not None else self.registry.derived_from(key, tenant)
-            removed = 0
-            while doomed:
-                entry = doomed.pop()
-                if self.registry.get(entry.key) is not entry:
-                    continue
-                doomed += self.registry.derived_from(entry.key, tenant)
-                self._remove_entry(entry, "deleted")
-                removed += 1
-            return removed
 
     def pin(self, key: str, tenant: str, pinned: bool = True) -> EntryInfo:
         """Pinned entries stay on the device (never evicted) until unpinned, deleted or expired."""

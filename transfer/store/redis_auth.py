@@ -7,8 +7,8 @@ the secret put it: a forged value, one copied to another key (another block, ent
 another secret fails its tag and is never served.
 
 Formats (tags are 64 lowercase hex digits):
-- a block blob (tiers.encode_block, safetensors) carries its tag in its metadata, `"mac":"<tag>"`; the tag covers the
-  Redis key, the whole header with those 64 digits read as zeros, and the data;
+- a block blob (block_blob.encode_block, safetensors) carries its tag in its metadata, `"mac":"<tag>"`; the tag
+  covers the Redis key, the whole header with those 64 digits read as zeros, and the data;
 - an entry record is stored as `<tag> <record JSON>`;
 - a member of a derived set is `<derived entry key>.<tag>`, the tag over the set's Redis key and the member's key.
 
@@ -84,7 +84,8 @@ class RedisAuth:
     # -------------------------------------------------------------------------------------------------- blocks
 
     def seal_block(self, redis_key: bytes, head: bytes, data) -> bytes:
-        """The block blob's header (tiers.block_parts: with `"mac":"000..."`) with the tag of head + data filled in."""
+        """The block blob's header (block_blob.block_parts: with `"mac":"000..."`) with the tag of head + data filled
+        in."""
         at = head.index(_TAG_FIELD) + len(_TAG_FIELD)
         assert head[at:at + TAG_CHARS] == _ZERO_TAG, "the header's tag is filled in once"
         return head[:at] + self._tag("block", redis_key, head, data) + head[at + TAG_CHARS:]
