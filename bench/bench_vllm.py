@@ -12,7 +12,10 @@ short question, greedy, one new token, timed from submission to the finished req
 - connector, warm: later requests: the projected entry is in the server's store;
 - connector, served blend:0.1, warm: the request asks the server for its stored correction (mode "blend:0.1",
   computed once by the server with the target at its first fetch, untimed; then a store hit like warm). Issue 33's
-  goal: its ratio to own within 1.2x of warm replace's, in one run.
+  goal: its ratio to own within 1.2x of warm replace's, in one run;
+- chat, own and warm: the same context and question as a chat completion's prompt (SmolLM2's chat template and a
+  system prompt before the document): vLLM's own prefill of it, and the connector's load of the template's tokens
+  (the target's own KV, computed by the server at each fetch) and the document moved to its positions after them.
 
     .venv/bin/python bench/bench_vllm.py [--tokens 1024] [--rounds 3] [--dtype bfloat16|float32]
 """
@@ -43,7 +46,8 @@ PRESET = "small"
 SERVED_MODE = "blend:0.1"  # the server's stored correction the served rows ask for
 
 
-def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: int, rounds: int) -> dict:
+def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: int, rounds: int,
+            chat: list[int]) -> dict:
     """Interleaved rounds of own and warm requests after one cold one; medians in seconds."""
     cold = engine.generate(prompt, max_tokens=1, kvbridge={"key": key})
     if cold["loaded_tokens"] != context_tokens:
@@ -54,12 +58,15 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
     if served_first["loaded_tokens"] != context_tokens:
         raise RuntimeError(f"the connector loaded {served_first['loaded_tokens']} tokens of the served correction: "
                            f"{served_first['kvbridge_error'] or 'see the engine log'}")
-    runs: dict[str, list[dict]] = {"own": [], "warm": [], "served": []}
-    steps = [("own", None), ("warm", {"key": key}), ("served", served_params)]
+    runs: dict[str, list[dict]] = {"own": [], "warm": [], "served": [], "chat_own": [], "chat": []}
+    steps = [("own", prompt, None), ("warm", prompt, {"key": key}), ("served", prompt, served_params),
+             ("chat_own", chat, None), ("chat", chat, {"key": key})]
     for r in range(rounds):
-        for name, kvbridge in (steps if r % 2 == 0 else steps[::-1]):
-            runs[name].append(engine.generate(prompt, max_tokens=1, kvbridge=kvbridge))
+        for name, ids, kvbridge in (steps if r % 2 == 0 else steps[::-1]):
+            runs[name].append(engine.generate(ids, max_tokens=1, kvbridge=kvbridge))
     own, warm, served = runs["own"], runs["warm"], runs["served"]
+    chat_own_s = statistics.median(o["seconds"] for o in runs["chat_own"])
+    chat_s = statistics.median(o["seconds"] for o in runs["chat"])
     same = {tuple(o["token_ids"]) for o in own} == {tuple(w["token_ids"]) for w in warm}
     own_s = statistics.median(o["seconds"] for o in own)
     warm_s = statistics.median(w["seconds"] for w in warm)
@@ -72,7 +79,9 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
             "cold_fetch_s": cold["kvbridge_fetch_s"], "ratio_warm": warm_s / own_s,
             "ratio_cold": cold["seconds"] / own_s, "same_first_token": same, "loaded_tokens": cold["loaded_tokens"],
             "served_s": served_s, "served_first_s": served_first["seconds"], "ratio_served": served_s / own_s,
-            "served_over_warm": served_s / warm_s}
+            "served_over_warm": served_s / warm_s, "chat_own_s": chat_own_s, "chat_s": chat_s,
+            "ratio_chat": chat_s / chat_own_s, "chat_loaded_tokens": runs["chat"][0]["loaded_tokens"],
+            "chat_tokens": len(chat), "transport": warm[0]["kvbridge_transport"]}
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -101,6 +110,9 @@ def run(argv: list[str] | None = None) -> dict:
         return target.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     prompt = [start_token_id(target.tokenizer), *ids(context), *ids(QUESTION)]
+    messages = [{"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": context + QUESTION}]
+    chat = ids(target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as folder:
         config = ServeConfig(preset=PRESET, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
                              store_capacity_mb=1024, store_device="cpu", correction="replace")
@@ -109,7 +121,7 @@ def run(argv: list[str] | None = None) -> dict:
             with KVBridgeClient(running.address, timeout_s=600) as client:
                 entry = client.ingest(text=context).entries[0]
             options = EngineOptions(model=str(prepare_gguf(target.name)), dtype=args.dtype,
-                                    max_model_len=args.tokens + 256, block_size=args.block_size,
+                                    max_model_len=args.tokens + 512, block_size=args.block_size,
                                     kv_transfer_config=kv_transfer_config(address=running.address, timeout_s=600))
             t0 = time.perf_counter()
             with EngineProcess(options, Path(folder) / "engine.log") as engine:
@@ -117,7 +129,7 @@ def run(argv: list[str] | None = None) -> dict:
                       f"started in {time.perf_counter() - t0:.0f} s; context {args.tokens} tokens + question "
                       f"{len(prompt) - args.tokens}", flush=True)
                 engine.generate(prompt[:64], max_tokens=1)  # first-call costs, untimed
-                result = measure(engine, prompt, entry.key, args.tokens, args.rounds)
+                result = measure(engine, prompt, entry.key, args.tokens, args.rounds, chat)
         finally:
             running.stop(grace_s=1)
     print(f"vllm ttft {args.tokens} tokens: own prefill {result['own_s']:.3f} s, through the connector warm "
@@ -129,6 +141,10 @@ def run(argv: list[str] | None = None) -> dict:
           f"{result['ratio_served']:.3f}, served/warm replace {result['served_over_warm']:.2f} (goal <= 1.2, "
           f"{'meets goal' if result['served_over_warm'] <= 1.2 else 'BELOW GOAL'}); medians of {args.rounds} "
           "interleaved rounds", flush=True)
+    print(f"vllm chat {result['chat_tokens']} tokens (template and system prompt before the document): own prefill "
+          f"{result['chat_own_s']:.3f} s, through the connector warm {result['chat_s']:.3f} s ("
+          f"{result['chat_loaded_tokens']} tokens loaded: the template's own KV and the document) -> ratio "
+          f"{result['ratio_chat']:.3f}; the KV came by {result['transport']}", flush=True)
     print(f"vllm scheduler: its longest call into the connector per kvbridge request, median "
           f"{result['scheduler_call_max_median_s'] * 1e3:.3f} ms, max {result['scheduler_call_max_s'] * 1e3:.3f} ms "
           "(goal: median <= 1 ms; fetches run on the connector's threads)", flush=True)

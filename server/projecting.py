@@ -29,6 +29,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo
 
 log = logging.getLogger("kvbridge.server.service")  # one logger for the service's lines, wherever they are written
+HEADS = "prompt-head"  # the store namespace of the target's own KV of prompts' heads (prompt_cache)
 
 __all__ = ["CacheResult", "KVOut", "Projecting", "ServedModel", "cache_label"]
 
@@ -182,13 +183,29 @@ class Projecting:
         doc = doc.with_keys(keys.to(doc.dtype), moved, rotated=True)
         parts = [doc]
         if where.head:
-            with target.lock:
-                own = kvcache.extract(target.lm.model, spec, torch.tensor(prompt[:where.head]))
-            self._count("prompt_head", computed=where.head)
-            parts.insert(0, own.to(device=doc.device, dtype=doc.dtype))
+            parts.insert(0, self._own_head(tenant, target, prompt[:where.head]).to(device=doc.device, dtype=doc.dtype))
         shift = where.head - first
         return replace(base, segment=KVSegment.concat(parts),
                        recomputed=tuple(p + shift for p in base.recomputed if p >= first))
+
+    def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
+        """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in
+        the store like any entry (namespace HEADS: a chat template and system prompt repeat across requests)."""
+        spec = target.lm.spec
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        found = self.store.lookup(tokens, tenant, spec.identity, spec.dtype, adapter=HEADS).key
+        if found is not None:
+            try:
+                head = self.store.get(found, tenant)
+                self._count("prompt_head", reused=len(ids))
+                return head
+            except NotFound:  # evicted in between: compute it again
+                pass
+        with target.lock:
+            head = kvcache.extract(target.lm.model, spec, tokens)
+        self._count("prompt_head", computed=len(ids))
+        self.store.put(head, tenant, kind="prefix", adapter=HEADS)
+        return head
 
     def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None) -> list[int] | None:
         """The stored projection's target ids (start token, document) from the text, without fetching; None when the

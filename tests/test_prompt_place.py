@@ -108,3 +108,25 @@ def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_sourc
             assert fetched.segment.token_ids.tolist() == head + ids[1:]
     finally:
         running.stop(grace_s=1)
+
+
+def test_a_heads_own_kv_is_computed_once_and_kept_in_the_store(tmp_path, tiny_source, tiny_target, adapter):
+    """A chat template and system prompt repeat across requests: the second prompt with the same head (and another
+    tail) runs no target forward, and gets the same KV."""
+    from test_corrections import Forwards
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    ids = service.projected_cache("t", text=TEXT, mode="replace").segment.token_ids.tolist()
+    head = [ids[0], 17, 23, 5, 42, 9]
+    first = service.prompt_cache("t", head + ids[1:] + [7], text=TEXT, mode="replace")
+    forwards = Forwards(tiny_target)
+    try:
+        again = service.prompt_cache("t", head + ids[1:] + [8, 8], text=TEXT, mode="replace")
+        assert forwards.count == 0
+    finally:
+        forwards.close()
+    torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
+    assert service.token_counts[("prompt_head", "reused")] == len(head)
+    other = service.prompt_cache("t", head[:-1] + ids[1:], text=TEXT, mode="replace")  # another head: computed
+    assert other.segment.token_ids.tolist()[:len(head) - 1] == head[:-1]
+    assert service.token_counts[("prompt_head", "computed")] == 2 * len(head) - 1
