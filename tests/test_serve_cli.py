@@ -128,10 +128,11 @@ def test_serve_refuses_models_that_fail_their_self_checks(monkeypatch, tiny_sour
 
 @pytest.mark.slow
 def test_readme_client_snippet_runs_against_serve_small(tmp_path):
+    from readme_blocks import python_client
+
     readme = (ROOT / "README.md").read_text()
     assert ".venv/bin/kvbridge serve --preset small\n" in readme
-    section = readme.split("## The service", 1)[1]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    snippet = python_client(readme)  # the README's one python block with a KVBridgeClient
     # the shipped adapter; the start-up self-checks of the small preset run in test_cli's own test
     proc, ready = _serve(tmp_path, "--preset", "small", "--device", "cpu", "--no-selfcheck")
     try:

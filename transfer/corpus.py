@@ -1,7 +1,7 @@
 """The project's text corpora rebuilt from Debian documentation packages, and the `kvbridge data build` command.
 
-Three files, byte for byte those in ../shared/data that training and evaluation read (their sha256 are recorded in
-kvbridge/transfer/data/corpus_sha256.json with the package versions they were built from):
+Three files, byte for byte those the shipped adapter was trained and the project evaluated on (their sha256 are
+recorded in kvbridge/transfer/data/corpus_sha256.json with the package versions they were built from):
 
 - pydoc_summaries.jsonl: one record {id, document, summary} per Python 3.11 library module page whose first
   line is its title ":mod:`NAME` --- SUMMARY" and whose text has at least MIN_SUMMARY_WORDS words: id "pydoc:NAME",

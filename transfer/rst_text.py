@@ -3,7 +3,7 @@
 It is not a reStructuredText parser. It reads the sources that Sphinx copies into its HTML output (Debian's
 python3.11-doc ships them as html/_sources/**/*.rst.txt) and the kernel's Documentation/**/*.rst, and keeps what a
 reader of the rendered page reads, with the markup's punctuation removed. Its rules are exactly those that made
-../shared/data's corpora (kvbridge.transfer.corpus rebuilds them byte for byte), so a change here changes the recorded
+the project's corpora (kvbridge.transfer.corpus rebuilds them byte for byte), so a change here changes the recorded
 hashes in kvbridge/transfer/data/corpus_sha256.json:
 
 - explicit markup (a line starting with ".. " after its indent: a directive, comment, target or footnote) is dropped,
