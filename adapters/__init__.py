@@ -7,6 +7,7 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "kvbridge.adapters.adapter": ["Adapter", "AdapterMeta", "project"],
     "kvbridge.adapters.io": ["load_adapter", "save_adapter"],
     "kvbridge.adapters.train": ["TrainConfig", "train_adapter"],
-    "kvbridge.adapters.evaluate": ["evaluate_recovery", "prepare_documents", "bootstrap_recovery"],
+    "kvbridge.adapters.evaluate": ["evaluate_recovery", "prepare_documents"],
+    "kvbridge.adapters.scoring": ["bootstrap_recovery", "continuation_nll"],
     "kvbridge.adapters.pairs": ["pair_text", "PairedText"],
 })

@@ -31,9 +31,10 @@ from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
-from kvbridge.adapters.trainer import OBJECTIVES, RecoveryProbe, TrainerConfig, train
+from kvbridge.adapters.trainer import OBJECTIVES, TrainerConfig, train
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 

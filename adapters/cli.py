@@ -174,15 +174,15 @@ def run_chain(args: argparse.Namespace) -> int:
     from kvbridge.adapters.fuser import save_fuser
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.pairs import start_token_id
+    from kvbridge.adapters.recovery_probe import RecoveryProbe
     from kvbridge.adapters.teacher import TeacherConfig
     from kvbridge.adapters.train import read_corpus
-    from kvbridge.adapters.trainer import RecoveryProbe
     from kvbridge.transfer.models import kvbridge_home
     from kvbridge.transfer.presets import load_pair
 
     if not args.corpus:
-        raise ValueError(f"--trainer {args.trainer} needs --corpus FILE... (e.g. ../shared/data/pydoc_corpus.txt "
-                         "../shared/data/kernel_docs_corpus.txt)")
+        raise ValueError(f"--trainer {args.trainer} needs --corpus FILE... (e.g. data/pydoc_corpus.txt "
+                         "data/kernel_docs_corpus.txt, made by `kvbridge data build --out data`)")
     fuser = args.trainer == "fuser"
     stages = parse_stages(args.stages or ("ce:600" if fuser else "attention:300,kl:600"))
     # the queries (45% of a teacher window) only for attention matching

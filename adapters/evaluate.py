@@ -9,18 +9,17 @@ the continuation. Conditions, all starting with the target's start token:
 The first continuation token is the input after the context in every condition (in `projected` there are no
 target logits at the last context position), so NLL is taken over the other continuation tokens, the same
 tokens in every condition. recovery = (NLL_none − NLL_x) / (NLL_none − NLL_full), over the pooled tokens, with a
-bootstrap 95% interval over documents.
+bootstrap 95% interval over documents (both computed in scoring.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import start_token_id, with_start_token
+from kvbridge.adapters.scoring import bootstrap_recovery, continuation_nll
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import Alignment, TokenizedText, align_tokens, tokenize
 from kvbridge.transfer.models import LoadedModel
@@ -74,44 +73,7 @@ def prepare_documents(texts: list[str], source: LoadedModel, target: LoadedModel
     return docs
 
 
-def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    # logits: [N, V] predicting targets [N] -> summed NLL
-    return float(F.cross_entropy(logits.float(), targets.to(logits.device), reduction="sum"))
-
-
 @torch.no_grad()
-def _score_with_cache(target: LoadedModel, segment, continuation: torch.Tensor) -> float:
-    cache = kvcache.to_cache(segment, target.model, target.spec)
-    t = segment.num_tokens
-    pos = torch.arange(t, t + continuation.numel(), device=target.device)[None]
-    logits = target.model(input_ids=continuation[None].to(target.device), position_ids=pos, cache=cache).logits[0]
-    return _nll(logits[:-1], continuation[1:])
-
-
-@torch.no_grad()
-def _score_plain(target: LoadedModel, prefix: torch.Tensor, continuation: torch.Tensor) -> float:
-    ids = torch.cat((prefix, continuation))[None].to(target.device)
-    logits = target.model(input_ids=ids).logits[0, prefix.numel():]
-    return _nll(logits[:-1], continuation[1:])
-
-
-def bootstrap_recovery(none: list[float], full: list[float], mode: list[float], samples: int, seed: int
-                       ) -> tuple[float, float, float]:
-    """Recovery (NLL_none − NLL_mode) / (NLL_none − NLL_full) over summed NLLs, with a document bootstrap."""
-    n, f, m = (np.asarray(v, dtype=np.float64) for v in (none, full, mode))
-    rng = np.random.default_rng(seed)
-    boot = recovery_ratio(n, f, m, rng.integers(0, len(n), size=(samples, len(n))))
-    value = float(recovery_ratio(n, f, m, np.arange(len(n))[None])[0])
-    return value, float(np.nanpercentile(boot, 2.5)), float(np.nanpercentile(boot, 97.5))
-
-
-def recovery_ratio(none: np.ndarray, full: np.ndarray, mode: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """(NLL_none − NLL_mode) / (NLL_none − NLL_full) over the summed NLLs of each row of document indices idx
-    ([R, N] -> [R]; NaN where the gap is 0)."""
-    gap = none[idx].sum(-1) - full[idx].sum(-1)
-    return (none[idx].sum(-1) - mode[idx].sum(-1)) / np.where(gap == 0, np.nan, gap)
-
-
 def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter, docs: list[EvalDocument],
                       seed: int = 0, progress: bool = True, wrong: bool = True) -> RecoveryResult:
     if len(docs) < 2:
@@ -125,11 +87,12 @@ def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter
         projected.append(project(adapter, seg, doc.alignment, target_ids, source.rope, target.rope,
                                  dtype=next(target.model.parameters()).dtype))
     for i, doc in enumerate(tqdm(docs, desc="scoring", disable=not progress)):
-        row = {"full": _score_plain(target, torch.cat((start, doc.target_context)), doc.continuation),
-               "none": _score_plain(target, start, doc.continuation),
-               "projected": _score_with_cache(target, projected[i], doc.continuation)}
+        full = torch.cat((start, doc.target_context))  # read as plain tokens: no cache
+        row = {"full": float(continuation_nll(target, None, torch.cat((full, doc.continuation)), full.numel())),
+               "none": float(continuation_nll(target, None, torch.cat((start, doc.continuation)), 1)),
+               "projected": float(continuation_nll(target, projected[i], doc.continuation))}
         if wrong:
-            row["wrong"] = _score_with_cache(target, projected[(i + 1) % len(docs)], doc.continuation)
+            row["wrong"] = float(continuation_nll(target, projected[(i + 1) % len(docs)], doc.continuation))
         per_doc.append(row)
     n_tok = sum(doc.continuation.numel() - 1 for doc in docs)
     conditions = list(per_doc[0])
@@ -137,7 +100,7 @@ def evaluate_recovery(source: LoadedModel, target: LoadedModel, adapter: Adapter
     result.nll = {c: sum(r[c] for r in per_doc) / n_tok for c in conditions}
     column = {c: [r[c] for r in per_doc] for c in conditions}
     for cond in [c for c in conditions if c not in ("full", "none")]:
-        value, lo, hi = bootstrap_recovery(column["none"], column["full"], column[cond], samples=1000, seed=seed)
+        value, lo, hi = bootstrap_recovery(column["none"], column["full"], column[cond], seed=seed)
         result.recovery[cond] = value
         result.interval[cond] = (lo, hi)
     return result

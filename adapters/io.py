@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from kvbridge.adapters.adapter import (
+from kvbridge.adapters.weights import (
     BASIS_FORMAT_VERSION,
     FORMAT_VERSION,
     READ_VERSIONS,

@@ -1,6 +1,11 @@
 """End-to-end refinement: gradient steps on the adapter's K and V maps through the frozen target, minimising
 KL(target with its own prefill ‖ target with the projected context) over the next-token distributions of the
-continuation tokens. Starts from the ridge solution; the source and target weights never change."""
+continuation tokens. Starts from the ridge solution; the source and target weights never change.
+
+The loss is the trainer's `kl` objective (losses.teacher_kl on scoring.continuation_logits), over the whole vocabulary
+instead of a cached top-k; the loop differs in what it trains: the adapter's own weights through `adapter.project`
+(a plain Adam step, one document a step), where the trainer trains a residual on them (residual.ResidualMaps) from
+a teacher cache, with a schedule, dev recovery and checkpoints (`train-adapter --trainer chain`)."""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ import dataclasses
 import random
 
 import torch
-import torch.nn.functional as F
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.evaluate import prepare_documents
+from kvbridge.adapters.losses import teacher_kl
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.scoring import continuation_logits
 from kvbridge.adapters.train import corpus_windows
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
@@ -40,8 +46,8 @@ def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, t
         prepared = []
         for doc in docs:
             seg = kvcache.extract(source.model, source.spec, doc.source.ids)
-            full = torch.cat((start, doc.target_context, doc.continuation))[None].to(device)
-            teacher = target.model(input_ids=full).logits[0, -continuation_tokens:-1].float().log_softmax(-1)
+            full = torch.cat((start, doc.target_context, doc.continuation))
+            teacher = continuation_logits(target, None, full)[0, -continuation_tokens:-1].float().log_softmax(-1)
             prepared.append((doc, seg, teacher))
     params = {n: getattr(adapter, n).detach().clone().to(device).requires_grad_(True) for n in ("wk", "bk", "wv", "bv")}
     trainable = dataclasses.replace(adapter, **params)
@@ -57,12 +63,8 @@ def refine_adapter(source: LoadedModel, target: LoadedModel, adapter: Adapter, t
             doc, seg, teacher = prepared[rng.randrange(len(prepared))]
             target_ids = torch.cat((start, doc.target_context))
             projected = project(trainable, seg, doc.alignment, target_ids, source.rope, target.rope, dtype=dtype)
-            cache = kvcache.to_cache(projected, target.model, target.spec)
-            t = projected.num_tokens
-            pos = torch.arange(t, t + continuation_tokens, device=device)[None]
-            logits = target.model(input_ids=doc.continuation[None].to(device), position_ids=pos, cache=cache).logits
-            student = logits[0, :-1].float().log_softmax(-1)
-            loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+            student = continuation_logits(target, projected, doc.continuation)[0, :-1].float().log_softmax(-1)
+            loss = teacher_kl(student, teacher)  # the trainer's KL, over the whole vocabulary
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

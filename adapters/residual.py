@@ -233,15 +233,15 @@ def fit_ridge(cache, train_idx: list[int], heldout_idx: list[int], target, layer
     that rank (`fit.token_basis`: the directions of the normalised embeddings the maps use most). source_rank > 0:
     the maps read a basis of that rank over all source layers' K and V (`fit.source_basis`, format 3) instead of a
     mix of `k` layers; layer_map and k are then not used."""
-    from kvbridge.adapters.adapter import (
+    from kvbridge.adapters.layer_map import build_layer_map
+    from kvbridge.adapters.pairs import start_kv
+    from kvbridge.adapters.weights import (
         BASIS_FORMAT_VERSION,
         FORMAT_VERSION,
         TOKENS_FORMAT_VERSION,
         AdapterMeta,
         model_record,
     )
-    from kvbridge.adapters.layer_map import build_layer_map
-    from kvbridge.adapters.pairs import start_kv
 
     header = json.loads(cache.index_path.read_text())
     sspec_layers = cache.load(train_idx[0])["xk"].shape[0]

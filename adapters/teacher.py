@@ -242,7 +242,3 @@ class TeacherCache:
         """One tensor of window i, read without the rest of its file."""
         with safe_open(str(self.root / self.entries[i]["file"]), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
-
-    def select(self, heldout: bool, fraction: float) -> list[int]:
-        """Indices of the held-out (or training) windows under the document-id split."""
-        return [i for i, e in enumerate(self.entries) if is_heldout(e["doc_id"], fraction) == heldout]

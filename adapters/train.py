@@ -15,6 +15,7 @@ from kvbridge.adapters.adapter import Adapter, AdapterMeta, map_tokens, model_re
 from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, solve_layer
 from kvbridge.adapters.layer_map import LAYER_MAPS, build_layer_map
 from kvbridge.adapters.pairs import kv_pairs, pair_text, start_kv, start_token_id
+from kvbridge.transfer.data import jsonl_rows
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -59,13 +60,7 @@ def read_corpus(files: list[str | Path]) -> tuple[list[str], str]:
         digest.update(raw)
         text = raw.decode("utf-8", errors="replace")
         if path.suffix == ".jsonl":
-            for n, line in enumerate(text.splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+            for n, record in jsonl_rows(path, text):
                 body = record.get("text", record.get("document")) if isinstance(record, dict) else None
                 if not isinstance(body, str):
                     raise ValueError(f"{path}:{n}: expected an object with a string 'text' (or 'document') field")

@@ -22,8 +22,9 @@ tail and with round(exact_tail * C / 2) exact tokens.
 `maps` is a projection (residual.ResidualMaps: the context's K/V come from the source alone) or a fuser
 (fuser.FuserMaps: the target's own K/V of the context plus a residual from the source).
 
-Recovery (`RecoveryProbe`) is evaluate.py's: (NLL_none - NLL_projected) / (NLL_none - NLL_full) over the pooled
-continuation tokens, bootstrap 95% interval over documents; the maps' input is built as `adapter.project` builds it.
+The map's context cache is map_kv.py's (its input built as `adapter.project` builds it), the objectives losses.py's,
+the dev recovery recovery_probe.py's (scoring.py's recovery, as evaluate.py reports it for an adapter); this module is
+the loop: config, schedule, batches, evaluation, checkpoints.
 """
 
 from __future__ import annotations
@@ -36,15 +37,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from kvbridge.adapters.adapter import has_text_source
-from kvbridge.adapters.evaluate import EvalDocument
 from kvbridge.adapters.fuser import FuserMaps
+from kvbridge.adapters.losses import AttentionGeometry, attention_loss, ce_loss, kl_loss
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
-from kvbridge.adapters.teacher import TeacherCache, capture_attention, source_features
-from kvbridge.transfer import kvcache
+from kvbridge.adapters.teacher import TeacherCache
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.segment import KVSegment
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -108,236 +106,6 @@ def get_lr(config: TrainerConfig, it: int, progress: float) -> float:
         return config.lr * (it + 1) / (config.warmup_iters + 1)
     coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return config.min_lr + coeff * (config.lr - config.min_lr)
-
-
-# ------------------------------------------------------------------------------------------------ projected windows
-
-def project_window(maps: ResidualMaps, start_kv: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
-                   start_mask: torch.Tensor, target: LoadedModel, ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `adapter.project` computes, differentiable. xk, xv: [L_s, T, d_s]; start_mask, ids: [T] (target ids:
-    the token features); start_kv: [L_t, 2, H_t, D_t] (keys un-rotated) -> keys (rotated at 0..T-1), values:
-    [L_t, H_t, T, D_t]."""
-    spec = target.spec
-    yk, yv = maps(xk, xv, ids)  # [L_t, T, d_t]
-    lt, t, _ = yk.shape
-    k = yk.view(lt, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    v = yv.view(lt, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    m = start_mask.to(k.device)[None, None, :, None]
-    k = torch.where(m, start_kv[:, 0, :, None, :], k)
-    v = torch.where(m, start_kv[:, 1, :, None, :], v)
-    return target.rope.rotate_all(k, torch.arange(t)), v
-
-
-def context_kv(maps, start_kv: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, start_mask: torch.Tensor,
-               target: LoadedModel, ids: torch.Tensor, own_k: torch.Tensor | None = None,
-               own_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache a map gives for start + context: projected (ResidualMaps) or fused with the target's own K/V
-    (FuserMaps; own_k, own_v needed) -> keys (rotated), values [L_t, H_t, T, D_t]."""
-    if isinstance(maps, FuserMaps):
-        if own_k is None or own_v is None:
-            raise ValueError("a fuser needs the target's own K/V of the context")
-        return maps.fuse(xk, xv, own_k, own_v, target, keep=start_mask)
-    return project_window(maps, start_kv, xk, xv, start_mask, target, ids)
-
-
-class AttentionGeometry:
-    """Per target layer: the attention scale and o_proj weight, read once from the model's own modules."""
-
-    def __init__(self, target: LoadedModel):
-        ids = torch.tensor([0, 1])
-        with torch.no_grad(), capture_attention(target.model) as rec:
-            target.model(input_ids=ids[None].to(target.device))
-        layers = range(target.spec.num_layers)
-        self.scaling = [float(rec[j][0].scaling) for j in layers]
-        self.o_proj = torch.stack([rec[j][0].o_proj.weight.detach().float() for j in layers])  # [L_t, hid, H_q*D]
-
-
-def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, geometry: AttentionGeometry,
-                      first: int = 0) -> torch.Tensor:
-    """q: [L_t, H_q, T_q, D] at positions first..T-1; k, v: [L_t, H_t, T, D] -> causal attention through
-    o_proj: [L_t, T_q, hidden]."""
-    lt, hq, t, d = q.shape
-    mask = torch.ones(t, k.shape[2], dtype=torch.bool).tril(diagonal=first)  # [T_q, T]
-    out = torch.stack([F.scaled_dot_product_attention(q[j:j + 1], k[j:j + 1], v[j:j + 1], attn_mask=mask,
-                                                      scale=geometry.scaling[j], enable_gqa=True)[0]
-                       for j in range(lt)])  # [L_t, H_q, T_q, D]
-    out = out.transpose(1, 2).reshape(lt, t, hq * d)
-    return torch.bmm(out, geometry.o_proj.transpose(1, 2))
-
-
-def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: AttentionGeometry,
-                   context_tokens: int, queries: str = "continuation") -> torch.Tensor:
-    k_p, v_p = project_window(maps, start_kv, window["xk"], window["xv"], window["start_mask"], target, window["ids"])
-    k_own, v_own = window["k"].float(), window["v"].float()
-    t = k_own.shape[2]
-    ctx = torch.zeros(t, dtype=torch.bool)
-    ctx[1:1 + context_tokens] = True  # the positions a projected cache replaces (the start token is exact)
-    m = ctx[None, None, :, None]
-    k_mix, v_mix = torch.where(m, k_p, k_own), torch.where(m, v_p, v_own)
-    first = 1 + context_tokens if queries == "continuation" else 1
-    q = window["q"][:, :, first:].float()  # [L_t, H_q, T - first, D]; causal from position `first` on
-    with torch.no_grad():
-        own = attention_outputs(q, k_own, v_own, geometry, first)  # [L_t, T - first, hidden]
-        power = own.pow(2).sum(-1).mean(-1)  # [L_t]
-    got = attention_outputs(q, k_mix, v_mix, geometry, first)
-    return ((got - own).pow(2).sum(-1).mean(-1) / power).mean()
-
-
-def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int,
-                      exact: int = 0) -> torch.Tensor:
-    """Log-probs [B, N-1, V] the target gives the continuation's next tokens over the map's context cache; with
-    `exact` > 0 the cache holds start + the context's first C - exact tokens, and the last `exact` are prefilled
-    with the continuation (selective recompute's setting)."""
-    if not 0 <= exact < context_tokens:
-        raise ValueError(f"exact must be in [0, {context_tokens}) context tokens, got {exact}")
-    p = 1 + context_tokens - exact  # tokens in the map's cache
-    segments = []
-    for w in windows:
-        own = (w["k"][:, :, :p], w["v"][:, :, :p]) if isinstance(maps, FuserMaps) else (None, None)
-        k, v = context_kv(maps, start_kv, w["xk"][:, :p], w["xv"][:, :p], w["start_mask"][:p], target,
-                          w["ids"][:p], *own)
-        segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p],
-                                  positions=torch.arange(p), model=target.spec.identity, rotated=True))
-    cache = kvcache.to_cache(segments, target.model, target.spec)
-    rest = torch.stack([w["ids"][p:] for w in windows]).to(target.device)  # [B, exact + N]
-    pos = torch.arange(p, p + rest.shape[1], device=target.device)[None].expand_as(rest)
-    logits = target.model(input_ids=rest, position_ids=pos, cache=cache).logits[:, exact:-1]
-    return logits.float().log_softmax(-1)
-
-
-def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
-            ) -> torch.Tensor:
-    """KL(teacher top-k || student) per scored position, averaged over the batch's positions."""
-    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
-    top_logp = torch.stack([w["top_logp"] for w in windows])  # [B, N-1, k]
-    top_idx = torch.stack([w["top_idx"] for w in windows])
-    p = top_logp.log_softmax(-1)  # renormalised over the top-k
-    student = logp.gather(-1, top_idx.to(logp.device))
-    return (p.exp() * (p - student)).sum(-1).mean()
-
-
-def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
-            ) -> torch.Tensor:
-    """Cross-entropy of the true continuation tokens 1..N-1, averaged over the batch's positions."""
-    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
-    truth = torch.stack([w["ids"][2 + context_tokens:] for w in windows]).to(logp.device)  # [B, N-1]
-    return -logp.gather(-1, truth[..., None]).mean()
-
-
-# --------------------------------------------------------------------------------------------------------- recovery
-
-@dataclass
-class ProbeItem:
-    xk: torch.Tensor  # [L_s, 1 + C, d_s] source features of start + context
-    xv: torch.Tensor
-    start_mask: torch.Tensor  # [1 + C]
-    context_ids: torch.Tensor  # [1 + C] start + context target ids
-    continuation: torch.Tensor  # [N]
-    k: torch.Tensor | None = None  # [L_t, H_t, 1 + C, D_t] the target's own K (rotated) / V of start + context:
-    v: torch.Tensor | None = None  # what a fuser adds to
-
-
-class RecoveryProbe:
-    """Held-out recovery of a map, fast: source features and the full / none NLLs are computed once."""
-
-    def __init__(self, target: LoadedModel, start_kv: torch.Tensor, items: list[ProbeItem]):
-        if len(items) < 2:
-            raise ValueError(f"a recovery probe needs at least 2 documents, got {len(items)}")
-        self.target, self.start_kv, self.items = target, start_kv, items
-        self.full, self.none = [], []
-        with torch.no_grad():
-            for it in items:
-                self.full.append(self._plain(torch.cat((it.context_ids, it.continuation)), it.context_ids.numel()))
-                self.none.append(self._plain(torch.cat((it.context_ids[:1], it.continuation)), 1))
-        self.tokens = sum(it.continuation.numel() - 1 for it in items)
-
-    def _plain(self, ids: torch.Tensor, prefix: int) -> float:
-        logits = self.target.model(input_ids=ids[None].to(self.target.device)).logits[0, prefix:]
-        return float(F.cross_entropy(logits[:-1].float(), ids[prefix + 1:].to(logits.device), reduction="sum"))
-
-    @classmethod
-    def from_documents(cls, source: LoadedModel, target: LoadedModel, start_kv, docs: list[EvalDocument],
-                       start_token: int, own: bool = False) -> "RecoveryProbe":
-        """own: also keep the target's own K/V of every context (for a fuser)."""
-        items = []
-        for d in docs:
-            xk, xv = source_features(source, d.source.ids, d.alignment.source_index)
-            ids = torch.cat((torch.tensor([start_token]), d.target_context))
-            mask = (~has_text_source(d.alignment.kind)) & (ids == start_token)
-            k = v = None
-            if own:
-                seg = kvcache.extract(target.model, target.spec, ids)
-                k, v = seg.keys.float().cpu(), seg.values.float().cpu()
-            items.append(ProbeItem(xk, xv, mask, ids, d.continuation, k, v))
-        return cls(target, start_kv, items)
-
-    @classmethod
-    def from_cache(cls, target: LoadedModel, start_kv, cache: TeacherCache, indices: list[int],
-                   context_tokens: int) -> "RecoveryProbe":
-        c, items = context_tokens, []
-        for i in indices:
-            w = cache.load(i)
-            items.append(ProbeItem(w["xk"][:, :1 + c].float(), w["xv"][:, :1 + c].float(), w["start_mask"][:1 + c],
-                                   w["ids"][:1 + c], w["ids"][1 + c:], w["k"][:, :, :1 + c].float(),
-                                   w["v"][:, :, :1 + c].float()))
-        return cls(target, start_kv, items)
-
-    @torch.no_grad()
-    def per_document(self, maps, shift: int = 0, exact: int = 0) -> list[float]:
-        """Summed continuation NLL per document. shift > 0: the wrong-document control, document i's context
-        cache built from document (i + shift)'s source features (a fuser keeps document i's own K/V). exact > 0:
-        the context's last `exact` tokens are prefilled by the target with the continuation (`recompute:r`)."""
-        out = []
-        n = len(self.items)
-        for i, it in enumerate(self.items):
-            src = self.items[(i + shift) % n]
-            if src.xk.shape != it.xk.shape:
-                raise ValueError("the wrong-document control needs contexts of one length")
-            p = it.context_ids.numel() - exact
-            if not 1 < p <= it.context_ids.numel():
-                raise ValueError(f"exact must leave start + one context token projected, got {exact}")
-            own = (it.k[:, :, :p], it.v[:, :, :p]) if it.k is not None else (None, None)
-            k, v = context_kv(maps, self.start_kv, src.xk[:, :p], src.xv[:, :p], it.start_mask[:p], self.target,
-                              src.context_ids[:p], *own)
-            seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids[:p], positions=torch.arange(p),
-                            model=self.target.spec.identity, rotated=True)
-            out.append(self._cached(seg, torch.cat((it.context_ids[p:], it.continuation)), exact))
-        return out
-
-    def _cached(self, seg: KVSegment, rest: torch.Tensor, scored_from: int = 0) -> float:
-        """NLL of rest[scored_from + 1:] with `rest` prefilled over the cache `seg`."""
-        cache = kvcache.to_cache(seg, self.target.model, self.target.spec)
-        t = seg.num_tokens
-        pos = torch.arange(t, t + rest.numel(), device=self.target.device)[None]
-        logits = self.target.model(input_ids=rest[None].to(self.target.device), position_ids=pos,
-                                   cache=cache).logits[0, scored_from:]
-        return float(F.cross_entropy(logits[:-1].float(), rest[scored_from + 1:].to(logits.device), reduction="sum"))
-
-    def recovery(self, maps, seed: int = 0, wrong: bool = False, exact: int = 0) -> dict:
-        """Recovery with a bootstrap 95% interval over documents; wrong: also the wrong-document control and the
-        paired difference (own document minus wrong document) with its interval. exact: the context's last
-        `exact` tokens prefilled by the target (see per_document)."""
-        got = self.per_document(maps, exact=exact)
-        columns = [self.none, self.full, got] + ([self.per_document(maps, shift=1, exact=exact)] if wrong else [])
-        rows = list(zip(*columns))
-
-        def rec(sample, col=2):
-            none, full, x = (sum(r[i] for r in sample) for i in (0, 1, col))
-            return (none - x) / (none - full)
-
-        rng = random.Random(seed)
-        samples = [[rng.choice(rows) for _ in rows] for _ in range(1000)]
-        boot = sorted(rec(s) for s in samples)
-        out = {"recovery": rec(rows), "interval": (boot[25], boot[974]), "documents": len(rows),
-               "nll": {n: sum(r[i] for r in rows) / self.tokens for i, n in enumerate(("none", "full", "projected"))}}
-        if wrong:
-            boot_w = sorted(rec(s, 3) for s in samples)
-            diff = sorted(rec(s) - rec(s, 3) for s in samples)
-            out |= {"wrong": rec(rows, 3), "wrong_interval": (boot_w[25], boot_w[974]),
-                    "own_minus_wrong": rec(rows) - rec(rows, 3), "own_minus_wrong_interval": (diff[25], diff[974])}
-        return out
-
 
 # ------------------------------------------------------------------------------------------------------- the loop
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvbridge.eval.summaries import DEFAULT_MODES, EvalConfig
+from kvbridge.eval.modes import DEFAULT_MODES
+from kvbridge.eval.summaries import EvalConfig
 
 
 def add_parsers(sub) -> None:

@@ -45,14 +45,13 @@ def compare(a: Run, b: Run, pairs: list[tuple[str, str]], samples: int = 1000, s
     """{"documents": n, "pairs": {"A_MODE vs B_MODE": {"recovery_a", "recovery_b", "recovery_diff", "fidelity_a",
     "fidelity_b", "fidelity_diff", "top1_a", "top1_b", "top1_diff", "worse_on"}}} (each figure {"value", "low",
     "high"})."""
-    from kvbridge.adapters.evaluate import recovery_ratio
+    from kvbridge.adapters.scoring import bootstrap_draws, recovery_ratio
     from kvbridge.eval.report import rouge, top1_agreement
 
     ids = [i for i in a.documents if i in b.documents]
     if len(ids) < 2:
         raise ValueError(f"the runs share {len(ids)} documents; a paired comparison needs at least 2")
-    rng = np.random.default_rng(seed)
-    boot = rng.integers(0, len(ids), size=(samples, len(ids)))
+    boot = bootstrap_draws(len(ids), samples, seed)
     every = np.arange(len(ids))[None]
     out: dict = {"documents": len(ids), "pairs": {}}
 

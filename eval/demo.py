@@ -21,8 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvbridge.eval.modes import parse_modes
+from kvbridge.eval.records import read_records
 from kvbridge.eval.report import greedy_agreement, repeated_ngram_share, rouge, top1_agreement
-from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, parse_modes, prepare, read_records
+from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, prepare
 
 # served: the server's stored corrections (server/corrections.py): blend:0.1 is the server's default (the best
 # fidelity measured on 100 held-out pages, docs/eval-blend), recompute:0.1 the other rule at the same share

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from kvbridge.eval.demo import DEMO_DOC, SAMPLE, BackgroundServer, _ensure_adapter, _say
 from kvbridge.eval.flops import FlopModel
+from kvbridge.eval.records import read_records
 from kvbridge.eval.report import repeated_ngram_share, rouge
-from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records, stop_ids
+from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, stop_ids
 from kvbridge.eval.vllm_eval import one_line
 
 BLOCK_SIZE = 32  # vLLM's block size here (CPU: multiples of 32); small, so little of the document is left over

@@ -6,8 +6,8 @@ cache into the target's attention; the model's weights stay frozen."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.scoring import continuation_nll
 from kvbridge.eval.summaries import ProjectedSource, fuse_gated
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
@@ -56,18 +56,12 @@ def fit_gates(target: LoadedModel, source: ProjectedSource, count: int = 8, step
     frozen = [p.requires_grad for p in target.model.parameters()]
     for p in target.model.parameters():
         p.requires_grad_(False)
-    device = target.device
     tokens = sum(c.numel() - 1 for _, _, c in data)
 
     def loss_of(gates: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(())
         for own, projected, cont in data:
-            cache = kvcache.to_cache(fuse_gated(own, projected, gates), target.model, target.spec)
-            t = own.num_tokens
-            logits = target.model(input_ids=cont[None].to(device),
-                                  position_ids=torch.arange(t, t + cont.numel(), device=device)[None],
-                                  cache=cache, use_cache=True).logits[0]
-            total = total + F.cross_entropy(logits[:-1].float(), cont[1:].to(device), reduction="sum").cpu()
+            total = total + continuation_nll(target, fuse_gated(own, projected, gates), cont).cpu()
         return total / tokens
 
     try:

@@ -16,9 +16,10 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from kvbridge.adapters.evaluate import bootstrap_recovery
+from kvbridge.adapters.scoring import bootstrap_draws, bootstrap_recovery
 from kvbridge.eval.cost import PairCost
-from kvbridge.eval.summaries import NEEDS_PROJECTION, NO_PRIOR, PROBE_PRIOR, DocumentResult, base_mode
+from kvbridge.eval.modes import NEEDS_PROJECTION, NO_PRIOR, PROBE_PRIOR, base_mode
+from kvbridge.eval.summaries import DocumentResult
 from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -39,8 +40,7 @@ def rouge(reference: str, prediction: str) -> dict[str, float]:
 def bootstrap_mean(values: list[float], samples: int, seed: int) -> tuple[float, float, float]:
     """(mean, low, high): the 2.5 and 97.5 percentiles of the mean over resampled documents."""
     x = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(samples, len(x)))].mean(axis=1)
+    means = x[bootstrap_draws(len(x), samples, seed)].mean(axis=1)
     return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 

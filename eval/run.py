@@ -11,17 +11,10 @@ from pathlib import Path
 
 import torch
 from kvbridge.eval.cost import PairCost
+from kvbridge.eval.modes import DEFAULT_MODES, Mode, parse_modes
+from kvbridge.eval.records import read_records
 from kvbridge.eval.report import summarise, write_report
-from kvbridge.eval.summaries import (
-    DEFAULT_MODES,
-    EvalConfig,
-    Mode,
-    ProjectedSource,
-    SummaryEvaluator,
-    parse_modes,
-    prepare,
-    read_records,
-)
+from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, prepare
 from kvbridge.transfer.models import LoadedModel
 from tqdm import tqdm
 

@@ -1,50 +1,29 @@
-"""The summarisation harness: one document, every mode, measured. The target summarises a document whose KV
-it got one way or another, then the same cache scores a held-out continuation of that document.
+"""The summarisation harness: one document, every mode (modes.py), measured. The target summarises a document whose
+KV it got one way or another, then the same cache scores a held-out continuation of that document.
 
-Layout of every request (target tokens): [start] + document + instruction, then greedy decoding of one line.
-The document's KV differs by mode; the instruction is always prefilled by the target over it:
-  full          the target prefills start + document itself (upper bound)
-  none          start only: no document (lower bound)
-  replace       start + document projected from the source through the service; the target prefills none of it
-  recompute:r   replace, then the target prefills the last r of the document's tokens again over the projected
-                head (exact causal attention to the projected KV before them)
-  tail:r        start + only the tokens recompute:r recomputes (the document's last r), prefilled by the target:
-                the matched baseline recompute has to beat
-  fuse          the target prefills start + document and the projected KV is blended in with per-layer gates
-                ((1 - g) · own + g · projected, fitted by eval.gates)
-  fuser         the target prefills start + document and a learned fuser (adapters.fuser, --fuser FILE) adds what the
-                source read: the source model runs here, beside the target
-  blend:r       replace, then CacheBlend over the projected KV (transfer.suffix.blend): r of the document's tokens are
-                recomputed through every layer in one forward over the projected KV: the last 16 (they also run once
-                first, through every layer, and the attention their queries give the others in the deeper half of
-                the layers scores them), the first 4 (sinks), and the highest scored.
-                blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
-                exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
-                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
-Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
-(transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
-projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
-both while recompute and blend recompute their tokens over the projected KV and while the request reads the cache.
-A `/noprior` suffix (`blend:0.1/noprior`) reads it without, `/probe` with the probe's prior even where a fitted one
-ships, in the same run (paired comparisons).
+Layout of every request (target tokens): [start] + document + instruction, then greedy decoding of one line. The
+document's KV differs by mode (modes.py: full, none, replace, recompute:r, tail:r, fuse, fuser, blend:r and its
+variants, served:MODE); the instruction is always prefilled by the target over it. Modes that read projected KV read
+it with the evaluator's induction prior unless their suffix says otherwise (modes.py).
 The continuation (the document's next tokens after the truncated context) is scored with the same caches: its
-first token is the input after the context in every mode, NLL is summed over the others, and the target's top-1
-prediction at each of those positions is kept (its agreement with `full`'s is reported).
+first token is the input after the context in every mode, NLL is summed over the others (adapters.scoring, as the
+adapter's own recovery is), and the target's top-1 prediction at each of those positions is kept (its agreement with
+`full`'s is reported).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.scoring import continuation_logits, summed_nll
 from kvbridge.eval.flops import FlopModel
+from kvbridge.eval.modes import BLEND_RULES, FRACTION_KINDS, NEEDS_PROJECTION, READS_PROJECTED, Mode
+from kvbridge.eval.records import Record
+from kvbridge.eval.records import read_records as read_records  # re-exported: tests and experiments read it here
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
@@ -52,126 +31,6 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.blend import BlendConfig
 from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
-
-log = logging.getLogger(__name__)
-
-DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
-BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last",
-               "blend-random": "random"}
-NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", *BLEND_RULES)
-FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
-READS_PROJECTED = ("replace", "recompute", "served", *BLEND_RULES)  # modes whose context keeps projected KV
-NO_PRIOR = "/noprior"
-PROBE_PRIOR = "/probe"
-PRIOR_SUFFIXES = {NO_PRIOR: "none", PROBE_PRIOR: "probe"}  # a mode's suffix -> the prior it reads with
-
-
-def base_mode(name: str) -> str:
-    """'blend:0.1/noprior' -> 'blend:0.1'"""
-    return name.split("/", 1)[0]
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random] | served
-    fraction: float = 0.0  # recompute and tail: the share of the document's tokens
-    # which induction prior reads projected KV: "model" (the evaluator's: for_model), "none" (/noprior) or "probe"
-    # (/probe: InductionPrior.probed)
-    prior: str = "model"
-    correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1")
-
-
-def parse_modes(spec: str) -> list[Mode]:
-    """'full,none,replace,recompute:0.1,tail:0.1,fuse' -> modes, in order, each once."""
-    modes: list[Mode] = []
-    for raw in (part.strip() for part in spec.split(",")):
-        if not raw:
-            continue
-        raw, slash, suffix = raw.partition("/")
-        suffix = slash + suffix
-        if slash and suffix not in PRIOR_SUFFIXES:
-            raise ValueError(f"mode {raw + suffix!r}: the suffixes are {' and '.join(PRIOR_SUFFIXES)}")
-        kind, _, arg = raw.partition(":")
-        if slash and kind not in READS_PROJECTED:
-            raise ValueError(f"mode {raw + suffix!r}: {suffix} is for the modes that read projected KV "
-                             f"({', '.join(READS_PROJECTED[:3])}, blend...)")
-        if kind == "served":  # served:blend:0.1: the server's stored correction, fetched (no target pass here)
-            try:
-                correction = str(Correction.parse(arg, "mode"))
-            except ValueError as exc:
-                raise ValueError(f"mode {raw!r}: served takes a correction, e.g. served:blend:0.1 ({exc})") from None
-            mode = Mode(f"served:{correction}", kind, correction=correction)
-        elif kind in ("full", "none", "replace", "fuse", "fuser"):
-            if arg:
-                raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
-            mode = Mode(raw, kind)
-        elif kind in FRACTION_KINDS:
-            try:
-                fraction = float(arg)
-            except ValueError:
-                raise ValueError(f"mode {raw!r}: {kind} needs a fraction, e.g. {kind}:0.1") from None
-            if not 0 < fraction <= 1:
-                raise ValueError(f"mode {raw!r}: the fraction must be in (0, 1]")
-            mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
-        else:
-            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
-                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, served:MODE; replace, "
-                             f"recompute, blend and served also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
-        if slash:
-            mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix],
-                        correction=mode.correction)
-        if any(m.name == mode.name for m in modes):
-            raise ValueError(f"mode {mode.name!r} is given twice")
-        modes.append(mode)
-    if not modes:
-        raise ValueError("no modes given")
-    return modes
-
-
-@dataclass(frozen=True)
-class Record:
-    id: str
-    document: str
-    summary: str
-
-
-def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Record]:
-    """Records of a JSONL file with string fields id, document and summary; those whose id is in the `exclude`
-    file are left out. An exact repeat of a record is dropped; a different record under an id already seen gets
-    the id `ID#2` (`#3`, ...) and a warning (pydoc_summaries.jsonl has two unittest.mock pages)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    skip = {r.id for r in read_records(exclude)} if exclude else set()
-    records, seen, copies = [], set(), {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{n}: expected a JSON object with id, document and summary")
-        for key in ("id", "document", "summary"):
-            if not isinstance(obj.get(key), str) or not obj[key].strip():
-                raise ValueError(f"{path}:{n}: field {key!r} must be a non-empty string")
-        record = Record(obj["id"], obj["document"], obj["summary"])
-        if record in seen:
-            log.warning("%s:%d: a repeat of an earlier record (id %r): dropped", path, n, record.id)
-            continue
-        seen.add(record)
-        copies[record.id] = copies.get(record.id, 0) + 1
-        if copies[record.id] > 1:
-            renamed = f"{record.id}#{copies[record.id]}"
-            log.warning("%s:%d: id %r is taken by another record: this one is %r", path, n, record.id, renamed)
-            record = Record(renamed, record.document, record.summary)
-        if record.id not in skip:
-            records.append(record)
-    if not records:
-        raise ValueError(f"{path} holds no records" + (f" outside {exclude}" if skip else ""))
-    return records
 
 
 @dataclass(frozen=True)
@@ -275,15 +134,8 @@ def continuation_scores(target: LoadedModel, context: KVSegment, continuation: t
                         ) -> tuple[float, list[int]]:
     """(summed NLL (nats) of continuation[1:] after `context` with continuation[0] as the first input, the target's
     top-1 token at each of those positions)."""
-    cache = kvcache.to_cache(context, target.model, target.spec)
-    t = context.num_tokens
-    device = target.device
-    logits = target.model(input_ids=continuation[None].to(device),
-                          position_ids=torch.arange(t, t + continuation.numel(), device=device)[None],
-                          cache=cache, use_cache=True).logits[0]
-    scored = logits[:-1].float()  # [N - 1, V] predicting continuation[1:]
-    nll = float(F.cross_entropy(scored, continuation[1:].to(device), reduction="sum"))
-    return nll, scored.argmax(-1).tolist()
+    scored = continuation_logits(target, context, continuation)[0, :-1].float()  # [N - 1, V] predicting [1:]
+    return float(summed_nll(scored, continuation[1:])), scored.argmax(-1).tolist()
 
 
 def fuse_gated(own: KVSegment, projected: KVSegment, gates: torch.Tensor) -> KVSegment:

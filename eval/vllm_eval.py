@@ -26,16 +26,8 @@ import time
 from pathlib import Path
 
 from kvbridge.eval.flops import FlopModel
-from kvbridge.eval.summaries import (
-    NO_PRIOR,
-    DocumentResult,
-    EvalConfig,
-    Mode,
-    ModeResult,
-    PreparedDoc,
-    instruction_ids,
-    stop_ids,
-)
+from kvbridge.eval.modes import NO_PRIOR, Mode
+from kvbridge.eval.summaries import DocumentResult, EvalConfig, ModeResult, PreparedDoc, instruction_ids, stop_ids
 from kvbridge.transfer.models import LoadedModel
 
 VLLM_KINDS = ("full", "none", "tail", "replace", "served", "recompute")

@@ -15,6 +15,8 @@ import pytest
 import torch
 from kvbridge.eval.cost import PairCost
 from kvbridge.eval.flops import FlopModel
+from kvbridge.eval.modes import parse_modes
+from kvbridge.eval.records import read_records
 from kvbridge.eval.report import (
     ROUGE_TYPES,
     bootstrap_mean,
@@ -24,7 +26,7 @@ from kvbridge.eval.report import (
     top1_agreement,
 )
 from kvbridge.eval.run import RunOptions, evaluate
-from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, parse_modes, prepare, read_records
+from kvbridge.eval.summaries import EvalConfig, SummaryEvaluator, prepare
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.suffix.induction import InductionPrior

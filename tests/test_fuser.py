@@ -9,10 +9,13 @@ import random
 import pytest
 import torch
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps, load_fuser, save_fuser
+from kvbridge.adapters.losses import ce_loss
+from kvbridge.adapters.map_kv import context_kv
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
-from kvbridge.adapters.trainer import RecoveryProbe, TrainerConfig, ce_loss, context_kv, train
+from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.segment import KVSegment
 from safetensors.torch import save_file

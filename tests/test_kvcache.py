@@ -111,7 +111,8 @@ def test_extract_writes_every_layer_in_place_and_equals_a_plain_prefill(name, mo
     for bad, match in [(seg.slice(0, 40), "the prefix must be the first 1..39"),
                        (seg.slice(5, 20), "the prefix must be the first"),
                        (dataclasses.replace(seg.slice(0, 10), positions=torch.arange(3, 13)),
-                        "the prefix must lie at positions 0..9")]:
+                        "the prefix must lie at positions 0..9"),
+                       (dataclasses.replace(seg.slice(0, 10), rotated=False), "the prefix must hold rotated keys")]:
         with pytest.raises(ValueError, match=match):
             kvcache.extract(lm.model, lm.spec, ids, prefix=bad)
 
@@ -337,16 +338,3 @@ def test_real_models_speak_sensibly(smollm2):
     out = kvcache.generate(smollm2.model, smollm2.spec, seg, ids[-1:], max_new_tokens=12)
     words = smollm2.tokenizer.decode(out)
     assert sum(c.isalpha() for c in words) > 10, words
-
-
-def test_extract_text(tiny_target):
-    lm = tiny_target
-    seg = kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, "import json")
-    assert seg.token_ids.tolist() == lm.tokenizer("import json")["input_ids"]
-    for text in ("", "   \n"):
-        with pytest.raises(ValueError, match="text is empty"):
-            kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, text)
-    with pytest.raises(TypeError, match="must be a str, got bytes"):
-        kvcache.extract_text(lm.model, lm.spec, lm.tokenizer, b"abc")
-    with pytest.raises(ValueError, match="without a tokenizer"):
-        kvcache.extract_text(lm.model, lm.spec, None, "abc")

@@ -9,19 +9,13 @@ import random
 import pytest
 import torch
 from kvbridge.adapters.adapter import project
+from kvbridge.adapters.losses import AttentionGeometry, attention_loss, continuation_logp
+from kvbridge.adapters.map_kv import project_window
 from kvbridge.adapters.pairs import pair_text, start_token_id
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, is_heldout
-from kvbridge.adapters.trainer import (
-    AttentionGeometry,
-    RecoveryProbe,
-    TrainerConfig,
-    attention_loss,
-    continuation_logp,
-    exact_tail_tokens,
-    project_window,
-    train,
-)
+from kvbridge.adapters.trainer import TrainerConfig, exact_tail_tokens, train
 from kvbridge.transfer import kvcache
 from safetensors.torch import save_file
 

@@ -228,6 +228,8 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
             raise ValueError(f"the prefix must be the first 1..{t - 1} tokens of token_ids, got {p} tokens")
         if not torch.equal(prefix.positions, positions[:p]):
             raise ValueError(f"the prefix must lie at positions {start_position}..{start_position + p - 1}")
+        if not prefix.rotated:
+            raise ValueError("the prefix must hold rotated keys, as the model caches them")
         check_compatible(prefix, spec)
     param = next(model.parameters())
     kv = torch.empty((spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim), dtype=param.dtype,
@@ -242,19 +244,6 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
         return from_cache(cache, spec, ids, positions)  # a layer moved out of the buffer, or kept fewer tokens
     return KVSegment(kv=kv, token_ids=ids.to(torch.int64).cpu(), positions=positions, model=spec.identity,
                      rotated=True)
-
-
-def extract_text(model: nn.Module, spec: ModelSpec, tokenizer, text: str, add_special_tokens: bool = True,
-                 start_position: int = 0) -> KVSegment:
-    """Tokenize `text` with the model's tokenizer and `extract` its KV. Empty or blank text is refused."""
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    if not text.strip():
-        raise ValueError(f"text is empty{' (only whitespace)' if text else ''}: there is nothing to cache")
-    if tokenizer is None:
-        raise ValueError(f"{spec.name!r} was loaded without a tokenizer: pass token ids to extract() instead")
-    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-    return extract(model, spec, ids, start_position=start_position)
 
 
 def from_cache(cache, spec: ModelSpec, token_ids: torch.Tensor, positions: torch.Tensor | None = None,

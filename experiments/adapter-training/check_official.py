@@ -24,9 +24,9 @@ from common import maps_from, ridge, split
 from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
 from kvbridge.adapters.io import save_adapter
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig
 from kvbridge.adapters.teacher import TeacherCache
-from kvbridge.adapters.trainer import RecoveryProbe
 from kvbridge.transfer.presets import load_pair
 
 work = args.work

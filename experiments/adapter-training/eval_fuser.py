@@ -27,8 +27,8 @@ from common import ridge, split
 from kvbridge.adapters.evaluate import prepare_documents
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps, load_fuser
 from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.teacher import TeacherCache
-from kvbridge.adapters.trainer import RecoveryProbe
 from kvbridge.transfer.presets import load_pair
 from safetensors.torch import load_file
 

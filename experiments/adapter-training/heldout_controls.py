@@ -29,7 +29,8 @@ import torch
 from kvbridge.adapters.adapter import map_tokens
 from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
 from kvbridge.adapters.io import load_adapter, save_adapter
-from kvbridge.adapters.trainer import RecoveryProbe, project_window
+from kvbridge.adapters.map_kv import project_window
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.transfer.presets import load_pair
 from kvbridge.transfer.segment import KVSegment
 

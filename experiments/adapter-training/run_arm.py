@@ -28,9 +28,10 @@ parser.add_argument("--work", type=Path, default=Path(__file__).resolve().parent
 a = parser.parse_args()
 
 from common import CTX, maps_from, ridge, split
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig
 from kvbridge.adapters.teacher import TeacherCache
-from kvbridge.adapters.trainer import RecoveryProbe, TrainerConfig, train
+from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.transfer.presets import load_pair
 from safetensors.torch import load_file
 

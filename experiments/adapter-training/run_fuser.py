@@ -28,8 +28,9 @@ a = parser.parse_args()
 import torch
 from common import CTX, ridge, split
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.teacher import TeacherCache
-from kvbridge.adapters.trainer import RecoveryProbe, TrainerConfig, train
+from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.transfer.presets import load_pair
 
 RUNS = Path(os.environ.get("RUNS_DIR", a.work / "runs"))

@@ -6,11 +6,15 @@
 - pydoc_summaries_sample.jsonl: 12 records {id, document, summary} of the project's pydoc_summaries.jsonl (227
   library module pages, their first 600 words, and each module's one-line title as the summary; every 19th from
   the 4th), used by `kvbridge demo` and the tests; the full `kvbridge eval rouge` run takes the other 215
+
+`jsonl_rows` reads a JSONL file, these or a user's (corpora, evaluation records).
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -20,3 +24,17 @@ def data_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"kvbridge ships no data file {name!r}")
     return path
+
+
+def jsonl_rows(path: Path, text: str | None = None) -> Iterator[tuple[int, object]]:
+    """(line number from 1, parsed value) of every non-blank line of a JSONL file (`text`: its contents, when the
+    caller has read them already); a line that is not JSON raises ValueError naming the file and the line."""
+    if text is None:
+        text = path.read_text(encoding="utf-8")
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON: {exc}") from None

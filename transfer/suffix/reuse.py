@@ -4,7 +4,7 @@ the model would have computed itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from kvbridge.transfer import kvcache
@@ -30,24 +30,18 @@ def place(segment: KVSegment, rope: ModelRope, start: int) -> KVSegment:
 @torch.no_grad()
 def prefill_after(lm: LoadedModel, context: KVSegment | None, token_ids: torch.Tensor) -> KVSegment:
     """The model's KV of token_ids ([T]) read after `context` (rotated KV at positions 0..C-1, or None): one
-    forward of the new tokens over a cache of the context. Returns the new tokens' KV at positions C..C+T-1."""
+    forward of the new tokens over the context (kvcache.extract's `prefix=`). Returns the new tokens' KV at positions
+    C..C+T-1."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
     if ids.numel() == 0:
         raise ValueError("token_ids is empty")
-    if context is None:
+    if context is None or context.num_tokens == 0:
         return kvcache.extract(lm.model, lm.spec, ids)
-    kvcache.check_compatible(context, lm.spec)
     if not context.is_contiguous_from(0) or not context.rotated:
         raise ValueError("the context must be rotated KV at positions 0..C-1")
-    start, t = context.num_tokens, ids.numel()
-    param = next(lm.model.parameters())
-    kv = context.kv.to(device=param.device, dtype=param.dtype)
-    cache = kvcache.build_cache(kv[:, :, None])  # no config: every layer keeps every token
-    lm.model(input_ids=ids[None].to(param.device), position_ids=torch.arange(start, start + t)[None].to(param.device),
-             cache=cache, use_cache=True, logits_to_keep=1)
-    new = torch.stack([torch.stack((layer.keys[0, :, start:], layer.values[0, :, start:])) for layer in cache.layers])
-    return KVSegment(kv=new, token_ids=ids, positions=torch.arange(start, start + t), model=lm.spec.identity,
-                     rotated=True)
+    both = kvcache.extract(lm.model, lm.spec, torch.cat((context.token_ids, ids)), prefix=context)
+    new = both.slice(context.num_tokens, both.num_tokens)
+    return replace(new, kv=new.kv.contiguous())  # not a view that keeps the context's copy alive
 
 
 def recompute_first(lm: LoadedModel, context: KVSegment | None, reused: KVSegment, k: int) -> KVSegment:

@@ -23,10 +23,10 @@ import torch
 from kvbridge.adapters.evaluate import prepare_documents
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.io import load_adapter
+from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.shipped import SHIPPED_FOLDER
 from kvbridge.adapters.train import read_corpus
-from kvbridge.adapters.trainer import RecoveryProbe
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.presets import load_pair
 from safetensors.torch import load_file

@@ -27,9 +27,9 @@ args = parser.parse_args()
 import torch
 from kvbridge.adapters.adapter import map_tokens
 from kvbridge.adapters.io import load_adapter
+from kvbridge.adapters.losses import kl_loss
 from kvbridge.adapters.shipped import SHIPPED_FOLDER
 from kvbridge.adapters.teacher import TeacherCache, is_heldout
-from kvbridge.adapters.trainer import kl_loss
 from kvbridge.transfer.presets import load_pair
 from safetensors.torch import save_file
 from torch import nn

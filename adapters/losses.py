@@ -1,0 +1,104 @@
+"""The trainer's objectives on a map's context cache (map_kv.py), each a differentiable loss of one batch of teacher
+windows (teacher.py): attention matching (layer-local, no backprop through the model), KL to the teacher's next-token
+distributions of the continuation, and cross-entropy of the true continuation (see trainer.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kvbridge.adapters.fuser import FuserMaps
+from kvbridge.adapters.map_kv import context_kv, project_window
+from kvbridge.adapters.scoring import continuation_logits
+from kvbridge.adapters.teacher import capture_attention
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+
+
+class AttentionGeometry:
+    """Per target layer: the attention scale and o_proj weight, read once from the model's own modules."""
+
+    def __init__(self, target: LoadedModel):
+        ids = torch.tensor([0, 1])
+        with torch.no_grad(), capture_attention(target.model) as rec:
+            target.model(input_ids=ids[None].to(target.device))
+        layers = range(target.spec.num_layers)
+        self.scaling = [float(rec[j][0].scaling) for j in layers]
+        self.o_proj = torch.stack([rec[j][0].o_proj.weight.detach().float() for j in layers])  # [L_t, hid, H_q*D]
+
+
+def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, geometry: AttentionGeometry,
+                      first: int = 0) -> torch.Tensor:
+    """q: [L_t, H_q, T_q, D] at positions first..T-1; k, v: [L_t, H_t, T, D] -> causal attention through
+    o_proj: [L_t, T_q, hidden]."""
+    lt, hq, t, d = q.shape
+    mask = torch.ones(t, k.shape[2], dtype=torch.bool).tril(diagonal=first)  # [T_q, T]
+    out = torch.stack([F.scaled_dot_product_attention(q[j:j + 1], k[j:j + 1], v[j:j + 1], attn_mask=mask,
+                                                      scale=geometry.scaling[j], enable_gqa=True)[0]
+                       for j in range(lt)])  # [L_t, H_q, T_q, D]
+    out = out.transpose(1, 2).reshape(lt, t, hq * d)
+    return torch.bmm(out, geometry.o_proj.transpose(1, 2))
+
+
+def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: AttentionGeometry,
+                   context_tokens: int, queries: str = "continuation") -> torch.Tensor:
+    k_p, v_p = project_window(maps, start_kv, window["xk"], window["xv"], window["start_mask"], target, window["ids"])
+    k_own, v_own = window["k"].float(), window["v"].float()
+    t = k_own.shape[2]
+    ctx = torch.zeros(t, dtype=torch.bool)
+    ctx[1:1 + context_tokens] = True  # the positions a projected cache replaces (the start token is exact)
+    m = ctx[None, None, :, None]
+    k_mix, v_mix = torch.where(m, k_p, k_own), torch.where(m, v_p, v_own)
+    first = 1 + context_tokens if queries == "continuation" else 1
+    q = window["q"][:, :, first:].float()  # [L_t, H_q, T - first, D]; causal from position `first` on
+    with torch.no_grad():
+        own = attention_outputs(q, k_own, v_own, geometry, first)  # [L_t, T - first, hidden]
+        power = own.pow(2).sum(-1).mean(-1)  # [L_t]
+    got = attention_outputs(q, k_mix, v_mix, geometry, first)
+    return ((got - own).pow(2).sum(-1).mean(-1) / power).mean()
+
+
+def continuation_logp(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int,
+                      exact: int = 0) -> torch.Tensor:
+    """Log-probs [B, N-1, V] the target gives the continuation's next tokens over the map's context cache; with
+    `exact` > 0 the cache holds start + the context's first C - exact tokens, and the last `exact` are prefilled
+    with the continuation (selective recompute's setting)."""
+    if not 0 <= exact < context_tokens:
+        raise ValueError(f"exact must be in [0, {context_tokens}) context tokens, got {exact}")
+    p = 1 + context_tokens - exact  # tokens in the map's cache
+    segments = []
+    for w in windows:
+        own = (w["k"][:, :, :p], w["v"][:, :, :p]) if isinstance(maps, FuserMaps) else (None, None)
+        k, v = context_kv(maps, start_kv, w["xk"][:, :p], w["xv"][:, :p], w["start_mask"][:p], target,
+                          w["ids"][:p], *own)
+        segments.append(KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p],
+                                  positions=torch.arange(p), model=target.spec.identity, rotated=True))
+    rest = torch.stack([w["ids"][p:] for w in windows])  # [B, exact + N]
+    return continuation_logits(target, segments, rest)[:, exact:-1].float().log_softmax(-1)
+
+
+def teacher_kl(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """KL(teacher || student) per position, averaged over the positions. student: log-probs [..., V]; teacher:
+    log-probs [..., V] over the whole vocabulary (teacher_idx None), or [..., k] of the vocabulary entries teacher_idx
+    [..., k] (a teacher's top-k), renormalised over them."""
+    if teacher_idx is not None:
+        teacher = teacher.log_softmax(-1)
+        student = student.gather(-1, teacher_idx.to(student.device))
+    teacher = teacher.to(student.device)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def kl_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
+            ) -> torch.Tensor:
+    """KL(teacher top-k || student) per scored position, averaged over the batch's positions."""
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
+    return teacher_kl(logp, torch.stack([w["top_logp"] for w in windows]),  # [B, N-1, k]
+                      torch.stack([w["top_idx"] for w in windows]))
+
+
+def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_tokens: int, exact: int = 0
+            ) -> torch.Tensor:
+    """Cross-entropy of the true continuation tokens 1..N-1, averaged over the batch's positions."""
+    logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
+    truth = torch.stack([w["ids"][2 + context_tokens:] for w in windows]).to(logp.device)  # [B, N-1]
+    return -logp.gather(-1, truth[..., None]).mean()

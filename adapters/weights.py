@@ -1,0 +1,211 @@
+"""The adapter's weights and what they were fitted for: `Adapter`, `AdapterMeta` and the saved format's versions.
+
+`Adapter` holds the tensors (shapes as adapter.py's docstring states them, checked when it is made), its maps
+converted once to a compute dtype, a content digest, a move to a device and a check against the models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+from kvbridge.transfer.spec import ModelSpec
+
+FORMAT_VERSION = 1  # an adapter of the source maps only; version 2 adds token features (TOKENS_FORMAT_VERSION)
+TOKENS_FORMAT_VERSION = 2
+BASIS_FORMAT_VERSION = 3  # a source basis over all source layers (src_basis)
+READ_VERSIONS = (1, 2, 3)
+
+
+def rope_record(spec: ModelSpec) -> list[dict | None]:
+    """Per-layer RoPE of a spec as plain data (for the adapter's metadata and its compatibility check)."""
+    out = []
+    for layer in spec.layers:
+        r = layer.rope
+        out.append(None if r is None else {
+            "type": r.rope_type, "base": r.base, "rotary_dim": r.rotary_dim, "scaling": r.attention_scaling,
+            "parameters": [list(p) for p in r.parameters]})
+    return out
+
+
+@dataclass
+class AdapterMeta:
+    """What an adapter maps between and how it was made; saved as JSON beside the tensors."""
+
+    source: dict  # {"name", "config_hash", "num_layers", "num_kv_heads", "head_dim", "rope": [...]}
+    target: dict  # the same for the target
+    layer_map: str  # strategy name ("proportional", "nearest", "last-aligned", "mix")
+    start_token: int | None  # target token whose exact KV is start_kv (prepended to every projected context)
+    format_version: int = FORMAT_VERSION
+    lambdas: dict = field(default_factory=dict)  # {"k": [L_t], "v": [L_t]} ridge λ chosen per layer
+    corpus: dict = field(default_factory=dict)  # {"sha256", "windows", "tokens", "files"}
+    metrics: dict = field(default_factory=dict)  # held-out R², cosine, recovery, ...
+    version: str = "1"  # bumped by whoever retrains under the same name
+    training: dict = field(default_factory=dict)  # how it was made: commands, stages, wall time, machine
+
+
+def model_record(spec: ModelSpec) -> dict:
+    return {"name": spec.name, "config_hash": spec.identity.config_hash, "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rope": rope_record(spec)}
+
+
+@dataclass
+class Adapter:
+    meta: AdapterMeta
+    layer_map: torch.Tensor  # [L_t, k] int64
+    mix_k: torch.Tensor  # [L_t, k] float32, convex weights of the source layers for the K map
+    mix_v: torch.Tensor  # [L_t, k] float32, the same for the V map
+    wk: torch.Tensor  # [L_t, d_s, d_t]
+    bk: torch.Tensor  # [L_t, d_t]
+    wv: torch.Tensor  # [L_t, d_s, d_t]
+    bv: torch.Tensor  # [L_t, d_t]
+    start_kv: torch.Tensor | None = None  # [L_t, 2, H_t, D_t]
+    tok_table: torch.Tensor | None = None  # [V_t, r] the target's token features (adapter.py's docstring)
+    wk_tok: torch.Tensor | None = None  # [L_t, r, d_t]
+    wv_tok: torch.Tensor | None = None  # [L_t, r, d_t]
+    src_basis: torch.Tensor | None = None  # [2 · L_s · d_s, r_s]: the maps read r_s features of every source layer
+    # the maps converted to a compute dtype by `maps_in`, kept while the tensors are the same objects, unchanged
+    _converted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (the tensors' identities and versions, `digest`) of the last digest computed, carried over by `to`
+    _digest: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        s, t = self.meta.source, self.meta.target
+        d_s = s["num_kv_heads"] * s["head_dim"]
+        d_t = t["num_kv_heads"] * t["head_dim"]
+        lt = t["num_layers"]
+        source_layers = s["num_layers"]
+        if self.src_basis is not None:
+            width = 2 * s["num_layers"] * d_s
+            if self.src_basis.ndim != 2 or self.src_basis.shape[0] != width:
+                raise ValueError(f"adapter src_basis has shape {tuple(self.src_basis.shape)}, expected "
+                                 f"({width}, r): the keys and values of all {s['num_layers']} source layers")
+            d_s, source_layers = int(self.src_basis.shape[1]), 1  # the maps read one "layer" of r_s features
+        k = self.layer_map.shape[1] if self.layer_map.ndim == 2 else -1
+        expect = {"layer_map": (lt, k), "mix_k": (lt, k), "mix_v": (lt, k), "wk": (lt, d_s, d_t), "wv": (lt, d_s, d_t),
+                  "bk": (lt, d_t), "bv": (lt, d_t)}
+        for name, shape in expect.items():
+            if tuple(getattr(self, name).shape) != shape:
+                got = tuple(getattr(self, name).shape)
+                raise ValueError(f"adapter tensor {name} has shape {got}, expected {shape} "
+                                 f"for {s['name']} -> {t['name']}")
+        toks = (self.tok_table, self.wk_tok, self.wv_tok)
+        if any(x is not None for x in toks):
+            if any(x is None for x in toks) or self.tok_table.ndim != 2:
+                raise ValueError("adapter token features need tok_table [V_t, r], wk_tok and wv_tok [L_t, r, d_t]")
+            r = self.tok_table.shape[1]
+            for name in ("wk_tok", "wv_tok"):
+                if tuple(getattr(self, name).shape) != (lt, r, d_t):
+                    raise ValueError(f"adapter tensor {name} has shape {tuple(getattr(self, name).shape)}, expected "
+                                     f"{(lt, r, d_t)} for token features of rank {r}")
+        if self.layer_map.device.type != "meta" and (  # meta tensors (device checks) hold no values
+                int(self.layer_map.min()) < 0 or int(self.layer_map.max()) >= source_layers):
+            raise ValueError(f"adapter layer_map refers to source layers outside [0, {source_layers})"
+                             + (" (with a source basis the maps read one layer of features)" if source_layers == 1
+                                and self.src_basis is not None else ""))
+        if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
+            raise ValueError(f"adapter start_kv has shape {tuple(self.start_kv.shape)}, expected "
+                             f"{(lt, 2, t['num_kv_heads'], t['head_dim'])}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.meta.source['name']}->{self.meta.target['name']}"
+
+    @property
+    def token_rank(self) -> int:
+        """r of the token features; 0 when the maps read the source features only."""
+        return 0 if self.tok_table is None else int(self.tok_table.shape[1])
+
+    @property
+    def source_rank(self) -> int:
+        """r_s of the source basis; 0 when the maps read a mix of source layers."""
+        return 0 if self.src_basis is None else int(self.src_basis.shape[1])
+
+    def extra_flops_per_token(self) -> int:
+        """FLOPs per target token beyond the per-layer maps: the token features' K and V maps of every layer, and
+        the source basis (once per token, shared by every layer)."""
+        flops = 0 if self.src_basis is None else 2 * self.src_basis.numel()
+        if self.tok_table is None:
+            return flops
+        lt, r, d_t = self.wk_tok.shape
+        return flops + 2 * 2 * lt * r * d_t
+
+    def token_features(self, target_ids: torch.Tensor) -> torch.Tensor | None:
+        """[T] target ids -> [T, r] float32 token features, or None without token features."""
+        if self.tok_table is None:
+            return None
+        ids = torch.as_tensor(target_ids, dtype=torch.int64)
+        vocab = self.tok_table.shape[0]
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
+        return self.tok_table[ids.to(self.tok_table.device)].float()  # ids on a device: checked by the kernel
+
+    MAPS = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "wk_tok", "wv_tok", "src_basis")
+
+    def maps_in(self, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+        """The maps (mixes, weights, biases, token maps, source basis) in `dtype`: as they are when already in it,
+        else converted once and kept until one of them is replaced or changed in place (a bf16 adapter computing in
+        float32 on a CPU without native bf16 GEMM would otherwise convert ~8 M weights on every projection)."""
+        tensors = {n: getattr(self, n) for n in self.MAPS}
+        if all(t is None or t.dtype == dtype for t in tensors.values()):
+            return tensors
+        key = (dtype, tuple((id(t), t._version) if t is not None else None for t in tensors.values()))
+        if key not in self._converted:
+            self._converted.clear()
+            self._converted[key] = {n: None if t is None else t.to(dtype) for n, t in tensors.items()}
+        return self._converted[key]
+
+    def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
+        """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis) in `dtype`;
+        the layer map and the exact start KV are kept as they are."""
+        names = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok", "src_basis")
+        return dataclasses.replace(self, **{n: getattr(self, n).to(dtype) for n in names
+                                            if getattr(self, n) is not None})
+
+    TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok",
+               "src_basis")
+
+    def _versions(self) -> tuple:
+        return tuple((id(t), t._version) if t is not None else None for t in (getattr(self, n) for n in self.TENSORS))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the adapter's content: its metadata (JSON, keys sorted) and every tensor's name, dtype, shape
+        and bytes. Two adapters with one name and version but other weights differ here, so caches keyed by it never
+        serve one's KV for the other. Computed once (a few hundred ms for a 7B pair's maps), again only when a
+        tensor is replaced or changed in place."""
+        versions = self._versions()
+        if self._digest and self._digest[0] == versions:
+            return self._digest[1]
+        h = hashlib.sha256(json.dumps(dataclasses.asdict(self.meta), sort_keys=True, default=str).encode())
+        for name in self.TENSORS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            flat = t.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"|{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+            h.update(flat.view(torch.uint8).numpy().data if flat.numel() else b"")
+        self._digest = (versions, h.hexdigest())
+        return self._digest[1]
+
+    def to(self, device: torch.device | str) -> "Adapter":
+        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in self.TENSORS}
+        moved = Adapter(meta=self.meta, **move)
+        if self._digest and self._digest[0] == self._versions():  # the same content on another device
+            moved._digest = (moved._versions(), self._digest[1])
+        return moved
+
+    def check_models(self, source: ModelSpec, target: ModelSpec) -> None:
+        """Raise ValueError unless these are the models (config and RoPE) the adapter was fitted for."""
+        for role, spec, rec in (("source", source, self.meta.source), ("target", target, self.meta.target)):
+            if spec.identity.config_hash != rec["config_hash"]:
+                raise ValueError(f"adapter {self.name!r} was fitted for {role} {rec['name']!r} (config "
+                                 f"{rec['config_hash'][:16]}), not {spec.name!r} "
+                                 f"(config {spec.identity.config_hash[:16]})")
+            got = model_record(spec)
+            for key in ("num_layers", "num_kv_heads", "head_dim", "rope"):
+                if got[key] != rec[key]:
+                    raise ValueError(f"adapter {self.name!r}: {role} {key} differs from the model's ({spec.name!r})")

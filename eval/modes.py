@@ -1,0 +1,107 @@
+"""The modes of the summarisation harness (summaries.py), by name, and the grammar of a list of them (`parse_modes`).
+
+What KV the document gets in each mode (the instruction after it is always prefilled by the target):
+  full          the target prefills start + document itself (upper bound)
+  none          start only: no document (lower bound)
+  replace       start + document projected from the source through the service; the target prefills none of it
+  recompute:r   replace, then the target prefills the last r of the document's tokens again over the projected
+                head (exact causal attention to the projected KV before them)
+  tail:r        start + only the tokens recompute:r recomputes (the document's last r), prefilled by the target:
+                the matched baseline recompute has to beat
+  fuse          the target prefills start + document and the projected KV is blended in with per-layer gates
+                ((1 - g) · own + g · projected, fitted by eval.gates)
+  fuser         the target prefills start + document and a learned fuser (adapters.fuser, --fuser FILE) adds what the
+                source read: the source model runs here, beside the target
+  blend:r       replace, then CacheBlend over the projected KV (transfer.suffix.blend): r of the document's tokens are
+                recomputed through every layer in one forward over the projected KV: the last 16 (they also run once
+                first, through every layer, and the attention their queries give the others in the deeper half of
+                the layers scores them), the first 4 (sinks), and the highest scored.
+                blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
+                exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
+                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
+Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
+(transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
+projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
+both while recompute and blend recompute their tokens over the projected KV and while the request reads the cache.
+A `/noprior` suffix (`blend:0.1/noprior`) reads it without, `/probe` with the probe's prior even where a fitted one
+ships, in the same run (paired comparisons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.transfer.suffix.correction import Correction
+
+DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
+BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last",
+               "blend-random": "random"}
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", *BLEND_RULES)
+FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
+READS_PROJECTED = ("replace", "recompute", "served", *BLEND_RULES)  # modes whose context keeps projected KV
+NO_PRIOR = "/noprior"
+PROBE_PRIOR = "/probe"
+PRIOR_SUFFIXES = {NO_PRIOR: "none", PROBE_PRIOR: "probe"}  # a mode's suffix -> the prior it reads with
+
+
+def base_mode(name: str) -> str:
+    """'blend:0.1/noprior' -> 'blend:0.1'"""
+    return name.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # as given: "recompute:0.1"
+    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random] | served
+    fraction: float = 0.0  # recompute and tail: the share of the document's tokens
+    # which induction prior reads projected KV: "model" (the evaluator's: for_model), "none" (/noprior) or "probe"
+    # (/probe: InductionPrior.probed)
+    prior: str = "model"
+    correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1")
+
+
+def parse_modes(spec: str) -> list[Mode]:
+    """'full,none,replace,recompute:0.1,tail:0.1,fuse' -> modes, in order, each once."""
+    modes: list[Mode] = []
+    for raw in (part.strip() for part in spec.split(",")):
+        if not raw:
+            continue
+        raw, slash, suffix = raw.partition("/")
+        suffix = slash + suffix
+        if slash and suffix not in PRIOR_SUFFIXES:
+            raise ValueError(f"mode {raw + suffix!r}: the suffixes are {' and '.join(PRIOR_SUFFIXES)}")
+        kind, _, arg = raw.partition(":")
+        if slash and kind not in READS_PROJECTED:
+            raise ValueError(f"mode {raw + suffix!r}: {suffix} is for the modes that read projected KV "
+                             f"({', '.join(READS_PROJECTED[:3])}, blend...)")
+        if kind == "served":  # served:blend:0.1: the server's stored correction, fetched (no target pass here)
+            try:
+                correction = str(Correction.parse(arg, "mode"))
+            except ValueError as exc:
+                raise ValueError(f"mode {raw!r}: served takes a correction, e.g. served:blend:0.1 ({exc})") from None
+            mode = Mode(f"served:{correction}", kind, correction=correction)
+        elif kind in ("full", "none", "replace", "fuse", "fuser"):
+            if arg:
+                raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
+            mode = Mode(raw, kind)
+        elif kind in FRACTION_KINDS:
+            try:
+                fraction = float(arg)
+            except ValueError:
+                raise ValueError(f"mode {raw!r}: {kind} needs a fraction, e.g. {kind}:0.1") from None
+            if not 0 < fraction <= 1:
+                raise ValueError(f"mode {raw!r}: the fraction must be in (0, 1]")
+            mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
+        else:
+            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, served:MODE; replace, "
+                             f"recompute, blend and served also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
+        if slash:
+            mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix],
+                        correction=mode.correction)
+        if any(m.name == mode.name for m in modes):
+            raise ValueError(f"mode {mode.name!r} is given twice")
+        modes.append(mode)
+    if not modes:
+        raise ValueError("no modes given")
+    return modes

@@ -1,0 +1,50 @@
+"""The evaluation data: a JSONL file of records with a document and its reference summary."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbridge.transfer.data import jsonl_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    document: str
+    summary: str
+
+
+def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Record]:
+    """Records of a JSONL file with string fields id, document and summary; those whose id is in the `exclude`
+    file are left out. An exact repeat of a record is dropped; a different record under an id already seen gets
+    the id `ID#2` (`#3`, ...) and a warning (pydoc_summaries.jsonl has two unittest.mock pages)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    skip = {r.id for r in read_records(exclude)} if exclude else set()
+    records, seen, copies = [], set(), {}
+    for n, obj in jsonl_rows(path):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object with id, document and summary")
+        for key in ("id", "document", "summary"):
+            if not isinstance(obj.get(key), str) or not obj[key].strip():
+                raise ValueError(f"{path}:{n}: field {key!r} must be a non-empty string")
+        record = Record(obj["id"], obj["document"], obj["summary"])
+        if record in seen:
+            log.warning("%s:%d: a repeat of an earlier record (id %r): dropped", path, n, record.id)
+            continue
+        seen.add(record)
+        copies[record.id] = copies.get(record.id, 0) + 1
+        if copies[record.id] > 1:
+            renamed = f"{record.id}#{copies[record.id]}"
+            log.warning("%s:%d: id %r is taken by another record: this one is %r", path, n, record.id, renamed)
+            record = Record(renamed, record.document, record.summary)
+        if record.id not in skip:
+            records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no records" + (f" outside {exclude}" if skip else ""))
+    return records
