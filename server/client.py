@@ -1,6 +1,7 @@
 """KVBridgeClient: the Python end of kvbridge.v1. Ingest text, upload source KV, look up, and fetch caches —
 projected on the server, or source KV projected here with the same adapter — as KVSegments or as transformers
-caches ready for the target's `generate`.
+caches ready for the target's `generate`. (One class of ~450 lines, one method per RPC with its retries and
+transport; what it hands back lives in server/replies.py.)
 
 Same host: with transport="shared_memory" (or "auto" on a loopback address) a fetch asks the server to put the KV
 in a shared-memory file; the client maps it (no copy), checks its size and checksum, and tells the server it is

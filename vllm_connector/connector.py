@@ -1,5 +1,7 @@
 """KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
-cache, so the vLLM-served target skips the prefill of a context that another model family read.
+cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~450
+lines: vLLM's connector interface is one class for both the scheduler's and the workers' side; the parts with logic
+of their own are beside it: params (requests, matching), handoff (where the KV is), layouts, saving.)
 
 Load it with
 
