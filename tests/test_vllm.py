@@ -312,15 +312,9 @@ def test_eval_rouge_through_vllm_gives_the_in_process_figures_of_what_vllm_reads
     projected token, and vLLM reads loaded KV without an induction prior: each mode must give the in-process
     `/noprior` figures (two engines in float32: the same summaries, NLL to float tolerance, the same top-1 tokens)."""
     from kvbridge.eval.demo import SAMPLE
+    from kvbridge.eval.modes import parse_modes
     from kvbridge.eval.run import RunOptions, evaluate
-    from kvbridge.eval.summaries import (
-        EvalConfig,
-        ProjectedSource,
-        SummaryEvaluator,
-        parse_modes,
-        prepare,
-        read_records,
-    )
+    from kvbridge.eval.summaries import EvalConfig, ProjectedSource, SummaryEvaluator, prepare, read_records
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.transfer.data import data_path
 
