@@ -181,21 +181,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------------------------------- scheduler side
 
     def _client(self, name: str):
-        from kvbridge.server.client import KVBridgeClient
-
         with self._clients_lock:
-            return self._client_locked(name, KVBridgeClient)
-
-    def _client_locked(self, name: str, KVBridgeClient):  # noqa: N803 - the class, imported once by _client
-        if name not in self._clients:
-            if name not in self.config.servers:
-                raise ValueError(f"no kvbridge server named {name!r} in this engine's kvbridge_servers "
-                                 f"({sorted(self.config.servers)})")
-            ref = self.config.servers[name]
-            self._clients[name] = KVBridgeClient(ref.address, token=ref.token or None, timeout_s=self.config.timeout_s,
-                                                 retries=self.config.retries, max_message_mb=64,
-                                                 transport=ref.transport)
-        return self._clients[name]
+            if name not in self._clients:
+                self._clients[name] = self.config.open_client(name)
+            return self._clients[name]
 
     def _plan(self, request_id: str, prompt: list[int], cache_salt: str | None, context: RequestContext) -> _Plan:
         """On a fetch thread: fetch the projected cache, match it against the prompt and stage the tokens it covers;

@@ -70,6 +70,18 @@ class ConnectorConfig:
         if self.mode:
             _check_mode(self.mode, "kvbridge_mode")
 
+    def open_client(self, name: str):
+        """A KVBridgeClient for the server this engine calls `name` (its address, token and transport; the engine's
+        timeout and retries); ValueError naming the engine's servers when there is none of that name."""
+        from kvbridge.server.client import KVBridgeClient
+
+        if name not in self.servers:
+            raise ValueError(f"no kvbridge server named {name!r} in this engine's kvbridge_servers "
+                             f"({sorted(self.servers)})")
+        ref = self.servers[name]
+        return KVBridgeClient(ref.address, token=ref.token or None, timeout_s=self.timeout_s, retries=self.retries,
+                              max_message_mb=64, transport=ref.transport)
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
         """From the extra config's `kvbridge_*` fields:

@@ -157,16 +157,9 @@ class Saver:
             log.warning("kvbridge: request %s: saving %d tokens failed: %s", req_id, len(token_ids), exc)
 
     def _client(self, name: str):
-        from kvbridge.server.client import KVBridgeClient
-
         with self._lock:
             if name not in self._clients:
-                if name not in self.config.servers:
-                    raise ValueError(f"no kvbridge server named {name!r} in this engine's kvbridge_servers")
-                ref = self.config.servers[name]
-                self._clients[name] = KVBridgeClient(ref.address, token=ref.token or None,
-                                                     timeout_s=self.config.timeout_s, retries=self.config.retries,
-                                                     max_message_mb=64)
+                self._clients[name] = self.config.open_client(name)
             return self._clients[name]
 
     def _model(self, server: str, client, kv: torch.Tensor) -> tuple[str, str]:
