@@ -123,14 +123,15 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
         from kvbridge.transfer.presets import load_pair
 
         t0 = time.perf_counter()
-        src, tgt = load_pair(config.preset, config.source, config.target, dtype=config.dtype, device=config.device)
+        src, tgt = load_pair(config.preset, config.source, config.target, dtype=config.dtype, device=config.device,
+                             source_weights=config.source_weights)
         source, targets = source or src, targets or [tgt]
         log.info("loaded %s -> %s in %.1f s", source.name, targets[0].name, time.perf_counter() - t0)
     for lm in (source, *targets):
         log.info("model %s: %s on %s, attention %s (projected KV and the wire use the target's dtype)", lm.name,
                  lm.spec.dtype, lm.device, lm.model.config._attn_implementation)
-    if config.selfcheck:
-        selfcheck_models([source, *targets])
+    if config.selfcheck:  # a source without weights has no forward to check: what it receives is checked instead
+        selfcheck_models([lm for lm in (source, *targets) if lm.has_weights])
     store = store or PagedStore(store_config(config))
     folder = adapter_folder(config)
     registry = AdapterRegistry(folder, source.spec, [t.spec for t in targets], device=targets[0].device)
@@ -138,6 +139,9 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
     if config.fit_adapter:
         for target in targets:
             if registry.default_for(target.spec) is None:
+                if not source.has_weights:
+                    raise ValueError(f"fit_adapter needs the source model's weights to read a corpus, and "
+                                     f"{source.name} is loaded without them (source_weights = false)")
                 fit_default_adapter(source, target, folder)
         loaded = registry.autoload(config.default_adapter)
     for target in targets:  # a pair with no adapter in the folder takes the one shipped with kvbridge, if any

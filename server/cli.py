@@ -23,6 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict", "redis_insecure"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
+    overrides["source_weights"] = False if args.no_source_weights else None
     overrides["correction_prior"] = False if args.no_correction_prior else None
     if args.no_shm:
         overrides["shm_dir"] = None
@@ -40,6 +41,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model pair (default small)")
     p.add_argument("--source", help="production preset: source model folder or cached repo id")
     p.add_argument("--target", help="production preset: target model folder or cached repo id")
+    p.add_argument("--no-source-weights", action="store_true",
+                   help="load the source model without its weights (its tokenizer, shapes and RoPE only): its KV "
+                        "comes from PutSourceKV or a vLLM engine that saves it (kv_role kv_producer); Ingest by "
+                        "text is refused. A 7B source then costs no GPU memory")
     p.add_argument("--device", default=None, help="where models run: cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                    help="the models' dtype (default auto: bfloat16 on CUDA, float32 elsewhere)")

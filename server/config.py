@@ -35,6 +35,9 @@ class ServeConfig:
     preset: str = "small"  # tiny | small | production
     source: str | None = None  # production preset: source model folder / cached repo id
     target: str | None = None  # production preset: target model folder / cached repo id
+    # False: the source model is loaded without its weights (tokenizer, shapes and RoPE only): its KV comes from
+    # PutSourceKV or a vLLM engine that saves it (kv_role kv_producer), and Ingest by text is refused
+    source_weights: bool = True
     device: str = "auto"  # where the models run and adapters project
     dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere
     adapters: str | None = None  # adapter folder; None: KVBRIDGE_HOME/adapters

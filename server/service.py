@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.corrections import Corrections
+from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
@@ -108,6 +109,10 @@ class KVBridgeService(Projecting):
                 self.models[lm.name] = ServedModel(lm=lm, roles={role}, max_positions=_max_positions(lm))
             elif served.lm is not lm and served.lm.spec.identity != lm.spec.identity:
                 raise ValueError(f"two different models are both named {lm.name!r}")
+            elif served.lm.has_weights != lm.has_weights:
+                raise ValueError(f"{lm.name!r} is both the source (loaded {'with' if source.has_weights else 'without'}"
+                                 f" its weights) and a target ({'with' if lm.has_weights else 'without'} them): a "
+                                 "model that is both is served with its weights")
             else:
                 served.roles.add(role)
         self.source_name = source.name
@@ -176,6 +181,12 @@ class KVBridgeService(Projecting):
         if ttl_s is not None and not 0 < ttl_s < math.inf:
             raise ValueError(f"options.ttl_s must be > 0 and finite (or 0 for the server default), got {ttl_s}")
         served = self.model(model, "source")
+        if not served.lm.has_weights:
+            raise FailedPrecondition(
+                f"this server holds the source model {served.lm.name!r} without its weights (source_weights = "
+                "false): it stores the source KV others compute and computes none. Upload it (PutSourceKV), or let "
+                "the vLLM engine serving the source save it (kv_role kv_producer, kv_transfer_params "
+                "{\"kvbridge\": {\"save\": ...}}); a fetch by text finds what was stored")
         if detect_segments and text is None:
             raise ValueError("DETECT_SEGMENTS needs text (segments are fetched by their text)")
         lm = served.lm

@@ -22,7 +22,7 @@ import torch
 from kvbridge.transfer.attention import GROUPED_SDPA
 from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.rope import ModelRope
-from kvbridge.transfer.spec import ModelSpec, read_spec
+from kvbridge.transfer.spec import ModelSpec, find_rotary_module, read_spec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.utils import logging as hf_logging
@@ -83,6 +83,12 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def has_weights(self) -> bool:
+        """False for a model loaded without its weights (its module on the meta device): its tokenizer, spec and
+        RoPE tables serve, no forward can run."""
+        return self.device.type != "meta"
+
 
 def wrap_model(model: nn.Module, tokenizer, name: str, origin: str = "") -> LoadedModel:
     """Read the spec and RoPE of a loaded model (raises ValueError for what kvbridge cannot handle exactly)."""
@@ -113,13 +119,17 @@ def _local_path(path_or_repo: str) -> Path:
 
 
 def load_model(path_or_repo: str | Path, name: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "auto") -> LoadedModel:
+               device: str | torch.device = "auto", weights: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder or the local HF cache, never the network. On CUDA
     the weights go straight to the device in their final dtype (device_map): a 7B model never sits in host memory
-    in float32."""
+    in float32. weights=False: `without_weights` (nothing of the weights is read)."""
     folder = _local_path(str(path_or_repo))
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if not weights:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return weightless_model(config, name or str(path_or_repo), tokenizer, torch_dtype, dev, str(folder))
     hf_logging.disable_progress_bar()  # a 1-3 s load needs no bar; conversions keep theirs
     try:
         placement = {"device_map": {"": str(dev)}} if dev.type == "cuda" else {}
@@ -134,6 +144,29 @@ def load_model(path_or_repo: str | Path, name: str | None = None, dtype: str | t
     check_attention(model, name or str(path_or_repo))
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return wrap_model(model, tokenizer, name or str(path_or_repo), origin=str(folder))
+
+
+def weightless_model(config: PretrainedConfig, name: str, tokenizer, dtype: torch.dtype, device: torch.device,
+                     origin: str = "") -> LoadedModel:
+    """The model of `config` without weights: its module built on the meta device (no parameter allocated: a 7B
+    source costs no memory), its rotary module built again on `device`, so its RoPE tables are real. What a server
+    needs of a source whose KV others compute (a vLLM engine that saves it, PutSourceKV): the tokenizer, the spec
+    (shapes, dtype, identity) and the RoPE to unrotate its keys; `LoadedModel.has_weights` is False."""
+    config._attn_implementation = "sdpa"  # never runs; flash-attn's first-forward check needs real weights
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    rotary = find_rotary_module(model, name)
+    where = next(n for n, m in model.named_modules() if m is rotary)
+    parent, _, attr = where.rpartition(".")
+    with torch.device(device):  # its inv_freq buffers are computed from the config at construction
+        setattr(model.get_submodule(parent), attr, type(rotary)(config=rotary.config))
+    return wrap_model(model, tokenizer, name, origin=f"{origin} (without weights)")
+
+
+def without_weights(lm: LoadedModel) -> LoadedModel:
+    """A copy of a loaded model without its weights (for tests and the small pair: models that load in seconds)."""
+    return weightless_model(type(lm.model.config).from_dict(lm.model.config.to_dict()), lm.name, lm.tokenizer,
+                            next(lm.model.parameters()).dtype, lm.rope.device, lm.origin)
 
 
 def random_model(config: PretrainedConfig, name: str, seed: int = 0, tokenizer=None,
@@ -260,9 +293,9 @@ def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Pa
 
 
 def load_packaged(name: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-                  home: Path | None = None) -> LoadedModel:
+                  home: Path | None = None, weights: bool = True) -> LoadedModel:
     """Load a packaged model, converting it first if this machine has not yet."""
     folder = prepare_gguf(name, home)
-    loaded = load_model(folder, name=name, dtype=dtype, device=device)
+    loaded = load_model(folder, name=name, dtype=dtype, device=device, weights=weights)
     loaded.origin = f"{PACKAGED[name].distribution} ({folder})"
     return loaded

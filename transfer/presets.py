@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from kvbridge.transfer.models import LoadedModel, load_model, load_packaged
+from kvbridge.transfer.models import LoadedModel, load_model, load_packaged, without_weights
 from kvbridge.transfer.shaped_pair import shaped_source, shaped_target
 from kvbridge.transfer.tiny_pair import tiny_source, tiny_target
 
@@ -42,20 +42,23 @@ PRODUCTION_DEFAULTS = ("Qwen/Qwen2-7B-Instruct", "microsoft/Phi-3-mini-4k-instru
 
 
 def load_pair(preset: str = DEFAULT_PRESET, source: str | None = None, target: str | None = None,
-              dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "auto") -> tuple[LoadedModel, LoadedModel]:
-    """(source, target) models of a preset. `source`/`target` paths override the production defaults."""
+              dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+              source_weights: bool = True) -> tuple[LoadedModel, LoadedModel]:
+    """(source, target) models of a preset. `source`/`target` paths override the production defaults.
+    source_weights=False: the source without its weights (`models.weightless_model`), for a server that stores
+    source KV others compute and never runs the source itself."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if preset != "production" and (source or target):
         raise ValueError(f"--source/--target paths apply to the production preset only, not {preset!r}")
-    if preset == "tiny":
-        return tiny_source(device, dtype), tiny_target(device, dtype)
-    if preset == "production-shaped":
-        return shaped_source(device, dtype), shaped_target(device, dtype)
+    if preset in ("tiny", "production-shaped"):  # random init in seconds: built, then its weights dropped
+        make_source, make_target = (tiny_source, tiny_target) if preset == "tiny" else (shaped_source, shaped_target)
+        src = make_source(device, dtype)
+        return (src if source_weights else without_weights(src)), make_target(device, dtype)
     if preset == "small":
-        return (load_packaged("gemma-3-270m-q4_k_m", dtype=dtype, device=device),
+        return (load_packaged("gemma-3-270m-q4_k_m", dtype=dtype, device=device, weights=source_weights),
                 load_packaged("smollm2-135m-instruct-q4_1", dtype=dtype, device=device))
     src = source or os.environ.get("KVBRIDGE_SOURCE") or PRODUCTION_DEFAULTS[0]
     tgt = target or os.environ.get("KVBRIDGE_TARGET") or PRODUCTION_DEFAULTS[1]
-    return load_model(src, dtype=dtype, device=device), load_model(tgt, dtype=dtype, device=device)
+    return (load_model(src, dtype=dtype, device=device, weights=source_weights),
+            load_model(tgt, dtype=dtype, device=device))

@@ -105,6 +105,11 @@ class ModelRope:
         self._groups = [(rope, layers, consecutive_runs(layers)) for rope, layers in by_rope.items()]
 
     @property
+    def device(self) -> torch.device:
+        """Where the tables are computed (the model's rotary module's device)."""
+        return self._device
+
+    @property
     def families(self) -> list[tuple[RopeSpec, list[int]]]:
         """Each distinct RoPE of the model with the layers that use it (layers without RoPE are in none)."""
         return [(rope, layers) for rope, layers, _ in self._groups]
