@@ -9,9 +9,11 @@ adapters and counters.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -74,6 +76,26 @@ def cache_label(label: str, adapter: Adapter) -> str:
     its content digest, so a retrained adapter saved under the same name and version never finds the old one's KV
     in the store, nor, through the entry keys they are tagged with, in the wire cache or kept shared-memory files."""
     return f"{label}~{adapter.digest[:32]}"
+
+
+class KeptIds:
+    """A small LRU map (target name, text digest) -> the target ids of that document, thread-safe."""
+
+    def __init__(self, size: int = 1024):  # a few KB per document
+        self.size, self._ids, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key: tuple) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
+            return ids
+
+    def put(self, key: tuple, ids: tuple[int, ...]) -> None:
+        with self._lock:
+            self._ids[key] = ids
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)
 
 
 class Projecting:
@@ -217,8 +239,14 @@ class Projecting:
                 return None
         if not text or not text.strip():
             return None
-        ids = tokenize(target.lm.tokenizer, text, add_special_tokens=False).ids.tolist()
-        return [start_token_id(target.lm.tokenizer), *ids]
+        # every prompt-carrying fetch asks (each connector load): ~10 ms of tokenizing for 1,024 tokens, kept
+        digest = (target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
+        ids = self.document_ids.get(digest)
+        if ids is None:
+            tokenizer = target.lm.tokenizer
+            ids = (start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist())
+            self.document_ids.put(digest, ids)
+        return list(ids)
 
     def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
                             ) -> tuple[EntryInfo, KVSegment] | None:

@@ -22,7 +22,7 @@ import torch
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.corrections import Corrections
 from kvbridge.server.errors import FailedPrecondition
-from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
+from kvbridge.server.projecting import CacheResult, KeptIds, KVOut, Projecting, ServedModel
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
@@ -120,6 +120,7 @@ class KVBridgeService(Projecting):
         if not targets:
             raise ValueError("the service needs at least one target model")
         self.adapters = adapters
+        self.document_ids = KeptIds()  # target ids of documents that prompt-carrying fetches asked about
         self._projecting = threading.BoundedSemaphore(limits.max_projections)
         # (stage, how) -> tokens: stage "ingest" (source tokens) or "projection" (target tokens); how "reused"
         # (read from the store) or "computed" (by the source model, or by the adapter)
