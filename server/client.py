@@ -1,15 +1,22 @@
 """KVBridgeClient: the Python end of kvbridge.v1. Ingest text, upload source KV, look up, and fetch caches —
 projected on the server, or source KV projected here with the same adapter — as KVSegments or as transformers
-caches ready for the target's `generate`. (One class of ~450 lines, one method per RPC with its retries and
-transport; what it hands back lives in server/replies.py.)
+caches ready for the target's `generate`. (One class, one method per RPC with its retries and transport; the
+channels it dials, one server or replicas behind one name, are server/channel.py's; what it hands back lives in
+server/replies.py.)
+
+Replicas: give several addresses ("ip:port,ip:port" or a list) or "dns:///name:port", and gRPC balances the calls
+over the replicas that report SERVING, sending a call again to another when its replica dies under it
+(server/channel.py); they must share a tier (Redis, or the cluster tier), else an entry ingested through one is
+NOT_FOUND on the others. A same-host fetch and its segment's release go to one replica the client picks.
 
 Same host: with transport="shared_memory" (or "auto" on a loopback address) a fetch asks the server to put the KV
 in a shared-memory file; the client maps it (no copy), checks its size and checksum, and tells the server it is
 done. When it cannot open the file (another host, another OS user) it tells the server to drop it and streams.
 
-Every call has a deadline (timeout_s); calls that fail with UNAVAILABLE are retried with exponential backoff
-(a stream only while none of its messages has arrived). Errors come back as KVBridgeError with the status code
-and the server's sentence.
+Every call has a deadline (timeout_s); calls that fail with UNAVAILABLE are retried with exponential backoff (a
+stream only while none of its messages has arrived; to replicas, the channel's retry policy retries a call and the
+client fetches a stream cut later again, from another replica). Errors come back as KVBridgeError with the status
+code and the server's sentence.
 
     with KVBridgeClient("127.0.0.1:50051", token=...) as client:
         entry = client.ingest("some long document ...").entries[0]
@@ -19,26 +26,17 @@ and the server's sentence.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 import torch
-from kvbridge.proto import pb2, pb2_grpc
-from kvbridge.server import shm_layout
-from kvbridge.server.chunk_wire import ChunkView, WireError, read_chunk_message
-from kvbridge.server.chunks import (
-    DEFAULT_CHUNK_BYTES,
-    ChunkAssembler,
-    ChunkError,
-    dtype_name,
-    int64_tensor,
-    iter_chunks,
-    wire_dtype,
-)
-from kvbridge.server.config import is_loopback, split_address
+from kvbridge.proto import pb2
+from kvbridge.server.channel import Channels, Endpoint, parse_target, resolve_transport
+from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, dtype_name, int64_tensor, iter_chunks
+from kvbridge.server.fetch_reply import FetchReply
 from kvbridge.server.replies import (
     Entry,
     FetchedCache,
@@ -52,7 +50,6 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 
 log = logging.getLogger(__name__)
-HEADROOM_TOKENS = 64  # slots a streamed fetch leaves after each row of its KV, for the cache's next tokens
 
 __all__ = ["KVBridgeClient", "KVBridgeError", "FetchedCache", "Entry", "IngestReply", "LookupReply", "SharedSegment"]
 
@@ -64,16 +61,22 @@ def _read(value: bytes | str | Path | None) -> bytes | None:
 
 
 class KVBridgeClient:
-    def __init__(self, address: str, token: str | None = None, tls_root_cert: bytes | str | Path | None = None,
-                 tls: bool | None = None, timeout_s: float = 60.0, retries: int = 4, backoff_s: float = 0.1,
-                 max_message_mb: float = 8, tls_server_name: str | None = None, transport: str = "stream"):
-        """tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots.
+    def __init__(self, address: str | Sequence[str], token: str | None = None,
+                 tls_root_cert: bytes | str | Path | None = None, tls: bool | None = None, timeout_s: float = 60.0,
+                 retries: int = 4, backoff_s: float = 0.1, max_message_mb: float = 8,
+                 tls_server_name: str | None = None, transport: str = "stream"):
+        """address: "host:port" (or "unix:PATH") of one server; replicas as "ip:port,ip:port", a list of them, or
+        "dns:///name:port" (server/channel.py).
+        tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots.
         transport: how fetches ask for KV by default: "stream", "shared_memory" (same host), or "auto" (shared
-        memory when the address is a loopback one)."""
+        memory when every address is a loopback one)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.transport = _transport(transport, address)
-        self.address = address
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.target = parse_target(address)
+        self.transport = resolve_transport(transport, self.target)
+        self.address = self.target.uri
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -81,20 +84,13 @@ class KVBridgeClient:
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls or tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb2_grpc.KVBridgeStub(self._channel)
-        service = pb2.DESCRIPTOR.services_by_name["KVBridge"].full_name
-        self._downloads = {  # their messages come as bytes, read by chunk_wire (the KV data is not copied again)
-            name: self._channel.unary_stream(f"/{service}/{name}", request_serializer=request.SerializeToString)
-            for name, request in (("GetProjectedCache", pb2.GetProjectedCacheRequest),
-                                  ("GetSourceCache", pb2.GetSourceCacheRequest))}
+        creds = (grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))
+                 if tls or tls_root_cert is not None else None)
+        self._channels = Channels(self.target, options, creds, retries, backoff_s)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._releases: set[grpc.Future] = set()  # ReleaseSegment calls on their way (see _release_later)
-        self._releases_lock = threading.Lock()
+        self._kept: dict[str, tuple[Endpoint, float]] = {}  # keep_shared segment name -> (its replica, expiry)
+        self._releases_lock = threading.Lock()  # guards both (fetch threads and releases run at once)
 
     def close(self) -> None:
         """Wait for the ReleaseSegment calls still on their way (at most timeout_s in all), then close the channel."""
@@ -106,7 +102,7 @@ class KVBridgeClient:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 pass  # logged by its callback; the server's sweeper removes the file after its TTL
-        self._channel.close()
+        self._channels.close()
 
     def __enter__(self) -> "KVBridgeClient":
         return self
@@ -119,69 +115,83 @@ class KVBridgeClient:
     def _sleep(self, attempt: int) -> None:
         time.sleep(self.backoff_s * (2 ** attempt))
 
-    def _unary(self, method: str, request, timeout_s: float | None = None):
-        call = getattr(self._stub, method)
-        for attempt in range(self.retries + 1):
+    def _retried_by_channel(self, endpoint: Endpoint) -> bool:
+        """Whether the channel's retry policy already retried a call that failed before its first answer (the
+        replicas' balanced channel): the client then does not try it again."""
+        return endpoint is self._channels.main and self.target.balanced
+
+    def _unary(self, method: str, request, timeout_s: float | None = None, endpoint: Endpoint | None = None):
+        endpoint = endpoint or self._channels.main
+        call = getattr(endpoint.stub, method)
+        tries = 1 if self._retried_by_channel(endpoint) else self.retries + 1
+        for attempt in range(tries):
             try:
                 return call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < tries:
                     self._sleep(attempt)
                     continue
                 raise KVBridgeError(exc.code(), exc.details() or "", method) from None
 
     def _fetch(self, method: str, request, timeout_s: float | None, transport: str | None,
                keep_shared: bool = False) -> FetchedCache:
-        """The fetch by the transport asked for; through shared memory, by stream when the segment cannot be read."""
-        wanted = self.transport if transport is None else _transport(transport, self.address)
-        request.transport = pb2.SHARED_MEMORY if wanted == "shared_memory" else pb2.STREAM
-        fetched = self._fetch_once(method, request, timeout_s, keep_shared)
-        if fetched is not None:
-            return fetched
+        """The fetch by the transport asked for; through shared memory, by stream when the segment cannot be read.
+        Same-host fetches are pinned: to replicas, each try goes through one replica's own channel (in turn), so
+        that the segment's release reaches the replica that made it."""
+        wanted = self.transport if transport is None else resolve_transport(transport, self.target)
+        if wanted == "shared_memory":
+            request.transport = pb2.SHARED_MEMORY
+            fetched = self._fetch_once(method, request, timeout_s, self._channels.pinned(), keep_shared)
+            if fetched is not None:
+                return fetched
         request.transport = pb2.STREAM
-        return self._fetch_once(method, request, timeout_s)
+        return self._fetch_once(method, request, timeout_s, [self._channels.main])
 
     def release_segment(self, shared: SharedSegment) -> None:
         """Tell the server a segment kept by a keep_shared fetch was read (it removes the file); not waited for."""
-        self._release_later(pb2.ReleaseSegmentRequest(name=shared.name, read=True), shared.ttl_s)
+        with self._releases_lock:
+            endpoint, _ = self._kept.pop(shared.name, (self._channels.main, 0.0))
+        self._release_later(pb2.ReleaseSegmentRequest(name=shared.name, read=True), shared.ttl_s, endpoint)
 
-    def _mapped(self, method: str, header, timeout_s: float | None, keep: bool = False
+    def _keep(self, name: str, endpoint: Endpoint, ttl_s: float) -> None:
+        """Remember which replica holds a kept segment (for release_segment), forgetting the expired ones (their
+        servers removed them)."""
+        if endpoint is self._channels.main:
+            return
+        now = time.monotonic()
+        with self._releases_lock:
+            for old in [k for k, (_, expires) in self._kept.items() if expires < now]:
+                del self._kept[old]
+            self._kept[name] = (endpoint, now + ttl_s)
+
+    def _opened(self, reply: FetchReply, timeout_s: float | None, endpoint: Endpoint, keep: bool = False
                 ) -> torch.Tensor | SharedSegment | None:
-        """The shared segment's tensor [L, 2, H, T + headroom, D] mapped, the KV in the first T slots of each row
-        (None when it cannot be opened or checked here); the server is told either way, so it removes the file now.
-        keep: only check that the file opens here and leave it to another reader (a SharedSegment; not released)."""
-        s = header.shared
-        shape = (header.num_layers, 2, header.num_kv_heads, len(header.token_ids) + s.headroom_tokens,
-                 header.head_dim)
+        """The reply's shared segment opened (FetchReply.open_shared), or None when it cannot be here; the server is
+        told either way (through the replica that made it), so it removes the file now. keep: a SharedSegment left
+        to another reader, not released."""
+        s = reply.header.shared
         try:
-            if s.layout != shm_layout.LAYOUT:
-                raise shm_layout.SegmentError(f"layout {s.layout!r} is not {shm_layout.LAYOUT!r}")
-            if s.headroom_tokens < 0:
-                raise shm_layout.SegmentError(f"headroom_tokens {s.headroom_tokens} < 0")
-            shm_layout.check_path(s.path, s.name)
-            if keep:  # readable here: its reader maps it and checks the rest (layout, checksum)
-                os.close(shm_layout.open_segment(s.path, s.size))
-                return SharedSegment(path=s.path, name=s.name, size=s.size, checksum=s.checksum, shape=shape,
-                                     dtype=header.dtype, ttl_s=s.ttl_s)
-            kv = shm_layout.map_kv(s.path, s.size, s.checksum, shape, wire_dtype(header.dtype))
+            opened = reply.open_shared(keep)
         except OSError as exc:
-            log.info("%s: shared-memory segment not readable here (%s); fetching by stream", method, exc)
-            kv = None
-        if kv is not None:
-            self._release_later(pb2.ReleaseSegmentRequest(name=s.name, read=True), s.ttl_s)
-            return kv
-        try:
-            self._unary("ReleaseSegment", pb2.ReleaseSegmentRequest(name=s.name, read=False), timeout_s)
-        except KVBridgeError as exc:  # the server's sweeper removes it after its TTL
-            log.warning("ReleaseSegment failed (%s); the server removes the segment after %g s", exc, s.ttl_s)
-        return None
+            log.info("%s: shared-memory segment not readable here (%s); fetching by stream", reply.method, exc)
+            opened = None
+        if isinstance(opened, SharedSegment):
+            self._keep(s.name, endpoint, s.ttl_s)
+        elif opened is not None:
+            self._release_later(pb2.ReleaseSegmentRequest(name=s.name, read=True), s.ttl_s, endpoint)
+        else:
+            try:
+                self._unary("ReleaseSegment", pb2.ReleaseSegmentRequest(name=s.name, read=False), timeout_s, endpoint)
+            except KVBridgeError as exc:  # the server's sweeper removes it after its TTL
+                log.warning("ReleaseSegment failed (%s); the server removes the segment after %g s", exc, s.ttl_s)
+        return opened
 
-    def _release_later(self, request: pb2.ReleaseSegmentRequest, ttl_s: float) -> None:
+    def _release_later(self, request: pb2.ReleaseSegmentRequest, ttl_s: float, endpoint: Endpoint) -> None:
         """ReleaseSegment of a segment already mapped (the map outlives the file's removal), without waiting for the
         answer: a fetch never queues behind the server's other unary calls (in the 64-client load test the same-host
         fetch's p50 was ~10x the stream's, this wait the likely cause). close() waits for the calls still on their
         way; a failed one is logged and the server's sweeper removes the file after its TTL."""
-        future = self._stub.ReleaseSegment.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        future = endpoint.stub.ReleaseSegment.future(request, timeout=self.timeout_s, metadata=self._metadata)
         with self._releases_lock:
             self._releases.add(future)
 
@@ -194,73 +204,25 @@ class KVBridgeClient:
 
         future.add_done_callback(done)
 
-    def _fetch_once(self, method: str, request, timeout_s: float | None, keep_shared: bool = False
-                    ) -> FetchedCache | None:
-        """One fetch; None when the server named a shared segment this client cannot read."""
-        call = self._downloads[method]
+    def _fetch_once(self, method: str, request, timeout_s: float | None, endpoints: list[Endpoint],
+                    keep_shared: bool = False) -> FetchedCache | None:
+        """One fetch, its tries through `endpoints` in turn; None when the server named a shared segment this client
+        cannot read."""
         for attempt in range(self.retries + 1):
-            received = 0
+            endpoint = endpoints[attempt % len(endpoints)]
+            reply = FetchReply(method)
             try:
-                stream = call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-                header, assembler, wire, shared = None, None, 0, None
-                for raw in stream:
-                    received += 1
-                    try:
-                        first, c = read_chunk_message(raw)
-                    except WireError as exc:
-                        stream.cancel()
-                        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, f"a bad message from the server: {exc}",
-                                            method) from None
-                    if first is not None:
-                        if header is not None:
-                            raise KVBridgeError(grpc.StatusCode.INTERNAL, "the server sent a second header", method)
-                        header = first
-                        if header.HasField("shared"):  # the KV is in shared memory: no chunk follows
-                            continue
-                        assembler = ChunkAssembler(header.num_layers, header.num_kv_heads, len(header.token_ids),
-                                                   header.head_dim, wire_dtype(header.dtype), check_finite=False,
-                                                   headroom=HEADROOM_TOKENS)
-                    if assembler is None:
-                        raise KVBridgeError(grpc.StatusCode.INTERNAL, "a chunk arrived before the header", method)
-                    c = c or ChunkView()
-                    try:
-                        assembler.add(c.layer_start, c.layer_end, c.token_start, c.token_end, c.data)
-                    except ChunkError as exc:
-                        stream.cancel()
-                        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, f"a bad chunk from the server: {exc}",
-                                            method) from None
-                    wire += len(c.data)
-                if header is not None and header.HasField("shared"):
-                    if received != 1:
-                        raise KVBridgeError(grpc.StatusCode.INTERNAL, "chunks came after a shared segment", method)
-                    room = self._mapped(method, header, timeout_s, keep_shared)
-                    if room is None:
-                        return None
-                    if isinstance(room, SharedSegment):
-                        shared, room = room, None
-                        kv = torch.empty((*shared.shape[:3], len(header.token_ids), shared.shape[4]),
-                                         dtype=wire_dtype(header.dtype), device="meta")
-                    else:
-                        kv = room[:, :, :, :len(header.token_ids)]
-                elif header is None or not assembler.complete:
-                    raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the stream ended early: "
-                                        + (assembler.missing() if assembler else "no header"), method)
-                else:
-                    kv, room = assembler.kv, assembler.room
-                segment = KVSegment(kv=kv, token_ids=int64_tensor(header.token_ids),
-                                    positions=int64_tensor(header.positions),
-                                    model=ModelIdentity(header.model.name, header.model.config_hash),
-                                    rotated=header.rotated)
-                log.info("%s: %d tokens of %s KV in %s, %d bytes in %d messages", method, segment.num_tokens,
-                         header.model.name, header.dtype, wire, received)
-                return FetchedCache(segment=segment, entry_key=header.entry_key, source_key=header.source_key,
-                                    adapter=header.adapter, text=header.text, exact_coverage=header.exact_coverage,
-                                    wire_bytes=wire, num_chunks=received,
-                                    transport="shared_memory" if header.HasField("shared") else "stream",
-                                    room=[room] if room is not None else [], mode=header.mode, shared=shared,
-                                    recomputed=_recomputed(header.recomputed_positions, segment.positions))
+                reply.read(endpoint.downloads[method](request, timeout=timeout_s or self.timeout_s,
+                                                      metadata=self._metadata))
+                if not reply.shared:
+                    return reply.cache()
+                opened = self._opened(reply, timeout_s, endpoint, keep_shared)
+                return reply.cache(opened) if opened is not None else None
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt < self.retries:
+                # before its first message: unless the channel retried it already; after: only to replicas (the KV
+                # is read-only; another replica serves it from the shared tier), the whole fetch again
+                again = not self._retried_by_channel(endpoint) if reply.received == 0 else self.target.balanced
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and again and attempt < self.retries:
                     self._sleep(attempt)
                     continue
                 raise KVBridgeError(exc.code(), exc.details() or "", method) from None
@@ -312,12 +274,14 @@ class KVBridgeClient:
 
         for attempt in range(self.retries + 1):
             try:
-                reply = self._stub.PutSourceKV(messages(), timeout=timeout_s or self.timeout_s,
-                                               metadata=self._metadata)
+                reply = self._channels.main.stub.PutSourceKV(messages(), timeout=timeout_s or self.timeout_s,
+                                                             metadata=self._metadata)
                 return entry_of(reply.entry)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    self._sleep(attempt)  # nothing was committed: the upload starts over
+                    # nothing was committed: the upload starts over (to replicas too: past gRPC's retry buffer of
+                    # 256 KiB the channel no longer retries it)
+                    self._sleep(attempt)
                     continue
                 raise KVBridgeError(exc.code(), exc.details() or "", "PutSourceKV") from None
         raise AssertionError("unreachable")
@@ -405,32 +369,6 @@ class KVBridgeClient:
 
     def stats(self) -> pb2.StatsResponse:
         return self._unary("Stats", pb2.StatsRequest())
-
-
-TRANSPORTS = ("stream", "shared_memory", "auto")
-
-
-def _transport(name: str, address: str) -> str:
-    """"stream" or "shared_memory" for a transport name ("auto": shared memory on a loopback address)."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
-    if name != "auto":
-        return name
-    if address.startswith("unix:"):
-        return "shared_memory"
-    try:
-        host, _ = split_address(address, "address")
-    except ValueError:
-        return "stream"
-    return "shared_memory" if is_loopback(host) else "stream"
-
-
-def _recomputed(values, positions: torch.Tensor) -> torch.Tensor:
-    """The header's recomputed positions, checked against the segment's: [R] int64."""
-    got = int64_tensor(values)
-    if got.numel() and not bool(torch.isin(got, positions).all()):
-        raise KVBridgeError(grpc.StatusCode.DATA_LOSS, "the header's recomputed positions are not the segment's")
-    return got
 
 
 def _set_input(request, text, token_ids) -> None:

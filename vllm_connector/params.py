@@ -26,23 +26,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge.server.channel import parse_target, resolve_transport
+
 PARAMS_KEY = "kvbridge"  # the key under kv_transfer_params
 
 
 @dataclass(frozen=True)
 class ServerRef:
-    address: str  # host:port of `kvbridge serve`
-    token: str = ""  # bearer token ("" for a server without a token file)
-    # "auto": through the server's shared memory on a loopback address (the worker reads the server's segment),
-    # else streamed; "stream" or "shared_memory" to choose
+    """One kvbridge service as the engine calls it: one `kvbridge serve`, or replicas behind one name.
+
+    address: "host:port" of one server; replicas as "ip:port,ip:port,..." (or a JSON list of them), balanced by
+    gRPC over the ones whose health check says SERVING, a call retried on another when its replica dies; or
+    "dns:///name:port", every address the name resolves to a replica. Replicas must share a tier (`--redis-url`, or
+    the cluster tier): an entry ingested through one is NOT_FOUND on a replica that does not share it. Same-host
+    fetches (shared memory) go to one replica the client picks, so the segment's release reaches it; a DNS name
+    gives no addresses to pick from, and streams."""
+
+    address: str | tuple[str, ...]  # as above; a list from the config is kept as a tuple
+    token: str = ""  # bearer token ("" for a server without a token file); replicas share their token file
+    # "auto": through the server's shared memory when every address is a loopback one (the worker reads the server's
+    # segment), else streamed; "stream" or "shared_memory" to choose
     transport: str = "auto"
 
     def __post_init__(self):
-        if not self.address or ":" not in self.address:
-            raise ValueError(f"a kvbridge server address must be host:port, got {self.address!r}")
         if self.transport not in ("auto", "stream", "shared_memory"):
             raise ValueError(f"a kvbridge server's transport must be auto, stream or shared_memory, got "
                              f"{self.transport!r}")
+        if isinstance(self.address, (list, tuple)):
+            object.__setattr__(self, "address", tuple(self.address))
+        elif not isinstance(self.address, str):
+            raise ValueError(f"a kvbridge server address must be text or a list of addresses, got {self.address!r}")
+        try:
+            resolve_transport(self.transport, parse_target(self.address))
+        except ValueError as exc:
+            raise ValueError(f"kvbridge server address {self.address!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,8 @@ class ConnectorConfig:
         """From the extra config's `kvbridge_*` fields:
         kvbridge_address + kvbridge_token (or kvbridge_token_file) + kvbridge_transport: the "default" server;
         kvbridge_servers: {name: {"address": ..., "token": ..., "transport": ...}} for more (or instead);
+        an address is "host:port", or replicas behind one name: "ip:port,ip:port", a list, or "dns:///name:port"
+        (ServerRef);
         kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
         kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R),
         kvbridge_fetch_threads."""
