@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.distributed import build_teacher_cache, is_main, world_size
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
 from kvbridge.adapters.io import load_adapter, save_adapter
@@ -139,10 +140,11 @@ def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: 
     adapter, stats = fit_ridge(cache, train_idx[:config.ridge_windows], dev_idx, target, config.layer_map, config.k,
                                progress=progress, token_rank=config.token_rank, source_rank=config.source_rank)
     seconds = time.perf_counter() - t0
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(stats.state_dict(), str(folder / "stats.safetensors"))
-    save_adapter(adapter, folder / "ridge.safetensors")
-    (folder / "fit.json").write_text(json.dumps({"seconds": seconds}))
+    if is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(stats.state_dict(), str(folder / "stats.safetensors"))
+        save_adapter(adapter, folder / "ridge.safetensors")
+        (folder / "fit.json").write_text(json.dumps({"seconds": seconds}))
     return adapter, stats, seconds
 
 
@@ -165,22 +167,25 @@ def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, targe
     t0 = time.perf_counter()
     stats = adapter_stats(adapter, cache, train_idx[:config.ridge_windows], target, progress)
     seconds = time.perf_counter() - t0
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(stats.state_dict(), str(folder / "stats.safetensors"))
-    (folder / "init.json").write_text(json.dumps(record | {"seconds": seconds}))
+    if is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(stats.state_dict(), str(folder / "stats.safetensors"))
+        (folder / "init.json").write_text(json.dumps(record | {"seconds": seconds}))
     return adapter, stats, seconds
 
 
 def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path], config: ChainConfig,
                 work: str | Path, progress: bool = True) -> tuple[Adapter | FuserMaps, dict]:
     """Run (or resume) the recipe; returns the trained adapter (chain: folded, format 1) or fuser, and a record of
-    what ran: windows, seconds per phase, each stage's steps, best step and dev recovery."""
+    what ran: windows, seconds per phase, each stage's steps, best step and dev recovery. Under torchrun: collective
+    (distributed.py: the teacher cache and the statistics split by rank, rank 0 writes), the record also says how many
+    ranks ran and how many teacher windows each computed."""
     work = Path(work)
     began = time.perf_counter()
     dev, train_w = select_windows(files, target.tokenizer, config)
-    cache = TeacherCache(work / "teacher")
     t0 = time.perf_counter()
-    cache.build(source, target, dev + train_w, config.teacher, start_token_id(target.tokenizer), progress=progress)
+    cache, made = build_teacher_cache(work / "teacher", source, target, dev + train_w, config.teacher,
+                                      start_token_id(target.tokenizer), progress=progress)
     teacher_s = time.perf_counter() - t0
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
@@ -194,10 +199,13 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
     else:
         maps = ResidualMaps(ridge, stats, CapacityConfig())
-    probe = RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
+    probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
+             if is_main() else None)  # rank 0 scores the dev windows
     record: dict = {"teacher_windows": {"dev": len(dev_idx), "train": len(train_idx),
                                         "ridge": min(config.ridge_windows, len(train_idx))},
                     "teacher_cache_s": round(teacher_s), "ridge_s": round(ridge_s), "stages": []}
+    if world_size() > 1:
+        record["ranks"] = {"world_size": world_size(), "teacher_windows_made": made}
     for n, (objective, steps) in enumerate(config.stages):
         lr = config.lr.get(objective, DEFAULT_LR[objective])
         tc = TrainerConfig(objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1),

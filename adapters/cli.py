@@ -4,7 +4,10 @@
 --trainer chain: the trained recipe (adapters/chain.py): teacher cache, ridge, then stages such as attention
                  matching and KL (--stages), folded into a format-1 adapter; resumable from --work.
 --trainer fuser: the learned fuser on the same recipe (stages "ce"): the target keeps its own prefill and the
-                 source adds to it; written as a format-2 fuser file."""
+                 source adds to it; written as a format-2 fuser file.
+
+chain and fuser also run under torchrun (adapters/distributed.py): the teacher cache, the ridge statistics and every
+step's batch are split by rank, the statistics and gradients summed; the result is one process's, rank 0 writes it."""
 
 from __future__ import annotations
 
@@ -14,14 +17,23 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvbridge.adapters.layer_map import LAYER_MAPS
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.devices import DTYPE_NAMES
 
+if TYPE_CHECKING:
+    from kvbridge.adapters.distributed import Launch
+
+TORCHRUN = ("under torchrun (chain, fuser; gloo on CPUs, NCCL on GPUs), e.g. two processes on one machine:\n"
+            "  torchrun --standalone --nproc-per-node 2 -m kvbridge.adapters.cli --trainer chain --corpus FILE... "
+            "--work W")
+
 
 def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=TORCHRUN,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["tiny", "small", "production"], default=None,
                    help="model pair (default small, unless --source/--target are given)")
     p.add_argument("--source", help="source model folder or HF repo id in the local cache (production pair)")
@@ -39,6 +51,8 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--train-windows", type=int, default=1400, help="chain/fuser: training windows in the cache")
     p.add_argument("--ridge-windows", type=int, default=200, help="chain/fuser: of them, for the ridge fit")
     p.add_argument("--dev-per-corpus", type=int, default=12, help="chain/fuser: held-out dev windows per file")
+    p.add_argument("--batch-windows", type=int, default=4,
+                   help="chain/fuser: windows per optimiser step (under torchrun the ranks split them)")
     p.add_argument("--fuser-rank", type=int, default=64, help="fuser: rank of the residual per layer and map")
     p.add_argument("--token-rank", type=int, default=64,
                    help="chain: the maps also read the target's own token features of this rank (adapter format 2; "
@@ -82,6 +96,7 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from kvbridge.adapters.distributed import Launch
     from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.refine import refine_adapter
@@ -90,8 +105,12 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
     torch.manual_seed(args.seed)
+    launch = Launch.from_env()
     if args.trainer != "ridge":
-        return run_chain(args)
+        return run_chain(args, launch)
+    if launch is not None and launch.world_size > 1:
+        raise ValueError("--trainer ridge runs in one process; under torchrun use --trainer chain (its ridge fit, "
+                         "teacher cache and stages are split over the ranks)")
     preset = args.preset or ("production" if (args.source or args.target) else "small")
     config = TrainConfig(layer_map=args.layer_map, k=args.k, window_tokens=args.window_tokens,
                          max_tokens=args.max_tokens, seed=args.seed)
@@ -161,8 +180,9 @@ def _stage_lr(text: str) -> dict:
     return out
 
 
-def run_chain(args: argparse.Namespace) -> int:
-    """--trainer chain|fuser: adapters.chain.train_chain, then the held-out recovery on --eval documents."""
+def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
+    """--trainer chain|fuser: adapters.chain.train_chain, then the held-out recovery on --eval documents. launch
+    (distributed.Launch): torchrun's; every rank trains, rank 0 evaluates and writes."""
     import dataclasses
     import hashlib
     import platform
@@ -170,6 +190,7 @@ def run_chain(args: argparse.Namespace) -> int:
 
     import torch
     from kvbridge.adapters.chain import DEFAULT_LR, ChainConfig, parse_stages, train_chain
+    from kvbridge.adapters.distributed import process_group
     from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
     from kvbridge.adapters.fuser import save_fuser
     from kvbridge.adapters.io import save_adapter
@@ -192,13 +213,22 @@ def run_chain(args: argparse.Namespace) -> int:
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,
-                         init=args.init or "", exact_tail=args.exact_tail)
+                         init=args.init or "", exact_tail=args.exact_tail, batch_windows=args.batch_windows)
     preset = args.preset or ("production" if (args.source or args.target) else "small")
-    source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
-    pair = f"{source.name}--{target.name}"
-    work = Path(args.work) if args.work else kvbridge_home() / "train" / pair
-    print(f"{source.name} -> {target.name}: {args.trainer}, stages {stages}, work folder {work}", flush=True)
-    maps, record = train_chain(source, target, args.corpus, config, work, progress=not args.quiet)
+    main_rank = launch is None or launch.rank == 0
+    device = args.device if launch is None else launch.device(args.device)
+    with process_group(launch, device):
+        source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=device)
+        pair = f"{source.name}--{target.name}"
+        work = Path(args.work) if args.work else kvbridge_home() / "train" / pair
+        if main_rank:
+            ranks = f", {launch.world_size} ranks" if launch else ""
+            print(f"{source.name} -> {target.name}: {args.trainer}, stages {stages}, work folder {work}{ranks}",
+                  flush=True)
+        maps, record = train_chain(source, target, args.corpus, config, work,
+                                   progress=not args.quiet and main_rank)
+    if not main_rank:
+        return 0
     for st in record["stages"]:
         print(f"stage {st['objective']}: {st['steps']} steps ({st['seconds']} s, {st['tokens_per_s']} tok/s), best "
               f"step {st['best_step']}: dev recovery {st['dev_recovery']:.3f}")

@@ -69,6 +69,10 @@ class RidgeStats:
             self.yy[m] += (y64 * y64).sum(dim=(1, 2))
         self.count += xk.shape[1]
 
+    def sums(self) -> list[torch.Tensor]:
+        """The tensors that are sums over tokens (with `count`): what adding two runs' statistics adds."""
+        return [getattr(self, name)[m] for name in ("gram", "cross", "yy") for m in "kv"]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {"count": torch.tensor(self.count), "groups": torch.tensor(self.groups),
                "dims": torch.tensor([self.d_s, self.d_t, self.d_tok])}
@@ -271,6 +275,11 @@ class JointStats:
         self.count += n
         if sum(p[0].shape[0] for p in self._pending) >= 2048:
             self.flush()
+
+    def sums(self) -> list[torch.Tensor]:
+        """The tensors that are sums over tokens (with `count`), pending windows folded in."""
+        self.flush()
+        return [self.gram, self.cross, self.yy]
 
     def flush(self) -> None:
         """Fold the pending windows into the float64 sums (done by everything that reads them)."""

@@ -200,18 +200,21 @@ def accumulate(stats: RidgeStats | JointStats, cache, indices: list[int], target
                desc: str = "statistics", progress: bool = True, src_basis: torch.Tensor | None = None):
     """Add the cached teacher windows' aligned pairs (source features -> the target's own un-rotated K, V) to
     `stats`; tok_table [V, d_tok]: the token features of each target id (statistics with token inputs); src_basis:
-    the source features are read through it (`adapter.source_inputs`)."""
+    the source features are read through it (`adapter.source_inputs`). Under torchrun each rank reads its share of
+    the windows into empty `stats` and the sums are all-reduced (distributed.py)."""
+    from kvbridge.adapters.distributed import reduce_stats, shard, world_size
     from kvbridge.adapters.pairs import flatten_heads
     from tqdm import tqdm
 
-    for i in tqdm(indices, desc=desc, disable=not progress):
+    assert world_size() == 1 or stats.count == 0, "a sharded accumulate starts from empty statistics"
+    for i in tqdm(shard(indices), desc=desc, disable=not progress):
         w = cache.load(i)
         use = w["has_text"].nonzero()[:, 0]
         keys = target.rope.unrotate_all(w["k"].float(), torch.arange(w["k"].shape[2]))
         xk, xv = source_inputs(src_basis, w["xk"][:, use].float(), w["xv"][:, use].float())
         stats.add(xk, xv, flatten_heads(keys)[:, use],
                   flatten_heads(w["v"].float())[:, use], None if tok_table is None else tok_table[w["ids"][use]])
-    return stats
+    return reduce_stats(stats)
 
 
 def adapter_stats(adapter: Adapter, cache, indices: list[int], target, progress: bool = True) -> RidgeStats:

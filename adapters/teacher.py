@@ -181,6 +181,11 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     }
 
 
+def _header(index: dict) -> dict:
+    """An index file's header: everything but its windows, the config with today's fields."""
+    return {k: v for k, v in index.items() if k != "windows"} | {"config": asdict(TeacherConfig(**index["config"]))}
+
+
 class TeacherCache:
     """A folder of per-window safetensors files plus index.json ({config, models, windows: [{id, doc_id,
     file}]}). `build` computes what is missing (resumable: a rerun skips finished files)."""
@@ -196,9 +201,19 @@ class TeacherCache:
         return len(self.entries)
 
     def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config: TeacherConfig,
-              start_token: int, progress: bool = True) -> dict:
+              start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1)) -> dict:
         """Teacher data of every window; returns timing {windows, seconds, per_window_s}. A cache that keeps the
-        queries serves a run that does not need them (its new windows keep them too)."""
+        queries serves a run that does not need them (its new windows keep them too).
+
+        part (p, n): only the p-th of n strided shares of the windows not cached yet (one rank's under torchrun),
+        listed in the index part `index.part-p.json` until `merge_parts` folds the parts into index.json; the n
+        processes may build their parts of one folder at once, after leftover parts were merged. (0, 1): every
+        missing window, listed in index.json (leftover parts merged first)."""
+        p, n = part
+        if not 0 <= p < n:
+            raise ValueError(f"part must be (p, n) with 0 <= p < n, got {part}")
+        if n == 1:
+            self.merge_parts()
         self.root.mkdir(parents=True, exist_ok=True)
         saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
         if saved is not None:
@@ -213,27 +228,60 @@ class TeacherCache:
                 raise ValueError(f"{self.root} holds teacher data of another configuration or model pair; use "
                                  "another folder")
         have = {e["id"] for e in self.entries}
+        index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])
         began, made = time.perf_counter(), 0
-        for w in tqdm(windows, desc="teacher windows", disable=not progress):
-            if w.id in have:
-                continue
+        for w in tqdm([w for w in windows if w.id not in have][p::n], desc="teacher windows", disable=not progress):
             tensors = teacher_window(source, target, w.text, config, start_token)
             if tensors is None:
                 continue
             name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
-            self.entries.append({"id": w.id, "doc_id": w.doc_id, "file": name})
+            entry = {"id": w.id, "doc_id": w.doc_id, "file": name}
+            self.entries.append(entry)
+            if n > 1:
+                listed.append(entry)
             made += 1
             if made % 4 == 0:
-                self._write_index(header)
-        self._write_index(header)
+                self._write_index(index, header, listed)
+        if n == 1 or listed:  # (a part with nothing new leaves index.json as it is)
+            self._write_index(index, header, listed)
         seconds = time.perf_counter() - began
         return {"windows": made, "seconds": seconds, "per_window_s": seconds / max(made, 1)}
 
-    def _write_index(self, header: dict) -> None:
-        tmp = self.index_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(header | {"windows": self.entries}))
-        tmp.replace(self.index_path)
+    def _part_path(self, p: int) -> Path:
+        return self.root / f"index.part-{p}.json"
+
+    def merge_parts(self, order: list[str] | None = None) -> None:
+        """Fold the index parts of a sharded build into index.json, every window listed once (the new ones in the
+        `order` of window ids when given), then remove the parts. One process, while no build runs."""
+        parts = sorted(self.root.glob("index.part-*.json"))
+        if not parts:
+            return
+        saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
+        header = None if saved is None else _header(saved)
+        have, new = {e["id"] for e in self.entries}, []
+        for path in parts:
+            data = json.loads(path.read_text())
+            header = header or _header(data)
+            if _header(data) != header:
+                raise ValueError(f"{path} lists teacher windows of another configuration or model pair than "
+                                 f"{self.index_path}; remove it and the folder's unlisted files")
+            for e in data["windows"]:
+                if e["id"] not in have:
+                    have.add(e["id"])
+                    new.append(e)
+        if order is not None:
+            position = {wid: i for i, wid in enumerate(order)}
+            new.sort(key=lambda e: position.get(e["id"], len(position)))
+        self.entries += new
+        self._write_index(self.index_path, header, self.entries)
+        for path in parts:
+            path.unlink()
+
+    def _write_index(self, path: Path, header: dict, entries: list[dict]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(header | {"windows": entries}))
+        tmp.replace(path)
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.root / self.entries[i]["file"]))

@@ -24,7 +24,8 @@ tail and with round(exact_tail * C / 2) exact tokens.
 
 The map's context cache is map_kv.py's (its input built as `adapter.project` builds it), the objectives losses.py's,
 the dev recovery recovery_probe.py's (scoring.py's recovery, as evaluate.py reports it for an adapter); this module is
-the loop: config, schedule, batches, evaluation, checkpoints.
+the loop: config, schedule, batches, evaluation, checkpoints. Under torchrun (distributed.py) every rank runs the loop:
+each step's batch is split by rank and the gradients summed; rank 0 scores the dev windows and writes the files.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from kvbridge.adapters.distributed import (
+    barrier,
+    check_same,
+    from_main,
+    is_main,
+    reduce_gradients,
+    shard,
+    summed,
+    world_size,
+)
 from kvbridge.adapters.fuser import FuserMaps
 from kvbridge.adapters.losses import AttentionGeometry, attention_loss, ce_loss, kl_loss
 from kvbridge.adapters.recovery_probe import RecoveryProbe
@@ -152,8 +163,12 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
           train_idx: list[int], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
           out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None) -> dict:
     """Train `maps` in place; the best (by dev recovery, else the last) weights are loaded back at the end.
-    Writes out_dir/{last,best}.safetensors and record.json; returns the record. `until`: leave after the
-    checkpoint at that iteration, as an interrupted run would (for testing resume)."""
+    Writes out_dir/{last,best}.safetensors and record.json (each row: the mean and every step's training loss since
+    the last one); returns the record. `until`: leave after the checkpoint at that iteration, as an interrupted run
+    would (for testing resume). Under torchrun: collective; `dev` is read on rank 0 only (the others may pass None)."""
+    if world_size() > config.batch_windows:
+        raise ValueError(f"{world_size()} ranks share each step's {config.batch_windows} windows: every rank needs at "
+                         "least one (raise the batch, --batch-windows, or start fewer processes)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
@@ -172,14 +187,17 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         state = _load(out / "last.safetensors", maps, optimizer)
         if state["config"] != json.loads(json.dumps(asdict(config))):
             raise ValueError(f"{out}/last.safetensors was written under another config; resume needs the same")
+    check_same(maps.state_dict(), f"maps at the start of {out.name}")
+    scored = from_main(dev is not None)  # rank 0 scores the dev windows
     tokens_per_step = config.batch_windows * cache.load(train_idx[0])["ids"].numel()  # target tokens per step
     it, began = state["iter"], time.perf_counter() - state["elapsed_s"]
 
-    def evaluate(train_loss: float) -> bool:
-        row = {"iter": it, "elapsed_s": round(time.perf_counter() - began, 2), "train_loss": train_loss,
-               "lr": state.get("lr", 0.0), "tokens": it * tokens_per_step}
+    def evaluate(step_losses: list[float]) -> bool:
+        row = {"iter": it, "elapsed_s": round(time.perf_counter() - began, 2),
+               "train_loss": sum(step_losses) / len(step_losses) if step_losses else float("nan"),
+               "step_losses": step_losses, "lr": state.get("lr", 0.0), "tokens": it * tokens_per_step}
         improved = True
-        if dev is not None:
+        if scored and is_main():
             r = dev.recovery(maps)
             row |= {"dev_recovery": r["recovery"], "dev_interval": r["interval"]}
             if config.exact_tail:  # the score: the mean of no exact tail and the middle of the range trained on
@@ -188,14 +206,18 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                 row |= {"dev_recovery_replace": r["recovery"], f"dev_recovery_exact_{tail}": r_tail["recovery"],
                         "dev_recovery": (r["recovery"] + r_tail["recovery"]) / 2}
                 row.pop("dev_interval")
+        row = from_main(row)  # rank 0's clock and dev scores
+        if scored:
             improved = row["dev_recovery"] > state["best"]
         state["record"].append(row)
         if improved:
             state.update(best=row.get("dev_recovery", 0.0), best_iter=it, stale=0)
-            _save(out / "best.safetensors", maps, None, {k: v for k, v in state.items() if k != "record"})
+            if is_main():
+                _save(out / "best.safetensors", maps, None, {k: v for k, v in state.items() if k != "record"})
         else:
             state["stale"] += 1
-        (out / "record.json").write_text(json.dumps(state["record"], indent=1))
+        if is_main():
+            (out / "record.json").write_text(json.dumps(state["record"], indent=1))
         return config.patience > 0 and state["stale"] >= config.patience
 
     bar = tqdm(total=config.max_iters, initial=it, desc=f"train {config.objective}", disable=not progress)
@@ -203,14 +225,17 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
     stop = False
     while it < config.max_iters and not stop:
         if it % config.eval_interval == 0 and not (state["record"] and state["record"][-1]["iter"] == it):
-            stop = evaluate(sum(losses) / len(losses) if losses else float("nan"))
+            stop = evaluate(losses)
             losses = []
             state.update(iter=it, elapsed_s=time.perf_counter() - began)
-            _save(out / "last.safetensors", maps, optimizer, state)
+            if is_main():
+                _save(out / "last.safetensors", maps, optimizer, state)
             if stop or (until is not None and it >= until):
                 stop = True
                 break
         elapsed = time.perf_counter() - began
+        if config.max_seconds:
+            elapsed = from_main(elapsed)  # one clock for every rank's schedule and stop
         if config.max_seconds and elapsed >= config.max_seconds:
             break
         frac = it / config.max_iters
@@ -221,29 +246,36 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         for group in optimizer.param_groups:
             group["lr"] = lr
         state["lr"] = lr  # the step's rate, for the record
-        windows = [cache.load(i) for i in _batch_indices(config, it, len(train_idx)) for i in [train_idx[i]]]
+        batch = _batch_indices(config, it, len(train_idx))  # the global batch; this rank's share of it:
+        windows = [cache.load(train_idx[i]) for i in shard(batch)]
         if config.objective == "attention":
             loss = sum(attention_loss(maps, start_kv, w, target, geometry, context_tokens, config.queries)
                        for w in windows)
-            loss = loss / len(windows)
+            loss = loss / len(batch)
         else:
             loss = (kl_loss if config.objective == "kl" else ce_loss)(
                 maps, start_kv, windows, target, context_tokens, exact_tail_tokens(config, it, context_tokens))
+            if len(windows) < len(batch):  # a mean over this rank's windows -> its part of the batch's mean
+                loss = loss * (len(windows) / len(batch))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        reduce_gradients(maps.parameters())  # the global batch's gradient on every rank
         torch.nn.utils.clip_grad_norm_(maps.parameters(), config.grad_clip)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(summed(loss.detach()))
         it += 1
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.1e}",
                         tok_s=f"{it * tokens_per_step / max(time.perf_counter() - began, 1e-9):.0f}")
     bar.close()
     if not stop and not (state["record"] and state["record"][-1]["iter"] == it):
-        evaluate(sum(losses) / len(losses) if losses else float("nan"))
+        evaluate(losses)
         state.update(iter=it, elapsed_s=time.perf_counter() - began)
-        _save(out / "last.safetensors", maps, optimizer, state)
-    if dev is not None and until is None:
+        if is_main():
+            _save(out / "last.safetensors", maps, optimizer, state)
+    check_same(maps.state_dict(), f"maps at the end of {out.name}")
+    barrier()  # rank 0's files are written
+    if scored and until is None:
         _load(out / "best.safetensors", maps, None)
     return {"record": state["record"], "best_iter": state["best_iter"], "best": state["best"],
             "iters": it, "elapsed_s": time.perf_counter() - began, "tokens_per_step": tokens_per_step}
