@@ -57,7 +57,12 @@ def add_parsers(sub) -> None:
                                                                           "memory)")
     p.add_argument("--cpu-tier-mb", type=float, default=None, help="CPU tier under the pool (default 0: none)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16)")
-    p.add_argument("--redis-url", help="Redis/Valkey tier shared by replicas, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-url",
+                   help="Redis/Valkey tier shared by replicas: one server, e.g. redis://127.0.0.1:6379/0, or a Redis "
+                        "Cluster, redis+cluster://[user:password@]host:port[,host:port...] (rediss+cluster:// for "
+                        "TLS; one reachable node is enough). On a cluster a write counts once a replica confirms it "
+                        "(WAIT); ?wait_replicas=N (default 1, 0: the primary's answer) and ?wait_timeout_ms=T "
+                        "(default 250) change that")
     p.add_argument("--redis-secret-file", metavar="PATH",
                    help="file holding the secret the replicas sign and check Redis values with: at least 32 bytes "
                         "(e.g. `openssl rand -hex 32`), mode 600 or 640 (default: $KVBRIDGE_REDIS_SECRET_FILE). "

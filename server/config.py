@@ -6,7 +6,7 @@ TOML keys are the field names below, at top level, e.g.
     listen = "127.0.0.1:50051"
     adapters = "~/.cache/kvbridge/adapters"
     store_capacity_mb = 2048
-    redis_url = "redis://127.0.0.1:6379/0"
+    redis_url = "redis://127.0.0.1:6379/0"  # or a cluster: "redis+cluster://10.0.0.1:6379,10.0.0.2:6379"
     redis_secret_file = "/etc/kvbridge/redis-secret"
     token_file = "/etc/kvbridge/tokens"
 
@@ -47,7 +47,7 @@ class ServeConfig:
     store_capacity_mb: float | None = None  # device pool; None: half the free memory
     cpu_tier_mb: float = 0  # 0: no CPU tier under the device pool
     block_size: int = 16
-    redis_url: str | None = None
+    redis_url: str | None = None  # one server, or redis+cluster://host:port[,host:port...] (store/redis_url.py)
     redis_secret_file: str | None = None  # the replicas' shared secret (see the module docstring); never logged
     redis_insecure: bool = False  # a Redis tier without a secret: anyone who can write to it can plant KV
     share_entries: bool = True  # with redis_url: entries (records and blocks) written through, so replicas find them
@@ -114,6 +114,10 @@ class ServeConfig:
                              "or set allow_remote_without_tokens")
         if self.metrics_listen is not None:
             split_address(self.metrics_listen, "metrics_listen")
+        if self.redis_url is not None:
+            from kvbridge.transfer.store.redis_url import check_redis_url
+
+            check_redis_url(self.redis_url)  # a mistyped URL stops the server here, before any model loads
         self._check_redis_secret()
         from kvbridge.transfer.suffix.correction import Correction
 

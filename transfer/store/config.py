@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from kvbridge.transfer.errors import CapacityError
 from kvbridge.transfer.store.redis_auth import MIN_SECRET_BYTES
+from kvbridge.transfer.store.redis_url import check_redis_url
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,9 @@ class StoreConfig:
     slab_bytes: int = 256 << 20  # a pool grows and shrinks by slabs of about this size (at most capacity / 32): big
     # enough that a gather touches few of them, small enough that the last, partly used one wastes little
     cpu_capacity_bytes: int = 0  # 0: no CPU tier
-    redis_url: str | None = None  # None: no Redis tier
+    # None: no Redis tier. One server (redis://host:port/db, rediss://, unix://) or a Redis Cluster
+    # (redis+cluster://host:port[,host:port...][?wait_replicas=1&wait_timeout_ms=250]: redis_url)
+    redis_url: str | None = None
     # the secret every replica on that Redis signs and checks its values with (redis_auth.read_secret_file; at least
     # 32 bytes). A Redis tier needs one, or redis_insecure: an explicit opt-out (a warning is logged) for a Redis no
     # one else can write to, where values are checked for corruption and placement only, not forgery
@@ -50,6 +53,8 @@ class StoreConfig:
         for name in ("tenant_max_entries", "tenant_max_pinned_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
         if self.redis_url is not None and self.redis_secret is None and not self.redis_insecure:
             raise ValueError("redis_url is set without redis_secret: whoever can write to that Redis could plant KV "
                              "and entry records for any tenant. Give the secret the replicas share "

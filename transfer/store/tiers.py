@@ -1,12 +1,14 @@
-"""Tiers below the device pool: a CPU tier (LRU, bounded in bytes) and a Redis/Valkey tier shared by replicas.
+"""Tiers below the device pool: a CPU tier (LRU, bounded in bytes) and a Redis/Valkey tier shared by replicas, on one
+server or a Redis Cluster (`redis+cluster://host:port[,host:port...]`: redis_url; its commands: redis_commands and
+redis_cluster, where a write is acknowledged once a replica confirms it).
 
 Both hold single blocks `[L, 2, H_kv, block_size, D]` keyed by block hash. Redis values are block blobs (`block_blob`:
 safetensors with the layout key, a sum64 checksum and a tag in the metadata; redis_auth: the tag is an HMAC-SHA256
 under the replicas' secret, over the value and its Redis key). What is read back is served only when its tag checks
 out, then its checksum, then its layout, dtype and shape against the layout its entry's record states; anything else
 is a miss, counted in `RedisStats.rejected` by kind (block, record, derived) and logged once per read; a rejected block
-is deleted (a replica's write puts it back). With a Redis tier below, the CPU tier takes each copy's sum64 as it
-writes it (`block_sums`), for the put that may follow.
+is deleted (a replica's write puts it back). The same checks hold on one server and on a cluster. With a Redis tier
+below, the CPU tier takes each copy's sum64 as it writes it (`block_sums`), for the put that may follow.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from kvbridge.transfer.store.block_blob import (
 from kvbridge.transfer.store.block_pool import PoolLayout
 from kvbridge.transfer.store.kv_blocks import BlockHash
 from kvbridge.transfer.store.redis_auth import ForgedValue, RedisAuth
+from kvbridge.transfer.store.redis_cluster import ClusterCommands
+from kvbridge.transfer.store.redis_commands import BLOCK_PREFIX, Commands, NodeCommands
+from kvbridge.transfer.store.redis_url import check_redis_url, is_cluster_url, parse_cluster_url, shown_url
 
 __all__ = ["CpuTier", "RedisTier", "RedisStats",  # and, from block_blob, what callers import from here:
            "BlockSums", "block_sums", "block_parts", "encode_block", "decode_block"]
@@ -108,6 +113,7 @@ class RedisStats:
     rejected: dict = field(default_factory=lambda: {"block": 0, "record": 0, "derived": 0})
     corrupt: int = 0  # rejected blocks, deleted from Redis
     errors: int = 0
+    unreplicated: int = 0  # writes a primary answered and no replica confirmed in time (a cluster): not stored
     available: bool = True
     down_since: float | None = None
     last_error: str = ""
@@ -117,37 +123,36 @@ class RedisStats:
 
 
 class RedisTier:
-    """Blocks in Redis/Valkey under `kvbridge:blk:<hash>` with a TTL. When the server is unreachable every call
-    degrades to a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds.
+    """Blocks in Redis/Valkey under `kvbridge:blk:<hash>` with a TTL, on one server or a cluster (by the URL's scheme:
+    redis_url). When Redis is unreachable every call degrades to a miss / no-op, the tier reports itself down, and a
+    reconnect is tried every `retry_s` seconds.
 
     Every value is tagged with `secret` (at least 32 bytes, the same in every replica that shares the Redis) and
     checked when read (redis_auth). secret=None tags values under a public key, which catches corruption and values
     moved to another key but not forgeries: the tier then logs a warning once, as it is made."""
 
-    PREFIX = b"kvbridge:blk:"
-    ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
-    DERIVED_PREFIX = b"kvbridge:derived:"  # a set per source entry: the keys of the entries derived from it
+    PREFIX = BLOCK_PREFIX
 
     def __init__(self, url: str, ttl_s: int = 3600, retry_s: float = 2.0, timeout_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, secret: bytes | None = None):
-        import redis  # imported here: the store works without the package when no Redis tier is configured
-
         if ttl_s <= 0:
             raise ValueError(f"redis tier ttl must be > 0 seconds, got {ttl_s}")
+        check_redis_url(url)
         self.url = url
+        self.shown_url = shown_url(url)  # for logs: no password
         self.ttl_s = int(ttl_s)
         self.retry_s = retry_s
         self.clock = clock
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry_on_timeout=False)
+        self.commands: Commands = (ClusterCommands(parse_cluster_url(url), timeout_s) if is_cluster_url(url)
+                                   else NodeCommands(url, timeout_s))
+        self._errors = self.commands.errors
         self.stats = RedisStats()
         self._next_try = 0.0
-        self._redis = redis
+        self._falling_short = False  # the last write's replicas fell short (logged once until they confirm again)
         self.auth = RedisAuth(secret)
         if secret is None:
             log.warning("redis tier %s has no secret: anyone who can write to it can plant KV and entry records for "
-                        "any tenant (values are checked for corruption and placement only)", url)
+                        "any tenant (values are checked for corruption and placement only)", self.shown_url)
 
     def _rejected(self, kind: str, found: list[tuple[bytes, str]]) -> None:
         """Count values not served, with one log line for them (the kind and first key, never the secret)."""
@@ -155,31 +160,22 @@ class RedisTier:
         log.warning("redis tier: not serving %d %s value(s) read back; first %s: %s", len(found), kind,
                     found[0][0].decode(errors="replace")[:80], found[0][1])
 
-    def _send_sets(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
-        """SET key (head + data) EX ttl for each item, pipelined on one connection. The commands are packed here so
-        that each value goes out as its two parts, the block's bytes straight from its tensor (redis-py would need
-        them joined into one bytes object: a copy of every block)."""
-        ttl = str(self.ttl_s).encode()
-        tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-        parts, glue = [], b""
-        for key, head, data in items:
-            command = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + len(data))
-            parts += [glue + command + head, data]
-            glue = tail
-        parts.append(glue)
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(parts)
-            replies = [conn.read_response() for _ in items]
-        except BaseException:
-            conn.disconnect()  # replies left unread would answer the next command
-            raise
-        finally:
-            pool.release(conn)
-        bad = [r for r in replies if r != b"OK"]
-        if bad:  # (an error reply raises in read_response)
-            raise self._redis.exceptions.ResponseError(f"SET answered {bad[0]!r}")
+    def _send_sets(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bytes]:
+        """SET key (head + data) EX ttl for each (key, head, the block's bytes), pipelined, each head sealed
+        (redis_auth) as the blocks before it are sent; the keys whose writes replicas did not confirm (a cluster's
+        WAIT: redis_cluster)."""
+        return self.commands.send_sets(items, self.ttl_s, self.auth.seal_block)
+
+    def _short(self, unconfirmed: list[bytes]) -> int:
+        """How many writes replicas did not confirm, counted and logged once until writes are confirmed again."""
+        short = len(unconfirmed)
+        if short:
+            self.stats.unreplicated += short
+            if not self._falling_short:
+                log.warning("redis tier %s: %d write(s) a primary answered were not confirmed by its replicas in "
+                            "time; reported as not stored", self.shown_url, short)
+        self._falling_short = bool(short)
+        return short
 
     def _key(self, block_hash: BlockHash) -> bytes:
         return self.PREFIX + block_hash.hex().encode()
@@ -193,7 +189,7 @@ class RedisTier:
 
     def _ok(self) -> None:
         if not self.stats.available:
-            log.warning("redis tier %s is reachable again", self.url)
+            log.warning("redis tier %s is reachable again", self.shown_url)
         self.stats.available = True
         self.stats.down_since = None
 
@@ -201,27 +197,25 @@ class RedisTier:
         self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         if self.stats.available:
-            log.warning("redis tier %s is down (%s); serving from local tiers", self.url, self.stats.last_error)
+            log.warning("redis tier %s is down (%s); serving from local tiers", self.shown_url, self.stats.last_error)
             self.stats.down_since = self.clock()
         self.stats.available = False
         self._next_try = self.clock() + self.retry_s
 
     def put_many(self, items: list[tuple[BlockHash, str, torch.Tensor]]) -> bool:
-        """SET with TTL for each (hash, layout_key, block). False when the tier is down (nothing stored)."""
+        """SET with TTL for each (hash, layout_key, block). False when the tier is down (nothing stored) or, on a
+        cluster, when replicas did not confirm them all (redis_cluster)."""
         if not items or not self._usable():
             return False if items else True
         try:
-            sets = []
-            for h, layout_key, block in items:
-                head, data = block_parts(layout_key, block)
-                sets.append((self._key(h), self.auth.seal_block(self._key(h), head, data), data))
-            self._send_sets(sets)
+            sets = [(self._key(h), *block_parts(layout_key, block)) for h, layout_key, block in items]
+            short = self._short(self._send_sets(sets))
         except self._errors as exc:
             self._failed(exc)
             return False
         self._ok()
-        self.stats.puts += len(items)
-        return True
+        self.stats.puts += len(items) - short
+        return not short
 
     def refresh_many(self, hashes: list[BlockHash]) -> list[bool] | None:
         """EXPIRE each block's key with the tier's TTL, as a SET of it would: for each hash, whether Redis still had
@@ -229,7 +223,7 @@ class RedisTier:
         if not hashes or not self._usable():
             return [] if not hashes else None
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.commands.client.pipeline(transaction=False)
             for block_hash in hashes:
                 pipe.expire(self._key(block_hash), self.ttl_s)
             found = [bool(x) for x in pipe.execute()]
@@ -244,7 +238,7 @@ class RedisTier:
         if not hashes or not self._usable():
             return [False] * len(hashes)
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.commands.client.pipeline(transaction=False)
             for block_hash in hashes:
                 pipe.exists(self._key(block_hash))
             found = [bool(x) for x in pipe.execute()]
@@ -262,7 +256,7 @@ class RedisTier:
             return {}
         keys = [self._key(h) for h in hashes]
         try:
-            blobs = self._client.mget(keys)
+            blobs = self.commands.mget(keys)
         except self._errors as exc:
             self._failed(exc)
             return {}
@@ -270,15 +264,15 @@ class RedisTier:
         self.stats.gets += len(hashes)
         found: dict[BlockHash, torch.Tensor] = {}
         rejected, bad = [], []
-        for block_hash, key, blob in zip(hashes, keys, blobs):
-            if blob is None:
-                continue
-            try:
-                self.auth.open_block(key, blob)  # nothing else is parsed before it checks out
-                found[block_hash] = fitting(*decode_block(blob), layout)
-            except ValueError as exc:  # ForgedValue among them
-                rejected.append((key, str(exc)))
+        there = [(h, key, blob) for h, key, blob in zip(hashes, keys, blobs) if blob is not None]
+        checked = self.commands.both_ways(lambda key, blob: self._checked(key, blob, layout),
+                                          [(key, blob) for _, key, blob in there])
+        for (block_hash, key, _), block in zip(there, checked):
+            if isinstance(block, ValueError):  # ForgedValue among them
+                rejected.append((key, str(block)))
                 bad.append(block_hash)
+            else:
+                found[block_hash] = block
         self.stats.hits += len(found)
         if bad:  # deleted, not left to be refreshed as if held (a replica's write puts the block back)
             self._rejected("block", rejected)
@@ -286,11 +280,15 @@ class RedisTier:
             self.delete_many(bad)
         return found
 
+    def _checked(self, key: bytes, blob: bytes, layout: PoolLayout | str) -> torch.Tensor:
+        self.auth.open_block(key, blob)  # nothing else is parsed before it checks out
+        return fitting(*decode_block(blob), layout)
+
     def delete_many(self, hashes: list[BlockHash]) -> None:
         if not hashes or not self._usable():
             return
         try:
-            self._client.delete(*[self._key(h) for h in hashes])
+            self.commands.client.delete(*[self._key(h) for h in hashes])
         except self._errors as exc:
             self._failed(exc)
             return
@@ -298,32 +296,36 @@ class RedisTier:
 
     def put_entries(self, items: list[tuple[str, bytes, str | None]]) -> bool:
         """SET with TTL for each (entry key, record, source entry key or None), and the key added to its source's
-        derived set. False when the tier is down."""
+        derived set. False when the tier is down or, on a cluster, when replicas did not confirm them all."""
         if not items or not self._usable():
             return False if items else True
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.commands.client.pipeline(transaction=False)
+            written = []
             for key, record, source_key in items:
-                redis_key = self.ENTRY_PREFIX + key.encode()
+                redis_key = self.commands.entry_key(key)
                 pipe.set(redis_key, self.auth.seal_record(redis_key, record), ex=self.ttl_s)
+                written.append(redis_key)
                 if source_key is not None:
-                    set_key = self.DERIVED_PREFIX + source_key.encode()
+                    set_key = self.commands.derived_key(source_key)
                     pipe.sadd(set_key, self.auth.seal_member(set_key, key))
                     pipe.expire(set_key, self.ttl_s)
+                    written.append(set_key)
             pipe.execute()
+            short = self._short(self.commands.confirm(written, self.ttl_s))
         except self._errors as exc:
             self._failed(exc)
             return False
         self._ok()
-        return True
+        return not short
 
     def get_entries(self, keys: list[str]) -> dict[str, bytes]:
         """The records found whose tags check out (a miss when the tier is down); the others are counted."""
         if not keys or not self._usable():
             return {}
-        redis_keys = [self.ENTRY_PREFIX + k.encode() for k in keys]
+        redis_keys = [self.commands.entry_key(k) for k in keys]
         try:
-            blobs = self._client.mget(redis_keys)
+            blobs = self.commands.mget(redis_keys)
         except self._errors as exc:
             self._failed(exc)
             return {}
@@ -343,9 +345,9 @@ class RedisTier:
         """The keys of the entries recorded as derived from these, whose tags check out (none when the tier is down)."""
         if not keys or not self._usable():
             return []
-        set_keys = [self.DERIVED_PREFIX + k.encode() for k in keys]
+        set_keys = [self.commands.derived_key(k) for k in keys]
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.commands.client.pipeline(transaction=False)
             for set_key in set_keys:
                 pipe.smembers(set_key)
             sets = pipe.execute()
@@ -369,8 +371,8 @@ class RedisTier:
         if not keys or not self._usable():
             return
         try:
-            self._client.delete(*[prefix + k.encode() for k in keys
-                                  for prefix in (self.ENTRY_PREFIX, self.DERIVED_PREFIX)])
+            self.commands.client.delete(*[name for k in keys for name in (self.commands.entry_key(k),
+                                                                          self.commands.derived_key(k))])
         except self._errors as exc:
             self._failed(exc)
             return
@@ -379,7 +381,7 @@ class RedisTier:
     def ping(self) -> bool:
         """Probe the server now (ignores the retry interval); updates availability."""
         try:
-            self._client.ping()
+            self.commands.ping()
         except self._errors as exc:
             self._failed(exc)
             return False

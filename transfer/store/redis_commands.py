@@ -1,0 +1,148 @@
+"""How the Redis tier's commands reach one Redis server (`NodeCommands`), and what that shares with a Redis Cluster
+(`Commands`; the cluster's own: redis_cluster.ClusterCommands): the tier's key names, the packed SETs that send each
+block from its tensor while the Redis tiers' one thread computes the next blocks' tags (and checks every other block
+read back), and redis-py's client behind a few calls, so that RedisTier reads the same on both.
+
+Keys: a block is `kvbridge:blk:<hash hex>`, an entry's record `kvbridge:entry:<entry key>`, the set of the entries
+derived from an entry `kvbridge:derived:<entry key>`. On a cluster the entry key is a hash tag
+(`kvbridge:entry:{<key>}`, `kvbridge:derived:{<key>}`): an entry's record and its derived set share a slot, so the
+DEL of both is one command, atomic, on one shard. Blocks stand alone and spread over the shards by their hash.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+BLOCK_PREFIX = b"kvbridge:blk:"
+ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
+DERIVED_PREFIX = b"kvbridge:derived:"  # a set per source entry: the keys of the entries derived from it
+
+_worker: ThreadPoolExecutor | None = None  # the Redis tiers' thread (sealing, checking), one per process
+_worker_made = threading.Lock()
+
+Item = tuple[bytes, bytes, memoryview]  # (key, the blob's header, the block's bytes)
+Seal = Callable[[bytes, bytes, memoryview], bytes]  # (key, header, data) -> the header with its tag (redis_auth)
+
+
+class Commands:
+    """What RedisTier asks of Redis. `client` is redis-py's client; `errors` the exceptions that mean Redis cannot
+    be reached or cannot serve now (the tier then degrades to misses and no-ops)."""
+
+    tagged = False  # entry keys in hash tags (a cluster)
+    errors: tuple[type[BaseException], ...] = ()
+    client = None
+
+    def entry_key(self, key: str) -> bytes:
+        return ENTRY_PREFIX + (b"{%s}" % key.encode() if self.tagged else key.encode())
+
+    def derived_key(self, key: str) -> bytes:
+        return DERIVED_PREFIX + (b"{%s}" % key.encode() if self.tagged else key.encode())
+
+    def mget(self, keys: list[bytes]) -> list[bytes | None]:
+        return self.client.mget(keys)
+
+    def send_sets(self, items: list[Item], ttl_s: int, seal: Seal) -> list[bytes]:
+        """SET key (seal(key, head, data) + data) EX ttl_s for each item; the keys whose writes replicas did not
+        confirm."""
+        raise NotImplementedError
+
+    def confirm(self, keys: list[bytes], ttl_s: int) -> list[bytes]:
+        """After writes of these keys: those not confirmed to have reached as many replicas as the tier waits for
+        (none on one server: it has no replicas to wait for)."""
+        return []
+
+    def ping(self) -> None:
+        self.client.ping()
+
+    def sealing(self, items: list[Item], seal: Seal) -> list[Future]:
+        """The items' headers sealed, in order, by the tiers' thread, ahead of the caller: a block's tag
+        (HMAC-SHA256, ~170 us for 295 kB: as long as sending the block) is computed while the blocks before it are
+        sent (both release the GIL). Cancel what is left when the send fails."""
+        return [_thread().submit(seal, *item) for item in items]
+
+    def both_ways(self, check: Callable, items: list[tuple]) -> list:
+        """check(*item) for each item, every other one on the tiers' thread while this one does the rest (the tags
+        and checksums of blocks read back, two at a time: hashing releases the GIL); each result, or the ValueError
+        it raised."""
+        def run(item):
+            try:
+                return check(*item)
+            except ValueError as exc:
+                return exc
+
+        theirs = [_thread().submit(run, item) for item in items[1::2]]
+        results = [None] * len(items)
+        results[0::2] = [run(item) for item in items[0::2]]
+        results[1::2] = [future.result() for future in theirs]
+        return results
+
+
+
+def _thread() -> ThreadPoolExecutor:
+    global _worker
+    if _worker is None:
+        with _worker_made:
+            if _worker is None:
+                _worker = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-redis")
+    return _worker
+
+
+def sealed(items: list[Item], heads: list[Future]) -> Iterator[Item]:
+    """The items with their sealed headers (Commands.sealing), each as soon as it is ready."""
+    for (key, _, data), head in zip(items, heads):
+        yield key, head.result(), data
+
+
+class NodeCommands(Commands):
+    """One Redis server (a redis-py URL). A cluster node given by a plain URL answers MOVED / CROSSSLOT for keys of
+    other shards: counted as errors, never raised (use a redis+cluster:// URL)."""
+
+    def __init__(self, url: str, timeout_s: float):
+        import redis  # imported here: the store works without the package when no Redis tier is configured
+
+        exc = redis.exceptions
+        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.AskError, exc.ClusterCrossSlotError,
+                       exc.ClusterDownError, exc.TryAgainError)
+        self._response_error = exc.ResponseError
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry_on_timeout=False)
+
+    def send_sets(self, items: list[Item], ttl_s: int, seal: Seal) -> list[bytes]:
+        """Pipelined on one connection (packed_sets), each header sealed as the blocks before it go."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        heads = self.sealing(items, seal)
+        try:
+            conn.send_packed_command(packed_sets(sealed(items, heads), ttl_s))
+            replies = [conn.read_response() for _ in items]
+        except BaseException:
+            conn.disconnect()  # replies left unread would answer the next command
+            raise
+        finally:
+            pool.release(conn)
+            for head in heads:
+                head.cancel()
+        bad = [r for r in replies if r != b"OK"]
+        if bad:  # (an error reply raises in read_response)
+            raise self._response_error(f"SET answered {bad[0]!r}")
+        return []
+
+
+def packed_sets(items: Iterable[Item], ttl_s: int, wait: tuple[int, int] | None = None) -> Iterator[bytes]:
+    """The RESP of `SET key (head + data) EX ttl_s` for each (key, head, data), then of `WAIT replicas timeout_ms`
+    when `wait` gives them: buffers to send in order, each value as its two parts, the block's bytes straight from
+    its tensor (redis-py would need them joined into one bytes object: a copy of every block, and on a fresh
+    allocation its page faults, which cost more than the copy). Items are taken as they are sent."""
+    ttl = str(ttl_s).encode()
+    tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+    glue = b""
+    for key, head, data in items:
+        yield glue + b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + len(data)) + head
+        yield data
+        glue = tail
+    if wait is not None:
+        args = [b"%d" % n for n in wait]
+        glue += b"*3\r\n$4\r\nWAIT\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+    yield glue
