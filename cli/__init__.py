@@ -32,6 +32,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.adapters.cli import add_parsers as adapters_parsers
     from kvbridge.eval.cli import add_parsers as eval_parsers
+    from kvbridge.eval.prior_fit import add_parsers as prior_parsers
     from kvbridge.server.cli import add_parsers as server_parsers
     from kvbridge.transfer.cli import add_parsers as transfer_parsers
     from kvbridge.transfer.corpus import add_parsers as corpus_parsers
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     eval_parsers(sub)
+    prior_parsers(sub)
     corpus_parsers(sub)
     return parser
 

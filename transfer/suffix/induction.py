@@ -97,6 +97,9 @@ class InductionPrior:
 
     terms: torch.Tensor  # [4, L, H_q] float32 (TERMS); a head whose four are 0 reads as the model does
     origin: str = "given"  # what made it: "probe ...", or the fitted file it came from
+    # a fit's reading: every layer attends through the prior, so a head whose four terms are 0 gets a gradient too
+    # (otherwise only the layers with a biased head do; the result is the same, the cost is not)
+    every_layer: bool = False
     _placed: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # device -> `placed`
 
     def __post_init__(self):
@@ -161,8 +164,9 @@ class InductionPrior:
         with _lock:
             placed = self._placed.get(device)
             if placed is None:
+                layers = range(self.terms.shape[1]) if self.every_layer else self.heads
                 placed = self._placed[device] = {layer: self.terms[:, layer].T.contiguous().to(device)
-                                                 for layer in self.heads}
+                                                 for layer in layers}
         return placed
 
     @property
@@ -186,7 +190,7 @@ class InductionPrior:
         if token_ids.ndim != 1 or projected.shape != token_ids.shape:
             raise ValueError(f"reading needs token_ids and projected of one shape [N], got "
                              f"{tuple(token_ids.shape)} and {tuple(projected.shape)}")
-        if not projected.any() or not bool((self.terms != 0).any()):
+        if not projected.any() or not (self.every_layer or bool((self.terms != 0).any())):
             yield
             return
         model = lm.model

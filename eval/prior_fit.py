@@ -1,0 +1,348 @@
+"""Fitting a target's induction prior (transfer/suffix/induction.py) by the continuation's NLL, and the `kvbridge prior
+fit` command that made the one that ships (transfer/suffix/priors/).
+
+Per (layer, query head) four terms (induction.TERMS): the match, the longer match, every projected key, a projected
+key of the query's own token. Init: the probed prior (3 × induction score where the score >= 0.1, else 0; the other
+two terms 0). Training windows: `window_tokens` target tokens of the adapter's training corpora (the documents the
+chain's split keeps for training, never its held-out ones), shuffled by seed 0, cut by eval's `prepare` to 512
+tokens of context and 32 of continuation, those with at least 400 context tokens kept; the first `dev` of them are
+the dev windows, the next `windows - dev` the training ones. Each is projected by a kvbridge server serving the
+pair's default adapter (the shipped one), and its last 10% recomputed by the target (`recompute:0.1`'s cache).
+
+A step: one training window drawn by random.Random(0), read as recompute:0.1 (p 0.7) or replace; the loss is the
+mean NLL of its 31 continuation tokens with the prior on the projected keys, plus lam × ||theta - init||²; Adam at
+lr 0.03. Every `dev_every` steps the dev NLL (summed over the dev windows, in both readings) is recorded, and a
+checkpoint written (theta and Adam's state): a run resumes from it exactly.
+
+`--check FILE --until N` reruns the recipe recorded in FILE up to step N, building only the windows those steps
+read, and compares its dev NLL there with FILE's record (relative tolerance FILE records): the shipped prior's
+reproduction test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
+from kvbridge.transfer.suffix.reuse import prefill_after
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+RECOMPUTE = 0.1  # recompute:0.1: the share of the context the target recomputes at its end
+TOLERANCE = 2e-4  # relative, on a dev NLL: float reduction order differs across CPUs; 50 steps move it ~10x more
+
+
+@dataclass(frozen=True)
+class Recipe:
+    preset: str = "small"
+    windows: int = 360  # dev + training windows
+    dev: int = 40
+    steps: int = 300
+    lam: float = 0.001  # weight of ||theta - init||²
+    lr: float = 0.03
+    window_tokens: int = 560  # target tokens cut from a document per window (before `prepare`)
+    min_context: int = 400
+    dev_every: int = 50
+
+    def __post_init__(self):
+        if not 0 < self.dev < self.windows:
+            raise ValueError(f"the prior fit needs 0 < dev ({self.dev}) < windows ({self.windows})")
+        if self.steps < 1 or self.dev_every < 1 or self.lam < 0 or self.lr <= 0:
+            raise ValueError(f"the prior fit needs steps >= 1, dev_every >= 1, lam >= 0 and lr > 0: {self}")
+
+
+def initial_terms(target: LoadedModel) -> torch.Tensor:
+    """[4, L, H_q]: the probed prior's match terms (3 × score where the score >= 0.1), the other two 0."""
+    scores = induction_scores(target)
+    init = torch.where(scores >= 0.1, 3 * scores, torch.zeros_like(scores))
+    return torch.stack((init, init, torch.zeros_like(init), torch.zeros_like(init)))
+
+
+def continuation_nll(target: LoadedModel, kv: torch.Tensor, ids: torch.Tensor, cont: torch.Tensor,
+                     projected: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of cont[1:] after the cache read with the prior `terms` on the keys where `projected`, every
+    layer through the prior's attention (so every head's terms get a gradient, as the shipped prior was fitted).
+    kv: [L, 2, H, T, D] rotated at positions 0..T-1 of ids [T]; cont: [N]; projected: [T] bool. The gradient reaches
+    terms (the prior's attention passes it on)."""
+    t = ids.numel()
+    cache = kvcache.build_cache(kv[:, :, None].float())
+    with InductionPrior(terms, every_layer=True).reading(target, ids, projected):
+        logits = target.model(input_ids=cont[None], position_ids=torch.arange(t, t + cont.numel())[None],
+                              cache=cache, use_cache=True).logits[0]
+    return F.cross_entropy(logits[:-1].float(), cont[1:], reduction="sum")
+
+
+def reading(window: dict, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv, ids, cont, projected) of a built window read as `replace` or `recompute` (its recomputed tail in)."""
+    ids, kv, cont = window["ids"], window["kv"].float(), window["cont"]
+    t = ids.numel()
+    projected = torch.zeros(t, dtype=torch.bool)
+    if mode == "replace":
+        projected[1:] = True
+        return kv, ids, cont, projected
+    k = window["tail"].shape[3]
+    projected[1:t - k] = True
+    return torch.cat((kv[:, :, :, :t - k], window["tail"].float()), 3), ids, cont, projected
+
+
+class Windows:
+    """The recipe's windows, built on demand into `folder` (NNNN.safetensors: ids, cont, kv and tail in bf16) from
+    the corpora in `data`, projected by an in-process kvbridge server of the preset (its default adapter)."""
+
+    def __init__(self, recipe: Recipe, data: Path, folder: Path, target: LoadedModel):
+        self.recipe, self.data, self.folder, self.target = recipe, Path(data), Path(folder), target
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._loaded: dict[int, dict] = {}
+
+    def path(self, index: int) -> Path:
+        return self.folder / f"{index:04d}.safetensors"
+
+    def _candidates(self):
+        from kvbridge.adapters.teacher import document_windows, is_heldout, split_documents
+        from kvbridge.eval.records import Record
+        from kvbridge.eval.summaries import EvalConfig, prepare
+
+        names = {"pydoc_corpus.txt": "pydoc", "kernel_docs_corpus.txt": "kernel_docs"}
+        missing = [n for n in names if not (self.data / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"the prior fit reads {' and '.join(names)} from --data {self.data}, which lacks "
+                                    f"{', '.join(missing)} (`kvbridge data build --out DIR` makes them)")
+        docs = [d for n, name in names.items() for d in split_documents(self.data / n, name)]
+        train = [d for d in docs if not is_heldout(d[0], 0.08)]  # the chain's split: never its held-out documents
+        windows = document_windows(train, self.target.tokenizer, self.recipe.window_tokens)
+        random.Random(0).shuffle(windows)
+        config = EvalConfig()
+        for w in windows:
+            doc = prepare(Record(w.id, w.text, "-"), self.target, config)
+            if doc is not None and doc.doc_tokens >= self.recipe.min_context and doc.continuation.numel() >= 32:
+                yield doc
+
+    def build(self, needed: set[int], log=print) -> None:
+        """Project the windows of `needed` (indices < recipe.windows) that are not in the folder yet."""
+        todo = {i for i in needed if not self.path(i).is_file()}
+        if not todo:
+            return
+        from kvbridge.eval.run import start_local_server
+        from kvbridge.server.client import KVBridgeClient
+        from kvbridge.transfer.presets import load_pair
+
+        source, _ = load_pair(self.recipe.preset)
+        running = start_local_server(source, self.target, self.recipe.preset, None, False)
+        try:
+            with KVBridgeClient(running.address, timeout_s=600) as client:
+                for index, doc in enumerate(self._candidates()):
+                    if index > max(todo):
+                        break
+                    if index not in todo:
+                        continue
+                    t0 = time.perf_counter()
+                    entry = client.ingest(text=doc.text).entries[0]
+                    segment = client.fetch_projected(key=entry.key, target_model=self.target.name,
+                                                     mode="replace").segment
+                    self._save(index, doc, segment.kv.float())
+                    log(f"window {index} {doc.record.id} {doc.doc_tokens} tokens {time.perf_counter() - t0:.1f} s")
+            found = sum(self.path(i).is_file() for i in todo)
+            if found < len(todo):
+                raise ValueError(f"the corpora in {self.data} give {found} of the {len(todo)} windows asked for")
+        finally:
+            running.stop(1)
+
+    def _save(self, index: int, doc, kv: torch.Tensor) -> None:
+        # kv: [L, 2, H, T, D] the projection of the window's ids, rotated at positions 0..T-1
+        ids = doc.target_ids
+        k = max(1, round(RECOMPUTE * doc.doc_tokens))
+        t = ids.numel()
+        head = KVSegment(kv=kv[:, :, :, :t - k], token_ids=ids[:t - k], positions=torch.arange(t - k),
+                         model=self.target.spec.identity, rotated=True)
+        tail = prefill_after(self.target, head, ids[t - k:]).kv.float()
+        save_file({"ids": ids, "cont": doc.continuation, "kv": kv.to(torch.bfloat16).contiguous(),
+                   "tail": tail.to(torch.bfloat16).contiguous()}, str(self.path(index)),
+                  metadata={"id": doc.record.id})
+
+    def __getitem__(self, index: int) -> dict:
+        if index not in self._loaded:
+            self._loaded[index] = load_file(str(self.path(index)))
+        return self._loaded[index]
+
+
+def draws(recipe: Recipe, steps: int) -> list[tuple[int, str]]:
+    """(window index, reading) of steps 1..steps: what random.Random(0) picks."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(steps):
+        index = recipe.dev + rng.randrange(recipe.windows - recipe.dev)
+        out.append((index, "recompute" if rng.random() < 0.7 else "replace"))
+    return out
+
+
+def dev_nll(target: LoadedModel, windows: Windows, terms: torch.Tensor) -> list[float]:
+    """Summed NLL over the dev windows, read as recompute:0.1 and as replace."""
+    with torch.no_grad():
+        return [sum(float(continuation_nll(target, *reading(windows[i], mode), terms))
+                    for i in range(windows.recipe.dev)) for mode in ("recompute", "replace")]
+
+
+def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until: int | None = None,
+        log=print, init: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """(theta [4, L, H_q], the dev NLL at step 0 and every dev_every steps), from `init` ([4, L, H_q]; default
+    `initial_terms`: a head whose four terms are 0 reads as the model does and gets no gradient). Resumes from
+    work/checkpoint.safetensors when it holds this recipe's run."""
+    last = min(until or recipe.steps, recipe.steps)
+    picks = draws(recipe, last)
+    windows.build(set(range(recipe.dev)) | {i for i, _ in picks}, log)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    init = initial_terms(target) if init is None else init.float()
+    theta = torch.nn.Parameter(init.clone())
+    opt = torch.optim.Adam([theta], lr=recipe.lr)
+    Path(work).mkdir(parents=True, exist_ok=True)
+    checkpoint = Path(work) / "checkpoint.safetensors"
+    start, trajectory = _resume(checkpoint, recipe, theta, opt)
+    if start == 0:
+        trajectory["0"] = dev_nll(target, windows, init)
+        log(f"step 0 dev NLL {trajectory['0']}")
+    for step in range(start + 1, last + 1):
+        index, mode = picks[step - 1]
+        loss = continuation_nll(target, *reading(windows[index], mode), theta) / 31
+        reg = recipe.lam * ((theta - init) ** 2).sum()
+        opt.zero_grad()
+        (loss + reg).backward()
+        opt.step()
+        if step % recipe.dev_every == 0 or step == recipe.steps:
+            trajectory[str(step)] = dev_nll(target, windows, theta.detach())
+            log(f"step {step} loss {float(loss.detach()):.3f} dev NLL {trajectory[str(step)]}")
+            _save_checkpoint(checkpoint, recipe, step, theta, opt, trajectory)
+    return theta.detach().clone(), trajectory
+
+
+def _save_checkpoint(path: Path, recipe: Recipe, step: int, theta, opt, trajectory) -> None:
+    state = opt.state[theta]
+    tmp = path.with_suffix(".tmp")
+    save_file({"theta": theta.detach().contiguous(), "exp_avg": state["exp_avg"].contiguous(),
+               "exp_avg_sq": state["exp_avg_sq"].contiguous()}, str(tmp),
+              metadata={"recipe": json.dumps(asdict(recipe), sort_keys=True), "step": str(step),
+                        "trajectory": json.dumps(trajectory)})
+    tmp.replace(path)
+
+
+def _resume(path: Path, recipe: Recipe, theta, opt) -> tuple[int, dict]:
+    if not path.is_file():
+        return 0, {}
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        if json.loads(meta["recipe"]) != asdict(recipe):
+            raise ValueError(f"{path} holds a run of another recipe ({meta['recipe']}): use another --work folder")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    step = int(meta["step"])
+    with torch.no_grad():
+        theta.copy_(tensors["theta"])
+    opt.state[theta] = {"step": torch.tensor(float(step)), "exp_avg": tensors["exp_avg"],
+                        "exp_avg_sq": tensors["exp_avg_sq"]}
+    return step, json.loads(meta["trajectory"])
+
+
+def recorded(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("kvbridge_prior", "{}"))
+    if "recipe" not in meta or "dev_nll" not in meta:
+        raise ValueError(f"{path} records no recipe and dev NLL (kvbridge_prior metadata): not made by `kvbridge "
+                         "prior fit`")
+    return meta
+
+
+def compare(expected: list[float], got: list[float], tolerance: float) -> float:
+    """The largest relative difference of two dev NLLs; raises when it passes `tolerance`."""
+    worst = max(abs(g - e) / abs(e) for e, g in zip(expected, got, strict=True))
+    if worst > tolerance:
+        raise ValueError(f"dev NLL {got} differs from the recorded {expected} by {worst:.2e} relative, more than the "
+                         f"recorded tolerance {tolerance:.0e}")
+    return worst
+
+
+def _recipe(args: argparse.Namespace) -> Recipe:
+    return Recipe(preset=args.preset, windows=args.windows, dev=args.dev, steps=args.steps, lam=args.lam)
+
+
+def cmd_prior_fit(args: argparse.Namespace) -> int:
+    from kvbridge.adapters.shipped import find_shipped
+    from kvbridge.transfer.presets import load_pair
+
+    recipe = _recipe(args)
+    source, target = load_pair(recipe.preset)
+    work = Path(args.work)
+    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", target), work)
+    adapter = find_shipped(source.spec, target.spec)
+    command = (f"kvbridge prior fit --preset {recipe.preset} --data DATA --windows {recipe.windows} --dev {recipe.dev} "
+               f"--steps {recipe.steps} --lam {recipe.lam} --out {Path(args.out).name} (DATA: the folder `kvbridge "
+               f"data build --out DATA` writes)")
+    InductionPrior(theta.float(), origin=Path(args.out).name).save(args.out, {
+        "target": {"name": target.name, "config_hash": target.spec.identity.config_hash},
+        "adapter": adapter.stem if adapter is not None else "the server's default adapter",
+        "recipe": asdict(recipe), "dev_nll": trajectory, "tolerance": TOLERANCE,
+        "fitted_on": f"windows of pydoc_corpus.txt and kernel_docs_corpus.txt, the chain's training documents "
+                     f"(blake2b split, 8% held out never used); {recipe.windows - recipe.dev} training windows, "
+                     f"{recipe.dev} dev windows",
+        "command": command})
+    print(f"wrote {args.out}: dev NLL (recompute:0.1, replace) {trajectory['0']} at step 0, "
+          f"{trajectory[str(recipe.steps)]} at step {recipe.steps}")
+    return 0
+
+
+def cmd_prior_check(args: argparse.Namespace) -> int:
+    from kvbridge.transfer.presets import load_pair
+
+    meta = recorded(Path(args.file))
+    recipe = Recipe(**meta["recipe"])
+    marks = sorted(int(s) for s in meta["dev_nll"])
+    until = args.until if args.until is not None else recipe.steps
+    if until not in marks:
+        raise ValueError(f"{args.file} records the dev NLL at steps {marks}: --until must be one of them")
+    _, target = load_pair(recipe.preset)
+    if target.spec.identity.config_hash != meta["target"]["config_hash"]:
+        raise ValueError(f"{args.file} was fitted for {meta['target']['name']}, not {target.name}")
+    work = Path(args.work)
+    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", target), work, until=until)
+    worst = compare(meta["dev_nll"][str(until)], trajectory[str(until)], float(meta["tolerance"]))
+    line = f"step {until}: dev NLL {trajectory[str(until)]}, recorded {meta['dev_nll'][str(until)]}, " \
+           f"relative difference {worst:.1e} (tolerance {meta['tolerance']:.0e})"
+    if until == recipe.steps:
+        shipped = InductionPrior.load(args.file).terms
+        line += f"; terms differ from the file's by at most {float((theta - shipped).abs().max()):.2e}"
+    print(line)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    from kvbridge.transfer.presets import PRESETS
+
+    prior = sub.add_parser("prior", help="fit a target's induction prior, or check a fitted one reproduces")
+    psub = prior.add_subparsers(dest="prior_command", required=True)
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--data", required=True, type=Path, metavar="DIR",
+                      help="folder of pydoc_corpus.txt and kernel_docs_corpus.txt (`kvbridge data build --out DIR`)")
+    data.add_argument("--work", type=Path, default=Path("prior-work"), metavar="DIR",
+                      help="the built windows and the checkpoint; a run resumes from it (default prior-work)")
+    p = psub.add_parser("fit", parents=[data], help="fit the prior of a preset's target (about 15 minutes for the "
+                        "small pair on 2 cores)")
+    p.add_argument("--preset", default=Recipe.preset, choices=sorted(PRESETS))
+    p.add_argument("--windows", type=int, default=Recipe.windows, help="dev and training windows")
+    p.add_argument("--dev", type=int, default=Recipe.dev, help="dev windows (the first ones)")
+    p.add_argument("--steps", type=int, default=Recipe.steps, help="Adam steps, one window each")
+    p.add_argument("--lam", type=float, default=Recipe.lam, help="weight of the squared distance from the init")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="the prior file to write")
+    p.set_defaults(func=cmd_prior_fit)
+    p = psub.add_parser("check", parents=[data], help="rerun a fitted prior's recipe up to a step and compare its "
+                        "dev NLL with the file's record")
+    p.add_argument("file", help="a prior file written by `kvbridge prior fit`")
+    p.add_argument("--until", type=int, help="the step to stop at, one the file records (default: the last)")
+    p.set_defaults(func=cmd_prior_check)

@@ -1,0 +1,126 @@
+"""`kvbridge prior fit` / `prior check` (kvbridge.eval.prior_fit): the fit resumes exactly, refuses another recipe's
+checkpoint, and the shipped prior of the small pair reproduces from its recorded recipe."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kvbridge.eval import prior_fit
+from kvbridge.eval.prior_fit import Recipe, compare, fit, recorded
+from kvbridge.transfer import corpus, kvcache
+from kvbridge.transfer.suffix.induction import InductionPrior
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "transfer" / "suffix" / "priors" / "smollm2-135m-instruct-q4_1.safetensors"
+
+
+class OwnWindows:
+    """Windows of the tiny target's own KV with a seeded disturbance (what a projection leaves), for `fit`: the same
+    keys (ids, cont, kv, tail) as prior_fit.Windows builds from a server's projections."""
+
+    def __init__(self, recipe: Recipe, target):
+        self.recipe, self.items = recipe, {}
+        g = torch.Generator().manual_seed(0)
+        vocab = target.model.config.vocab_size
+        for i in range(recipe.windows):
+            pattern = torch.randint(3, vocab, (12,), generator=g)
+            ids = torch.cat((torch.tensor([1]), pattern.repeat(4)))  # repeats: what induction heads read
+            cont = pattern.repeat(3)[:32]
+            kv = kvcache.extract(target.model, target.spec, ids).kv.float()
+            kv = kv + 0.3 * kv.std() * torch.randn(kv.shape, generator=g)
+            self.items[i] = {"ids": ids, "cont": cont, "kv": kv.to(torch.bfloat16),
+                             "tail": kv[:, :, :, -5:].to(torch.bfloat16)}
+        self.built: set[int] = set()
+
+    def build(self, needed, log=print):
+        self.built |= set(needed)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def test_a_resumed_fit_gives_the_same_prior_as_one_run(tiny_target, tmp_path):
+    recipe = Recipe(preset="tiny", windows=6, dev=2, steps=6, dev_every=2)
+    windows = OwnWindows(recipe, tiny_target)
+    init = torch.ones_like(prior_fit.initial_terms(tiny_target))  # the tiny model has no head of induction score
+    init[:, 0] = 0  # a layer with no biased head: a fit reads every layer through the prior, so it moves too
+    theta, trajectory = fit(recipe, tiny_target, windows, tmp_path / "one", log=lambda _: None, init=init)
+    assert sorted(trajectory, key=int) == ["0", "2", "4", "6"]
+    assert windows.built >= {0, 1} and windows.built <= set(range(6))
+    assert (theta - init).abs().min() > 0, "six Adam steps left a term of the prior where it was"
+    assert bool((theta[:, 0] != 0).all())
+    assert trajectory["6"] != trajectory["0"]
+
+    _, first = fit(recipe, tiny_target, windows, tmp_path / "two", until=4, log=lambda _: None, init=init)
+    assert sorted(first, key=int) == ["0", "2", "4"]
+    resumed, whole = fit(recipe, tiny_target, windows, tmp_path / "two", log=lambda _: None, init=init)
+    assert torch.equal(resumed, theta)
+    assert whole == trajectory
+
+    other = Recipe(preset="tiny", windows=6, dev=2, steps=6, dev_every=2, lam=0.5)
+    with pytest.raises(ValueError, match="another recipe"):
+        fit(other, tiny_target, windows, tmp_path / "two", log=lambda _: None, init=init)
+
+
+def test_the_draws_are_those_of_the_original_fit():
+    # the shipped prior was fitted with random.Random(0).choice over the training windows, then .random() < 0.7
+    import random
+
+    rng = random.Random(0)
+    recipe = Recipe()
+    training = list(range(recipe.dev, recipe.windows))
+    expected = []
+    for _ in range(20):
+        index = rng.choice(training)
+        expected.append((index, "recompute" if rng.random() < 0.7 else "replace"))
+    assert prior_fit.draws(recipe, 20) == expected
+
+
+def test_compare_names_the_difference_and_the_tolerance():
+    assert compare([100.0, 200.0], [100.01, 199.99], 2e-4) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="more than the recorded tolerance"):
+        compare([100.0, 200.0], [100.1, 200.0], 2e-4)
+
+
+def test_the_shipped_prior_records_its_recipe_and_command():
+    meta = recorded(SHIPPED)
+    recipe = Recipe(**meta["recipe"])
+    assert meta["command"].startswith("kvbridge prior fit ") and f"--steps {recipe.steps}" in meta["command"]
+    assert str(recipe.steps) in meta["dev_nll"] and "0" in meta["dev_nll"]
+    start, end = meta["dev_nll"]["0"], meta["dev_nll"][str(recipe.steps)]
+    assert all(e < s for s, e in zip(start, end, strict=True)), "the fit did not lower the dev NLL"
+    assert InductionPrior.load(SHIPPED).terms.shape[0] == 4
+
+
+def _corpora(tmp_path_factory) -> Path:
+    """A folder with the two training corpora, byte for byte those recorded: $KVBRIDGE_DATA, data/ of the checkout,
+    the shared data beside it, or built from the Debian packages of the recorded versions; else the test skips."""
+    want = corpus.recorded()
+    names = (corpus.PYDOC_CORPUS, corpus.KERNEL_CORPUS)
+    candidates = [Path(p) for p in (os.environ.get("KVBRIDGE_DATA"),) if p] + [ROOT / "data",
+                                                                                 ROOT.parent / "shared" / "data"]
+    for folder in candidates:
+        if all((folder / n).is_file() and corpus.sha256_of(folder / n) == want["sha256"][n] for n in names):
+            return folder
+    installed = corpus.package_versions()
+    if installed != want["packages"]:
+        pytest.skip(f"no corpora of the recorded hashes here ($KVBRIDGE_DATA, data/) and the Debian packages are "
+                    f"{installed}, not the recorded {want['packages']}")
+    out = tmp_path_factory.mktemp("corpora")
+    corpus.build(out)
+    return out
+
+
+@pytest.mark.slow
+def test_the_shipped_prior_reproduces_from_its_recipe(tmp_path_factory):
+    data = _corpora(tmp_path_factory)
+    work = tmp_path_factory.mktemp("prior-work")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    done = subprocess.run([sys.executable, "-m", "kvbridge.cli", "prior", "check", str(SHIPPED), "--data", str(data),
+                           "--work", str(work), "--until", "50"], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "step 50: dev NLL" in done.stdout and "relative difference" in done.stdout
