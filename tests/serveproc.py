@@ -18,6 +18,20 @@ from pathlib import Path
 _POLL_S = 0.1
 
 
+def tiny_replica_args(folder: Path, tiny_adapter_file: Path, redis_url: str, tokens: str) -> list[str]:
+    """`kvbridge serve` arguments of a tiny-pair replica on a shared Redis tier (values signed with the tests'
+    secret): folder gets the adapters, the token file (`tokens`: its lines) and the secret file."""
+    from redisproc import write_secret_file
+
+    adapters = folder / "adapters"
+    adapters.mkdir(exist_ok=True)
+    shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
+    (folder / "tokens").write_text(tokens)
+    return ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
+            "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(folder / "tokens"),
+            "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(folder))]
+
+
 def _die_with_parent() -> list[str]:
     """A command prefix that makes the server get SIGKILL when the test process dies (no orphan servers):
     util-linux `setpriv --pdeathsig KILL` where present. Not a preexec_fn: that makes subprocess fork() instead

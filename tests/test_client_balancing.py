@@ -7,7 +7,6 @@ are checked without servers."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import urllib.request
 from collections import Counter
@@ -19,8 +18,9 @@ from kvbridge.server.channel import parse_target, resolve_transport
 from kvbridge.server.client import KVBridgeClient, KVBridgeError
 from kvbridge.vllm.params import ConnectorConfig
 from prometheus_client.parser import text_string_to_metric_families
-from redisproc import RedisProcess, redis_available, write_secret_file
+from redisproc import RedisProcess, redis_available
 from served import TEXT, wait_for
+from serveproc import tiny_replica_args
 
 TOKEN = "balanced-token-0123456789abcdef"
 REPLICAS = 3
@@ -66,14 +66,8 @@ def replicas(tmp_path_factory, tiny_adapter_file):
     root = tmp_path_factory.mktemp("balanced")
     redis = RedisProcess(root / "redis")
     redis.start()
-    (root / "tokens").write_text(f"acme {TOKEN}\n")
-    adapters = root / "adapters"
-    adapters.mkdir()
-    shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
-    args = ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
-            "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(root / "tokens"),
-            "--redis-url", redis.url, "--redis-secret-file", str(write_secret_file(root)),
-            "--metrics-listen", "127.0.0.1:0", "--shm-ttl-s", "300", "--shm-keep-s", "0"]
+    args = tiny_replica_args(root, tiny_adapter_file, redis.url, f"acme {TOKEN}\n") + [
+        "--metrics-listen", "127.0.0.1:0", "--shm-ttl-s", "300", "--shm-keep-s", "0"]
     started = []
     try:  # one after another, from this thread: a server started by a thread that ends gets SIGKILL (pdeathsig)
         for i in range(REPLICAS):

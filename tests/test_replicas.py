@@ -3,13 +3,10 @@ fetched and projected by the second, with the same KV, and only by its tenant.""
 
 from __future__ import annotations
 
-import shutil
-
 import grpc
 import pytest
 import torch
 from kvbridge.server.client import KVBridgeClient, KVBridgeError
-from redisproc import write_secret_file
 
 pytestmark = pytest.mark.integration
 
@@ -21,15 +18,9 @@ TEXT = ("Each record holds a name and a value; readers skip the fields they do n
 
 def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp_path, redis_url,
                                                                              tiny_adapter_file):
-    from serveproc import ServeProcess
+    from serveproc import ServeProcess, tiny_replica_args
 
-    (tmp_path / "tokens").write_text(f"acme {TOKEN}\nother {OTHER}\n")
-    adapters = tmp_path / "adapters"
-    adapters.mkdir()
-    shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
-    args = ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
-            "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(tmp_path / "tokens"),
-            "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(tmp_path))]
+    args = tiny_replica_args(tmp_path, tiny_adapter_file, redis_url, f"acme {TOKEN}\nother {OTHER}\n")
     first = ServeProcess(tmp_path / "first", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     second = ServeProcess(tmp_path / "second", args, env={"KVBRIDGE_HOME": str(tmp_path)}, start_timeout_s=240)
     try:

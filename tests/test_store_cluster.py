@@ -31,6 +31,7 @@ from kvbridge.transfer.store.redis_url import ClusterUrl, check_redis_url, parse
 from kvbridge.transfer.store.tiers import RedisTier
 from redis_cluster import PASSWORD, LocalCluster, cluster_available
 from redisproc import TEST_SECRET
+from shared_store import assert_found_by_another_replica
 
 if not cluster_available():
     pytest.skip("no redis-server and redis-cli (or valkey-server and valkey-cli) on PATH: a local Redis Cluster "
@@ -131,14 +132,7 @@ def test_replicas_share_entries_through_the_cluster_whose_shards_all_hold_some(c
     info = first.put(a, "t", text="forty tokens")  # 2 full blocks + a partial tail, all written through
     projection = first.put(_seg(500, model=P, layers=3), "t", adapter="a", source_key=info.key).key
     others = [first.put(_seg(1000 * i), "t").key for i in range(2, 6)]
-    assert second.lookup(torch.arange(0, 40), "t", M, torch.float32).key == info.key
-    got = second.get(info.key, "t")
-    assert torch.equal(got.kv, a.kv) and torch.equal(got.token_ids, a.token_ids)
-    assert second.info(info.key, "t").text == "forty tokens"
-    with pytest.raises(NotFound):
-        second.get(info.key, "u")  # another tenant: a miss, like any unknown key
-    assert second.lookup(torch.arange(0, 40), "u", M, torch.float32).key is None
-    assert second.lookup(torch.arange(0, 60), "t", M, torch.float32).num_tokens == 32  # whole blocks of a prefix
+    assert_found_by_another_replica(second, info, a, "forty tokens", M)
 
     blocks = _keys_by_primary(cluster, "kvbridge:blk:*")
     assert sum(len(k) for k in blocks.values()) == 6 * 3

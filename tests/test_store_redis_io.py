@@ -12,6 +12,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
+from shared_store import assert_found_by_another_replica
 
 pytestmark = pytest.mark.integration
 
@@ -112,15 +113,7 @@ def test_replicas_find_fetch_and_delete_each_others_entries(redis_url):
     first, second, third = _sharing(redis_url), _sharing(redis_url), _sharing(redis_url)
     a = _seg(0, 40)
     info = first.put(a, "t", text="forty tokens")  # 2 full blocks + a partial tail, all written through
-    assert second.lookup(torch.arange(0, 40), "t", M, torch.float32).key == info.key
-    got = second.get(info.key, "t")
-    assert torch.equal(got.kv, a.kv) and torch.equal(got.token_ids, a.token_ids)
-    assert second.info(info.key, "t").text == "forty tokens"
-    with pytest.raises(NotFound):
-        second.get(info.key, "u")  # another tenant: a miss, like any unknown key
-    assert second.lookup(torch.arange(0, 40), "u", M, torch.float32).key is None
-    longer = second.lookup(torch.arange(0, 60), "t", M, torch.float32)  # a prefix of a longer text: whole blocks
-    assert longer.num_tokens == 32 and longer.key is None
+    assert_found_by_another_replica(second, info, a, "forty tokens", M)
     assert second.delete(info.key, "t") == 1
     with pytest.raises(NotFound):
         third.get(info.key, "t")
