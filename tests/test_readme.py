@@ -125,6 +125,10 @@ def _parse(words: list[str]) -> None:
     from kvbridge.cli import build_parser
 
     program, args = words[0], words[1:]
+    if program == ".venv/bin/torchrun":  # torchrun's own options, then -m MODULE and the module's arguments
+        module = args.index("-m")
+        assert args[module + 1] == "kvbridge.adapters.cli", f"README runs {args[module + 1]} under torchrun"
+        program, args = ".venv/bin/train-adapter", args[module + 2:]
     if program in (".venv/bin/kvbridge", ".venv/bin/train-adapter"):
         parser = build_parser() if program.endswith("kvbridge") else train_parser()
         try:
