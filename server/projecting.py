@@ -13,7 +13,6 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -23,6 +22,7 @@ from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.prompt_place import locate
+from kvbridge.server.shm_segments import PendingSegment
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -76,26 +76,6 @@ def cache_label(label: str, adapter: Adapter) -> str:
     its content digest, so a retrained adapter saved under the same name and version never finds the old one's KV
     in the store, nor, through the entry keys they are tagged with, in the wire cache or kept shared-memory files."""
     return f"{label}~{adapter.digest[:32]}"
-
-
-class KeptIds:
-    """A small LRU map (target name, text digest) -> the target ids of that document, thread-safe."""
-
-    def __init__(self, size: int = 1024):  # a few KB per document
-        self.size, self._ids, self._lock = size, OrderedDict(), threading.Lock()
-
-    def get(self, key: tuple) -> tuple[int, ...] | None:
-        with self._lock:
-            ids = self._ids.get(key)
-            if ids is not None:
-                self._ids.move_to_end(key)
-            return ids
-
-    def put(self, key: tuple, ids: tuple[int, ...]) -> None:
-        with self._lock:
-            self._ids[key] = ids
-            while len(self._ids) > self.size:
-                self._ids.popitem(last=False)
 
 
 class Projecting:
@@ -374,6 +354,15 @@ class Projecting:
                     kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
                     if kept is not None:  # the destination has this entry's KV from an earlier fetch
                         return info, self.store.touch(info.key, tenant, kept, info.serial)
+                    want = getattr(out, "dtype", None) if isinstance(out, PendingSegment) else None
+                    if held and want is not None and want != dtype:  # a same-host segment in another dtype (the
+                        # engine's bf16): converted into it once, kept under the tag, so later fetches copy nothing
+                        buffer = out.tensor(shape, want)
+                        if buffer is not None:
+                            stored = self.store.get(info.key, tenant)
+                            buffer.copy_(stored.kv)
+                            out.written(0, shape[0])
+                            return info, replace(stored, kv=buffer)
                     buffer = out.tensor(shape, dtype) if held else None
                     return info, self.store.get(info.key, tenant, out=buffer,
                                                 written=out.written if buffer is not None else None)

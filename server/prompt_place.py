@@ -13,6 +13,8 @@ the prompt has as it is.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,3 +50,23 @@ def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, 
     raise ValueError(f"the prompt ({len(prompt)} tokens) does not hold the document's target tokens: none of its "
                      f"first {min(max_skip, len(doc))} tokens starts a run of {n} of them in the prompt (is it the "
                      "same text, tokenized by the target's tokenizer?)")
+
+
+class KeptIds:
+    """A small LRU map (target name, text digest) -> the target ids of that document, thread-safe."""
+
+    def __init__(self, size: int = 1024):  # a few KB per document
+        self.size, self._ids, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key: tuple) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
+            return ids
+
+    def put(self, key: tuple, ids: tuple[int, ...]) -> None:
+        with self._lock:
+            self._ids[key] = ids
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)

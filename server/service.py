@@ -22,7 +22,8 @@ import torch
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.corrections import Corrections
 from kvbridge.server.errors import FailedPrecondition
-from kvbridge.server.projecting import CacheResult, KeptIds, KVOut, Projecting, ServedModel
+from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
+from kvbridge.server.prompt_place import KeptIds
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize

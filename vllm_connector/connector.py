@@ -21,20 +21,23 @@ next step, meanwhile it schedules other requests); a fetch thread gets the proje
 the target's own KV of the tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt
 (`params.match_prompt`: whole blocks, never the last token). A same-host server puts the KV in a shared-memory
 segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy); a streamed
-fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the connector reports that
-many tokens as an asynchronous load; `update_state_after_alloc` tells the workers, through `build_connector_meta`,
-where the KV is and the request's block ids; the server's segment is released once the workers report the load
-(`update_connector_output`), or when the request ends. Anything that goes wrong (no
+fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the KV is on this host, and
+the connector reports that many tokens as a synchronous load: the workers write them before the step's forward,
+which computes the rest of the prompt in the same step (a sliding-window group's load is asynchronous instead, its
+own step: see `get_transfer_results`); `update_state_after_alloc` tells the workers, through `build_connector_meta`,
+where the KV is and the request's block ids; the server's segment is released when the request ends (an
+asynchronous load's once the workers report it, `update_connector_output`). Anything that goes wrong (no
 server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
 for the request, and a normal prefill: a request never fails because of kvbridge.
 
 Worker side: `start_load_kv` maps the server's segment (path, mode, size, layout and checksum checked) or reads the
 staged file, and writes the KV into the paged buffers layer by layer through the attention backend's own cache
 writer, `layer.impl.do_kv_cache_update(layer, key [T, H_kv, D], value, kv_cache, slot_mapping)`: the very call vLLM
-makes for the KV it computes, so the bytes land in the backend's layout whatever it is; `get_transfer_results` then
-reports the request's load done, or failed (a segment gone past its TTL, a bad checksum): vLLM then computes the
-request from its first token (`kv_transfer_config` sets `kv_load_failure_policy="recompute"`; vLLM's default "fail"
-would fail the request instead).
+makes for the KV it computes, so the bytes land in the backend's layout whatever it is. A load that fails (a segment
+gone past its TTL, a bad checksum) is reported: a synchronous one's blocks by `get_block_ids_with_load_errors`
+(vLLM drops the step's output for the request and computes it from the first of them), an asynchronous one by
+`get_transfer_results` as a failed receive (vLLM computes the request from its first token); `kv_transfer_config`
+sets `kv_load_failure_policy="recompute"` for that (vLLM's default "fail" would fail the request instead).
 The layouts (vLLM 0.32, one tensor per layer):
   CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
              ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
@@ -104,6 +107,10 @@ class Load:
     block_ids: list[int]  # the request's blocks from position 0 (first KV cache group)
     start: int  # the first prompt position to write (tokens before it were cached locally)
     num_tokens: int
+    # loaded before the step's forward, which then computes the rest of the prompt (no step of its own); a failure is
+    # reported as invalid blocks, which vLLM recomputes. False (a sliding-window group): an asynchronous load, a
+    # failure is the whole request's (`get_transfer_results`)
+    sync: bool = False
 
 
 @dataclass
@@ -151,6 +158,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         or not isinstance(specs[0], (FullAttentionSpec, SlidingWindowSpec))):
             self.kv_cache_refusal = (f"the engine's KV cache is {named[0]}; the connector loads into full or "
                                      "sliding-window attention")
+        # a failed load in a sliding-window group must be recomputed from the request's first token (the blocks
+        # before a failed one are null blocks): only an asynchronous load can say so, as a failed receive
+        self.sync_loads = len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec)
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
         self.wire_dtype = str(model.dtype).removeprefix("torch.")
@@ -175,6 +185,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # worker side
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
+        self._invalid_blocks: set[int] = set()  # blocks of failed synchronous loads, for vLLM to recompute
         self._saver = (Saver(self.config, model.model, self.block_size)
                        if self.saving and role == KVConnectorRole.WORKER else None)
 
@@ -230,8 +241,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return _Plan(source=None, loadable=0, error=reason)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """None while the request's lookup runs on a fetch thread; then (tokens to load, True: an asynchronous load),
-        or (0, False)."""
+        """None while the request's lookup runs on a fetch thread; then (tokens to load, False): the KV is on this
+        host by then (the server's segment or a staged file), and the workers write it before the step's forward,
+        which computes the rest of the prompt in the same step; (tokens, True) in a sliding-window group (an
+        asynchronous load: its own step); or (0, False)."""
         t0 = time.perf_counter()
         try:
             return self._matched(request, num_computed_tokens)
@@ -278,7 +291,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if plan.source is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
         tokens = max(0, plan.loadable - num_computed_tokens)
-        return tokens, tokens > 0
+        return tokens, tokens > 0 and not self.sync_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         plan = self._plans.get(request.request_id)
@@ -288,7 +301,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         start = plan.loadable - num_external_tokens
         plan.loaded = num_external_tokens
         self._pending[request.request_id] = Load(request.request_id, plan.source, list(blocks.get_block_ids()[0]),
-                                                 start, num_external_tokens)
+                                                 start, num_external_tokens, sync=self.sync_loads)
         self._timed(request.request_id, time.perf_counter() - t0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -374,11 +387,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:
                 kv = handoff.read(load.source)  # [L, 2, H_kv, >= start + n, D]: the tokens from position 0
                 self._write(load, kv[:, :, :, load.start:load.start + load.num_tokens], layers)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed receive: vLLM recomputes the request
+            except Exception as exc:  # noqa: BLE001 - reported as failed: vLLM recomputes the tokens
                 log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
                             load.num_tokens, exc)
-                self._failed_loads.add(load.req_id)
-            self._finished_loads.add(load.req_id)  # done, failed or not
+                if load.sync:  # every block the load covers: vLLM recomputes from the first
+                    first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
+                    self._invalid_blocks.update(load.block_ids[first:last + 1])
+                else:
+                    self._failed_loads.add(load.req_id)
+            if not load.sync:
+                self._finished_loads.add(load.req_id)  # done, failed or not
 
     def _write(self, load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module]) -> None:
         """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer: the
@@ -400,7 +418,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # the loads are asynchronous: requests wait for get_finished, not the forward
+        return  # start_load_kv wrote every layer before the forward; asynchronous loads wait for get_finished
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of synchronous loads that failed since the last call: vLLM recomputes the request from the
+        first of them (kv_load_failure_policy "recompute") and drops the step's output for it."""
+        failed, self._invalid_blocks = self._invalid_blocks, set()
+        return failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """The save side: this layer's positions of the step's saving requests, read out of its paged buffer."""
