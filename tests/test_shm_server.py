@@ -62,11 +62,12 @@ def entry_key(serve):
         return client.ingest(TEXT).entries[0].key
 
 
-def _raw_fetch(serve, token: str, key: str) -> pb2.CacheHeader:
+def _raw_fetch(serve, token: str, key: str, dtype: str = "") -> pb2.CacheHeader:
     """A projected fetch through shared memory by raw grpcio stubs, never released: the header."""
     with grpc.insecure_channel(serve.address) as channel:
         stub = pb2_grpc.KVBridgeStub(channel)
-        messages = list(stub.GetProjectedCache(pb2.GetProjectedCacheRequest(key=key, transport=pb2.SHARED_MEMORY),
+        request = pb2.GetProjectedCacheRequest(key=key, transport=pb2.SHARED_MEMORY, dtype=dtype)
+        messages = list(stub.GetProjectedCache(request,
                                                metadata=(("authorization", f"Bearer {token}"),), timeout=60))
     assert len(messages) == 1 and not messages[0].HasField("chunk")
     header = messages[0].header
@@ -114,17 +115,20 @@ def _mapped_kv(header, dtype: torch.dtype) -> torch.Tensor:
     return mapped[:, :, :, :t]
 
 
-def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_entry_is_made_again(serve):
+@pytest.mark.parametrize("dtype", ["", "bfloat16"])
+def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_entry_is_made_again(serve, dtype):
     """A warm same-host fetch of a projection fetched before gets the first fetch's file under a new name (the same
-    inode, nothing written); once the source entry is deleted and ingested again (a new projected entry, same key),
-    the fetch gets a new file."""
+    inode, nothing written), in the store's dtype or converted to another (bf16: converted once, at the first fetch);
+    once the source entry is deleted and ingested again (a new projected entry, same key), the fetch gets a new
+    file."""
+    text = f"{TEXT} Kept in {dtype or 'the store dtype'}."
     with KVBridgeClient(serve.address, token=ALICE) as client:
-        key = client.ingest(TEXT + " Kept.").entries[0].key
-        expected = client.fetch_projected(key=key, transport="stream").segment.kv
-    first = _raw_fetch(serve, ALICE, key)
+        key = client.ingest(text).entries[0].key
+        expected = client.fetch_projected(key=key, transport="stream", dtype=dtype).segment.kv
+    first = _raw_fetch(serve, ALICE, key, dtype)
     inode = os.stat(first.shared.path).st_ino
     assert _release(serve, ALICE, first.shared.name) is True
-    second = _raw_fetch(serve, ALICE, key)
+    second = _raw_fetch(serve, ALICE, key, dtype)
     assert second.shared.name != first.shared.name and os.stat(second.shared.path).st_ino == inode
     assert second.shared.checksum == first.shared.checksum
     assert torch.equal(_mapped_kv(second, expected.dtype), expected)
@@ -132,9 +136,9 @@ def test_the_next_fetch_of_the_same_projection_links_the_kept_file_until_the_ent
     assert not Path(first.shared.path).exists() and not Path(second.shared.path).exists()
     with KVBridgeClient(serve.address, token=ALICE) as client:
         assert client.delete(key) >= 2  # the source entry and its projection
-        assert client.ingest(TEXT + " Kept.").entries[0].key == key
+        assert client.ingest(text).entries[0].key == key
         client.fetch_projected(key=key, transport="stream")  # projected again: a new entry, same key
-    third = _raw_fetch(serve, ALICE, key)
+    third = _raw_fetch(serve, ALICE, key, dtype)
     assert os.stat(third.shared.path).st_ino != inode
     assert torch.equal(_mapped_kv(third, expected.dtype), expected)
     assert _release(serve, ALICE, third.shared.name) is True
