@@ -7,7 +7,8 @@ the machine named in the first line (STYLE rule 9).
 1. ttft (bench_ttft.py): TTFT with the context's KV replaced by the server's projection vs the target's full
    prefill, at 256, 1024 and 2048 context tokens on the small pair (warm and cold fetch).
 2. projection (bench_projection.py): projection throughput vs the target's prefill, on the same loaded pair.
-3. store (bench_store.py): PagedStore.get vs a torch copy, lookup per block, tokens a pool holds, the Redis tier.
+3. store (bench_store.py): PagedStore.get vs a torch copy, lookup per block, tokens a pool holds, the Redis tier
+   on one server and on a Redis Cluster.
 4. grpc (bench_grpc.py): a warm projected fetch over gRPC vs a raw loopback socket, bytes on the wire.
 5. suffix (bench_suffix.py): multi-turn suffix reuse, prefilled tokens and TTFT without/with the pipeline (its quick
    settings unless --full is given).
@@ -131,6 +132,15 @@ def store_rows(r: dict) -> list[Row]:
     for x in r["redis"]:
         rows.append(Row(f"redis tier/raw {x['op']}", f"{x['ratio_tier_over_raw']:.2f}", "near 1",
                         f"{x['tier_mbs']:,.0f} vs {x['raw_mbs']:,.0f} MB/s, {x['blocks']} blocks",
+                        x["ratio_tier_over_raw"]))
+    if r["redis"] and not r["redis_cluster"]:
+        rows.append(Row("redis cluster tier/raw", "skipped", ">= 0.8", "no redis-cli (or valkey-cli) on PATH"))
+    for x in r["redis_cluster"]:
+        sends = (f"; its sends alone, tags taken beforehand, {x['sends_only_mbs']:,.0f} MB/s; without WAIT "
+                 f"{x['without WAIT_mbs']:,.0f} MB/s" if x["op"] == "put" else "")
+        rows.append(Row(f"redis cluster tier/raw {x['op']}", f"{x['ratio_tier_over_raw']:.2f}", ">= 0.8",
+                        f"{x['tier_mbs']:,.0f} vs {x['raw_mbs']:,.0f} MB/s, {x['blocks']} blocks, 3 primaries + 3 "
+                        f"replicas{', writes confirmed by 1 replica' if x['op'] == 'put' else ''}{sends}",
                         x["ratio_tier_over_raw"]))
     return rows
 

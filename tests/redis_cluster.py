@@ -4,7 +4,7 @@ password on every node (so the tier's AUTH is exercised), joined by `redis-cli -
 tests make: SIGKILL a node, promote a replica (CLUSTER FAILOVER TAKEOVER), start a dead node again (it rejoins as a
 replica). Every wait polls the cluster with a deadline; nothing sleeps for a fixed time.
 
-No pytest in here: tests/test_store_cluster.py's fixture wraps it, bench/bench_store.py starts one too.
+No pytest in here: tests/test_store_cluster.py's fixture wraps it, bench/bench_store_redis.py starts one too.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ ALL_QUICK_ROWS = (
     "store lookup per block", "store hash_chain/lookup", "store tokens/pool (distinct entries)",
     "store tokens/pool (shared 1024-token prefix)", "store tokens/pool (growing conversation)",
     "store bytes held/capacity (mixed layouts)", "redis tier/raw put",
-    "redis tier/raw get", "gRPC stream grpc/raw",
+    "redis tier/raw get", "redis cluster tier/raw put", "redis cluster tier/raw get", "gRPC stream grpc/raw",
     "gRPC wire projected/source", "suffix prefilled tokens without/with", "suffix TTFT median without/with",
     "suffix TTFT sum without/with",
 )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 
-from kvbridge.transfer.store.redis_commands import Commands, Item, Seal, packed_sets, sealed
+from kvbridge.transfer.store.redis_commands import Commands, Item, Seal, Sealing, packed_sets
 from kvbridge.transfer.store.redis_url import ClusterUrl
 
 RETRIES = 3  # redis-py re-reads the slot map and retries a command this many times after a connection error
@@ -87,12 +87,13 @@ class ClusterCommands(Commands):
         `confirm`. Returns the keys whose writes replicas did not confirm."""
         client, wait = self.client, self.target.wait_replicas  # (made here: a cluster out of reach raises here)
         groups, orphans = self._by_primary(client, items, lambda item: item[0])
-        heads = iter(self.sealing([item for _, group in groups for item in group] + orphans, seal))
-        paired = [(node, [(item, next(heads)) for item in group]) for node, group in groups]
-        again = [(item, next(heads)) for item in orphans]  # (item, its sealed header), as in groups
+        sealing = Sealing([item for _, group in groups for item in group] + orphans, seal)
+        numbers = iter(range(len(sealing.items)))  # groups and again hold indices into sealing.items
+        numbered = [(node, [next(numbers) for _ in group]) for node, group in groups]
+        again = list(numbers)  # the orphans
         unconfirmed, sent = [], []  # sent: (pool, connection, group), replies not read yet
         try:
-            for node, group in paired:
+            for node, group in numbered:
                 pool = client.get_redis_connection(node).connection_pool
                 try:
                     conn = pool.get_connection()  # (released by the pool itself when it cannot connect)
@@ -101,7 +102,7 @@ class ClusterCommands(Commands):
                     continue
                 sent.append((pool, conn, group))
                 try:
-                    conn.send_packed_command(packed_sets(sealed([i for i, _ in group], [h for _, h in group]), ttl_s,
+                    conn.send_packed_command(packed_sets(sealing.sealed(group), ttl_s,
                                                          (wait, self.target.wait_timeout_ms) if wait else None))
                 except self.errors:
                     sent.pop()
@@ -113,15 +114,13 @@ class ClusterCommands(Commands):
                 ok = [self._reply(conn) == b"OK" for _ in group]
                 replicas = self._reply(conn) if wait else 0
                 pool.release(sent.pop(0)[1])
-                again += [pair for pair, done in zip(group, ok) if not done]
+                again += [i for i, done in zip(group, ok) if not done]
                 if wait and not (isinstance(replicas, int) and replicas >= wait):
-                    unconfirmed += [item[0] for (item, _), done in zip(group, ok) if done]
+                    unconfirmed += [sealing.items[i][0] for i, done in zip(group, ok) if done]
         except self.errors:  # a connection lost while reading: its group and those not read yet go again
-            again += [pair for _, _, group in sent for pair in group]
+            again += [i for _, _, group in sent for i in group]
         except BaseException:
-            for _, group in paired:
-                for _, head in group:
-                    head.cancel()
+            sealing.stop()
             raise
         finally:
             for pool, conn, _ in sent:
@@ -129,10 +128,10 @@ class ClusterCommands(Commands):
                 pool.release(conn)
         if again:
             pipe = client.pipeline(transaction=False)
-            for (key, _, data), head in again:
-                pipe.set(key, head.result() + data, ex=ttl_s)
+            for key, head, data in sealing.sealed(again):
+                pipe.set(key, head + data, ex=ttl_s)
             pipe.execute()
-            unconfirmed += self.confirm([key for (key, _, _), _ in again], ttl_s)
+            unconfirmed += self.confirm([sealing.items[i][0] for i in again], ttl_s)
         return unconfirmed
 
     def _reply(self, conn):

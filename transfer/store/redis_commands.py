@@ -1,7 +1,8 @@
 """How the Redis tier's commands reach one Redis server (`NodeCommands`), and what that shares with a Redis Cluster
 (`Commands`; the cluster's own: redis_cluster.ClusterCommands): the tier's key names, the packed SETs that send each
-block from its tensor while the Redis tiers' one thread computes the next blocks' tags (and checks every other block
-read back), and redis-py's client behind a few calls, so that RedisTier reads the same on both.
+block from its tensor while the blocks' tags are computed by the caller and the Redis tiers' one thread together
+(`Sealing`; the thread also checks every other block read back), and redis-py's client behind a few calls, so that
+RedisTier reads the same on both.
 
 Keys: a block is `kvbridge:blk:<hash hex>`, an entry's record `kvbridge:entry:<entry key>`, the set of the entries
 derived from an entry `kvbridge:derived:<entry key>`. On a cluster the entry key is a hash tag
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 BLOCK_PREFIX = b"kvbridge:blk:"
 ENTRY_PREFIX = b"kvbridge:entry:"  # entry records (registry.entry_record), so replicas find each other's entries
@@ -56,12 +57,6 @@ class Commands:
     def ping(self) -> None:
         self.client.ping()
 
-    def sealing(self, items: list[Item], seal: Seal) -> list[Future]:
-        """The items' headers sealed, in order, by the tiers' thread, ahead of the caller: a block's tag
-        (HMAC-SHA256, ~170 us for 295 kB: as long as sending the block) is computed while the blocks before it are
-        sent (both release the GIL). Cancel what is left when the send fails."""
-        return [_thread().submit(seal, *item) for item in items]
-
     def both_ways(self, check: Callable, items: list[tuple]) -> list:
         """check(*item) for each item, every other one on the tiers' thread while this one does the rest (the tags
         and checksums of blocks read back, two at a time: hashing releases the GIL); each result, or the ValueError
@@ -89,10 +84,77 @@ def _thread() -> ThreadPoolExecutor:
     return _worker
 
 
-def sealed(items: list[Item], heads: list[Future]) -> Iterator[Item]:
-    """The items with their sealed headers (Commands.sealing), each as soon as it is ready."""
-    for (key, _, data), head in zip(items, heads):
-        yield key, head.result(), data
+class Sealing:
+    """The items' headers sealed (seal(key, head, data): a block's tag, HMAC-SHA256, ~190 us for 295 kB, longer than
+    sending the block) by the caller and the Redis tiers' thread together, while blocks are sent (hashing and sending
+    release the GIL). The caller seals items in the order it sends them (`head(i)` seals item i unless the thread
+    took it), the thread from the last one back, until they meet: the caller waits for the thread at most once per
+    call to `sealed`. Where the thread gets no core of its own (a loaded machine) the caller seals most blocks
+    itself, as one thread would, instead of handing every block over and back; with a core free, both seal. The
+    single-server put, 512 blocks of 295 kB on a 2-core VM (AVX512, 3 alternating runs each): pinned to one core
+    669 MB/s, against 625 with the thread sealing every block and 677 sealing all inline before sending; on both
+    cores 1,188, against 990 and 849."""
+
+    def __init__(self, items: list[Item], seal: Seal):
+        self.items = items
+        self._seal = seal
+        self._heads: list = [None] * len(items)  # the sealed header, or the exception sealing raised
+        self._taken = [False] * len(items)
+        self._back = len(items) - 1  # the thread's next item: those after it are all taken
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        if len(items) > 1:  # a single item is sealed by the caller
+            _thread().submit(self._run)
+
+    def _take(self, i: int | None = None) -> int | None:
+        """Take item i (the caller), or the last item nobody has taken (the thread); None when there is none."""
+        with self._lock:
+            if i is None:
+                while self._back >= 0 and self._taken[self._back]:
+                    self._back -= 1
+                if self._stopped or self._back < 0:
+                    return None
+                i = self._back
+            elif self._taken[i]:
+                return None
+            self._taken[i] = True
+            return i
+
+    def _fill(self, i: int) -> None:
+        try:
+            head = self._seal(*self.items[i])
+        except BaseException as exc:  # raised to the caller by head(i)
+            head = exc
+        with self._done:
+            self._heads[i] = head
+            self._done.notify_all()
+
+    def _run(self) -> None:
+        while (i := self._take()) is not None:
+            self._fill(i)
+
+    def head(self, i: int) -> bytes:
+        """Item i's sealed header: sealed here if the thread has not taken it, else when the thread is done."""
+        if self._take(i) is not None:
+            self._fill(i)
+        with self._done:
+            self._done.wait_for(lambda: self._heads[i] is not None)
+            head = self._heads[i]
+        if isinstance(head, BaseException):
+            raise head
+        return head
+
+    def sealed(self, indices: Iterable[int]) -> Iterator[Item]:
+        """The items at these indices with their sealed headers, in that order, each as soon as it is ready."""
+        for i in indices:
+            key, _, data = self.items[i]
+            yield key, self.head(i), data
+
+    def stop(self) -> None:
+        """The thread takes no more items (a send failed: what is left is not needed)."""
+        with self._lock:
+            self._stopped = True
 
 
 class NodeCommands(Commands):
@@ -110,20 +172,19 @@ class NodeCommands(Commands):
                                            retry_on_timeout=False)
 
     def send_sets(self, items: list[Item], ttl_s: int, seal: Seal) -> list[bytes]:
-        """Pipelined on one connection (packed_sets), each header sealed as the blocks before it go."""
+        """Pipelined on one connection (packed_sets), the headers sealed as the blocks go (Sealing)."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
-        heads = self.sealing(items, seal)
+        sealing = Sealing(items, seal)
         try:
-            conn.send_packed_command(packed_sets(sealed(items, heads), ttl_s))
+            conn.send_packed_command(packed_sets(sealing.sealed(range(len(items))), ttl_s))
             replies = [conn.read_response() for _ in items]
         except BaseException:
             conn.disconnect()  # replies left unread would answer the next command
             raise
         finally:
             pool.release(conn)
-            for head in heads:
-                head.cancel()
+            sealing.stop()
         bad = [r for r in replies if r != b"OK"]
         if bad:  # (an error reply raises in read_response)
             raise self._response_error(f"SET answered {bad[0]!r}")
