@@ -17,6 +17,10 @@ short question, greedy, one new token, timed from submission to the finished req
   system prompt before the document): vLLM's own prefill of it, and the connector's load of the template's tokens
   (the target's own KV, computed by the server at each fetch) and the document moved to its positions after them.
 
+- floor: the question alone, nothing loaded and nothing before it: the engine's own fixed cost of a request (its
+  process hop, scheduling, a forward, sampling), under which no warm load goes; its ratio to own is the best any
+  connector could reach.
+
     .venv/bin/python bench/bench_vllm.py [--tokens 1024] [--rounds 3] [--dtype bfloat16|float32]
 """
 
@@ -58,9 +62,11 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
     if served_first["loaded_tokens"] != context_tokens:
         raise RuntimeError(f"the connector loaded {served_first['loaded_tokens']} tokens of the served correction: "
                            f"{served_first['kvbridge_error'] or 'see the engine log'}")
-    runs: dict[str, list[dict]] = {"own": [], "warm": [], "served": [], "chat_own": [], "chat": []}
+    runs: dict[str, list[dict]] = {"own": [], "warm": [], "served": [], "chat_own": [], "chat": [], "floor": []}
+    # floor: the question alone, nothing loaded and nothing before it: the engine's own fixed cost of a request,
+    # which no load goes under
     steps = [("own", prompt, None), ("warm", prompt, {"key": key}), ("served", prompt, served_params),
-             ("chat_own", chat, None), ("chat", chat, {"key": key})]
+             ("chat_own", chat, None), ("chat", chat, {"key": key}), ("floor", prompt[context_tokens:], None)]
     for r in range(rounds):
         for name, ids, kvbridge in (steps if r % 2 == 0 else steps[::-1]):
             runs[name].append(engine.generate(ids, max_tokens=1, kvbridge=kvbridge))
@@ -72,6 +78,7 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
     warm_s = statistics.median(w["seconds"] for w in warm)
     served_s = statistics.median(w["seconds"] for w in served)
     warm_fetch_s = statistics.median(w["kvbridge_fetch_s"] for w in warm)
+    floor_s = statistics.median(f["seconds"] for f in runs["floor"])
     # the scheduler's longest single connector call per request (the fetch runs on the connector's threads)
     in_calls = [r["kvbridge_scheduler_max_s"] for r in (cold, served_first, *warm, *served)]
     return {"scheduler_call_max_median_s": statistics.median(in_calls), "scheduler_call_max_s": max(in_calls),
@@ -81,7 +88,8 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
             "served_s": served_s, "served_first_s": served_first["seconds"], "ratio_served": served_s / own_s,
             "served_over_warm": served_s / warm_s, "chat_own_s": chat_own_s, "chat_s": chat_s,
             "ratio_chat": chat_s / chat_own_s, "chat_loaded_tokens": runs["chat"][0]["loaded_tokens"],
-            "chat_tokens": len(chat), "transport": warm[0]["kvbridge_transport"]}
+            "chat_tokens": len(chat), "transport": warm[0]["kvbridge_transport"], "floor_s": floor_s,
+            "ratio_floor": floor_s / own_s, "question_tokens": len(prompt) - context_tokens}
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -141,6 +149,10 @@ def run(argv: list[str] | None = None) -> dict:
           f"{result['ratio_served']:.3f}, served/warm replace {result['served_over_warm']:.2f} (goal <= 1.2, "
           f"{'meets goal' if result['served_over_warm'] <= 1.2 else 'BELOW GOAL'}); medians of {args.rounds} "
           "interleaved rounds", flush=True)
+    verdict = "meets goal" if result["ratio_warm"] <= 0.15 else "BELOW GOAL"
+    print(f"vllm floor: the question alone ({result['question_tokens']} tokens, nothing loaded) "
+          f"{result['floor_s']:.3f} s -> ratio floor/own {result['ratio_floor']:.3f}: the engine's fixed cost of a "
+          f"request, under which no warm load goes (warm goal: ratio <= 0.15, {verdict})", flush=True)
     print(f"vllm chat {result['chat_tokens']} tokens (template and system prompt before the document): own prefill "
           f"{result['chat_own_s']:.3f} s, through the connector warm {result['chat_s']:.3f} s ("
           f"{result['chat_loaded_tokens']} tokens loaded: the template's own KV and the document) -> ratio "
