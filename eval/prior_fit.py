@@ -99,8 +99,9 @@ class Windows:
     """The recipe's windows, built on demand into `folder` (NNNN.safetensors: ids, cont, kv and tail in bf16) from
     the corpora in `data`, projected by an in-process kvbridge server of the preset (its default adapter)."""
 
-    def __init__(self, recipe: Recipe, data: Path, folder: Path, target: LoadedModel):
-        self.recipe, self.data, self.folder, self.target = recipe, Path(data), Path(folder), target
+    def __init__(self, recipe: Recipe, data: Path, folder: Path, source: LoadedModel, target: LoadedModel):
+        self.recipe, self.data, self.folder = recipe, Path(data), Path(folder)
+        self.source, self.target = source, target
         self.folder.mkdir(parents=True, exist_ok=True)
         self._loaded: dict[int, dict] = {}
 
@@ -134,10 +135,8 @@ class Windows:
             return
         from kvbridge.eval.run import start_local_server
         from kvbridge.server.client import KVBridgeClient
-        from kvbridge.transfer.presets import load_pair
 
-        source, _ = load_pair(self.recipe.preset)
-        running = start_local_server(source, self.target, self.recipe.preset, None, False)
+        running = start_local_server(self.source, self.target, self.recipe.preset, None, False)
         try:
             with KVBridgeClient(running.address, timeout_s=600) as client:
                 for index, doc in enumerate(self._candidates()):
@@ -280,7 +279,7 @@ def cmd_prior_fit(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     source, target = load_pair(recipe.preset)
     work = Path(args.work)
-    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", target), work)
+    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", source, target), work)
     adapter = find_shipped(source.spec, target.spec)
     command = (f"kvbridge prior fit --preset {recipe.preset} --data DATA --windows {recipe.windows} --dev {recipe.dev} "
                f"--steps {recipe.steps} --lam {recipe.lam} --out {Path(args.out).name} (DATA: the folder `kvbridge "
@@ -307,11 +306,12 @@ def cmd_prior_check(args: argparse.Namespace) -> int:
     until = args.until if args.until is not None else recipe.steps
     if until not in marks:
         raise ValueError(f"{args.file} records the dev NLL at steps {marks}: --until must be one of them")
-    _, target = load_pair(recipe.preset)
+    source, target = load_pair(recipe.preset)
     if target.spec.identity.config_hash != meta["target"]["config_hash"]:
         raise ValueError(f"{args.file} was fitted for {meta['target']['name']}, not {target.name}")
     work = Path(args.work)
-    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", target), work, until=until)
+    windows = Windows(recipe, args.data, work / "windows", source, target)
+    theta, trajectory = fit(recipe, target, windows, work, until=until)
     worst = compare(meta["dev_nll"][str(until)], trajectory[str(until)], float(meta["tolerance"]))
     line = f"step {until}: dev NLL {trajectory[str(until)]}, recorded {meta['dev_nll'][str(until)]}, " \
            f"relative difference {worst:.1e} (tolerance {meta['tolerance']:.0e})"
