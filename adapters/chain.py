@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 from kvbridge.adapters.adapter import Adapter
+from kvbridge.adapters.answer_probe import AnswerProbe
+from kvbridge.adapters.answer_windows import AnswerCache, AnswerConfig, answer_windows
 from kvbridge.adapters.distributed import build_teacher_cache, is_main, world_size
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
@@ -39,8 +41,8 @@ from kvbridge.adapters.trainer import OBJECTIVES, TrainerConfig, train
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 
-DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3}
-DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20}
+DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3}
+DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25}
 
 
 def parse_stages(text: str) -> tuple[tuple[str, int], ...]:
@@ -70,6 +72,9 @@ class ChainConfig:
     batch_windows: int = 4
     init: str = ""  # a trained adapter of this pair to start from (no ridge fit); its token rank is the run's
     exact_tail: float = 0.0  # the kl/ce stages' exact tails (trainer.TrainerConfig.exact_tail)
+    answer_windows: int = 0  # answer windows for the "answer" stages (answer_windows.py), from training documents;
+    #                          with any, every stage also reports dev fidelity on dev_per_corpus answer windows a file
+    answer: AnswerConfig = AnswerConfig()
     lr: dict = field(default_factory=lambda: dict(DEFAULT_LR))
     teacher: TeacherConfig = TeacherConfig()
     seed: int = 0
@@ -80,7 +85,7 @@ class ChainConfig:
         for name, steps in self.stages:
             if name not in OBJECTIVES or steps < 1:
                 raise ValueError(f"bad stage {name}:{steps}")
-            if self.fuser_rank and name != "ce":
+            if self.fuser_rank and name != "ce":  # (answer windows keep no target KV to fuse with)
                 raise ValueError(f"a fuser trains on stage 'ce' only, got {name!r}")
         if self.fuser_rank and self.token_rank:
             raise ValueError("token features are for projections: a fuser adds to the target's own KV, which has them")
@@ -94,6 +99,12 @@ class ChainConfig:
             raise ValueError("exact_tail applies to the kl and ce stages; there is none")
         if not self.teacher.queries and any(name == "attention" for name, _ in self.stages):
             raise ValueError("an attention stage reads the target's queries: the teacher cache must keep them")
+        if isinstance(self.answer, dict):  # from a saved record's JSON
+            object.__setattr__(self, "answer", AnswerConfig(**self.answer))
+        if any(name == "answer" for name, _ in self.stages) and self.answer_windows < 1:
+            raise ValueError("an answer stage trains on answer windows: answer_windows must be >= 1")
+        if self.answer_windows < 0:
+            raise ValueError(f"answer_windows must be >= 0, got {self.answer_windows}")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
 
@@ -122,6 +133,27 @@ def select_windows(files: list[str | Path], target_tokenizer, config: ChainConfi
         train_all += [w for w in windows if not is_heldout(w.doc_id, config.heldout_fraction)]
     rng.shuffle(train_all)
     return dev, train_all[:config.train_windows]
+
+
+def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
+                          ) -> tuple[list[Window], list[Window]]:
+    """(dev, train) answer windows: dev from dev_per_corpus held-out dev documents of every file (the documents the
+    dev windows come from), train from the other documents, answer_windows of them in a seeded shuffle (more than
+    one per document when there are fewer documents)."""
+    rng = random.Random(config.seed + 1)
+    dev, train_docs = [], []
+    for path in files:
+        docs = split_documents(path, corpus_name(path), config.doc_chars)
+        held = [d for d in docs if is_heldout(d[0], config.heldout_fraction) and is_heldout(d[0], 0.5, salt="dev")]
+        dev += answer_windows(rng.sample(held, min(len(held), config.dev_per_corpus)), target_tokenizer,
+                              config.answer, seed=config.seed)
+        train_docs += [d for d in docs if not is_heldout(d[0], config.heldout_fraction)]
+    if not train_docs:
+        return dev, []
+    per_document = -(-config.answer_windows // len(train_docs))
+    train_w = answer_windows(train_docs, target_tokenizer, config.answer, per_document, seed=config.seed)
+    rng.shuffle(train_w)
+    return dev, train_w[:config.answer_windows]
 
 
 def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: ChainConfig, progress: bool
@@ -190,6 +222,16 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
     train_idx = [pos[w.id] for w in train_w if w.id in pos]
+    answers, answer_s = None, 0.0
+    if config.answer_windows:
+        t0 = time.perf_counter()
+        a_dev, a_train = select_answer_windows(files, target.tokenizer, config)
+        answers, _ = build_teacher_cache(work / "answers", source, target, a_dev + a_train, config.answer,
+                                         start_token_id(target.tokenizer), progress=progress, cache_class=AnswerCache)
+        answer_s = time.perf_counter() - t0
+        a_pos = {e["id"]: i for i, e in enumerate(answers.entries)}
+        a_dev_idx = [a_pos[w.id] for w in a_dev if w.id in a_pos]  # an empty answer makes no window
+        a_train_idx = [a_pos[w.id] for w in a_train if w.id in a_pos]
     if config.init:
         ridge, stats, ridge_s = _init(work, cache, train_idx, source, target, config, progress)
     else:
@@ -201,9 +243,14 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         maps = ResidualMaps(ridge, stats, CapacityConfig())
     probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
              if is_main() else None)  # rank 0 scores the dev windows
+    answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)
+                    if answers is not None and is_main() else None)
     record: dict = {"teacher_windows": {"dev": len(dev_idx), "train": len(train_idx),
                                         "ridge": min(config.ridge_windows, len(train_idx))},
                     "teacher_cache_s": round(teacher_s), "ridge_s": round(ridge_s), "stages": []}
+    if answers is not None:
+        record |= {"answer_windows": {"dev": len(a_dev_idx), "train": len(a_train_idx)},
+                   "answer_cache_s": round(answer_s)}
     if world_size() > 1:
         record["ranks"] = {"world_size": world_size(), "teacher_windows_made": made}
     for n, (objective, steps) in enumerate(config.stages):
@@ -211,11 +258,16 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         tc = TrainerConfig(objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1),
                            max_iters=steps, batch_windows=config.batch_windows,
                            eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
-                           exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0)
-        out = train(maps, ridge.start_kv, target, cache, train_idx, probe, tc, config.teacher.context_tokens,
-                    work / f"stage-{n}-{objective}", resume=True, progress=progress)
+                           exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0,
+                           select="fidelity" if objective == "answer" else "recovery")
+        stage_cache, stage_idx = (answers, a_train_idx) if objective == "answer" else (cache, train_idx)
+        out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
+                    work / f"stage-{n}-{objective}", resume=True, progress=progress, answers=answer_probe)
+        best = next((r for r in out["record"] if r["iter"] == out["best_iter"]), {})
+        dev_scores = {k: round(best[k], 4) for k in ("dev_recovery", "dev_fidelity", "dev_rougeL", "dev_top1",
+                                                     "dev_greedy") if k in best}
         record["stages"].append({"objective": objective, "steps": out["iters"], "best_step": out["best_iter"],
-                                 "dev_recovery": round(out["best"], 4), "lr": lr,
+                                 "select": tc.select, **dev_scores, "lr": lr,
                                  "seconds": round(out["elapsed_s"]),
                                  "tokens_per_s": round(out["iters"] * out["tokens_per_step"] / out["elapsed_s"])})
     record["wall_s"] = round(time.perf_counter() - began)

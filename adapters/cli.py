@@ -67,6 +67,12 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--exact-tail", type=float, default=0.0, metavar="F",
                    help="chain/fuser: in half the kl/ce steps the context's last k tokens (k up to F of it) are "
                         "prefilled exactly after the projected rest, as selective recompute does (0: never)")
+    p.add_argument("--answer-windows", type=int, default=0, metavar="N",
+                   help="chain: N answer windows (a document of --answer-lengths tokens, an instruction after it, the "
+                        "target's own answer) for stages 'answer' (teacher-forced KL over the answer), which keep the "
+                        "checkpoint of best dev fidelity; with any, every stage reports dev fidelity")
+    p.add_argument("--answer-lengths", default="256,512,1024,2048",
+                   help="chain: document tokens an answer window may hold, drawn per window")
     p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "
                                   "default KVBRIDGE_HOME/train/<pair>")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -189,6 +195,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     import shlex
 
     import torch
+    from kvbridge.adapters.answer_windows import AnswerConfig
     from kvbridge.adapters.chain import DEFAULT_LR, ChainConfig, parse_stages, train_chain
     from kvbridge.adapters.distributed import process_group
     from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
@@ -213,7 +220,9 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,
-                         init=args.init or "", exact_tail=args.exact_tail, batch_windows=args.batch_windows)
+                         init=args.init or "", exact_tail=args.exact_tail, batch_windows=args.batch_windows,
+                         answer_windows=args.answer_windows,
+                         answer=AnswerConfig(lengths=tuple(int(n) for n in args.answer_lengths.split(","))))
     preset = args.preset or ("production" if (args.source or args.target) else "small")
     main_rank = launch is None or launch.rank == 0
     device = args.device if launch is None else launch.device(args.device)
@@ -230,8 +239,10 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     if not main_rank:
         return 0
     for st in record["stages"]:
+        fidelity = (f", fidelity {st['dev_fidelity']:.3f} (ROUGE-L {st['dev_rougeL']:.3f}, top-1 {st['dev_top1']:.3f}, "
+                    f"greedy {st['dev_greedy']:.3f})" if "dev_fidelity" in st else "")
         print(f"stage {st['objective']}: {st['steps']} steps ({st['seconds']} s, {st['tokens_per_s']} tok/s), best "
-              f"step {st['best_step']}: dev recovery {st['dev_recovery']:.3f}")
+              f"step {st['best_step']} by {st['select']}: dev recovery {st['dev_recovery']:.3f}{fidelity}")
     corpus = {"files": [Path(f).name for f in args.corpus],
               "sha256": {Path(f).name: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in args.corpus},
               "windows": record["teacher_windows"], "heldout_fraction": config.heldout_fraction,

@@ -195,23 +195,24 @@ def check_same(tensors: dict[str, torch.Tensor | None], what: str) -> None:
 
 
 def build_teacher_cache(root: str | Path, source: LoadedModel, target: LoadedModel, windows: list[Window],
-                        config: TeacherConfig, start_token: int, progress: bool = True
-                        ) -> tuple[TeacherCache, list[int]]:
+                        config: TeacherConfig, start_token: int, progress: bool = True,
+                        cache_class: type[TeacherCache] = TeacherCache) -> tuple[TeacherCache, list[int]]:
     """`TeacherCache.build` split over the ranks: each computes its strided share of the missing windows into the
     shared folder, then rank 0 merges the index parts (the windows listed in `windows` order, as one process lists
-    them). Returns the cache, every window listed, on every rank, and the windows each rank computed."""
+    them). Returns the cache, every window listed, on every rank, and the windows each rank computed. cache_class:
+    the kind of windows (answer_windows.AnswerCache: its config is an AnswerConfig)."""
     if world_size() == 1:
-        cache = TeacherCache(root)
+        cache = cache_class(root)
         return cache, [cache.build(source, target, windows, config, start_token, progress)["windows"]]
     if is_main():
-        TeacherCache(root).merge_parts()  # the parts an interrupted sharded build left
+        cache_class(root).merge_parts()  # the parts an interrupted sharded build left
     barrier()
-    made = TeacherCache(root).build(source, target, windows, config, start_token, progress,
+    made = cache_class(root).build(source, target, windows, config, start_token, progress,
                                     part=(rank(), world_size()))["windows"]
     counts = torch.zeros(world_size(), dtype=torch.int64)
     counts[rank()] = made
     dist.all_reduce(counts)
     if is_main():
-        TeacherCache(root).merge_parts([w.id for w in windows])
+        cache_class(root).merge_parts([w.id for w in windows])
     barrier()
-    return TeacherCache(root), counts.tolist()
+    return cache_class(root), counts.tolist()

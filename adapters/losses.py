@@ -1,8 +1,11 @@
 """The trainer's objectives on a map's context cache (map_kv.py), each a differentiable loss of one batch of teacher
 windows (teacher.py): attention matching (layer-local, no backprop through the model), KL to the teacher's next-token
-distributions of the continuation, and cross-entropy of the true continuation (see trainer.py)."""
+distributions of the continuation, cross-entropy of the true continuation, and KL to the teacher over its own answer
+after an instruction (answer windows, answer_windows.py; see trainer.py)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +52,13 @@ def attention_loss(maps, start_kv, window: dict, target: LoadedModel, geometry: 
     m = ctx[None, None, :, None]
     k_mix, v_mix = torch.where(m, k_p, k_own), torch.where(m, v_p, v_own)
     first = 1 + context_tokens if queries == "continuation" else 1
-    q = window["q"][:, :, first:].float()  # [L_t, H_q, T - first, D]; causal from position `first` on
+    q = window["q"].float()  # [L_t, H_q, T or N, D]: every position's, or the continuation's (query_positions)
+    if q.shape[2] == t:
+        q = q[:, :, first:]
+    elif q.shape[2] != t - first:
+        raise ValueError(f"the teacher cache kept the queries of {q.shape[2]} positions (query_positions 'scored'): "
+                         f"matching queries {queries!r} reads {t - first}; rebuild it with query_positions 'all'")
+    # q: [L_t, H_q, T - first, D]; causal from position `first` on
     with torch.no_grad():
         own = attention_outputs(q, k_own, v_own, geometry, first)  # [L_t, T - first, hidden]
         power = own.pow(2).sum(-1).mean(-1)  # [L_t]
@@ -102,3 +111,43 @@ def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_to
     logp = continuation_logp(maps, start_kv, windows, target, context_tokens, exact)
     truth = torch.stack([w["ids"][2 + context_tokens:] for w in windows]).to(logp.device)  # [B, N-1]
     return -logp.gather(-1, truth[..., None]).mean()
+
+
+def answer_logits(maps, start_kv, window: dict, target: LoadedModel) -> torch.Tensor:
+    """Logits [A, V] the target gives the teacher's answer tokens (teacher-forced) when it reads the instruction and
+    the answer over the map's cache of start + document (an answer window, answer_windows.py)."""
+    c, q, a = window["lengths"].tolist()
+    p = 1 + c
+    if isinstance(maps, FuserMaps):
+        raise ValueError("answer windows keep none of the target's own KV, which a fuser adds to: the answer "
+                         "objective trains projections")
+    k, v = context_kv(maps, start_kv, window["xk"].float(), window["xv"].float(), window["start_mask"], target,
+                      window["ids"][:p])
+    segment = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=window["ids"][:p], positions=torch.arange(p),
+                        model=target.spec.identity, rotated=True)
+    logits = continuation_logits(target, segment, window["ids"][p:])[0]  # [Q + A, V]
+    return logits[q - 1:q - 1 + a]
+
+
+def topk_kl(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k tokens and one more class, the rest of the vocabulary, per
+    position, averaged over the positions: 0 exactly where the student gives the top-k tokens and the rest what the
+    teacher does. student: log-probs [..., V]; teacher: log-probs [..., k] (over the whole vocabulary, not
+    renormalised) of the tokens teacher_idx [..., k]. (teacher_kl renormalises the teacher over its top-k and scores
+    the student's own log-probs there: its optimum puts every bit of mass on the top-k.)"""
+    s = student.gather(-1, teacher_idx.to(student.device))  # [..., k]
+    t = teacher.to(student.device)
+    tiny = torch.finfo(s.dtype).tiny
+    rest_t = (-t.exp().sum(-1)).log1p().clamp(min=math.log(tiny))  # [...]: log of the teacher's mass off its top-k
+    rest_s = (-s.exp().sum(-1)).clamp(min=-1.0).log1p().clamp(min=math.log(tiny))
+    return ((t.exp() * (t - s)).sum(-1) + rest_t.exp() * (rest_t - rest_s)).mean()
+
+
+def answer_loss(maps, start_kv, windows: list[dict], target: LoadedModel) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k and the rest (topk_kl) at each window's answer positions,
+    averaged over positions, then windows (of any document lengths: one forward per window)."""
+    total = 0.0
+    for w in windows:
+        logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
+        total = total + topk_kl(logp, w["top_logp"], w["top_idx"])
+    return total / len(windows)

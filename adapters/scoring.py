@@ -74,3 +74,10 @@ def bootstrap_recovery(none: list[float], full: list[float], mode: list[float], 
     n, f, m = (np.asarray(v, dtype=np.float64) for v in (none, full, mode))
     value = float(recovery_ratio(n, f, m, np.arange(len(n))[None])[0])
     return (value, *interval95(recovery_ratio(n, f, m, bootstrap_draws(len(n), samples, seed))))
+
+
+def bootstrap_mean(values: list[float], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): the 2.5 and 97.5 percentiles of the mean over resampled documents."""
+    x = np.asarray(values, dtype=np.float64)
+    means = x[bootstrap_draws(len(x), samples, seed)].mean(axis=1)
+    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))

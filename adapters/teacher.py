@@ -9,7 +9,9 @@ One window is `context_tokens + continuation_tokens` target text tokens behind t
   k, v        [L_t, H_t, T, D_t] bf16  the target's own KV of the window (keys rotated, as cached)
   q           [L_t, H_q, T, D_t] bf16  the target's own queries (rotated) of every layer; only with
                                   `TeacherConfig.queries` (attention matching reads them, nothing else does:
-                                  without them a window of the small pair takes 10.7 MB, not 19.6)
+                                  without them a window of the small pair takes 10.7 MB, not 19.6); with
+                                  `query_positions` "scored" only the continuation's, [L_t, H_q, N, D_t] (the
+                                  queries attention matching reads by default: 12.9 MB a window, not 19.6)
   has_text    [T] bool            a source text token covers the target token (the tokens ridge fits on)
   start_mask  [T] bool            positions that take the adapter's exact start KV (the start token)
   ids         [T] int64           target ids: start, context, continuation
@@ -123,8 +125,12 @@ class TeacherConfig:
     continuation_tokens: int = 64  # prefilled by the target; KL is taken on their next-token distributions
     topk: int = 32  # teacher log-probs kept per position (the KL is renormalised over them)
     queries: bool = True  # keep the target's queries (attention matching needs them)
+    query_positions: str = "scored"  # "scored": only the continuation's queries (what attention matching reads with
+    #                                  its default `queries="continuation"`); "all": every position's
 
     def __post_init__(self):
+        if self.query_positions not in ("scored", "all"):
+            raise ValueError(f"query_positions must be 'scored' or 'all', got {self.query_positions!r}")
         if self.context_tokens < 2 or self.continuation_tokens < 2:
             raise ValueError(f"context_tokens and continuation_tokens must be >= 2, got {self.context_tokens}, "
                              f"{self.continuation_tokens}")
@@ -171,7 +177,9 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     top = logp.topk(config.topk, dim=-1)
     layers = range(target.spec.num_layers)
     bf16 = torch.bfloat16
-    queries = {"q": torch.stack([rec[j][1][0] for j in layers]).to(bf16).cpu()} if config.queries else {}
+    first = 1 + c if config.query_positions == "scored" else 0
+    queries = ({"q": torch.stack([rec[j][1][0, :, first:] for j in layers]).to(bf16).cpu()} if config.queries
+               else {})
     return queries | {  # q: [L_t, H_q, T, D]
         "xk": xk.to(bf16), "xv": xv.to(bf16),
         "k": torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_t, T, D]
@@ -181,14 +189,21 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     }
 
 
-def _header(index: dict) -> dict:
-    """An index file's header: everything but its windows, the config with today's fields."""
-    return {k: v for k, v in index.items() if k != "windows"} | {"config": asdict(TeacherConfig(**index["config"]))}
-
-
 class TeacherCache:
     """A folder of per-window safetensors files plus index.json ({config, models, windows: [{id, doc_id,
-    file}]}). `build` computes what is missing (resumable: a rerun skips finished files)."""
+    file}]}). `build` computes what is missing (resumable: a rerun skips finished files). A subclass caches other
+    windows by its own `config_class` and `window_tensors` (answer_windows.AnswerCache)."""
+
+    config_class = TeacherConfig
+
+    def window_tensors(self, source: LoadedModel, target: LoadedModel, window: Window, config, start_token: int
+                       ) -> dict[str, torch.Tensor] | None:
+        return teacher_window(source, target, window.text, config, start_token)
+
+    def _header(self, index: dict) -> dict:
+        """An index file's header: everything but its windows, the config with today's fields."""
+        return ({k: v for k, v in index.items() if k != "windows"}
+                | {"config": asdict(self.config_class(**index["config"]))})
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -200,7 +215,7 @@ class TeacherCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config: TeacherConfig,
+    def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
               start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1)) -> dict:
         """Teacher data of every window; returns timing {windows, seconds, per_window_s}. A cache that keeps the
         queries serves a run that does not need them (its new windows keep them too).
@@ -217,9 +232,9 @@ class TeacherCache:
         self.root.mkdir(parents=True, exist_ok=True)
         saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
         if saved is not None:
-            saved["config"] = asdict(TeacherConfig(**saved["config"]))  # an index older than `queries` kept them
-            if saved["config"]["queries"] and not config.queries:
-                config = TeacherConfig(**saved["config"])
+            saved["config"] = asdict(self.config_class(**saved["config"]))  # an older index: today's defaults
+            if saved["config"].get("queries") and not config.queries:
+                config = self.config_class(**saved["config"])
         header = {"version": CACHE_VERSION, "config": asdict(config), "source": source.spec.identity.key,
                   "target": target.spec.identity.key, "start_token": start_token,
                   "source_record": model_record(source.spec)}
@@ -231,7 +246,7 @@ class TeacherCache:
         index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])
         began, made = time.perf_counter(), 0
         for w in tqdm([w for w in windows if w.id not in have][p::n], desc="teacher windows", disable=not progress):
-            tensors = teacher_window(source, target, w.text, config, start_token)
+            tensors = self.window_tensors(source, target, w, config, start_token)
             if tensors is None:
                 continue
             name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
@@ -258,12 +273,12 @@ class TeacherCache:
         if not parts:
             return
         saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
-        header = None if saved is None else _header(saved)
+        header = None if saved is None else self._header(saved)
         have, new = {e["id"] for e in self.entries}, []
         for path in parts:
             data = json.loads(path.read_text())
-            header = header or _header(data)
-            if _header(data) != header:
+            header = header or self._header(data)
+            if self._header(data) != header:
                 raise ValueError(f"{path} lists teacher windows of another configuration or model pair than "
                                  f"{self.index_path}; remove it and the folder's unlisted files")
             for e in data["windows"]:

@@ -11,6 +11,13 @@ Objectives (`TrainerConfig.objective`):
              teacher's entropy, i.e. KL over the teacher's top-k, on the positions evaluate.py scores.
   ce         end to end, as kl, but the cross-entropy of the true continuation tokens: the objective of the learned
              fuser (fuser.py), whose goal is to beat the target's own prefill, the KL's optimum.
+  answer     end to end on answer windows (answer_windows.py: a document of 256 to 2,048 tokens, an instruction
+             after it and the target's own greedy answer): the document as a projected cache, the instruction and
+             the answer prefilled by the frozen target, KL over the teacher's top-k at the answer positions.
+
+The dev score that picks the best checkpoint (`select`): "recovery" (the recovery probe's, below) or "fidelity" (an
+answer probe's, answer_probe.py: the mean of ROUGE-L against the target's own answer and top-1 agreement over it).
+With an answer probe, every evaluation reports its measures whatever `select` is.
 
 `exact_tail` (kl, ce): in half the steps, the last k context tokens (k drawn from 1..round(exact_tail * C)) are not
 projected but prefilled by the target over the projected rest, with the continuation, as `recompute:r` and
@@ -38,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from kvbridge.adapters.answer_probe import AnswerProbe
 from kvbridge.adapters.distributed import (
     barrier,
     check_same,
@@ -49,7 +57,7 @@ from kvbridge.adapters.distributed import (
     world_size,
 )
 from kvbridge.adapters.fuser import FuserMaps
-from kvbridge.adapters.losses import AttentionGeometry, attention_loss, ce_loss, kl_loss
+from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, ce_loss, kl_loss
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
@@ -57,7 +65,8 @@ from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-OBJECTIVES = ("attention", "kl", "ce")
+OBJECTIVES = ("attention", "kl", "ce", "answer")
+SELECT = ("recovery", "fidelity")
 QUERIES = ("continuation", "all")
 
 
@@ -77,11 +86,14 @@ class TrainerConfig:
     eval_interval: int = 50
     patience: int = 0  # > 0: stop after this many evaluations without a better dev recovery
     exact_tail: float = 0.0  # kl/ce: the largest share of the context prefilled exactly at its end (see above)
+    select: str = "recovery"  # the dev score that picks the best checkpoint: see SELECT
     seed: int = 0
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.select not in SELECT:
+            raise ValueError(f"select must be one of {SELECT}, got {self.select!r}")
         if self.queries not in QUERIES:
             raise ValueError(f"queries must be one of {QUERIES}, got {self.queries!r}")
         if isinstance(self.capacity, dict):  # from a saved checkpoint's JSON
@@ -161,11 +173,14 @@ def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
 
 def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache: TeacherCache,
           train_idx: list[int], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
-          out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None) -> dict:
-    """Train `maps` in place; the best (by dev recovery, else the last) weights are loaded back at the end.
+          out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None,
+          answers: AnswerProbe | None = None) -> dict:
+    """Train `maps` in place; the best (by the dev score `config.select`, else the last) weights are loaded back at
+    the end. `cache` holds the objective's windows (answer windows for "answer"); `answers` scores dev fidelity.
     Writes out_dir/{last,best}.safetensors and record.json (each row: the mean and every step's training loss since
     the last one); returns the record. `until`: leave after the checkpoint at that iteration, as an interrupted run
-    would (for testing resume). Under torchrun: collective; `dev` is read on rank 0 only (the others may pass None)."""
+    would (for testing resume). Under torchrun: collective; `dev` and `answers` are read on rank 0 only (the others may
+    pass None)."""
     if world_size() > config.batch_windows:
         raise ValueError(f"{world_size()} ranks share each step's {config.batch_windows} windows: every rank needs at "
                          "least one (raise the batch, --batch-windows, or start fewer processes)")
@@ -188,7 +203,12 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         if state["config"] != json.loads(json.dumps(asdict(config))):
             raise ValueError(f"{out}/last.safetensors was written under another config; resume needs the same")
     check_same(maps.state_dict(), f"maps at the start of {out.name}")
-    scored = from_main(dev is not None)  # rank 0 scores the dev windows
+    if is_main() and config.select == "fidelity" and answers is None:
+        raise ValueError("select 'fidelity' chooses checkpoints on an answer probe; none was given")
+    if is_main() and config.select == "recovery" and dev is None and answers is not None:
+        raise ValueError("select 'recovery' chooses checkpoints on a recovery probe; only an answer probe was given")
+    metric = "dev_fidelity" if config.select == "fidelity" else "dev_recovery"
+    scored = from_main(dev is not None or answers is not None)  # rank 0 scores the dev windows
     tokens_per_step = config.batch_windows * cache.load(train_idx[0])["ids"].numel()  # target tokens per step
     it, began = state["iter"], time.perf_counter() - state["elapsed_s"]
 
@@ -197,7 +217,7 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                "train_loss": sum(step_losses) / len(step_losses) if step_losses else float("nan"),
                "step_losses": step_losses, "lr": state.get("lr", 0.0), "tokens": it * tokens_per_step}
         improved = True
-        if scored and is_main():
+        if scored and is_main() and dev is not None:
             r = dev.recovery(maps)
             row |= {"dev_recovery": r["recovery"], "dev_interval": r["interval"]}
             if config.exact_tail:  # the score: the mean of no exact tail and the middle of the range trained on
@@ -206,12 +226,16 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                 row |= {"dev_recovery_replace": r["recovery"], f"dev_recovery_exact_{tail}": r_tail["recovery"],
                         "dev_recovery": (r["recovery"] + r_tail["recovery"]) / 2}
                 row.pop("dev_interval")
+        if scored and is_main() and answers is not None:
+            a = answers.score(maps)
+            row |= {"dev_fidelity": a["fidelity"], "dev_rougeL": a["rougeL"], "dev_top1": a["top1"],
+                    "dev_greedy": a["greedy"], "dev_answer_kl": a["kl"]}
         row = from_main(row)  # rank 0's clock and dev scores
         if scored:
-            improved = row["dev_recovery"] > state["best"]
+            improved = row[metric] > state["best"]
         state["record"].append(row)
         if improved:
-            state.update(best=row.get("dev_recovery", 0.0), best_iter=it, stale=0)
+            state.update(best=row.get(metric, 0.0), best_iter=it, stale=0)
             if is_main():
                 _save(out / "best.safetensors", maps, None, {k: v for k, v in state.items() if k != "record"})
         else:
@@ -252,6 +276,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
             loss = sum(attention_loss(maps, start_kv, w, target, geometry, context_tokens, config.queries)
                        for w in windows)
             loss = loss / len(batch)
+        elif config.objective == "answer":
+            loss = answer_loss(maps, start_kv, windows, target) * (len(windows) / len(batch))
         else:
             loss = (kl_loss if config.objective == "kl" else ce_loss)(
                 maps, start_kv, windows, target, context_tokens, exact_tail_tokens(config, it, context_tokens))

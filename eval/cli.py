@@ -1,4 +1,4 @@
-"""The `kvbridge eval rouge` and `kvbridge demo` subcommands (assembled into `kvbridge` by kvbridge.cli)."""
+"""The `kvbridge eval rouge|compare|heldout` and `kvbridge demo` subcommands (assembled by kvbridge.cli)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ def add_parsers(sub) -> None:
 
     ev = sub.add_parser("eval", help="evaluate transfer quality and cost end to end")
     esub = ev.add_subparsers(dest="eval_command", required=True)
+    from kvbridge.eval.heldout import add_parser as add_heldout
+
+    add_heldout(esub)
     p = esub.add_parser("rouge", help="summaries under each transfer mode: ROUGE, NLL recovery, FLOPs, TTFT, bytes")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="records with id, document and summary")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))

@@ -1,4 +1,5 @@
-"""The evaluation data: a JSONL file of records with a document and its reference summary."""
+"""The evaluation data: a JSONL file of records with a document and its reference summary (an empty one: a document
+without a reference, measured against the target's own answer only)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Re
     for n, obj in jsonl_rows(path):
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object with id, document and summary")
-        for key in ("id", "document", "summary"):
+        for key in ("id", "document"):
             if not isinstance(obj.get(key), str) or not obj[key].strip():
                 raise ValueError(f"{path}:{n}: field {key!r} must be a non-empty string")
+        if not isinstance(obj.get("summary"), str):
+            raise ValueError(f"{path}:{n}: field 'summary' must be a string (empty: no reference summary)")
         record = Record(obj["id"], obj["document"], obj["summary"])
         if record in seen:
             log.warning("%s:%d: a repeat of an earlier record (id %r): dropped", path, n, record.id)

@@ -12,61 +12,22 @@ import json
 import statistics
 import textwrap
 from dataclasses import asdict
-from functools import cache
 from pathlib import Path
 
-import numpy as np
-from kvbridge.adapters.scoring import bootstrap_draws, bootstrap_recovery
+from kvbridge.adapters.answering import ROUGE_TYPES, greedy_agreement, rouge, top1_agreement
+from kvbridge.adapters.scoring import bootstrap_mean, bootstrap_recovery
 from kvbridge.eval.cost import PairCost
 from kvbridge.eval.modes import NEEDS_PROJECTION, NO_PRIOR, PROBE_PRIOR, base_mode
 from kvbridge.eval.summaries import DocumentResult
-from rouge_score import rouge_scorer
 
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+# the demo and tests read rouge, top1_agreement, greedy_agreement and bootstrap_mean here too
 REUSES = (1, 10)  # N: requests sharing one projected context, for the amortised system cost
-
-
-@cache
-def _scorer() -> rouge_scorer.RougeScorer:
-    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-
-
-def rouge(reference: str, prediction: str) -> dict[str, float]:
-    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming)."""
-    scores = _scorer().score(reference, prediction)
-    return {name: scores[name].fmeasure for name in ROUGE_TYPES}
-
-
-def bootstrap_mean(values: list[float], samples: int, seed: int) -> tuple[float, float, float]:
-    """(mean, low, high): the 2.5 and 97.5 percentiles of the mean over resampled documents."""
-    x = np.asarray(values, dtype=np.float64)
-    means = x[bootstrap_draws(len(x), samples, seed)].mean(axis=1)
-    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def repeated_ngram_share(ids: list[int], n: int = 3) -> float:
     """Share of the n-grams of a token sequence that repeat an earlier one (0.0: none, or too short to have one)."""
     grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def top1_agreement(mode: list[int] | None, full: list[int] | None) -> float | None:
-    """Share of continuation positions where the mode's top-1 token is full's."""
-    if not mode or not full or len(mode) != len(full):
-        return None
-    return sum(a == b for a, b in zip(mode, full)) / len(full)
-
-
-GREEDY_TOKENS = 24  # greedy agreement compares the first 24 answer tokens (EvalConfig.max_new_tokens' default)
-
-
-def greedy_agreement(mode: list[int], full: list[int], tokens: int = GREEDY_TOKENS) -> float | None:
-    """Share of full's first `tokens` greedy answer tokens that the mode's answer has at the same place (a shorter
-    answer misses the rest); None when full's answer is empty."""
-    reference = full[:tokens]
-    if not reference:
-        return None
-    return sum(a == b for a, b in zip(mode, reference)) / len(reference)
 
 
 def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0, cost: PairCost | None = None
@@ -77,7 +38,8 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
         raise ValueError("no documents were evaluated")
     modes = list(results[0].modes)
     rows = {name: [r.modes[name] for r in results] for name in modes}
-    scores = {name: [rouge(r.reference, r.modes[name].summary) for r in results] for name in modes}
+    referenced = [r for r in results if r.reference.strip()]  # a record may come without a reference summary
+    scores = {name: [rouge(r.reference, r.modes[name].summary) for r in referenced] for name in modes}
     table: dict[str, dict] = {}
     scored = [i for i, r in enumerate(results) if all(m.nll is not None for m in r.modes.values())]
     nll_tokens = sum(results[i].modes[modes[0]].nll_tokens for i in scored)
@@ -85,9 +47,11 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
     full_ttft = statistics.median(m.ttft_s for m in rows["full"]) if "full" in rows else None
     for name in modes:
         entry: dict = {}
-        for kind in ROUGE_TYPES:
-            mean, lo, hi = bootstrap_mean([s[kind] for s in scores[name]], samples, seed)
-            entry[kind] = {"mean": mean, "low": lo, "high": hi}
+        for kind in ROUGE_TYPES:  # against the reference summaries (None: no record has one)
+            entry[kind] = None
+            if referenced:
+                mean, lo, hi = bootstrap_mean([s[kind] for s in scores[name]], samples, seed)
+                entry[kind] = {"mean": mean, "low": lo, "high": hi}
         nlls = [rows[name][i].nll for i in scored]
         entry["nll_per_token"] = sum(nlls) / nll_tokens if nll_tokens else None
         if "none" in rows and "full" in rows and scored:

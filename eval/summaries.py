@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from kvbridge.adapters.answering import greedy as greedy  # re-exported: tests and the vLLM evaluation read it here
+from kvbridge.adapters.answering import instruction_ids as instruction_ids
+from kvbridge.adapters.answering import stop_ids as stop_ids
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.scoring import continuation_logits, summed_nll
 from kvbridge.eval.flops import FlopModel
@@ -82,51 +85,6 @@ def prepare(record: Record, target: LoadedModel, config: EvalConfig) -> Prepared
     start = torch.tensor([start_token_id(target.tokenizer)])
     cont = tok.ids[context:context + config.continuation_tokens]
     return PreparedDoc(record, text, torch.cat((start, ids)), cont)
-
-
-def instruction_ids(target: LoadedModel, instruction: str) -> torch.Tensor:
-    """[Q] the instruction after the document, as plain text (see EvalConfig.instruction)."""
-    return torch.tensor(target.tokenizer(instruction, add_special_tokens=False)["input_ids"], dtype=torch.int64)
-
-
-def stop_ids(target: LoadedModel) -> set[int]:
-    tokenizer = target.tokenizer
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for name in ("<|im_end|>", "<|end|>", "<end_of_turn>"):
-        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
-        if tid is not None:
-            ids.add(int(tid))
-    return ids
-
-
-@torch.no_grad()
-def greedy(target: LoadedModel, context: KVSegment, prompt: torch.Tensor, max_new_tokens: int,
-           stop: set[int], one_line: bool = False) -> tuple[list[int], float]:
-    """Greedy tokens after `context` (rotated KV at 0..C-1) and `prompt` ([Q], prefilled here); returns the tokens
-    (without the stop token) and the seconds from the prompt's forward to the first token. one_line: a token with
-    a line break ends the answer once it has begun."""
-    cache = kvcache.to_cache(context, target.model, target.spec)
-    device = target.device
-    pos = context.num_tokens
-    t0 = time.perf_counter()
-    logits = target.model(input_ids=prompt[None].to(device),
-                          position_ids=torch.arange(pos, pos + prompt.numel(), device=device)[None],
-                          cache=cache, use_cache=True, logits_to_keep=1).logits
-    token = int(logits[0, -1].argmax())
-    first_s = time.perf_counter() - t0
-    pos += prompt.numel()
-    out: list[int] = []
-    while token not in stop and len(out) < max_new_tokens:
-        if one_line and "\n" in target.tokenizer.decode([token]) and target.tokenizer.decode(out).strip():
-            break
-        out.append(token)
-        if len(out) == max_new_tokens:
-            break
-        logits = target.model(input_ids=torch.tensor([[token]], device=device),
-                              position_ids=torch.tensor([[pos]], device=device), cache=cache, use_cache=True).logits
-        token = int(logits[0, -1].argmax())
-        pos += 1
-    return out, first_s
 
 
 @torch.no_grad()

@@ -171,3 +171,33 @@ def test_chain_with_a_source_basis_writes_format_3_and_fine_tunes_from_it(corpus
     assert (tmp_path / "work-b" / "init" / "stats.safetensors").exists()
     with pytest.raises(ValueError, match="source basis is for projections"):
         ChainConfig(stages=(("ce", 3),), fuser_rank=8, source_rank=4)
+
+
+def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_path, capsys):
+    from kvbridge.adapters.chain import select_answer_windows
+    from kvbridge.transfer.presets import load_pair
+
+    work, out = tmp_path / "work", tmp_path / "a.safetensors"
+    args = _args(corpus, work, out, "--trainer", "chain", "--stages", "kl:2,answer:3", "--token-rank", "0",
+                 "--answer-windows", "6", "--answer-lengths", "32,64")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "stage answer: 3 steps" in printed and "by fidelity: dev recovery" in printed and "ROUGE-L" in printed
+    record = read_adapter_meta(out)["training"]["record"]
+    assert record["answer_windows"]["train"] == 6 and record["answer_windows"]["dev"] >= 2
+    kl, answer = record["stages"]
+    assert (kl["select"], answer["select"]) == ("recovery", "fidelity")
+    assert {"dev_recovery", "dev_fidelity", "dev_rougeL", "dev_top1", "dev_greedy"} <= set(kl) & set(answer)
+    index = json.loads((work / "answers" / "index.json").read_text())
+    assert index["config"]["lengths"] == [32, 64] and len(index["windows"]) == 6 + record["answer_windows"]["dev"]
+    first = load_adapter(out)
+    assert main(args) == 0  # resumed: no answer window made again, the same weights
+    assert json.loads((work / "answers" / "index.json").read_text()) == index
+    assert torch.equal(load_adapter(out).wk, first.wk)
+    # answer windows for training come from training documents, the dev ones from held-out dev documents
+    _, target = load_pair("tiny", device="cpu")
+    config = ChainConfig(stages=(("answer", 1),), answer_windows=40, dev_per_corpus=2)
+    dev, train = select_answer_windows(corpus[0], target.tokenizer, config)
+    assert len(train) == 40 and len(dev) == 4
+    assert not any(is_heldout(w.doc_id, config.heldout_fraction) for w in train)
+    assert all(is_heldout(w.doc_id, config.heldout_fraction) and is_heldout(w.doc_id, 0.5, salt="dev") for w in dev)

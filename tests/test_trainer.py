@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 WORDS = ("the a model reads text once and keeps its cache in blocks while another model of a different family "
          "generates from the projected keys and values without reading the document again").split()
-TEACHER = TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8)
+TEACHER = TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8, query_positions="all")  # (one test matches
+# every query)
 
 
 def _text(rng: random.Random, n: int = 60) -> str:

@@ -1,0 +1,63 @@
+"""Dev fidelity of a trainable map on answer windows (answer_windows.py): the target answers the window's instruction
+over the map's cache of the document, greedily (one line, at most as many tokens as the teacher's answer may have),
+and the answer is compared with the target's own (the teacher's, over its own prefill): ROUGE-L, greedy agreement
+over the first answer tokens, top-1 agreement and KL at the teacher's answer positions (teacher-forced). The measures
+are answering.py's, as the evaluation reports them."""
+
+from __future__ import annotations
+
+import torch
+from kvbridge.adapters.answer_windows import AnswerCache
+from kvbridge.adapters.answering import greedy, greedy_agreement, rouge, stop_ids
+from kvbridge.adapters.losses import answer_logits, topk_kl
+from kvbridge.adapters.map_kv import context_kv
+from kvbridge.adapters.scoring import bootstrap_mean
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+
+MEASURES = ("rougeL", "greedy", "top1", "kl")
+
+
+class AnswerProbe:
+    """Answer windows held out from training, loaded once; `score(maps)` answers each over the map's cache."""
+
+    def __init__(self, target: LoadedModel, start_kv: torch.Tensor, cache: AnswerCache, indices: list[int],
+                 max_answer_tokens: int = 24):
+        if len(indices) < 2:
+            raise ValueError(f"an answer probe needs at least 2 windows, got {len(indices)}")
+        self.target, self.start_kv, self.max_answer_tokens = target, start_kv, max_answer_tokens
+        self.windows = [cache.load(i) for i in indices]
+        self.stop = stop_ids(target)
+
+    @torch.no_grad()
+    def per_window(self, maps) -> dict[str, list[float]]:
+        """Every measure of every window (MEASURES)."""
+        out = {m: [] for m in MEASURES}
+        tok = self.target.tokenizer
+        for w in self.windows:
+            c, q, a = w["lengths"].tolist()
+            p = 1 + c
+            k, v = context_kv(maps, self.start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"], self.target,
+                              w["ids"][:p])
+            seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p], positions=torch.arange(p),
+                            model=self.target.spec.identity, rotated=True)
+            own = w["ids"][p + q:].tolist()  # the teacher's answer
+            got, _ = greedy(self.target, seg, w["ids"][p:p + q], self.max_answer_tokens, self.stop, one_line=True)
+            out["rougeL"].append(rouge(tok.decode(own, skip_special_tokens=True),
+                                       tok.decode(got, skip_special_tokens=True))["rougeL"])
+            out["greedy"].append(greedy_agreement(got, own))
+            logits = answer_logits(maps, self.start_kv, w, self.target).float()  # [A, V]
+            out["top1"].append(float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()))
+            out["kl"].append(float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"])))
+        return out
+
+    def score(self, maps, seed: int = 0) -> dict:
+        """{measure: mean, measure_interval: bootstrap 95% over windows, fidelity: the mean of ROUGE-L and top-1 (the
+        trainer's choice of checkpoint: ROUGE-L is what users read, top-1 steadies it on few windows), windows}."""
+        rows = self.per_window(maps)
+        out: dict = {"windows": len(self.windows)}
+        for m, values in rows.items():
+            mean, lo, hi = bootstrap_mean(values, seed=seed)
+            out[m], out[f"{m}_interval"] = mean, (lo, hi)
+        out["fidelity"] = (out["rougeL"] + out["top1"]) / 2
+        return out

@@ -1,0 +1,138 @@
+"""Answer windows: a document, an instruction after it and the target's own greedy answer — the task users run — as
+teacher data for the `answer` objective (teacher-forced KL over the answer tokens, losses.answer_loss) and for the
+dev probe's fidelity (answer_probe.py).
+
+One window (target tokens): [start] + document (C tokens: the document's first C, C drawn per window from
+`AnswerConfig.lengths` among those the document holds) + instruction (Q tokens: one of INSTRUCTIONS, chosen by a hash
+of the window id; a term of the document fills the ones that ask about a term) + answer (A tokens: the target's
+greedy answer over its own prefill of all that, at most `max_answer_tokens`, one line, the stop token not kept).
+Its cache file holds only what the objective reads — no queries, keys or values of the target:
+
+  xk, xv            [L_s, 1 + C, d_s] bf16  source features of start + document (teacher.source_features)
+  start_mask        [1 + C] bool            positions that take the adapter's exact start KV
+  ids               [1 + C + Q + A] int64   start, document, instruction, answer
+  lengths           [3] int64               C, Q, A
+  top_logp, top_idx [A, topk]               the target's own log-probs of its top-k tokens where it chose answer
+                                            tokens 0..A-1 (the last instruction token, then answer tokens 0..A-2)
+
+The evaluation's instruction (eval.summaries.EvalConfig.instruction) is not among INSTRUCTIONS: fidelity measured
+with it is fidelity on a wording no training step saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+from kvbridge.adapters.adapter import has_text_source
+from kvbridge.adapters.answering import greedy, stop_ids
+from kvbridge.adapters.pairs import pair_text
+from kvbridge.adapters.teacher import TeacherCache, Window, source_features
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+
+# Wordings of the three tasks: summarise, answer a question about the document, explain a term it uses. {term} is a
+# word of the document (document_term).
+INSTRUCTIONS = (
+    "\n\nSummarize the text above in one sentence:",
+    "\n\nIn one line, what is the text above about?",
+    "\n\nTL;DR:",
+    "\n\nQuestion: What is the main purpose of what the text above describes?\nAnswer:",
+    "\n\nQuestion: According to the text above, what is {term}?\nAnswer:",
+    "\n\nExplain \"{term}\" as the text above uses it, in one sentence:",
+)
+TERM = re.compile(r"\b[A-Za-z][A-Za-z0-9_.]{4,}[A-Za-z0-9]\b")
+
+
+@dataclass(frozen=True)
+class AnswerConfig:
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048)  # document tokens a window may hold (past Gemma's window)
+    max_answer_tokens: int = 24  # as the evaluation's summaries (EvalConfig.max_new_tokens)
+    topk: int = 32  # teacher log-probs kept per answer position (the KL is renormalised over them)
+
+    def __post_init__(self):
+        if isinstance(self.lengths, list):  # from a saved index's JSON
+            object.__setattr__(self, "lengths", tuple(self.lengths))
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths must be document token counts >= 2, got {self.lengths}")
+        if self.max_answer_tokens < 1 or self.topk < 1:
+            raise ValueError(f"max_answer_tokens and topk must be >= 1, got {self.max_answer_tokens}, {self.topk}")
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def document_term(text: str, seed: int) -> str:
+    """A word of the text that it uses at least twice (a name, an identifier), chosen by the seed; the most frequent
+    longer word when none repeats."""
+    words = TERM.findall(text)
+    counts: dict[str, int] = {}
+    for w in words:
+        counts[w] = counts.get(w, 0) + 1
+    repeated = sorted(w for w, n in counts.items() if n >= 2)
+    if repeated:
+        return repeated[seed % len(repeated)]
+    return max(sorted(counts), key=counts.get) if counts else "it"
+
+
+def instruction_for(window_id: str, text: str) -> str:
+    """The instruction of a window: one of INSTRUCTIONS by a hash of its id, a term of the text filled in."""
+    seed = _seed(window_id)
+    wording = INSTRUCTIONS[seed % len(INSTRUCTIONS)]
+    return wording.format(term=document_term(text, seed // len(INSTRUCTIONS))) if "{term}" in wording else wording
+
+
+def answer_windows(docs: list[tuple[str, str]], target_tokenizer, config: AnswerConfig, per_document: int = 1,
+                   seed: int = 0) -> list[Window]:
+    """Up to per_document windows of every document (ids "<doc id>/answer-<n>"): its first C target tokens, C drawn
+    (seeded by the window id) among config.lengths that the document holds, cut at a token boundary; documents
+    shorter than the shortest length give none."""
+    out = []
+    for doc_id, text in docs:
+        offsets = target_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        fits = [n for n in config.lengths if n <= len(offsets)]
+        for n in range(per_document if fits else 0):
+            wid = f"{doc_id}/answer-{n}"
+            c = random.Random(seed * 1_000_003 + _seed(wid)).choice(fits)
+            out.append(Window(wid, doc_id, text[:offsets[c - 1][1]]))
+    return out
+
+
+@torch.no_grad()
+def answer_window(source: LoadedModel, target: LoadedModel, window: Window, config: AnswerConfig,
+                  start_token: int) -> dict[str, torch.Tensor] | None:
+    """Every tensor of one answer window's cache file (see the module docstring); None when the target's answer is
+    empty (it stopped at once)."""
+    paired = pair_text(window.text, source.tokenizer, target.tokenizer)
+    ids = paired.target_ids  # [1 + C]: start + document
+    assert int(ids[0]) == start_token
+    kind = paired.alignment.kind
+    xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
+    prompt = torch.tensor(target.tokenizer(instruction_for(window.id, window.text),
+                                           add_special_tokens=False)["input_ids"], dtype=torch.int64)
+    own = kvcache.extract(target.model, target.spec, ids)
+    scores: list[torch.Tensor] = []
+    answer, _ = greedy(target, own, prompt, config.max_answer_tokens, stop_ids(target), one_line=True,
+                       scores=scores)
+    if not answer:
+        return None
+    top = torch.stack(scores).log_softmax(-1).topk(config.topk, dim=-1)  # [A, k]
+    bf16 = torch.bfloat16
+    return {"xk": xk.to(bf16), "xv": xv.to(bf16),
+            "start_mask": (~has_text_source(kind)) & (ids == start_token),
+            "ids": torch.cat((ids, prompt, torch.tensor(answer, dtype=torch.int64))),
+            "lengths": torch.tensor([ids.numel() - 1, prompt.numel(), len(answer)]),
+            "top_logp": top.values, "top_idx": top.indices}
+
+
+class AnswerCache(TeacherCache):
+    """TeacherCache of answer windows (its config an AnswerConfig)."""
+
+    config_class = AnswerConfig
+
+    def window_tensors(self, source, target, window, config, start_token):
+        return answer_window(source, target, window, config, start_token)

@@ -1,0 +1,96 @@
+"""How the target answers, and how close an answer is to the target's own: the instruction after a document, greedy
+decoding over a cache, and the measures of fidelity — ROUGE-L (rouge-score, Porter stemming) of an answer against
+another, top-1 agreement over scored positions, and greedy agreement over the first answer tokens. The trainer's
+answer probe and the evaluation read them here, so a checkpoint is chosen on what the report measures."""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+
+import torch
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.models import LoadedModel
+from kvbridge.transfer.segment import KVSegment
+from rouge_score import rouge_scorer
+
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+def instruction_ids(target: LoadedModel, instruction: str) -> torch.Tensor:
+    """[Q] the instruction after the document, as plain text (see EvalConfig.instruction)."""
+    return torch.tensor(target.tokenizer(instruction, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+
+
+def stop_ids(target: LoadedModel) -> set[int]:
+    tokenizer = target.tokenizer
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("<|im_end|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
+        if tid is not None:
+            ids.add(int(tid))
+    return ids
+
+
+@torch.no_grad()
+def greedy(target: LoadedModel, context: KVSegment, prompt: torch.Tensor, max_new_tokens: int,
+           stop: set[int], one_line: bool = False, scores: list[torch.Tensor] | None = None
+           ) -> tuple[list[int], float]:
+    """Greedy tokens after `context` (rotated KV at 0..C-1) and `prompt` ([Q], prefilled here); returns the tokens
+    (without the stop token) and the seconds from the prompt's forward to the first token. one_line: a token with
+    a line break ends the answer once it has begun. scores: a list that receives, for each returned token, the
+    float32 logits [V] it was chosen from (the teacher's distributions over its own answer)."""
+    cache = kvcache.to_cache(context, target.model, target.spec)
+    device = target.device
+    pos = context.num_tokens
+    t0 = time.perf_counter()
+    logits = target.model(input_ids=prompt[None].to(device),
+                          position_ids=torch.arange(pos, pos + prompt.numel(), device=device)[None],
+                          cache=cache, use_cache=True, logits_to_keep=1).logits
+    token = int(logits[0, -1].argmax())
+    first_s = time.perf_counter() - t0
+    pos += prompt.numel()
+    out: list[int] = []
+    while token not in stop and len(out) < max_new_tokens:
+        if one_line and "\n" in target.tokenizer.decode([token]) and target.tokenizer.decode(out).strip():
+            break
+        out.append(token)
+        if scores is not None:
+            scores.append(logits[0, -1].float().cpu())
+        if len(out) == max_new_tokens:
+            break
+        logits = target.model(input_ids=torch.tensor([[token]], device=device),
+                              position_ids=torch.tensor([[pos]], device=device), cache=cache, use_cache=True).logits
+        token = int(logits[0, -1].argmax())
+        pos += 1
+    return out, first_s
+
+
+@cache
+def _scorer() -> rouge_scorer.RougeScorer:
+    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+
+
+def rouge(reference: str, prediction: str) -> dict[str, float]:
+    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming)."""
+    scores = _scorer().score(reference, prediction)
+    return {name: scores[name].fmeasure for name in ROUGE_TYPES}
+
+
+def top1_agreement(mode: list[int] | None, full: list[int] | None) -> float | None:
+    """Share of continuation positions where the mode's top-1 token is full's."""
+    if not mode or not full or len(mode) != len(full):
+        return None
+    return sum(a == b for a, b in zip(mode, full)) / len(full)
+
+
+GREEDY_TOKENS = 24  # greedy agreement compares the first 24 answer tokens (EvalConfig.max_new_tokens' default)
+
+
+def greedy_agreement(mode: list[int], full: list[int], tokens: int = GREEDY_TOKENS) -> float | None:
+    """Share of full's first `tokens` greedy answer tokens that the mode's answer has at the same place (a shorter
+    answer misses the rest); None when full's answer is empty."""
+    reference = full[:tokens]
+    if not reference:
+        return None
+    return sum(a == b for a, b in zip(mode, reference)) / len(reference)

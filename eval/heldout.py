@@ -1,0 +1,142 @@
+"""Evaluation sets of long documents no training or tuning step reads: `kvbridge eval heldout`.
+
+Two sources, each written as records (id, document, summary) for `kvbridge eval rouge`:
+  man     manual pages installed on this machine (section 1, rendered by man(1) and col(1)): text of another kind
+          than every training corpus (DESIGN: man pages stay out of training sets). The document is the page from its
+          DESCRIPTION on (NAME and SYNOPSIS left out), paragraphs on one line each; the reference summary is the
+          NAME line's description ("tar - an archiving utility" -> "an archiving utility"). Which pages exist depends
+          on the packages installed: the file's records name them, and the command prints its sha256.
+  corpus  the documents of the training corpora held out from training *and* from the trainer's dev windows
+          (adapters.chain's split: blake2b of the id under heldout_fraction, and not among the dev half); no
+          reference summary (fidelity is measured against the target's own answer).
+Only documents with at least `min_tokens` target tokens are kept, so a run at --max-doc-tokens N below that reads
+N tokens of every one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+from pathlib import Path
+
+MAN1 = Path("/usr/share/man/man1")
+SECTION = re.compile(r"^[A-Z][A-Z0-9 /-]*$")  # a heading at column 0
+SKIPPED_SECTIONS = ("NAME", "SYNOPSIS")
+
+
+def render_man(path: Path) -> str:
+    """The page as plain text (man -l, no pager, wide lines, overstrikes removed)."""
+    env = dict(os.environ, MANWIDTH="10000", LC_ALL="C.UTF-8", MAN_KEEP_FORMATTING="0")
+    shown = subprocess.run(["man", "-l", "-P", "cat", str(path)], capture_output=True, env=env, timeout=60)
+    plain = subprocess.run(["col", "-bx"], input=shown.stdout, capture_output=True, timeout=60)
+    return plain.stdout.decode("utf-8", errors="replace")
+
+
+def man_record(name: str, text: str) -> dict | None:
+    """{id, document, summary} of a rendered page; None without a NAME description or a body after SYNOPSIS."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    lines = text.rstrip().splitlines()
+    for line in lines[1:-1]:  # the first line is the page's header, the last its footer
+        if SECTION.match(line.rstrip()) and line.strip():
+            current = line.strip()
+            sections.setdefault(current, [])
+        elif current is not None:
+            sections[current].append(line.strip())
+    head = " ".join(w for w in sections.get("NAME", []) if w)
+    if " - " not in head:
+        return None
+    summary = head.split(" - ", 1)[1].strip()
+    paragraphs = []
+    for title, lines in sections.items():
+        if title in SKIPPED_SECTIONS:
+            continue
+        for block in "\n".join(lines).split("\n\n"):
+            joined = " ".join(block.split())  # (groff puts two spaces after a sentence)
+            if joined:
+                paragraphs.append(joined)
+    document = "\n\n".join(paragraphs)
+    if not summary or not document:
+        return None
+    return {"id": f"man:{name}", "document": document, "summary": summary}
+
+
+def man_records(tokenizer, count: int, min_tokens: int, seed: int = 0, root: Path = MAN1) -> list[dict]:
+    """Up to `count` records of pages under root with at least min_tokens target tokens, in a seeded order of the
+    page files, one page per family (the name up to its first "_" or "-": one gcloud or git page, not hundreds)."""
+    pages = sorted(p for p in root.glob("*.1*.gz") if p.is_file())
+    random.Random(seed).shuffle(pages)
+    out, families, seen = [], set(), set()
+    for path in pages:
+        if len(out) == count:
+            break
+        family = re.split(r"[_-]", path.name.split(".1", 1)[0])[0]
+        if family in families:
+            continue
+        with gzip.open(path, "rb") as f:  # a page that only includes another (".so") is that other's copy
+            if f.read(3) == b".so":
+                continue
+        record = man_record(path.name.split(".1", 1)[0], render_man(path))
+        if record is None or record["document"] in seen:  # (egrep's page is grep's: one of them)
+            continue
+        if len(tokenizer(record["document"], add_special_tokens=False)["input_ids"]) >= min_tokens:
+            out.append(record)
+            families.add(family)
+            seen.add(record["document"])
+    return out
+
+
+def corpus_records(files: list[str], tokenizer, min_tokens: int, doc_chars: int = 8000,
+                   heldout_fraction: float = 0.08) -> list[dict]:
+    """The corpora's documents held out from training and from the dev windows, with at least min_tokens."""
+    from kvbridge.adapters.chain import corpus_name
+    from kvbridge.adapters.teacher import is_heldout, split_documents
+
+    out = []
+    for path in files:
+        for doc_id, text in split_documents(path, corpus_name(path), doc_chars):
+            if not is_heldout(doc_id, heldout_fraction) or is_heldout(doc_id, 0.5, salt="dev"):
+                continue
+            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= min_tokens:
+                out.append({"id": doc_id, "document": text, "summary": ""})
+    return out
+
+
+def add_parser(esub) -> None:
+    from kvbridge.transfer.presets import PRESETS
+
+    p = esub.add_parser("heldout", help="write an evaluation set of long held-out documents (man pages, or the "
+                                        "corpora's documents no training step read)")
+    p.add_argument("--man", type=int, metavar="N", help="N manual pages of section 1 installed here")
+    p.add_argument("--corpus", nargs="+", metavar="FILE", help="the training corpora: their held-out documents")
+    p.add_argument("--min-tokens", type=int, default=1056,
+                   help="keep documents of at least this many target tokens (1,024 + the 32-token continuation)")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="whose target tokenizer counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.set_defaults(func=cmd_eval_heldout)
+
+
+def cmd_eval_heldout(args: argparse.Namespace) -> int:
+    from kvbridge.transfer.presets import load_pair
+
+    if bool(args.man) == bool(args.corpus):
+        raise ValueError("give one of --man N or --corpus FILE...")
+    tokenizer = load_pair(args.preset, device="cpu", source_weights=False)[1].tokenizer
+    if args.man:
+        records = man_records(tokenizer, args.man, args.min_tokens, args.seed)
+    else:
+        records = corpus_records(args.corpus, tokenizer, args.min_tokens)
+    if not records:
+        raise ValueError(f"no document of at least {args.min_tokens} target tokens found")
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"{len(records)} documents of >= {args.min_tokens} target tokens -> {args.out} "
+          f"(sha256 {hashlib.sha256(text.encode()).hexdigest()})")
+    return 0

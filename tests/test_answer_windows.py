@@ -1,0 +1,214 @@
+"""Answer windows and the answer objective on the tiny pair: what a window holds, the lean teacher cache (queries only
+where attention matching reads them) scoring like the full one, a planted answer-distillation optimum recovered, and
+the trainer keeping the checkpoint of best dev fidelity."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from kvbridge.adapters.answer_probe import AnswerProbe
+from kvbridge.adapters.answer_windows import (
+    INSTRUCTIONS,
+    AnswerCache,
+    AnswerConfig,
+    answer_windows,
+    document_term,
+    instruction_for,
+)
+from kvbridge.adapters.answering import greedy, stop_ids
+from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, kl_loss
+from kvbridge.adapters.map_kv import context_kv
+from kvbridge.adapters.pairs import start_token_id
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
+from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
+from kvbridge.adapters.trainer import TrainerConfig, train
+from kvbridge.eval.summaries import EvalConfig
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.segment import KVSegment
+from safetensors.torch import load_file, save_file
+from test_trainer import _text  # the tiny pair's text of the trainer's tests
+
+ANSWERS = AnswerConfig(lengths=(16, 32, 48), max_answer_tokens=6, topk=8)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from kvbridge.transfer.presets import load_pair
+
+    return load_pair("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def teacher(pair, tmp_path_factory):
+    """The same windows in a full teacher cache (every query) and a lean one (the continuation's queries)."""
+    source, target = pair
+    rng = random.Random(0)
+    windows = [Window(f"doc:{i // 2}/{i % 2}", f"doc:{i // 2}", _text(rng)) for i in range(12)]
+    caches = {}
+    for positions in ("all", "scored"):
+        c = TeacherCache(tmp_path_factory.mktemp(positions))
+        c.build(source, target, windows, TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8,
+                                                       query_positions=positions),
+                start_token_id(target.tokenizer), progress=False)
+        caches[positions] = c
+    return caches
+
+
+@pytest.fixture(scope="module")
+def ridge(pair, teacher):
+    return fit_ridge(teacher["all"], list(range(8)), list(range(8, 12)), pair[1], progress=False)
+
+
+@pytest.fixture(scope="module")
+def answers(pair, tmp_path_factory):
+    source, target = pair
+    rng = random.Random(1)
+    docs = [(f"doc:{i}", _text(rng, 80)) for i in range(10)]
+    windows = answer_windows(docs, target.tokenizer, ANSWERS, per_document=2)
+    c = AnswerCache(tmp_path_factory.mktemp("answers"))
+    c.build(source, target, windows, ANSWERS, start_token_id(target.tokenizer), progress=False)
+    assert len(c) >= 16
+    return c
+
+
+def _maps(ridge, seed=0):
+    torch.manual_seed(seed)
+    return ResidualMaps(ridge[0], ridge[1], CapacityConfig())
+
+
+def test_lean_teacher_cache_scores_like_the_full_one(pair, teacher, ridge):
+    _, target = pair
+    geometry, maps = AttentionGeometry(target), _maps(ridge)
+    full, lean = teacher["all"], teacher["scored"]
+    assert full.load(0)["q"].shape[2] == 1 + 24 + 8 and lean.load(0)["q"].shape[2] == 8
+    assert lean.root.joinpath(lean.entries[0]["file"]).stat().st_size < full.root.joinpath(
+        full.entries[0]["file"]).stat().st_size
+    with torch.no_grad():
+        for i in range(4):
+            a = attention_loss(maps, ridge[0].start_kv, full.load(i), target, geometry, 24)
+            b = attention_loss(maps, ridge[0].start_kv, lean.load(i), target, geometry, 24)
+            assert torch.equal(a, b)
+        windows = [full.load(i) for i in range(4)], [lean.load(i) for i in range(4)]
+        assert torch.equal(kl_loss(maps, ridge[0].start_kv, windows[0], target, 24),
+                           kl_loss(maps, ridge[0].start_kv, windows[1], target, 24))
+    with pytest.raises(ValueError, match="query_positions 'all'"):  # every query wanted, only the scored kept
+        attention_loss(maps, ridge[0].start_kv, lean.load(0), target, geometry, 24, "all")
+
+
+def test_an_answer_window_holds_the_targets_own_greedy_answer(pair, answers):
+    _, target = pair
+    w = answers.load(0)
+    assert set(w) == {"xk", "xv", "start_mask", "ids", "lengths", "top_logp", "top_idx"}  # no q, K or V
+    c, q, a = w["lengths"].tolist()
+    assert c in ANSWERS.lengths and 1 <= a <= ANSWERS.max_answer_tokens
+    assert w["ids"].numel() == 1 + c + q + a and w["xk"].shape[1] == 1 + c
+    assert torch.equal(w["top_idx"][:, 0], w["ids"][1 + c + q:])  # greedy: the answer is the teacher's argmax
+    own = kvcache.extract(target.model, target.spec, w["ids"][:1 + c])
+    again, _ = greedy(target, own, w["ids"][1 + c:1 + c + q], ANSWERS.max_answer_tokens, stop_ids(target),
+                      one_line=True)
+    assert again == w["ids"][1 + c + q:].tolist()
+    lengths = {answers.load(i)["lengths"][0].item() for i in range(len(answers))}
+    assert len(lengths) > 1  # lengths are drawn per window
+
+
+def test_instructions_are_chosen_by_window_and_never_the_evaluations():
+    text = "The blockpool keeps blocks. A blockpool evicts tails. Nothing else repeats here."
+    assert document_term(text, 0) == "blockpool"
+    assert instruction_for("doc:1/answer-0", text) == instruction_for("doc:1/answer-0", text)
+    made = {instruction_for(f"doc:{i}/answer-0", text) for i in range(200)}
+    assert len(made) == len(INSTRUCTIONS)
+    assert EvalConfig().instruction not in made and not any("{term}" in m for m in made)
+
+
+def test_answer_windows_take_only_lengths_a_document_holds(pair):
+    _, target = pair
+    def tokens(text):
+        return len(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rng = random.Random(3)
+    short = _text(rng, 200)
+    short = short[:target.tokenizer(short, return_offsets_mapping=True, add_special_tokens=False)[
+        "offset_mapping"][20][1]]  # 21 tokens: only the length 16 fits
+    windows = answer_windows([("d:0", short), ("d:1", _text(rng, 200)), ("d:2", "model")], target.tokenizer,
+                             ANSWERS, 3)
+    assert tokens(short) == 21 and {w.doc_id for w in windows} == {"d:0", "d:1"}
+    assert [tokens(w.text) for w in windows if w.doc_id == "d:0"] == [16, 16, 16]
+    assert {tokens(w.text) for w in windows if w.doc_id == "d:1"} <= set(ANSWERS.lengths)
+
+
+def _plant(answers: AnswerCache, planted, start_kv, target, root):
+    """The answer windows rewritten as if the teacher read each document through `planted` maps: its greedy
+    answer over that cache and its log-probs over that answer."""
+    root.mkdir()
+    stop = stop_ids(target)
+    for i, e in enumerate(answers.entries):
+        w = answers.load(i)
+        c, q, _ = w["lengths"].tolist()
+        p = 1 + c
+        with torch.no_grad():
+            k, v = context_kv(planted, start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"], target,
+                              w["ids"][:p])
+        seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p], positions=torch.arange(p),
+                        model=target.spec.identity, rotated=True)
+        scores = []
+        got, _ = greedy(target, seg, w["ids"][p:p + q], ANSWERS.max_answer_tokens, stop, scores=scores)
+        top = torch.stack(scores).log_softmax(-1).topk(ANSWERS.topk, dim=-1)
+        w |= {"ids": torch.cat((w["ids"][:p + q], torch.tensor(got))), "lengths": torch.tensor([c, q, len(got)]),
+              "top_logp": top.values, "top_idx": top.indices}
+        save_file({n: t.contiguous() for n, t in w.items()}, str(root / e["file"]))
+    (root / "index.json").write_text(answers.index_path.read_text())
+    return AnswerCache(root)
+
+
+def test_answer_distillation_recovers_a_planted_optimum(pair, answers, ridge, tmp_path):
+    """The teacher's answers come from planted maps (the ridge map plus a random residual, where the answer KL is 0);
+    the answer objective, started from the ridge map, must drive the KL near zero and give the planted maps'
+    answers."""
+    _, target = pair
+    start_kv = ridge[0].start_kv
+    planted = _maps(ridge)
+    with torch.no_grad():
+        planted.dw_k.normal_(std=0.5)
+        planted.dw_v.normal_(std=0.5)
+    cache = _plant(answers, planted, start_kv, target, tmp_path / "planted")
+    n = len(cache)
+    dev = list(range(n - 4, n))
+    probe = AnswerProbe(target, start_kv, cache, dev, ANSWERS.max_answer_tokens)
+    maps = _maps(ridge)
+
+    def loss(m):
+        with torch.no_grad():
+            return float(answer_loss(m, start_kv, [cache.load(i) for i in range(n - 4)], target))
+
+    before, at_plant = loss(maps), loss(planted)
+    assert at_plant < 1e-4 < 0.05 < before
+    cfg = TrainerConfig(objective="answer", select="fidelity", max_iters=100, warmup_iters=5, batch_windows=4,
+                        eval_interval=25, lr=1e-1, min_lr=1e-3)
+    out = train(maps, start_kv, target, cache, list(range(n - 4)), None, cfg, 0, tmp_path / "run", progress=False,
+                answers=probe)
+    # the training windows' answers are the planted maps' (a dozen windows of six answer tokens pin down far less
+    # than the maps: held-out windows are not reached, and the best dev checkpoint is what the trainer keeps)
+    seen = AnswerProbe(target, start_kv, cache, list(range(4)), ANSWERS.max_answer_tokens)
+    trained = _maps(ridge)  # the last step's maps (`maps` holds the best dev checkpoint's)
+    trained.load_state_dict({k[5:]: v for k, v in load_file(str(tmp_path / "run" / "last.safetensors")).items()
+                             if k.startswith("maps.")})
+    after = loss(trained)
+    assert after < 0.1 * before, (before, after)
+    assert seen.score(trained)["top1"] > 0.9 > seen.score(_maps(ridge))["top1"]
+    assert probe.score(planted)["rougeL"] == 1.0 == probe.score(planted)["top1"]
+    rows = out["record"]
+    assert all({"dev_fidelity", "dev_rougeL", "dev_top1", "dev_greedy"} <= set(r) for r in rows)
+    best = max(rows, key=lambda r: r["dev_fidelity"])
+    assert out["best_iter"] == best["iter"] and out["best"] == best["dev_fidelity"]
+    assert json.loads((tmp_path / "run" / "record.json").read_text())[-1]["dev_fidelity"] == rows[-1]["dev_fidelity"]
+
+
+def test_select_fidelity_needs_an_answer_probe(pair, answers, ridge, tmp_path):
+    cfg = TrainerConfig(objective="answer", select="fidelity", max_iters=2, warmup_iters=0, eval_interval=1)
+    with pytest.raises(ValueError, match="answer probe"):
+        train(_maps(ridge), ridge[0].start_kv, pair[1], answers, [0, 1], None, cfg, 0, tmp_path, progress=False)
+    with pytest.raises(ValueError, match="select must be one of"):
+        TrainerConfig(select="rouge")
