@@ -9,11 +9,9 @@ from __future__ import annotations
 import torch
 from kvbridge.adapters.answer_windows import AnswerCache
 from kvbridge.adapters.answering import greedy, greedy_agreement, rouge, stop_ids
-from kvbridge.adapters.losses import answer_logits, topk_kl
-from kvbridge.adapters.map_kv import context_kv
+from kvbridge.adapters.losses import answer_context, answer_logits, topk_kl
 from kvbridge.adapters.scoring import bootstrap_mean
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.segment import KVSegment
 
 MEASURES = ("rougeL", "greedy", "top1", "kl")
 
@@ -37,16 +35,13 @@ class AnswerProbe:
         for w in self.windows:
             c, q, a = w["lengths"].tolist()
             p = 1 + c
-            k, v = context_kv(maps, self.start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"], self.target,
-                              w["ids"][:p])
-            seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p], positions=torch.arange(p),
-                            model=self.target.spec.identity, rotated=True)
+            seg = answer_context(maps, self.start_kv, w, self.target)  # one projection: the answer and the logits
             own = w["ids"][p + q:].tolist()  # the teacher's answer
             got, _ = greedy(self.target, seg, w["ids"][p:p + q], self.max_answer_tokens, self.stop, one_line=True)
             out["rougeL"].append(rouge(tok.decode(own, skip_special_tokens=True),
                                        tok.decode(got, skip_special_tokens=True))["rougeL"])
             out["greedy"].append(greedy_agreement(got, own))
-            logits = answer_logits(maps, self.start_kv, w, self.target).float()  # [A, V]
+            logits = answer_logits(maps, self.start_kv, w, self.target, seg).float()  # [A, V]
             out["top1"].append(float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()))
             out["kl"].append(float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"])))
         return out

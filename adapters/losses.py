@@ -113,19 +113,26 @@ def ce_loss(maps, start_kv, windows: list[dict], target: LoadedModel, context_to
     return -logp.gather(-1, truth[..., None]).mean()
 
 
-def answer_logits(maps, start_kv, window: dict, target: LoadedModel) -> torch.Tensor:
-    """Logits [A, V] the target gives the teacher's answer tokens (teacher-forced) when it reads the instruction and
-    the answer over the map's cache of start + document (an answer window, answer_windows.py)."""
-    c, q, a = window["lengths"].tolist()
+def answer_context(maps, start_kv, window: dict, target: LoadedModel) -> KVSegment:
+    """The map's cache of an answer window's start + document (answer_windows.py), rotated KV at 0..C."""
+    c = int(window["lengths"][0])
     p = 1 + c
     if isinstance(maps, FuserMaps):
         raise ValueError("answer windows keep none of the target's own KV, which a fuser adds to: the answer "
                          "objective trains projections")
     k, v = context_kv(maps, start_kv, window["xk"].float(), window["xv"].float(), window["start_mask"], target,
                       window["ids"][:p])
-    segment = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=window["ids"][:p], positions=torch.arange(p),
-                        model=target.spec.identity, rotated=True)
-    logits = continuation_logits(target, segment, window["ids"][p:])[0]  # [Q + A, V]
+    return KVSegment(kv=torch.stack((k, v), dim=1), token_ids=window["ids"][:p], positions=torch.arange(p),
+                     model=target.spec.identity, rotated=True)
+
+
+def answer_logits(maps, start_kv, window: dict, target: LoadedModel, context: KVSegment | None = None
+                  ) -> torch.Tensor:
+    """Logits [A, V] the target gives the teacher's answer tokens (teacher-forced) when it reads the instruction and
+    the answer over the map's cache of start + document (`context`, else answer_context's)."""
+    c, q, a = window["lengths"].tolist()
+    context = context if context is not None else answer_context(maps, start_kv, window, target)
+    logits = continuation_logits(target, context, window["ids"][1 + c:])[0]  # [Q + A, V]
     return logits[q - 1:q - 1 + a]
 
 

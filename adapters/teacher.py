@@ -180,7 +180,7 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     first = 1 + c if config.query_positions == "scored" else 0
     queries = ({"q": torch.stack([rec[j][1][0, :, first:] for j in layers]).to(bf16).cpu()} if config.queries
                else {})
-    return queries | {  # q: [L_t, H_q, T, D]
+    return queries | {  # q: [L_t, H_q, T, D], or [L_t, H_q, N, D] (query_positions "scored")
         "xk": xk.to(bf16), "xv": xv.to(bf16),
         "k": torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_t, T, D]
         "v": torch.stack([rec[j][3][0] for j in layers]).to(bf16).cpu(),

@@ -19,15 +19,13 @@ from kvbridge.adapters.answer_windows import (
     instruction_for,
 )
 from kvbridge.adapters.answering import greedy, stop_ids
-from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, kl_loss
-from kvbridge.adapters.map_kv import context_kv
+from kvbridge.adapters.losses import AttentionGeometry, answer_context, answer_loss, attention_loss, kl_loss
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
 from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.eval.summaries import EvalConfig
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.segment import KVSegment
 from safetensors.torch import load_file, save_file
 from test_trainer import _text  # the tiny pair's text of the trainer's tests
 
@@ -149,10 +147,7 @@ def _plant(answers: AnswerCache, planted, start_kv, target, root):
         c, q, _ = w["lengths"].tolist()
         p = 1 + c
         with torch.no_grad():
-            k, v = context_kv(planted, start_kv, w["xk"].float(), w["xv"].float(), w["start_mask"], target,
-                              w["ids"][:p])
-        seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=w["ids"][:p], positions=torch.arange(p),
-                        model=target.spec.identity, rotated=True)
+            seg = answer_context(planted, start_kv, w, target)
         scores = []
         got, _ = greedy(target, seg, w["ids"][p:p + q], ANSWERS.max_answer_tokens, stop, scores=scores)
         top = torch.stack(scores).log_softmax(-1).topk(ANSWERS.topk, dim=-1)
