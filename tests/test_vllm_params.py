@@ -63,6 +63,10 @@ def test_the_engine_config_reads_back(tmp_path):
     assert config.fetch_threads == 2 and ConnectorConfig.from_extra({"kvbridge_address": "h:1"}).fetch_threads == 4
     with pytest.raises(ValueError, match="kvbridge_fetch_threads must be >= 1"):
         ConnectorConfig.from_extra({**extra, "kvbridge_fetch_threads": 0})
+    assert config.idle_wait_ms == 10
+    assert ConnectorConfig.from_extra({**extra, "kvbridge_idle_wait_ms": 0}).idle_wait_ms == 0
+    with pytest.raises(ValueError, match="kvbridge_idle_wait_ms must be within"):
+        ConnectorConfig.from_extra({**extra, "kvbridge_idle_wait_ms": -1})
     assert config.mode == "" and ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:0.1"}).mode == "blend:0.1"
     with pytest.raises(ValueError, match="kvbridge_mode must be"):
         ConnectorConfig.from_extra({**extra, "kvbridge_mode": "blend:1.5"})

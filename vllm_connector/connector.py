@@ -14,21 +14,22 @@ Load it with
 kv_role "kv_producer" or "kv_both" the engine also saves the KV of requests that ask into kvbridge (`saving`: the
 source side, so the server need not run the source model on that text).
 
-Scheduler side (the engine core process), never waiting on kvbridge: `get_num_new_matched_tokens` hands the
-request's lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and answers None (vLLM asks again at its
-next step, meanwhile it schedules other requests); a fetch thread gets the projected cache from the server
-(`GetProjectedCache` with the prompt's token ids: the server places the document where the prompt has it, after
-the target's own KV of the tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt
-(`params.match_prompt`: whole blocks, never the last token). A same-host server puts the KV in a shared-memory
-segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy); a streamed
-fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the KV is on this host, and
-the connector reports that many tokens as a synchronous load: the workers write them before the step's forward,
-which computes the rest of the prompt in the same step (a sliding-window group's load is asynchronous instead, its
-own step: see `get_transfer_results`); `update_state_after_alloc` tells the workers, through `build_connector_meta`,
-where the KV is and the request's block ids; the server's segment is released when the request ends (an
-asynchronous load's once the workers report it, `update_connector_output`). Anything that goes wrong (no
-server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
-for the request, and a normal prefill: a request never fails because of kvbridge.
+Scheduler side (the engine core process), never waiting on kvbridge: `get_num_new_matched_tokens` hands the request's
+lookup to the connector's fetch threads (`kvbridge_fetch_threads`) and answers None (vLLM asks again at its next step,
+meanwhile it schedules other requests); a fetch thread gets the projected cache from the server (`GetProjectedCache`
+with the prompt's token ids: the server places the document where the prompt has it, after the target's own KV of the
+tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt (`params.match_prompt`:
+whole blocks, never the last token). A step that schedules nothing while lookups run waits for the first to end, up to
+`kvbridge_idle_wait_ms` (vLLM would otherwise step an empty batch each millisecond). A same-host server puts the KV in a
+shared-memory segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy);
+a streamed fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the KV is on this
+host, and the connector reports that many tokens as a synchronous load: the workers write them before the step's
+forward, which computes the rest of the prompt in the same step (a sliding-window group's load is asynchronous instead,
+its own step: see `get_transfer_results`); `update_state_after_alloc` tells the workers, through `build_connector_meta`,
+where the KV is and the request's block ids; the server's segment is released when the request ends (an asynchronous
+load's once the workers report it, `update_connector_output`). Anything that goes wrong (no server, a refused token, an
+unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning for the request, and a normal
+prefill: a request never fails because of kvbridge.
 
 Worker side: `start_load_kv` maps the server's segment (path, mode, size, layout and checksum checked) or reads the
 staged file, and writes the KV into the paged buffers layer by layer through the attention backend's own cache
@@ -68,6 +69,7 @@ import logging
 import shutil
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -173,6 +175,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._lookups: dict[str, Future] = {}  # lookups under way on the fetch threads
         self._scheduler_s: dict[str, tuple[float, float]] = {}  # (sum, longest) of its connector calls' seconds
         self._pending: dict[str, Load] = {}  # allocated this step, waiting for build_connector_meta
+        self._loading: set[str] = set()  # asynchronous loads handed to the workers, not yet reported finished
         self._clients: dict[str, Any] = {}
         self._clients_lock = threading.Lock()
         self._fetchers = self._staging = None
@@ -308,12 +311,25 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = KVBridgeConnectorMetadata(loads=list(self._pending.values()), saves=self._saves.chunks(scheduler_output))
         for load in meta.loads:
             self._plans[load.req_id].handed = True  # the worker removes a staged file once read
+            if not load.sync:
+                self._loading.add(load.req_id)
         self._pending.clear()
+        if (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads and not meta.saves
+                and not self._loading):
+            self._idle(list(self._lookups.values()))
         return meta
+
+    def _idle(self, lookups: list[Future]) -> None:
+        """A step with nothing to compute while lookups run: wait for the first to end, up to idle_wait_ms. Nothing
+        is delayed by it (the step is empty; no worker load is in flight); it spares the cores an empty step each
+        millisecond would take from a same-host kvbridge server."""
+        if lookups and self.config.idle_wait_ms > 0:
+            futures.wait(lookups, timeout=self.config.idle_wait_ms / 1e3, return_when=futures.FIRST_COMPLETED)
 
     def update_connector_output(self, connector_output) -> None:
         """The workers' finished loads: the server's segments they read are released now."""
         for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
             plan = self._plans.get(req_id)
             if plan is not None and plan.handed:
                 self._release(plan)
@@ -341,6 +357,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._loading.discard(req_id)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:  # aborted while its lookup ran: what it fetches is given up when it is done
             lookup.add_done_callback(self._release_lookup)

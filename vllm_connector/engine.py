@@ -43,7 +43,8 @@ def vllm_available() -> str:
 def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
                        role: str = "kv_consumer", **extra: Any) -> dict[str, Any]:
     """vLLM's kv_transfer_config for the kvbridge connector; `extra` are further kvbridge_* fields without the
-    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode, fetch_threads, transport).
+    prefix (target_model, timeout_s, retries, recompute_tokens, staging_dir, mode, fetch_threads, idle_wait_ms,
+    transport).
     role: "kv_consumer" (loads projected KV), "kv_producer" (saves the KV of requests that ask, the source side)
     or "kv_both"."""
     if role not in ("kv_consumer", "kv_producer", "kv_both"):

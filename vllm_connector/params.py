@@ -74,12 +74,19 @@ class ConnectorConfig:
     staging_dir: str = "/dev/shm"  # the engine's private folder for fetched KV goes here (handoff; same host)
     mode: str = ""  # the server's correction for requests that name none ("": the server's own default)
     fetch_threads: int = 4  # lookups (fetch, match, stage) running at once, off the scheduler's thread
+    # A step that schedules nothing while lookups run waits this long for one to end (or less: it returns as soon
+    # as one does). vLLM otherwise steps an empty batch about every millisecond, which keeps a CPU worker busy and
+    # takes a same-host kvbridge server's cores from its projection; the cost: a request arriving at an engine that
+    # has nothing else to do starts up to this much later. 0: no wait.
+    idle_wait_ms: float = 10.0
 
     def __post_init__(self):
         if not self.servers:
             raise ValueError("the kvbridge connector needs at least one server (kvbridge_servers or kvbridge_address)")
         if self.timeout_s <= 0:
             raise ValueError(f"kvbridge_timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.idle_wait_ms <= 1000:
+            raise ValueError(f"kvbridge_idle_wait_ms must be within [0, 1000], got {self.idle_wait_ms}")
         if self.fetch_threads < 1:
             raise ValueError(f"kvbridge_fetch_threads must be >= 1, got {self.fetch_threads}")
         if self.retries < 0 or self.recompute_tokens < 0:
@@ -108,7 +115,7 @@ class ConnectorConfig:
         (ServerRef);
         kvbridge_target_model, kvbridge_timeout_s, kvbridge_retries, kvbridge_recompute_tokens,
         kvbridge_staging_dir, kvbridge_mode (the correction asked of the server: replace, recompute:R, blend:R),
-        kvbridge_fetch_threads."""
+        kvbridge_fetch_threads, kvbridge_idle_wait_ms."""
         servers = {name: ServerRef(s["address"], s.get("token", ""), s.get("transport", "auto")) for name, s in
                    (extra.get("kvbridge_servers") or {}).items()}
         if extra.get("kvbridge_address"):
@@ -122,7 +129,8 @@ class ConnectorConfig:
                    recompute_tokens=int(extra.get("kvbridge_recompute_tokens", cls.recompute_tokens)),
                    staging_dir=extra.get("kvbridge_staging_dir", cls.staging_dir),
                    mode=extra.get("kvbridge_mode", cls.mode),
-                   fetch_threads=int(extra.get("kvbridge_fetch_threads", cls.fetch_threads)))
+                   fetch_threads=int(extra.get("kvbridge_fetch_threads", cls.fetch_threads)),
+                   idle_wait_ms=float(extra.get("kvbridge_idle_wait_ms", cls.idle_wait_ms)))
 
 
 @dataclass(frozen=True)
