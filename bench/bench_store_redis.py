@@ -158,7 +158,7 @@ def redis_rows(data: RedisBlocks, layout: KVLayout, sizes: Sizes, device: torch.
                           f"so the wait costs {result[f'{name}_ms_per_batch_saved']:.2f} ms a batch")
             result["sends_only_mbs"] = total / t["sends only"] / 1e6
             extra += (f"; its sends alone, tags taken beforehand: {result['sends_only_mbs']:.0f} MB/s, ratio "
-                      f"{result['sends_only_mbs'] / raw_mbs:.2f} (the rest is the HMAC-SHA256 tag of every block)")
+                      f"{result['sends_only_mbs'] / raw_mbs:.2f} (the rest is the keyed BLAKE3 tag of every block)")
             extra += (f"; the blocks carry the sum64 CpuTier.put took as it copied them (+{data.sum_at_copy_us:.0f}"
                       f" us a block there, not in the ratio); blocks without one, summed in the put: "
                       f"{result['summing_mbs']:.0f} MB/s, ratio {result['ratio_summing_over_raw']:.2f}")

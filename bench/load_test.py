@@ -149,7 +149,7 @@ def run(args) -> dict:
     try:
         if redis is not None:
             redis.start()
-            secret = work / "redis-secret"  # the replicas' shared HMAC key for what they write to Redis
+            secret = work / "redis-secret"  # the replicas' shared secret tagging what they write to Redis
             secret.write_text(secrets.token_hex(32) + "\n")
             secret.chmod(0o600)
             serve_args += ["--redis-url", redis.url, "--redis-secret-file", str(secret)]
@@ -314,17 +314,18 @@ def run(args) -> dict:
             fail(f"{len(segments)} shared-memory segments left in {folders}")
         if redis is not None:
             import redis as redis_py
+            from kvbridge.transfer.store.redis_commands import BLOCK_PREFIX, ENTRY_PREFIX
 
             # no entry record or derived set may be left; full blocks stay until their TTL (a Delete cannot see
             # which entries elsewhere share them), partial tails go with their entry
             r = redis_py.Redis.from_url(redis.url)
             kinds = Counter(k.rsplit(b":", 1)[0].decode() for k in r.scan_iter(count=1000))
-            report["redis_blocks_after_run"] = kinds.pop("kvbridge:blk", 0)
+            report["redis_blocks_after_run"] = kinds.pop(BLOCK_PREFIX.decode().rstrip(":"), 0)
             keys = sum(kinds.values())
             report["redis_keys_after_run"] = keys
             if keys:
                 records = [json.loads((r.get(k) or b"- {}").split(b" ", 1)[-1])  # "<tag> <json>"
-                           for k in r.scan_iter(match="kvbridge:entry:*", count=1000)]
+                           for k in r.scan_iter(match=ENTRY_PREFIX + b"*", count=1000)]
                 report["redis_records_after_run"] = [
                     {"key": e.get("key"), "tenant": e.get("tenant"), "model": e.get("model_name"),
                      "source_key": e.get("source_key"), "tokens": len(e.get("token_ids") or ()),

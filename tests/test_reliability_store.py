@@ -147,13 +147,13 @@ def test_redis_killed_and_restarted_while_clients_run(tiny_source, tiny_target, 
 
 
 def _block_keys(store, lm, tenant: str, token_ids: torch.Tensor) -> list[bytes]:
-    """The Redis keys of a source prefix entry's blocks: `kvbridge:blk:<block hash hex>` (transfer/tiers.py)."""
+    """The Redis keys of a source prefix entry's blocks: `kvbridge:2:blk:<block hash hex>` (transfer/tiers.py)."""
     from kvbridge.transfer.store.kv_blocks import Namespace, chain_root, hash_chain
 
     ns = Namespace(tenant=tenant, model=lm.spec.identity.key, dtype=lm.spec.dtype, adapter="")
     digest = ns.digest()
     hashes = hash_chain(token_ids, store.config.block_size, chain_root(digest, "prefix"), digest)
-    return [b"kvbridge:blk:" + h.hex().encode() for h in hashes]
+    return [b"kvbridge:2:blk:" + h.hex().encode() for h in hashes]
 
 
 def test_a_corrupt_block_in_redis_is_a_miss_never_bad_data(tiny_source, tiny_target, adapters_dir, adapter,

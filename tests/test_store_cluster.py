@@ -134,19 +134,19 @@ def test_replicas_share_entries_through_the_cluster_whose_shards_all_hold_some(c
     others = [first.put(_seg(1000 * i), "t").key for i in range(2, 6)]
     assert_found_by_another_replica(second, info, a, "forty tokens", M)
 
-    blocks = _keys_by_primary(cluster, "kvbridge:blk:*")
+    blocks = _keys_by_primary(cluster, "kvbridge:2:blk:*")
     assert sum(len(k) for k in blocks.values()) == 6 * 3
     assert sum(1 for k in blocks.values() if k) == 3, {p: len(k) for p, k in blocks.items()}  # every shard has some
     client = _client(cluster)
     record, derived = first.redis.commands.entry_key(info.key), first.redis.commands.derived_key(info.key)
-    assert (record, derived) == (b"kvbridge:entry:{%s}" % info.key.encode(), b"kvbridge:derived:{%s}" %
+    assert (record, derived) == (b"kvbridge:2:entry:{%s}" % info.key.encode(), b"kvbridge:2:derived:{%s}" %
                                  info.key.encode())
     assert client.keyslot(record) == client.keyslot(derived) and client.exists(record, derived) == 2
 
     assert second.delete(info.key, "t") == 2  # the source and the projection the first made
     assert second.delete(others[0], "t") == 1
-    assert sum(len(k) for k in _keys_by_primary(cluster, "kvbridge:entry:*").values()) == len(others) - 1
-    assert sum(len(k) for k in _keys_by_primary(cluster, "kvbridge:derived:*").values()) == 0
+    assert sum(len(k) for k in _keys_by_primary(cluster, "kvbridge:2:entry:*").values()) == len(others) - 1
+    assert sum(len(k) for k in _keys_by_primary(cluster, "kvbridge:2:derived:*").values()) == 0
     for key in (info.key, projection, others[0]):
         with pytest.raises(NotFound):
             third.get(key, "t")

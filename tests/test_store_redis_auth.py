@@ -136,12 +136,12 @@ def test_an_attacker_without_the_secret_plants_no_kv_and_no_record_for_a_tenant(
     planted = torch.arange(5000, 5040)  # a text the victim may ingest later: every key of it is computable
     digest = Namespace(tenant="victim", model=M.key, dtype="float32", adapter="").digest()
     planted_key = content_key(digest, "prefix", planted)
-    record = json.loads(client.get(b"kvbridge:entry:" + stored.key.encode()).partition(b" ")[2])
+    record = json.loads(client.get(b"kvbridge:2:entry:" + stored.key.encode()).partition(b" ")[2])
     record.update(key=planted_key, token_ids=planted.tolist(), text="planted")
-    entry_key = b"kvbridge:entry:" + planted_key.encode()
+    entry_key = b"kvbridge:2:entry:" + planted_key.encode()
     client.set(entry_key, guess.seal_record(entry_key, json.dumps(record).encode()))
     for h in hash_chain(planted, 16, chain_root(digest, "prefix"), digest):
-        plant_block(b"kvbridge:blk:" + h.hex().encode(), torch.full((2, 2, 2, 16, 8), 9.0))
+        plant_block(b"kvbridge:2:blk:" + h.hex().encode(), torch.full((2, 2, 2, 16, 8), 9.0))
 
     other = _replica(redis_url)  # another replica of the same deployment
     with pytest.raises(NotFound):
@@ -174,7 +174,7 @@ def test_a_value_moved_to_another_key_is_rejected(redis_url):
     assert _rejected(reader) == {"block": 1, "record": 0, "derived": 0}
     assert torch.equal(reader.get(k1, "t").kv, one.kv)  # the original, where it belongs, still serves
 
-    client.set(b"kvbridge:entry:" + k2.encode(), client.get(b"kvbridge:entry:" + k1.encode()))
+    client.set(b"kvbridge:2:entry:" + k2.encode(), client.get(b"kvbridge:2:entry:" + k1.encode()))
     reader = _replica(redis_url)
     with pytest.raises(NotFound):
         reader.get(k2, "u")
@@ -184,10 +184,10 @@ def test_a_value_moved_to_another_key_is_rejected(redis_url):
 
     projection = writer.put(_seg(2000), "t", adapter="a", source_key=k1).key
     three = writer.put(_seg(3000), "t").key
-    members = client.smembers(b"kvbridge:derived:" + k1.encode())
+    members = client.smembers(b"kvbridge:2:derived:" + k1.encode())
     assert len(members) == 1 and next(iter(members)).startswith(projection.encode())
-    client.sadd(b"kvbridge:derived:" + three.encode(), *members)  # "the projection derives from three"
-    client.sadd(b"kvbridge:derived:" + three.encode(), k1.encode())  # an untagged member
+    client.sadd(b"kvbridge:2:derived:" + three.encode(), *members)  # "the projection derives from three"
+    client.sadd(b"kvbridge:2:derived:" + three.encode(), k1.encode())  # an untagged member
     reader = _replica(redis_url)
     assert reader.delete(three, "t") == 1  # three alone: not k1, not the projection
     assert _rejected(reader)["derived"] == 2
@@ -204,7 +204,7 @@ def test_a_truncated_or_reshaped_block_is_a_miss_never_an_error(redis_url):
     entry = writer.registry.get(key)
     block_key = writer.redis._key(entry.hashes[1])
     client = redis.Redis.from_url(redis_url)
-    original, record = client.get(block_key), client.get(b"kvbridge:entry:" + key.encode())
+    original, record = client.get(block_key), client.get(b"kvbridge:2:entry:" + key.encode())
     tier = RedisTier(redis_url, secret=TEST_SECRET)
     wrong = [torch.zeros(2, 2, 2, 16, 4), torch.zeros(2, 2, 2, 8, 8), torch.zeros(2, 2, 2, 16, 8, dtype=torch.bfloat16)]
     for n, tamper in enumerate([lambda: client.set(block_key, original[:-64]),
@@ -217,7 +217,7 @@ def test_a_truncated_or_reshaped_block_is_a_miss_never_an_error(redis_url):
         assert not client.exists(block_key), "deleted: a replica's write puts it back"
         assert reader.check() == []
         client.set(block_key, original)
-        client.set(b"kvbridge:entry:" + key.encode(), record)  # the reader took it: the entry was lost with Redis up
+        client.set(b"kvbridge:2:entry:" + key.encode(), record)  # the reader took it: the entry was lost with Redis up
     assert torch.equal(_replica(redis_url).get(key, "t").kv, seg.kv)
 
 

