@@ -9,7 +9,6 @@ adapters and counters.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -21,17 +20,14 @@ from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
-from kvbridge.server.prompt_place import locate
 from kvbridge.server.shm_segments import PendingSegment
-from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
+from kvbridge.transfer.align import Alignment, align_tokens, tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo
 
 log = logging.getLogger("kvbridge.server.service")  # one logger for the service's lines, wherever they are written
-HEADS = "prompt-head"  # the store namespace of the target's own KV of prompts' heads (prompt_cache)
 
 __all__ = ["CacheResult", "KVOut", "Projecting", "ServedModel", "cache_label"]
 
@@ -149,84 +145,6 @@ class Projecting:
         placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
         return replace(placed, mode=str(correction),
                        recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
-
-    def prompt_cache(self, tenant: str, prompt: list[int], key: str | None = None, text: str | None = None,
-                     target_model: str = "", adapter: str = "", require_cached: bool = False, out: KVOut | None = None,
-                     mode: str = "") -> CacheResult:
-        """The projected (and corrected) cache for a target prompt that holds the document (server/prompt_place.py):
-        the target's own KV of the prompt's tokens before the document, then the document's projected KV at its
-        positions in the prompt. A prompt that begins with the stored cache's tokens gets `projected_cache` at
-        offset 0 (gathered into `out` when warm)."""
-        target = self.model(target_model, "target")
-        spec = target.lm.spec
-        if not prompt:
-            raise ValueError("prompt: no token ids")
-        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside {spec.name!r}'s vocabulary of {spec.vocab_size}")
-        if len(prompt) > target.max_positions:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed {spec.name!r}'s {target.max_positions} positions")
-        document = self._document_ids(tenant, target, key, text)
-        if document is not None and locate(prompt, document).as_stored:  # as stored: the warm fast path
-            return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
-        base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
-        seg = base.segment
-        where = locate(prompt, seg.token_ids.tolist())
-        if where.as_stored:
-            return base
-        first = 1 + where.skip  # the first served document token in the stored cache
-        served = seg.num_tokens - first
-        if where.head + served > target.max_positions:
-            raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
-                             f"{spec.name!r}'s {target.max_positions} positions")
-        doc = seg.slice(first, seg.num_tokens)
-        moved = torch.arange(where.head, where.head + served)
-        keys = target.lm.rope.shift_all(doc.keys.float(), doc.positions, moved)
-        doc = doc.with_keys(keys.to(doc.dtype), moved, rotated=True)
-        parts = [doc]
-        if where.head:
-            parts.insert(0, self._own_head(tenant, target, prompt[:where.head]).to(device=doc.device, dtype=doc.dtype))
-        shift = where.head - first
-        return replace(base, segment=KVSegment.concat(parts),
-                       recomputed=tuple(p + shift for p in base.recomputed if p >= first))
-
-    def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
-        """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in
-        the store like any entry (namespace HEADS: a chat template and system prompt repeat across requests)."""
-        spec = target.lm.spec
-        tokens = torch.tensor(ids, dtype=torch.int64)
-        found = self.store.lookup(tokens, tenant, spec.identity, spec.dtype, adapter=HEADS).key
-        if found is not None:
-            try:
-                head = self.store.get(found, tenant)
-                self._count("prompt_head", reused=len(ids))
-                return head
-            except NotFound:  # evicted in between: compute it again
-                pass
-        with target.lock:
-            head = kvcache.extract(target.lm.model, spec, tokens)
-        self._count("prompt_head", computed=len(ids))
-        self.store.put(head, tenant, kind="prefix", adapter=HEADS)
-        return head
-
-    def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None) -> list[int] | None:
-        """The stored projection's target ids (start token, document) from the text, without fetching; None when the
-        server does not know the text."""
-        if text is None and key is not None:
-            try:
-                text = self.store.info(key, tenant).text
-            except NotFound:
-                return None
-        if not text or not text.strip():
-            return None
-        # every prompt-carrying fetch asks (each connector load): ~10 ms of tokenizing for 1,024 tokens, kept
-        digest = (target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
-        ids = self.document_ids.get(digest)
-        if ids is None:
-            tokenizer = target.lm.tokenizer
-            ids = (start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist())
-            self.document_ids.put(digest, ids)
-        return list(ids)
 
     def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
                             ) -> tuple[EntryInfo, KVSegment] | None:
@@ -347,28 +265,32 @@ class Projecting:
         namespace, spec = f"{label}#{source_key}", target.lm.spec
         for info in self.store.derived(source_key, tenant):
             if info.adapter == namespace and info.model == spec.identity.key:
-                shape = (spec.num_layers, 2, spec.num_kv_heads, info.num_tokens, spec.head_dim)
-                dtype = getattr(torch, spec.dtype)
-                held = out is not None and self.store.device.type == "cpu"
                 try:
-                    kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
-                    if kept is not None:  # the destination has this entry's KV from an earlier fetch
-                        return info, self.store.touch(info.key, tenant, kept, info.serial)
-                    want = getattr(out, "dtype", None) if isinstance(out, PendingSegment) else None
-                    if held and want is not None and want != dtype:  # a same-host segment in another dtype (the
-                        # engine's bf16): converted into it once, kept under the tag, so later fetches copy nothing
-                        buffer = out.tensor(shape, want)
-                        if buffer is not None:
-                            stored = self.store.get(info.key, tenant)
-                            buffer.copy_(stored.kv)
-                            out.written(0, shape[0])
-                            return info, replace(stored, kv=buffer)
-                    buffer = out.tensor(shape, dtype) if held else None
-                    return info, self.store.get(info.key, tenant, out=buffer,
-                                                written=out.written if buffer is not None else None)
+                    return info, self._gathered(info, tenant, spec, out)
                 except NotFound:  # evicted or expired in between: project again
                     return None
         return None
+
+    def _gathered(self, info: EntryInfo, tenant: str, spec, out: KVOut | None) -> KVSegment:
+        """A stored entry of the target's (info), gathered into out's buffer when it offers one; a same-host segment
+        that holds this entry from an earlier fetch is reused as it is. NotFound when the entry is gone."""
+        shape = (spec.num_layers, 2, spec.num_kv_heads, info.num_tokens, spec.head_dim)
+        dtype = getattr(torch, spec.dtype)
+        held = out is not None and self.store.device.type == "cpu"
+        kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
+        if kept is not None:  # the destination has this entry's KV from an earlier fetch
+            return self.store.touch(info.key, tenant, kept, info.serial)
+        want = getattr(out, "dtype", None) if isinstance(out, PendingSegment) else None
+        if held and want is not None and want != dtype:  # a same-host segment in another dtype (the engine's bf16):
+            # converted into it once, kept under the tag, so later fetches copy nothing
+            buffer = out.tensor(shape, want)
+            if buffer is not None:
+                stored = self.store.get(info.key, tenant)
+                buffer.copy_(stored.kv)
+                out.written(0, shape[0])
+                return replace(stored, kv=buffer)
+        buffer = out.tensor(shape, dtype) if held else None
+        return self.store.get(info.key, tenant, out=buffer, written=out.written if buffer is not None else None)
 
     def _placed(self, target: ServedModel, adapter: Adapter, info: EntryInfo, projected: KVSegment,
                 source_key: str, label: str, offset: int) -> CacheResult:

@@ -9,15 +9,35 @@ the projected document after them, its keys moved to its positions in the prompt
 Tokenizers may cut the document's first tokens differently when text precedes it ("Document: The" makes " The");
 such tokens belong to the head (the target computes them) and the document is served from its first token that
 the prompt has as it is.
+
+What is placed is kept: the head's own KV under the namespace "prompt-head" (a chat template and a system prompt
+repeat across requests), and the whole placed cache (head, then the document moved) as an entry of its own, linked
+to the source entry (deleted with it) under "placed|<adapter>|<correction>#<source key>", so that the next prompt with
+the same head and document is a warm fetch like a plain one: gathered into the same-host segment, or not copied at
+all when the segment holds it already. Each distinct head costs the store one more copy of the document's projected
+KV (evicted like any entry).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
+from kvbridge.server.corrections import MODE, RECOMPUTED, recomputed_of
+from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, cache_label
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import start_token_id, tokenize
+from kvbridge.transfer.errors import NotFound
+from kvbridge.transfer.segment import KVSegment
+
+HEADS = "prompt-head"  # the store namespace of the target's own KV of prompts' heads
+PLACED = "placed"  # the store namespaces of placed caches: "placed|<adapter label>|<correction>#<source key>"
+PROJECTION = "projection"  # a placed cache's annotations: the key of the projected entry it was placed from,
+ADAPTER = "adapter"  # and the adapter's "name@version"
 PROBE = 8  # document tokens that must follow one another in the prompt for it to be placed there
 MAX_SKIP = 4  # leading document tokens the prompt may cut otherwise (merged with the text before it)
 
@@ -50,6 +70,135 @@ def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, 
     raise ValueError(f"the prompt ({len(prompt)} tokens) does not hold the document's target tokens: none of its "
                      f"first {min(max_skip, len(doc))} tokens starts a run of {n} of them in the prompt (is it the "
                      "same text, tokenized by the target's tokenizer?)")
+
+
+class Placing:
+    """Prompt placement, a part of KVBridgeService beside `Projecting` (whose store, models, adapters, corrections
+    and projected caches it uses)."""
+
+    def prompt_cache(self, tenant: str, prompt: list[int], key: str | None = None, text: str | None = None,
+                     target_model: str = "", adapter: str = "", require_cached: bool = False, out: KVOut | None = None,
+                     mode: str = "") -> CacheResult:
+        """The projected (and corrected) cache for a target prompt that holds the document (server/prompt_place.py):
+        the target's own KV of the prompt's tokens before the document, then the document's projected KV at its
+        positions in the prompt. A prompt that begins with the stored cache's tokens gets `projected_cache` at
+        offset 0 (gathered into `out` when warm)."""
+        target = self.model(target_model, "target")
+        spec = target.lm.spec
+        if not prompt:
+            raise ValueError("prompt: no token ids")
+        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside {spec.name!r}'s vocabulary of {spec.vocab_size}")
+        if len(prompt) > target.max_positions:
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed {spec.name!r}'s {target.max_positions} positions")
+        document = self._document_ids(tenant, target, key, text)
+        if document is not None and locate(prompt, document).as_stored:  # as stored: the warm fast path
+            return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
+        namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
+        if document is not None and namespace is not None:  # placed before for this head: as warm as a plain fetch
+            where = locate(prompt, document)
+            kept = self._kept_placement(tenant, target, namespace, prompt[:where.head] + document[1 + where.skip:],
+                                        out)
+            if kept is not None:
+                return kept
+        base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
+        seg = base.segment
+        where = locate(prompt, seg.token_ids.tolist())
+        if where.as_stored:
+            return base
+        first = 1 + where.skip  # the first served document token in the stored cache
+        served = seg.num_tokens - first
+        if where.head + served > target.max_positions:
+            raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
+                             f"{spec.name!r}'s {target.max_positions} positions")
+        doc = seg.slice(first, seg.num_tokens)
+        moved = torch.arange(where.head, where.head + served)
+        keys = target.lm.rope.shift_all(doc.keys.float(), doc.positions, moved)
+        doc = doc.with_keys(keys.to(doc.dtype), moved, rotated=True)
+        parts = [doc]
+        if where.head:
+            parts.insert(0, self._own_head(tenant, target, prompt[:where.head]).to(device=doc.device, dtype=doc.dtype))
+        shift = where.head - first
+        placed = replace(base, segment=KVSegment.concat(parts),
+                         recomputed=tuple(p + shift for p in base.recomputed if p >= first))
+        namespace = self._placed_namespace(tenant, target, base.source_key, None, adapter, mode)
+        self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
+                       source_key=base.source_key,
+                       annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
+                                    RECOMPUTED: ",".join(map(str, placed.recomputed)), PROJECTION: base.entry_key})
+        self._count("placement", computed=placed.segment.num_tokens)
+        return placed
+
+    def _placed_namespace(self, tenant: str, target: ServedModel, key: str | None, text: str | None, adapter: str,
+                          mode: str) -> str | None:
+        """The store namespace of this source entry's placed caches through this adapter and correction; None when
+        the server holds no source entry for the text."""
+        source_key = key or self._cached_source_key(tenant, text)
+        if source_key is None:
+            return None
+        label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
+        return f"{PLACED}|{cache_label(label, chosen)}|{self.corrections.resolve(mode)}#{source_key}"
+
+    def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
+                        out: KVOut | None) -> CacheResult | None:
+        """The placed cache of these tokens (head, then the document) when the store holds it, gathered as a warm
+        plain fetch is; None otherwise."""
+        spec = target.lm.spec
+        found = self.store.lookup(torch.tensor(ids, dtype=torch.int64), tenant, spec.identity, spec.dtype,
+                                  adapter=namespace).key
+        if found is None:
+            return None
+        try:
+            info = self.store.info(found, tenant)
+            segment = self._gathered(info, tenant, spec, out)
+        except NotFound:  # evicted or deleted in between: placed again
+            return None
+        notes = info.annotations
+        self._count("placement", reused=segment.num_tokens)
+        return CacheResult(segment=segment, entry_key=str(notes.get(PROJECTION, info.key)),
+                           source_key=namespace.rsplit("#", 1)[1], adapter=str(notes.get(ADAPTER, "")),
+                           text=info.text, exact_coverage=float(notes.get("exact_coverage", 0.0)),
+                           mode=str(notes.get(MODE, "")),
+                           recomputed=tuple(recomputed_of(notes, segment.num_tokens)))
+
+    def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
+        """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in
+        the store like any entry (namespace HEADS: a chat template and system prompt repeat across requests)."""
+        spec = target.lm.spec
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        found = self.store.lookup(tokens, tenant, spec.identity, spec.dtype, adapter=HEADS).key
+        if found is not None:
+            try:
+                head = self.store.get(found, tenant)
+                self._count("prompt_head", reused=len(ids))
+                return head
+            except NotFound:  # evicted in between: compute it again
+                pass
+        with target.lock:
+            head = kvcache.extract(target.lm.model, spec, tokens)
+        self._count("prompt_head", computed=len(ids))
+        self.store.put(head, tenant, kind="prefix", adapter=HEADS)
+        return head
+
+    def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None) -> list[int] | None:
+        """The stored projection's target ids (start token, document) from the text, without fetching; None when the
+        server does not know the text."""
+        if text is None and key is not None:
+            try:
+                text = self.store.info(key, tenant).text
+            except NotFound:
+                return None
+        if not text or not text.strip():
+            return None
+        # every prompt-carrying fetch asks (each connector load): ~10 ms of tokenizing for 1,024 tokens, kept
+        digest = (target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
+        ids = self.document_ids.get(digest)
+        if ids is None:
+            tokenizer = target.lm.tokenizer
+            ids = (start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist())
+            self.document_ids.put(digest, ids)
+        return list(ids)
 
 
 class KeptIds:

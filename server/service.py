@@ -23,7 +23,7 @@ from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.corrections import Corrections
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
-from kvbridge.server.prompt_place import KeptIds
+from kvbridge.server.prompt_place import KeptIds, Placing
 from kvbridge.server.request_limits import quote
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
@@ -95,7 +95,7 @@ def _max_positions(lm: LoadedModel) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 1 << 31)
 
 
-class KVBridgeService(Projecting):
+class KVBridgeService(Placing, Projecting):
     def __init__(self, source: LoadedModel, targets: list[LoadedModel], store: PagedStore,
                  adapters: AdapterRegistry, limits: ServiceLimits = ServiceLimits(),
                  detector: SuffixDetector | None = None, corrections: Corrections | None = None):

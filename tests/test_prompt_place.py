@@ -110,23 +110,41 @@ def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_sourc
         running.stop(grace_s=1)
 
 
-def test_a_heads_own_kv_is_computed_once_and_kept_in_the_store(tmp_path, tiny_source, tiny_target, adapter):
-    """A chat template and system prompt repeat across requests: the second prompt with the same head (and another
-    tail) runs no target forward, and gets the same KV."""
+def test_a_placed_cache_is_kept_and_a_heads_own_kv_is_computed_once(tmp_path, tiny_source, tiny_target, adapter):
+    """A chat template and system prompt repeat across requests: the second prompt with the same head and document
+    (another tail) is served from the kept placed cache (no target forward, no RoPE move, the same KV and facts); the
+    same head before another document reuses the head's own KV; deleting the source entry deletes what was placed."""
     from test_corrections import Forwards
 
     service = _service(tiny_source, tiny_target, tmp_path, adapter)
-    ids = service.projected_cache("t", text=TEXT, mode="replace").segment.token_ids.tolist()
-    head = [ids[0], 17, 23, 5, 42, 9]
-    first = service.prompt_cache("t", head + ids[1:] + [7], text=TEXT, mode="replace")
-    forwards = Forwards(tiny_target)
-    try:
-        again = service.prompt_cache("t", head + ids[1:] + [8, 8], text=TEXT, mode="replace")
-        assert forwards.count == 0
-    finally:
-        forwards.close()
-    torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
-    assert service.token_counts[("prompt_head", "reused")] == len(head)
-    other = service.prompt_cache("t", head[:-1] + ids[1:], text=TEXT, mode="replace")  # another head: computed
-    assert other.segment.token_ids.tolist()[:len(head) - 1] == head[:-1]
-    assert service.token_counts[("prompt_head", "computed")] == 2 * len(head) - 1
+    other_text = TEXT.replace("Readers", "Parsers").replace("writers", "encoders")
+    for mode in ("replace", "blend:0.2"):
+        ids = service.projected_cache("t", text=TEXT, mode=mode).segment.token_ids.tolist()
+        head = [ids[0], 17, 23, 5, 42, 9]
+        first = service.prompt_cache("t", head + ids[1:] + [7], text=TEXT, mode=mode)
+        placed = service.token_counts[("placement", "reused")]
+        forwards = Forwards(tiny_target)
+        try:
+            again = service.prompt_cache("t", head + ids[1:] + [8, 8], text=TEXT, mode=mode)
+            assert forwards.count == 0
+        finally:
+            forwards.close()
+        torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
+        assert service.token_counts[("placement", "reused")] == placed + len(head) + len(ids) - 1
+        assert again.segment.token_ids.tolist() == first.segment.token_ids.tolist()
+        assert (again.entry_key, again.source_key, again.adapter, again.mode, again.recomputed) == (
+            first.entry_key, first.source_key, first.adapter, first.mode, first.recomputed)
+    heads = service.token_counts[("prompt_head", "computed")]
+    other = service.projected_cache("t", text=other_text, mode="replace").segment.token_ids.tolist()
+    service.prompt_cache("t", head + other[1:], text=other_text, mode="replace")  # the same head, another document
+    assert service.token_counts[("prompt_head", "computed")] == heads
+    assert service.token_counts[("prompt_head", "reused")] >= len(head)
+    service.prompt_cache("t", head[:-1] + ids[1:], text=TEXT, mode="replace")  # another head: computed
+    assert service.token_counts[("prompt_head", "computed")] == heads + len(head) - 1
+    kept = {k: service.store.info(k, "t").source_key for k in service.store.keys("t")
+            if service.store.info(k, "t").adapter.startswith("placed|")}
+    assert len(kept) == 4  # (head, TEXT) in two modes, (head, the other text), (head[:-1], TEXT)
+    service.delete("t", first.source_key)
+    left = set(service.store.keys("t"))
+    assert {k for k in kept if k in left} == {k for k, source in kept.items() if source != first.source_key}
+    assert len([k for k in kept if k in left]) == 1
