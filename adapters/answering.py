@@ -12,7 +12,7 @@ import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -71,8 +71,21 @@ def _scorer() -> rouge_scorer.RougeScorer:
     return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
 
 
+@cache
+def _tokenizer() -> tokenizers.DefaultTokenizer:
+    return tokenizers.DefaultTokenizer(use_stemmer=True)  # the scorer's own
+
+
+def _has_words(text: str) -> bool:
+    return bool(_tokenizer().tokenize(text))
+
+
 def rouge(reference: str, prediction: str) -> dict[str, float]:
-    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming)."""
+    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming). Two texts without a word (empty, or punctuation
+    only) score 1: they say the same, nothing (rouge-score gives 0, so `full`'s fidelity to itself was below 1 where
+    its answer was empty)."""
+    if not _has_words(reference) and not _has_words(prediction):
+        return dict.fromkeys(ROUGE_TYPES, 1.0)
     scores = _scorer().score(reference, prediction)
     return {name: scores[name].fmeasure for name in ROUGE_TYPES}
 

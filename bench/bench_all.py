@@ -12,6 +12,8 @@ the machine named in the first line (STYLE rule 9).
 4. grpc (bench_grpc.py): a warm projected fetch over gRPC vs a raw loopback socket, bytes on the wire.
 5. suffix (bench_suffix.py): multi-turn suffix reuse, prefilled tokens and TTFT without/with the pipeline (its quick
    settings unless --full is given).
+6. fidelity (bench_fidelity.py): what users read beside those speeds: each mode's greedy answer against the
+   target's own (ROUGE-L, top-1 and greedy agreement, NLL recovery) on held-out pydoc pages, through the server.
 
 Each piece prints its own lines as it goes; a piece that fails is reported in the table and the others still run.
 """
@@ -167,6 +169,23 @@ def suffix_rows(r: dict) -> list[Row]:
                 r["ratio_ttft_sum_without_over_with"])]
 
 
+def fidelity_rows(r: dict) -> list[Row]:
+    from bench_fidelity import GOALS
+
+    rows = []
+    for name, m in r["modes"].items():
+        if m["fidelity"] is None:
+            continue
+        goal = GOALS.get(name, (None, None))[0]
+        extra = "".join(f", {label} {m[key][field]:.3f}" for label, key, field in (
+            ("top-1", "top1", "mean"), ("greedy agreement", "greedy", "mean"), ("NLL recovery", "recovery", "value"))
+            if m[key] is not None)
+        f = m["fidelity"]
+        rows.append(Row(f"fidelity {name} (ROUGE-L vs full)", f"{f['mean']:.3f}", "-" if goal is None else f">= {goal}",
+                        f"[{f['low']:.3f}, {f['high']:.3f}], {r['documents']} held-out pydoc pages{extra}", f["mean"]))
+    return rows
+
+
 def markdown_table(rows: list[Row]) -> str:
     lines = ["| measurement | ratio | goal | detail |", "|---|---|---|---|"]
     for r in rows:
@@ -245,7 +264,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         loaded = attempt("setup", "the small pair and its adapter (shared by ttft, projection, and the full "
                                   "grpc and suffix runs)", setup)
         if loaded is None:
-            errors["ttft"] = errors["projection"] = f"the setup failed: {errors['setup']}"
+            errors["ttft"] = errors["projection"] = errors["fidelity"] = f"the setup failed: {errors['setup']}"
         else:
             source, target, adapter, note = loaded
             pieces["setup"] = {"pair": f"{source.name} -> {target.name}", "adapter": note}
@@ -266,6 +285,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                               "(bench_projection.py)",
                 lambda: load_bench("bench_projection").measure(source, target, adapter, PROJECTION_TOKENS[mode],
                                                                PROJECTION_ROUNDS[mode], "float32"))
+            fidelity = load_bench("bench_fidelity")
+            docs = fidelity.QUICK_DOCS if args.quick else fidelity.FULL_DOCS
+            pieces["fidelity"] = attempt(
+                "fidelity", f"each mode's answer against the target's own on {docs} held-out pydoc pages "
+                            "(bench_fidelity.py)",
+                lambda: fidelity.measure(source, target, adapter, docs))
+            if pieces["fidelity"] is not None:
+                print("\n".join(fidelity.lines(pieces["fidelity"])), flush=True)
             del source, target, adapter, loaded
             gc.collect()
 
@@ -287,7 +314,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     rows: list[Row] = []
     makers: dict[str, Callable[[object], list[Row]]] = {
         "ttft": lambda r: ttft_rows(r, ttft.GOAL, ttft.GOAL_TOKENS), "projection": projection_rows,
-        "store": store_rows, "grpc": grpc_rows, "suffix": suffix_rows}
+        "fidelity": fidelity_rows, "store": store_rows, "grpc": grpc_rows, "suffix": suffix_rows}
     for name, make in makers.items():
         if name in errors:
             rows.append(Row(name, "FAILED", "-", errors[name]))

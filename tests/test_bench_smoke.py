@@ -26,7 +26,10 @@ ALL_QUICK_ROWS = (
     "TTFT served blend:0.1/full @512 (warm, same host)", "TTFT replace/full @512 (cold)",
     "TTFT blend:0.1/full @512 (warm)",
     "TTFT blend:0.1 with/without induction prior @512",
-    "projection/prefill speed @", "store get/copy source @2048",
+    "projection/prefill speed @",
+    "fidelity replace/noprior (ROUGE-L vs full)", "fidelity replace (ROUGE-L vs full)",
+    "fidelity served:blend:0.1 (ROUGE-L vs full)", "fidelity blend:0.1 (ROUGE-L vs full)",
+    "store get/copy source @2048",
     "store get/copy source @2047", "store get/copy target @2048", "store get/copy target @2047",
     "store lookup per block", "store hash_chain/lookup", "store tokens/pool (distinct entries)",
     "store tokens/pool (shared 1024-token prefix)", "store tokens/pool (growing conversation)",
@@ -72,6 +75,10 @@ def _check_table_ratios(cells: list[list[str]], rows: list[dict]) -> None:
         assert shown, f"{name}: ratio cell {printed!r} is not a number"
         value, half = _number(shown.group(1))
         assert abs(value - row["value"]) <= half * 1.001, f"{name}: printed {printed}, JSON value {row['value']}"
+        if name.startswith("fidelity "):  # a quality, not a ratio: a ROUGE-L mean inside its printed interval
+            low, high = map(float, re.match(r"\[(\S+), (\S+)\]", detail).groups())
+            assert 0.0 <= low <= row["value"] + 5e-4 and row["value"] <= high + 5e-4 <= 1.0 + 5e-4, (name, detail)
+            continue
         pair = re.match(rf"{NUMBER}(?: \S+)? vs {NUMBER}", detail)
         pool = re.match(rf"{NUMBER} tokens in .* held by a {NUMBER}-token pool", detail)
         figures = pair or pool
@@ -179,6 +186,9 @@ def test_bench_all_quick_prints_one_row_per_ratio(tmp_path):
     _check_store_piece(pieces["store"], out)
     _check_grpc_piece(pieces["grpc"], out)
     _check_suffix_piece(pieces["suffix"], out)
+    fidelity = [line for line in pieces["fidelity"] if line.startswith("fidelity ")]
+    assert len(fidelity) == 4 and all("ROUGE-L vs full" in line and "greedy agreement" in line
+                                      and "NLL recovery" in line for line in fidelity), out
     report = json.loads(out_json.read_text())
     assert report["machine"] == lines[0] and report["errors"] == {}, report["errors"]
     assert [row["measurement"] for row in report["rows"]] == names

@@ -150,6 +150,9 @@ def test_rouge_is_the_librarys_and_the_bootstrap_brackets_the_mean():
     lib = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True).score(ref, pred)
     assert rouge(ref, pred) == {k: lib[k].fmeasure for k in ROUGE_TYPES}
     assert rouge(ref, pred)["rouge1"] > 0  # stemming: filenames ~ filename, patterns ~ pattern
+    # two answers without a word say the same (rouge-score would give 0): full's fidelity to itself is 1
+    assert rouge("", "") == rouge("...", "") == dict.fromkeys(ROUGE_TYPES, 1.0)
+    assert rouge("", pred) == rouge(ref, "") == dict.fromkeys(ROUGE_TYPES, 0.0)
     mean, lo, hi = bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0)
     assert lo <= mean <= hi and mean == pytest.approx(0.375)
     assert bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0) == (mean, lo, hi)  # seeded
