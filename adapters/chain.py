@@ -37,12 +37,12 @@ from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
-from kvbridge.adapters.trainer import OBJECTIVES, TrainerConfig, train
+from kvbridge.adapters.trainer import ANSWER_OBJECTIVES, OBJECTIVES, TrainerConfig, train
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 
-DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3}
-DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25}
+DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3, "onpolicy": 1e-3}
+DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25, "onpolicy": 25}
 
 
 def parse_stages(text: str) -> tuple[tuple[str, int], ...]:
@@ -101,8 +101,8 @@ class ChainConfig:
             raise ValueError("an attention stage reads the target's queries: the teacher cache must keep them")
         if isinstance(self.answer, dict):  # from a saved record's JSON
             object.__setattr__(self, "answer", AnswerConfig(**self.answer))
-        if any(name == "answer" for name, _ in self.stages) and self.answer_windows < 1:
-            raise ValueError("an answer stage trains on answer windows: answer_windows must be >= 1")
+        if any(name in ANSWER_OBJECTIVES for name, _ in self.stages) and self.answer_windows < 1:
+            raise ValueError("an answer (or onpolicy) stage trains on answer windows: answer_windows must be >= 1")
         if self.answer_windows < 0:
             raise ValueError(f"answer_windows must be >= 0, got {self.answer_windows}")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
@@ -259,8 +259,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                            max_iters=steps, batch_windows=config.batch_windows,
                            eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
                            exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0,
-                           select="fidelity" if objective == "answer" else "recovery")
-        stage_cache, stage_idx = (answers, a_train_idx) if objective == "answer" else (cache, train_idx)
+                           select="fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
+        stage_cache, stage_idx = (answers, a_train_idx) if objective in ANSWER_OBJECTIVES else (cache, train_idx)
         out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
                     work / f"stage-{n}-{objective}", resume=True, progress=progress, answers=answer_probe)
         best = next((r for r in out["record"] if r["iter"] == out["best_iter"]), {})

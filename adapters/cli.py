@@ -69,8 +69,9 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                         "prefilled exactly after the projected rest, as selective recompute does (0: never)")
     p.add_argument("--answer-windows", type=int, default=0, metavar="N",
                    help="chain: N answer windows (a document of --answer-lengths tokens, an instruction after it, the "
-                        "target's own answer) for stages 'answer' (teacher-forced KL over the answer), which keep the "
-                        "checkpoint of best dev fidelity; with any, every stage reports dev fidelity")
+                        "target's own answer) for stages 'answer' (teacher-forced KL over the answer) and 'onpolicy' "
+                        "(KL over the student's own greedy answer, scored by the target's own prefill), which keep "
+                        "the checkpoint of best dev fidelity; with any, every stage reports dev fidelity")
     p.add_argument("--answer-lengths", default="256,512,1024,2048",
                    help="chain: document tokens an answer window may hold, drawn per window")
     p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "

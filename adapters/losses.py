@@ -1,18 +1,23 @@
 """The trainer's objectives on a map's context cache (map_kv.py), each a differentiable loss of one batch of teacher
 windows (teacher.py): attention matching (layer-local, no backprop through the model), KL to the teacher's next-token
-distributions of the continuation, cross-entropy of the true continuation, and KL to the teacher over its own answer
-after an instruction (answer windows, answer_windows.py; see trainer.py)."""
+distributions of the continuation, cross-entropy of the true continuation, KL to the teacher over its own answer
+after an instruction (answer windows, answer_windows.py; see trainer.py), and the same KL over the student's own
+greedy answer (on-policy)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from kvbridge.adapters.answering import greedy
 from kvbridge.adapters.fuser import FuserMaps
 from kvbridge.adapters.map_kv import context_kv, project_window
 from kvbridge.adapters.scoring import continuation_logits
 from kvbridge.adapters.teacher import capture_attention
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 
@@ -157,4 +162,45 @@ def answer_loss(maps, start_kv, windows: list[dict], target: LoadedModel) -> tor
     for w in windows:
         logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
         total = total + topk_kl(logp, w["top_logp"], w["top_idx"])
+    return total / len(windows)
+
+
+def own_context(target: LoadedModel, window: dict) -> KVSegment:
+    """The target's own KV of an answer window's start + document: the teacher of the on-policy objective."""
+    c = int(window["lengths"][0])
+    with torch.no_grad():
+        return kvcache.extract(target.model, target.spec, window["ids"][:1 + c])
+
+
+def onpolicy_loss(maps, start_kv, windows: list[dict], target: LoadedModel, max_new_tokens: int, stop: set[int],
+                  topk: int, teacher: Callable[[dict], KVSegment] | None = None, mix: float = 0.5) -> torch.Tensor:
+    """On-policy distillation (as GKD mixes it): for each window the student (the target over the map's cache of the
+    document) answers the instruction greedily, one line of at most `max_new_tokens`; the teacher (`teacher(window)`'s
+    cache, by default the target's own prefill of the document) scores that answer; the on-policy term is
+    KL(teacher || student) over the teacher's top-k and the rest (topk_kl) at every position the student chose a
+    token and the one after its last (where it stopped). The loss is `mix` of it and 1 - mix of the teacher-forced
+    KL over the window's own (teacher's) answer (answer_loss's), which keeps the student on the teacher's path while
+    the on-policy term trains where its own answers leave it. Averaged over windows."""
+    if not 0 <= mix <= 1:
+        raise ValueError(f"mix must be in [0, 1], got {mix}")
+    teacher = teacher or (lambda w: own_context(target, w))
+    total = 0.0
+    for w in windows:
+        c, q, a = w["lengths"].tolist()
+        prompt = w["ids"][1 + c:1 + c + q]
+        context = answer_context(maps, start_kv, w, target)
+        term = 0.0
+        if mix < 1:
+            forced = answer_logits(maps, start_kv, w, target, context).float().log_softmax(-1)
+            term = (1 - mix) * topk_kl(forced, w["top_logp"], w["top_idx"])
+        if mix > 0:
+            with torch.no_grad():
+                said, _ = greedy(target, replace(context, kv=context.kv.detach()), prompt, max_new_tokens, stop,
+                                 one_line=True)
+                asked = torch.cat((prompt, torch.tensor(said, dtype=torch.int64)))
+                top = continuation_logits(target, teacher(w), asked)[0, q - 1:].float().log_softmax(-1).topk(topk,
+                                                                                                              -1)
+            student = continuation_logits(target, context, asked)[0, q - 1:].float().log_softmax(-1)
+            term = term + mix * topk_kl(student, top.values, top.indices)
+        total = total + term
     return total / len(windows)

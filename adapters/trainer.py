@@ -14,6 +14,10 @@ Objectives (`TrainerConfig.objective`):
   answer     end to end on answer windows (answer_windows.py: a document of 256 to 2,048 tokens, an instruction
              after it and the target's own greedy answer): the document as a projected cache, the instruction and
              the answer prefilled by the frozen target, KL over the teacher's top-k at the answer positions.
+  onpolicy   on the same windows, on-policy distillation: the student (the target over the projected document)
+             answers greedily, the teacher (the target over its own prefill of the document) scores that answer, KL
+             over the teacher's top-k at the student's answer positions (losses.onpolicy_loss): what is trained is
+             where the student's own answers leave the teacher's, not the teacher's path alone.
 
 The dev score that picks the best checkpoint (`select`): "recovery" (the recovery probe's, below) or "fidelity" (an
 answer probe's, answer_probe.py: the mean of ROUGE-L against the target's own answer and top-1 agreement over it).
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import torch
 from kvbridge.adapters.answer_probe import AnswerProbe
+from kvbridge.adapters.answering import stop_ids
 from kvbridge.adapters.distributed import (
     barrier,
     check_same,
@@ -57,7 +62,7 @@ from kvbridge.adapters.distributed import (
     world_size,
 )
 from kvbridge.adapters.fuser import FuserMaps
-from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, ce_loss, kl_loss
+from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, ce_loss, kl_loss, onpolicy_loss
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
@@ -65,7 +70,8 @@ from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-OBJECTIVES = ("attention", "kl", "ce", "answer")
+OBJECTIVES = ("attention", "kl", "ce", "answer", "onpolicy")
+ANSWER_OBJECTIVES = ("answer", "onpolicy")  # trained on answer windows
 SELECT = ("recovery", "fidelity")
 QUERIES = ("continuation", "all")
 
@@ -174,9 +180,10 @@ def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
 def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache: TeacherCache,
           train_idx: list[int], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
           out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None,
-          answers: AnswerProbe | None = None) -> dict:
+          answers: AnswerProbe | None = None, teacher=None) -> dict:
     """Train `maps` in place; the best (by the dev score `config.select`, else the last) weights are loaded back at
-    the end. `cache` holds the objective's windows (answer windows for "answer"); `answers` scores dev fidelity.
+    the end. `cache` holds the objective's windows (answer windows for "answer" and "onpolicy"); `answers` scores dev
+    fidelity; `teacher` (onpolicy; tests): a window -> the teacher's cache of its document, else the target's own.
     Writes out_dir/{last,best}.safetensors and record.json (each row: the mean and every step's training loss since
     the last one); returns the record. `until`: leave after the checkpoint at that iteration, as an interrupted run
     would (for testing resume). Under torchrun: collective; `dev` and `answers` are read on rank 0 only (the others may
@@ -210,6 +217,10 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
     metric = "dev_fidelity" if config.select == "fidelity" else "dev_recovery"
     scored = from_main(dev is not None or answers is not None)  # rank 0 scores the dev windows
     tokens_per_step = config.batch_windows * cache.load(train_idx[0])["ids"].numel()  # target tokens per step
+    if config.objective == "onpolicy":  # the student answers as the windows' teacher did (answer_windows.py)
+        made = json.loads(cache.index_path.read_text())["config"]
+        onpolicy = {"max_new_tokens": made["max_answer_tokens"], "stop": stop_ids(target), "topk": made["topk"],
+                    "teacher": teacher}
     it, began = state["iter"], time.perf_counter() - state["elapsed_s"]
 
     def evaluate(step_losses: list[float]) -> bool:
@@ -278,6 +289,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
             loss = loss / len(batch)
         elif config.objective == "answer":
             loss = answer_loss(maps, start_kv, windows, target) * (len(windows) / len(batch))
+        elif config.objective == "onpolicy":
+            loss = onpolicy_loss(maps, start_kv, windows, target, **onpolicy) * (len(windows) / len(batch))
         else:
             loss = (kl_loss if config.objective == "kl" else ce_loss)(
                 maps, start_kv, windows, target, context_tokens, exact_tail_tokens(config, it, context_tokens))

@@ -1,6 +1,6 @@
-"""Answer windows and the answer objective on the tiny pair: what a window holds, the lean teacher cache (queries only
-where attention matching reads them) scoring like the full one, a planted answer-distillation optimum recovered, and
-the trainer keeping the checkpoint of best dev fidelity."""
+"""Answer windows and the answer objectives on the tiny pair: what a window holds, the lean teacher cache (queries only
+where attention matching reads them) scoring like the full one, a planted answer-distillation optimum recovered
+(teacher-forced and on-policy), and the trainer keeping the checkpoint of best dev fidelity."""
 
 from __future__ import annotations
 
@@ -19,7 +19,15 @@ from kvbridge.adapters.answer_windows import (
     instruction_for,
 )
 from kvbridge.adapters.answering import greedy, stop_ids
-from kvbridge.adapters.losses import AttentionGeometry, answer_context, answer_loss, attention_loss, kl_loss
+from kvbridge.adapters.losses import (
+    AttentionGeometry,
+    answer_context,
+    answer_loss,
+    attention_loss,
+    kl_loss,
+    onpolicy_loss,
+    own_context,
+)
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
@@ -199,6 +207,46 @@ def test_answer_distillation_recovers_a_planted_optimum(pair, answers, ridge, tm
     best = max(rows, key=lambda r: r["dev_fidelity"])
     assert out["best_iter"] == best["iter"] and out["best"] == best["dev_fidelity"]
     assert json.loads((tmp_path / "run" / "record.json").read_text())[-1]["dev_fidelity"] == rows[-1]["dev_fidelity"]
+
+
+def test_onpolicy_distillation_recovers_a_planted_optimum(pair, answers, ridge, tmp_path):
+    """The teacher reads each document through planted maps; the student, from the ridge map, answers in its own
+    words and the teacher scores them. The on-policy loss is 0 at the planted maps, and the objective drives it down
+    and the student's answers towards the teacher's (the windows' answers are the planted maps', for the probe)."""
+    _, target = pair
+    start_kv = ridge[0].start_kv
+    planted = _maps(ridge)
+    with torch.no_grad():
+        planted.dw_k.normal_(std=0.5)
+        planted.dw_v.normal_(std=0.5)
+    cache = _plant(answers, planted, start_kv, target, tmp_path / "planted")
+    n, stop = len(cache), stop_ids(target)
+
+    def teacher(w):
+        with torch.no_grad():
+            return answer_context(planted, start_kv, w, target)
+
+    def loss(m, teach=teacher):
+        with torch.no_grad():
+            return float(onpolicy_loss(m, start_kv, [cache.load(i) for i in range(n - 4)], target,
+                                       ANSWERS.max_answer_tokens, stop, ANSWERS.topk, teach, mix=1.0))
+
+    before, at_plant = loss(_maps(ridge)), loss(planted)
+    assert at_plant < 1e-4 < 0.05 < before
+    assert loss(planted, lambda w: own_context(target, w)) > 0.05  # the default teacher: the target's own prefill
+    cfg = TrainerConfig(objective="onpolicy", select="fidelity", max_iters=100, warmup_iters=5, batch_windows=4,
+                        eval_interval=25, lr=1e-1, min_lr=1e-3)
+    seen = AnswerProbe(target, start_kv, cache, list(range(4)), ANSWERS.max_answer_tokens)
+    probe = AnswerProbe(target, start_kv, cache, list(range(n - 4, n)), ANSWERS.max_answer_tokens)
+    maps = _maps(ridge)
+    out = train(maps, start_kv, target, cache, list(range(n - 4)), None, cfg, 0, tmp_path / "run", progress=False,
+                answers=probe, teacher=teacher)
+    trained = _maps(ridge)
+    trained.load_state_dict({k[5:]: v for k, v in load_file(str(tmp_path / "run" / "last.safetensors")).items()
+                             if k.startswith("maps.")})
+    assert loss(trained) < 0.6 * before, (before, loss(trained))  # measured: 1.03 -> 0.45 in 100 steps
+    assert seen.score(trained)["top1"] > seen.score(_maps(ridge))["top1"]
+    assert out["best_iter"] == max(out["record"], key=lambda r: r["dev_fidelity"])["iter"]
 
 
 def test_select_fidelity_needs_an_answer_probe(pair, answers, ridge, tmp_path):
