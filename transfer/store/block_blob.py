@@ -94,11 +94,10 @@ def _block_header(layout_key: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     return head, head.index(b'"sum64":"') + len(b'"sum64":"')
 
 
-def decode_block(blob: bytes, checksum: bool = True) -> tuple[str, torch.Tensor]:
+def decode_block(blob: bytes) -> tuple[str, torch.Tensor]:
     """Inverse of encode_block: (layout key, the block as a view of the blob's bytes, no copy: read it, never write
     into it). Raises ValueError for a blob that is not one (bad bytes, wrong checksum). Blobs written with a CRC-32
-    (before sum64) are still read. checksum=False skips the checksum (not the check that the blob carries one): for
-    a blob whose every byte a MAC has just verified (RedisAuth.open_block)."""
+    (before sum64) are still read."""
     try:
         dtype, shape, offset, meta = tensor_blob.parse(blob, "kv")
     except ValueError as exc:
@@ -106,9 +105,7 @@ def decode_block(blob: bytes, checksum: bool = True) -> tuple[str, torch.Tensor]
     if "layout" not in meta:
         raise ValueError(f"not a kvbridge block blob: no layout in its metadata {sorted(meta)}")
     data = np.frombuffer(blob, dtype=np.uint8, offset=offset)
-    if not checksum and ("sum64" in meta or "crc32" in meta):
-        ok = True
-    elif "sum64" in meta:
+    if "sum64" in meta:
         ok = block_checksum(data) == meta["sum64"]
     elif "crc32" in meta:
         ok = f"{zlib.crc32(data):08x}" == meta["crc32"]
