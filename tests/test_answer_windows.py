@@ -145,6 +145,15 @@ def test_answer_windows_take_only_lengths_a_document_holds(pair):
     assert {tokens(w.text) for w in windows if w.doc_id == "d:1"} <= set(ANSWERS.lengths)
 
 
+def _planted(ridge, answers: AnswerCache, target, root):
+    """Planted maps (the ridge map plus a random residual) and the answer windows rewritten as they would answer."""
+    planted = _maps(ridge)
+    with torch.no_grad():
+        planted.dw_k.normal_(std=0.5)
+        planted.dw_v.normal_(std=0.5)
+    return planted, _plant(answers, planted, ridge[0].start_kv, target, root)
+
+
 def _plant(answers: AnswerCache, planted, start_kv, target, root):
     """The answer windows rewritten as if the teacher read each document through `planted` maps: its greedy
     answer over that cache and its log-probs over that answer."""
@@ -172,11 +181,7 @@ def test_answer_distillation_recovers_a_planted_optimum(pair, answers, ridge, tm
     answers."""
     _, target = pair
     start_kv = ridge[0].start_kv
-    planted = _maps(ridge)
-    with torch.no_grad():
-        planted.dw_k.normal_(std=0.5)
-        planted.dw_v.normal_(std=0.5)
-    cache = _plant(answers, planted, start_kv, target, tmp_path / "planted")
+    planted, cache = _planted(ridge, answers, target, tmp_path / "planted")
     n = len(cache)
     dev = list(range(n - 4, n))
     probe = AnswerProbe(target, start_kv, cache, dev, ANSWERS.max_answer_tokens)
@@ -215,11 +220,7 @@ def test_onpolicy_distillation_recovers_a_planted_optimum(pair, answers, ridge, 
     and the student's answers towards the teacher's (the windows' answers are the planted maps', for the probe)."""
     _, target = pair
     start_kv = ridge[0].start_kv
-    planted = _maps(ridge)
-    with torch.no_grad():
-        planted.dw_k.normal_(std=0.5)
-        planted.dw_v.normal_(std=0.5)
-    cache = _plant(answers, planted, start_kv, target, tmp_path / "planted")
+    planted, cache = _planted(ridge, answers, target, tmp_path / "planted")
     n, stop = len(cache), stop_ids(target)
 
     def teacher(w):
