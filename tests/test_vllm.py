@@ -222,6 +222,37 @@ def test_identity_transfer_in_bfloat16_gives_vllms_own_tokens(engine_bf16, smoll
     assert len(_warnings(engine_bf16, offset)) == 1
 
 
+def test_a_repeated_request_starts_from_vllms_prefix_cache_without_asking_the_server(engine_bf16, smollm2):
+    """Prefix caching on: the blocks a load wrote are cached under the request's salt; the same document again under
+    that salt (another question after it too) starts from them, and the connector, which knows what the last cache
+    covered, asks the server nothing. Another salt, or a prompt that leaves the document, looks up as before."""
+    from kvbridge.eval.demo import DEMO_DOC, SAMPLE
+    from kvbridge.eval.summaries import EvalConfig, instruction_ids, prepare, read_records
+    from kvbridge.transfer.data import data_path
+
+    record = next(r for r in read_records(data_path(SAMPLE)) if r.id == DEMO_DOC)
+    prepared = prepare(record, smollm2, EvalConfig(max_doc_tokens=383))
+    doc = prepared.target_ids.tolist()  # start token + 383: three blocks of 128
+    prompt = doc + instruction_ids(smollm2, EvalConfig().instruction).tolist()
+    params = {"text": prepared.text}
+    first = engine_bf16.generate(prompt, max_tokens=12, kvbridge=params, cache_salt="repeat-a")
+    assert first["kvbridge_error"] == "" and first["loaded_tokens"] == 384 and first["kvbridge_prefix_cached"] == 0
+    again = engine_bf16.generate(prompt, max_tokens=12, kvbridge=params, cache_salt="repeat-a")
+    assert again["loaded_tokens"] == 0 and again["kvbridge_prefix_cached"] == 384
+    assert again["kvbridge_fetch_s"] == 0.0 and again["num_cached_tokens"] == 384
+    assert again["token_ids"] == first["token_ids"]  # the very blocks the first request loaded
+    other_question = doc + smollm2.tokenizer(" Who wrote it?", add_special_tokens=False)["input_ids"]
+    asked = engine_bf16.generate(other_question, max_tokens=4, kvbridge=params, cache_salt="repeat-a")
+    assert asked["loaded_tokens"] == 0 and asked["kvbridge_prefix_cached"] == 384
+    fresh = engine_bf16.generate(prompt, max_tokens=12, kvbridge=params, cache_salt="repeat-b")
+    assert fresh["loaded_tokens"] == 384 and fresh["kvbridge_fetch_s"] > 0  # another salt: its own lookup
+    assert fresh["token_ids"] == first["token_ids"]
+    edited = doc[:300] + [doc[301]] + doc[300:] + prompt[len(doc):]  # two tokens swapped inside the document
+    changed = engine_bf16.generate(edited, max_tokens=4, kvbridge=params, cache_salt="repeat-a")
+    assert changed["kvbridge_prefix_cached"] == 0 and changed["kvbridge_fetch_s"] > 0  # looked up: the server says
+    assert changed["num_cached_tokens"] == 256 and changed["loaded_tokens"] == 0  # the two blocks before the swap
+
+
 def test_a_slow_kvbridge_server_does_not_delay_a_plain_request_submitted_after(engine, doc, own):
     """The connector's lookups run on its own threads: while the scheduler waits for a slow server's projected cache
     (each answer SLOW_S late), it goes on serving a request without kvbridge context submitted after it. The slow

@@ -164,3 +164,24 @@ def test_the_save_tracker_hands_out_each_position_once_across_chunked_steps():
     assert second[0].token_ids == list(range(70))
     assert tracker.chunks(step(cached=[("a", 90, None)], scheduled={"a": 1})) == []  # decoding: nothing new
     assert tracker.finish("a") == {"saved_tokens": 70, "save_server": "default"} and tracker.finish("a") is None
+
+
+def test_covered_knows_what_a_lookup_would_load_only_for_the_prompt_start_it_saw():
+    from kvbridge.vllm.plans import Covered
+
+    covered = Covered(capacity=2)
+    context = RequestContext(key="k", text=None)
+    key = (context, "salt", "replace", 0)
+    doc = list(range(300))
+    assert covered.loadable(key, doc + [1, 2], 128, 0) is None  # never fetched: the lookup decides
+    covered.remember(key, doc + [1, 2], 300)  # the server's cache was the prompt's first 300 tokens
+    assert covered.loadable(key, doc + [7, 8, 9], 128, 0) == 256  # another question after the same document
+    assert covered.loadable(key, doc + [7], 128, 64) == 128  # 64 tokens left to recompute: two blocks of 128
+    assert covered.loadable(key, doc[:299] + [5, 1], 128, 0) is None  # the document differs: ask the server
+    assert covered.loadable(key, doc[:200], 128, 0) is None  # shorter than the cache: ask the server
+    assert covered.loadable((context, "other salt", "replace", 0), doc + [1], 128, 0) is None
+    covered.remember(key, doc, 0)  # a cache that did not match whole: nothing remembered over the last
+    assert covered.loadable(key, doc + [1], 128, 0) == 256
+    for n in range(3):  # least recently used dropped past the capacity
+        covered.remember((RequestContext(key=str(n), text=None), "", "", 0), doc, 10)
+    assert len(covered) == 2 and covered.loadable(key, doc + [1], 128, 0) is None

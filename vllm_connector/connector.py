@@ -1,7 +1,8 @@
 """KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
 cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~450
 lines: vLLM's connector interface is one class for both the scheduler's and the workers' side; the parts with logic
-of their own are beside it: params (requests, matching), handoff (where the KV is), layouts, saving.)
+of their own are beside it: params (requests, matching), plans (a request's state, what lookups received), handoff
+(where the KV is), layouts, saving.)
 
 Load it with
 
@@ -77,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvbridge.vllm import handoff, layouts
 from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, SaveRequest, match_prompt
+from kvbridge.vllm.plans import Covered, CoveredKey, Plan
 from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -121,21 +123,6 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveChunk] = field(default_factory=list)  # what the step's forward makes savable (saving.py)
 
 
-@dataclass
-class _Plan:
-    """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
-
-    source: handoff.KVSource | None  # the KV of prompt tokens 0..loadable-1 (or more); None: nothing to load
-    loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
-    server: str = ""  # the kvbridge server it came from (whose shared segment is released once loaded)
-    error: str = ""
-    loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
-    fetch_s: float = 0.0  # a fetch thread's wait for the server (GetProjectedCache, to the assembled tensor)
-    wire_bytes: int = 0  # KV bytes received from the server (0 through shared memory)
-    handed: bool = False  # the load went to the workers (they remove a staged file)
-    released: bool = False  # the KV's source is given up (a staged file removed, the server's segment released)
-
-
 class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -171,11 +158,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         "with \"recompute\" (kvbridge.vllm.engine.kv_transfer_config sets it) vLLM prefills it",
                         self._kv_transfer_config.kv_load_failure_policy)
         # scheduler side
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._lookups: dict[str, Future] = {}  # lookups under way on the fetch threads
         self._scheduler_s: dict[str, tuple[float, float]] = {}  # (sum, longest) of its connector calls' seconds
         self._pending: dict[str, Load] = {}  # allocated this step, waiting for build_connector_meta
         self._loading: set[str] = set()  # asynchronous loads handed to the workers, not yet reported finished
+        self._covered = Covered()  # the caches lookups received: what vLLM's own prefix cache may hold (plans.py)
         self._clients: dict[str, Any] = {}
         self._clients_lock = threading.Lock()
         self._fetchers = self._staging = None
@@ -200,7 +188,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._clients[name] = self.config.open_client(name)
             return self._clients[name]
 
-    def _plan(self, request_id: str, prompt: list[int], cache_salt: str | None, context: RequestContext) -> _Plan:
+    def _plan(self, request_id: str, prompt: list[int], cache_salt: str | None, context: RequestContext,
+              covered: CoveredKey) -> Plan:
         """On a fetch thread: fetch the projected cache, match it against the prompt and stage the tokens it covers;
         a failed plan (one warning) on any error. A same-host server's segment is left for the worker to read."""
         fetched = None
@@ -216,7 +205,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             fetched = self._client(context.server).fetch_projected(
                 key=context.key, text=context.text, target_model=self.config.target_model, adapter=context.adapter,
-                dtype=self.wire_dtype, mode=context.mode if context.mode is not None else self.config.mode,
+                dtype=self.wire_dtype, mode=covered[2],
                 prompt=prompt,  # the server places the document where the prompt has it (after a chat template)
                 keep_shared=True)  # through shared memory: the worker maps the server's segment, no second copy
             seg = fetched.segment
@@ -226,28 +215,30 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                  f"{self.shape}")
             if not torch.equal(seg.positions, torch.arange(seg.num_tokens)):
                 raise ValueError("the projected cache does not start at position 0")
-            recompute = (context.recompute_tokens if context.recompute_tokens is not None
-                         else self.config.recompute_tokens)
-            match = match_prompt(prompt, seg.token_ids.tolist(), self.block_size, recompute)
+            cache_ids = seg.token_ids.tolist()
+            match = match_prompt(prompt, cache_ids, self.block_size, covered[3])
             if match.loadable == 0:
                 raise ValueError(match.reason)
             fetch_s = time.perf_counter() - t0
             source = (fetched.shared if fetched.shared is not None
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
-            return _Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
-                         wire_bytes=fetched.wire_bytes)
+            return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
+                        wire_bytes=fetched.wire_bytes, covered=covered,
+                        cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             if fetched is not None and fetched.shared is not None:
-                self._release(_Plan(source=fetched.shared, loadable=0, server=context.server))
+                self._release(Plan(source=fetched.shared, loadable=0, server=context.server))
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request_id, reason)
-            return _Plan(source=None, loadable=0, error=reason)
+            return Plan(source=None, loadable=0, error=reason)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """None while the request's lookup runs on a fetch thread; then (tokens to load, False): the KV is on this
         host by then (the server's segment or a staged file), and the workers write it before the step's forward,
         which computes the rest of the prompt in the same step; (tokens, True) in a sliding-window group (an
-        asynchronous load: its own step); or (0, False)."""
+        asynchronous load: its own step); or (0, False): at once, with no lookup, when vLLM's own prefix cache
+        already covers what the last cache fetched for this context, salt and prompt start would load
+        (`plans.Covered`)."""
         t0 = time.perf_counter()
         try:
             return self._matched(request, num_computed_tokens)
@@ -280,17 +271,29 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     context = RequestContext.from_params(request.kv_transfer_params)
                 except ValueError as exc:
                     log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, exc)
-                    self._plans[req_id] = _Plan(source=None, loadable=0, error=str(exc))
+                    self._plans[req_id] = Plan(source=None, loadable=0, error=str(exc))
                     return 0, False
                 if context is None:
                     return 0, False
-                self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, list(request.prompt_token_ids or []),
-                                                              request.cache_salt, context)
+                prompt = list(request.prompt_token_ids or [])
+                covered = (context, request.cache_salt or "",
+                           context.mode if context.mode is not None else self.config.mode,
+                           context.recompute_tokens if context.recompute_tokens is not None
+                           else self.config.recompute_tokens)
+                if self.prefix_caching and num_computed_tokens:  # vLLM's own prefix cache may hold all it would load
+                    loadable = self._covered.loadable(covered, prompt, self.block_size, covered[3])
+                    if loadable is not None and num_computed_tokens >= loadable:
+                        self._plans[req_id] = Plan(source=None, loadable=loadable, prefix_cached=num_computed_tokens)
+                        return 0, False
+                self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, prompt, request.cache_salt, context,
+                                                              covered)
                 return None, False
             if not lookup.done():
                 return None, False
             plan = self._plans[req_id] = lookup.result()  # _plan never raises
             del self._lookups[req_id]
+            if self.prefix_caching and plan.cache_tokens:
+                self._covered.remember(plan.covered, list(request.prompt_token_ids or []), plan.cache_tokens)
         if plan.source is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
         tokens = max(0, plan.loadable - num_computed_tokens)
@@ -334,7 +337,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if plan is not None and plan.handed:
                 self._release(plan)
 
-    def _release(self, plan: _Plan) -> None:
+    def _release(self, plan: Plan) -> None:
         """Give up a plan's KV once: a staged file nobody loaded is removed (a loaded one the worker removed), the
         server's segment is released (without waiting; the server removes it after its TTL otherwise)."""
         if plan.source is None or plan.released:
@@ -372,7 +375,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         transport = "" if plan.source is None else "stream" if isinstance(plan.source, str) else "shared_memory"
         return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
                                   "wire_bytes": plan.wire_bytes, "transport": transport, "scheduler_s": in_calls,
-                                  "scheduler_max_s": longest}}
+                                  "scheduler_max_s": longest, "prefix_cached": plan.prefix_cached}}
 
     def shutdown(self):
         if self._fetchers is not None:

@@ -72,7 +72,7 @@ def _reply(out, seconds: float, request: dict) -> dict:
              "kvbridge_transport": kv.get("transport", ""),
              "kvbridge_scheduler_s": kv.get("scheduler_s", 0.0),
              "kvbridge_scheduler_max_s": kv.get("scheduler_max_s", 0.0),
-             "num_cached_tokens": out.num_cached_tokens}
+             "kvbridge_prefix_cached": kv.get("prefix_cached", 0), "num_cached_tokens": out.num_cached_tokens}
     if request.get("score_from") is not None:
         reply.update(_prompt_scores(out, request["prompt_token_ids"], request["score_from"]))
     return reply

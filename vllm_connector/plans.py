@@ -1,0 +1,85 @@
+"""The connector's scheduler-side state of a request (`Plan`), and what it remembers across requests (`Covered`): the
+projected caches its lookups received, so that a request whose prompt vLLM's own prefix cache already covers as far
+as the server's cache could load it starts at once, without asking the server.
+
+With prefix caching on, the blocks a load writes are hashed like computed ones, under the request's `cache_salt`
+(required then; `engine.cache_salt`). The next request with the same salt, context and prompt start finds them in
+vLLM's prefix cache: `get_num_new_matched_tokens` is asked with `num_computed_tokens` past them, and a lookup would
+cost a round trip to the server and an empty engine step only to learn that nothing is left to load. `Covered`
+keeps, per (context, salt, mode, recompute), the token count of the last cache the server sent for it and a digest
+of those tokens; a request whose prompt begins with exactly those tokens would get the same cache (the server's
+answer is a function of the context and the prompt's tokens before the document's end), so what it could load is
+known here (`params.match_prompt`'s rule), and when vLLM's local cache already covers that, the connector answers
+(0, False) with no lookup. Anything else (another prompt start, fewer tokens cached locally, evicted blocks, a
+context never fetched) takes the lookup as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvbridge.vllm import handoff
+from kvbridge.vllm.params import RequestContext
+
+CoveredKey = tuple[RequestContext, str, str, int]  # (context, cache salt, mode, recompute tokens)
+
+
+@dataclass
+class Plan:
+    """The scheduler's state for one request with a kvbridge context (kept until the request finishes)."""
+
+    source: handoff.KVSource | None  # the KV of prompt tokens 0..loadable-1 (or more); None: nothing to load
+    loadable: int  # prompt tokens the cache covers (whole blocks, never the last token)
+    server: str = ""  # the kvbridge server it came from (whose shared segment is released once loaded)
+    error: str = ""
+    loaded: int = 0  # tokens vLLM asked to load (num_external_tokens)
+    fetch_s: float = 0.0  # a fetch thread's wait for the server (GetProjectedCache, to the assembled tensor)
+    wire_bytes: int = 0  # KV bytes received from the server (0 through shared memory)
+    handed: bool = False  # the load went to the workers (they remove a staged file)
+    released: bool = False  # the KV's source is given up (a staged file removed, the server's segment released)
+    # the server's whole cache matched the prompt's first cache_tokens tokens (0: it did not, nothing to remember)
+    cache_tokens: int = 0
+    prefix_cached: int = 0  # the prompt's tokens vLLM's own prefix cache held when the lookup was skipped (Covered)
+    covered: CoveredKey | None = None  # what Covered remembers the cache under
+
+
+def digest(ids: list[int]) -> bytes:
+    """A 16-byte digest of token ids (BLAKE2b of their int64 bytes)."""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+
+
+class Covered:
+    """The last projected cache fetched per (context, salt, mode, recompute): its token count and their digest;
+    least recently used dropped past `capacity` keys. Scheduler thread only."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._known: OrderedDict[CoveredKey, tuple[int, bytes]] = OrderedDict()
+
+    def remember(self, key: CoveredKey, prompt: list[int], cache_tokens: int) -> None:
+        """A lookup for `key` received a cache whose `cache_tokens` tokens are the prompt's first ones."""
+        if cache_tokens <= 0 or cache_tokens > len(prompt):
+            return
+        self._known[key] = (cache_tokens, digest(prompt[:cache_tokens]))
+        self._known.move_to_end(key)
+        while len(self._known) > self.capacity:
+            self._known.popitem(last=False)
+
+    def loadable(self, key: CoveredKey, prompt: list[int], block_size: int, recompute: int) -> int | None:
+        """What a lookup for `key` would load of this prompt (match_prompt's rule on the remembered cache), or None
+        when that is not known here (never fetched, or the prompt does not begin with the remembered tokens)."""
+        known = self._known.get(key)
+        if known is None:
+            return None
+        tokens, want = known
+        if len(prompt) < tokens or digest(prompt[:tokens]) != want:
+            return None
+        self._known.move_to_end(key)
+        usable = min(tokens - recompute, len(prompt) - 1)
+        return max(0, usable) // block_size * block_size
+
+    def __len__(self) -> int:
+        return len(self._known)
