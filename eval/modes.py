@@ -2,6 +2,9 @@
 
 What KV the document gets in each mode (the instruction after it is always prefilled by the target):
   full          the target prefills start + document itself (upper bound)
+  rounded:T     full's KV rounded to T and back (bf16, fp16, fp8: float8 e4m3, vLLM's fp8 KV cache at scale 1): what
+                a perturbation that deployments accept as lossless does to the answer (the fidelity a projection is
+                measured against)
   none          start only: no document (lower bound)
   replace       start + document projected from the source through the service; the target prefills none of it
   recompute:r   replace, then the target prefills the last r of the document's tokens again over the projected
@@ -18,7 +21,9 @@ What KV the document gets in each mode (the instruction after it is always prefi
                 the layers scores them), the first 4 (sinks), and the highest scored.
                 blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
                 exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
-                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control)
+                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control);
+                blend-prompt:r scores with the instruction's own queries (one pass of it over the projected KV)
+                instead of the document's last 16
 Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
 (transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
 projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
@@ -34,11 +39,12 @@ from dataclasses import dataclass
 from kvbridge.transfer.suffix.correction import Correction
 
 DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
-BLEND_RULES = {"blend": "attention", "blend-sdev": "sinks+deviation", "blend-dev": "deviation", "blend-last": "last",
-               "blend-random": "random"}
+BLEND_RULES = {"blend": "attention", "blend-prompt": "prompt", "blend-sdev": "sinks+deviation",
+               "blend-dev": "deviation", "blend-last": "last", "blend-random": "random"}
 NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 READS_PROJECTED = ("replace", "recompute", "served", *BLEND_RULES)  # modes whose context keeps projected KV
+ROUNDINGS = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}  # rounded:T -> the torch dtype
 NO_PRIOR = "/noprior"
 PROBE_PRIOR = "/probe"
 PRIOR_SUFFIXES = {NO_PRIOR: "none", PROBE_PRIOR: "probe"}  # a mode's suffix -> the prior it reads with
@@ -52,12 +58,12 @@ def base_mode(name: str) -> str:
 @dataclass(frozen=True)
 class Mode:
     name: str  # as given: "recompute:0.1"
-    kind: str  # full | none | replace | recompute | tail | fuse | fuser | blend[-sdev|-dev|-last|-random] | served
+    kind: str  # full | rounded | none | replace | recompute | tail | fuse | fuser | blend[-...] | served
     fraction: float = 0.0  # recompute and tail: the share of the document's tokens
     # which induction prior reads projected KV: "model" (the evaluator's: for_model), "none" (/noprior) or "probe"
     # (/probe: InductionPrior.probed)
     prior: str = "model"
-    correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1")
+    correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1"); rounded: dtype
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -80,6 +86,10 @@ def parse_modes(spec: str) -> list[Mode]:
             except ValueError as exc:
                 raise ValueError(f"mode {raw!r}: served takes a correction, e.g. served:blend:0.1 ({exc})") from None
             mode = Mode(f"served:{correction}", kind, correction=correction)
+        elif kind == "rounded":
+            if arg not in ROUNDINGS:
+                raise ValueError(f"mode {raw!r}: rounded takes one of {', '.join(ROUNDINGS)}, e.g. rounded:fp8")
+            mode = Mode(raw, kind, correction=ROUNDINGS[arg])
         elif kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
@@ -93,7 +103,8 @@ def parse_modes(spec: str) -> list[Mode]:
                 raise ValueError(f"mode {raw!r}: the fraction must be in (0, 1]")
             mode = Mode(f"{kind}:{fraction:g}", kind, fraction)
         else:
-            raise ValueError(f"unknown mode {raw!r}; modes are full, none, replace, recompute:R, tail:R, fuse, fuser, "
+            raise ValueError(f"unknown mode {raw!r}; modes are full, rounded:T, none, replace, recompute:R, tail:R, "
+                             "fuse, fuser, "
                              "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, served:MODE; replace, "
                              f"recompute, blend and served also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
         if slash:

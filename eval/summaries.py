@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from kvbridge.adapters.answering import greedy as greedy  # re-exported: tests and the vLLM evaluation read it here
@@ -34,6 +34,8 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.blend import BlendConfig
 from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
+
+OWN_KINDS = ("full", "rounded", "fuse", "fuser")  # the modes that need the target's own prefill of the document
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ class SummaryEvaluator:
                                    "own tokenization of the document")
             kvcache.check_compatible(projected, self.target.spec)
             result.fetch_s, result.exact_coverage = fetch_s, fetched.exact_coverage
-        own, own_s = (self._own(doc.target_ids) if any(m.kind in ("full", "fuse", "fuser") for m in self.modes)
+        own, own_s = (self._own(doc.target_ids) if any(m.kind in OWN_KINDS for m in self.modes)
                       else (None, 0.0))
         for mode in self.modes:
             prior = self.priors.get(mode.prior)
@@ -246,6 +248,9 @@ class SummaryEvaluator:
         still = torch.zeros(d + 1, dtype=torch.bool)  # the start token's KV is the target's own
         if mode.kind == "full":
             return own, own_s, [(d + 1, 0)], 0, None
+        if mode.kind == "rounded":  # full's KV through a narrower dtype and back
+            rounded = own.kv.to(getattr(torch, mode.correction)).to(own.kv.dtype)
+            return replace(own, kv=rounded), own_s, [(d + 1, 0)], 0, None
         if mode.kind == "none":
             seg, s = self._own(doc.target_ids[:1])
             return seg, s, [(1, 0)], 0, None
@@ -259,7 +264,8 @@ class SummaryEvaluator:
             t0 = time.perf_counter()
             kind = "recompute" if mode.kind == "recompute" else "blend"
             rule = BLEND_RULES.get(mode.kind, "attention")
-            fixed = correct(self.target, projected.slice(0, d + 1), Correction(kind, k / d, rule), prior=prior)
+            fixed = correct(self.target, projected.slice(0, d + 1), Correction(kind, k / d, rule), prior=prior,
+                            probe_ids=self.prompt if rule == "prompt" else None)
             # a forward through every layer counts its tokens as prefilled; a selection pass over the first
             # layers keeps its layer count
             layers = self.target.spec.num_layers

@@ -16,6 +16,7 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.attention import GROUPED_SDPA, eager_attention
 from kvbridge.transfer.suffix.blend import (
     BlendConfig,
+    attention_of_probe,
     attention_received,
     blend,
     first_layers_kv,
@@ -107,6 +108,28 @@ def test_the_attention_rule_finds_tokens_planted_to_draw_attention():
     assert set(score[:t - window].topk(3).indices.tolist()) == set(planted)
     result = blend(lm, context, drawn, BlendConfig(7 / t, rule="attention", window=window, sinks=0))
     assert result.selected.tolist() == [*planted, *range(t - window, t)]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_the_prompt_rule_scores_with_the_requests_own_queries(name):
+    """Over exact KV, the probe's forward sees what a full prefill of context + placed + probe shows the probe's rows:
+    its scores are those eager attention weights on every placed token; the rule then recomputes the tokens the
+    probe reads most, and refuses to run without a probe."""
+    lm, context, exact, _ = _setup(name)
+    c, t, start = context.num_tokens, exact.num_tokens, 1
+    probe = torch.randint(3, lm.spec.vocab_size, (5,), generator=torch.Generator().manual_seed(9))
+    score = attention_of_probe(lm, context, exact, probe, from_layer=start)
+    ids = torch.cat((context.token_ids, exact.token_ids, probe))
+    with eager_attention(lm.model):
+        weights = lm.model(input_ids=ids[None], output_attentions=True).attentions
+    want = sum(a[0, :, c + t:, c:c + t].sum(dim=(0, 1)) for a in weights[start:])
+    assert torch.allclose(score, want, atol=1e-4, rtol=1e-4)
+    config = BlendConfig(8 / t, rule="prompt", window=2, sinks=1, attention_from=start / lm.spec.num_layers)
+    result = blend(lm, context, exact, config, probe_ids=probe)
+    top = score[1:t - 2].topk(5).indices + 1
+    assert result.selected.tolist() == sorted([0, *top.tolist(), t - 2, t - 1])
+    with pytest.raises(ValueError, match="give probe_ids"):
+        blend(lm, context, exact, config)
 
 
 def test_the_recompute_reads_what_stays_projected_with_the_prior():

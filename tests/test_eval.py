@@ -57,10 +57,30 @@ def test_modes_parse_and_bad_modes_are_named():
                        ("blend:0.1/prior", "suffixes are /noprior and /probe"),
                        ("tail:0.1/noprior", "for the modes that read projected KV"),
                        ("tail:1.5", "(0, 1]"), ("blend", "needs a fraction"), ("mix:0.1", "unknown mode .mix:0.1."),
-                       ("full,full", "twice"),
+                       ("full,full", "twice"), ("rounded", "rounded takes one of bf16, fp16, fp8"),
+                       ("rounded:int4", "rounded takes one of"), ("rounded:fp8/noprior", "read projected KV"),
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
+
+
+def test_rounded_modes_read_fulls_own_kv_through_a_narrower_dtype(tiny_target):
+    """rounded:T is the target's own KV of the document rounded to T and back: the perturbation deployments accept
+    (a bf16 or fp8 KV cache), against which a projection's fidelity is read."""
+    modes = parse_modes("full,rounded:bf16,rounded:fp8")
+    assert [(m.kind, m.correction) for m in modes[1:]] == [("rounded", "bfloat16"), ("rounded", "float8_e4m3fn")]
+    evaluator = SummaryEvaluator(tiny_target, modes, TINY, None)  # no projection: no source needed
+    doc = prepare(read_records(SAMPLE)[0], tiny_target, TINY)
+    own, own_s = evaluator._own(doc.target_ids)
+    contexts = [evaluator._context(m, doc, own, own_s, None, 0.0, 0, None)[0] for m in modes]
+    assert contexts[0] is own
+    assert torch.equal(contexts[1].kv, own.kv.to(torch.bfloat16).float())
+    assert torch.equal(contexts[2].kv, own.kv.to(torch.float8_e4m3fn).float())
+    err = [float((c.kv - own.kv).abs().mean()) for c in contexts[1:]]
+    assert 0 < err[0] < err[1]  # fp8 rounds coarser than bf16
+    result = evaluator.run(doc)
+    nll = {name: m.nll for name, m in result.modes.items()}
+    assert abs(nll["rounded:bf16"] - nll["full"]) < 0.01 * nll["full"]
 
 
 @pytest.mark.parametrize("modes, words", [("full,blend:0.1", "'blend:0.1' does not run with --engine vllm"),

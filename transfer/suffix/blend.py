@@ -14,6 +14,9 @@ Selection, by rule (`count` tokens in all):
   ||V_placed - V_own|| / ||V_own|| (norms over heads and head_dim). "sinks+deviation" takes the first `sinks` and the
   last `tail` tokens (attention sinks, EPIC; the ones the request reads first), then the most deviating;
   "deviation" the most deviating alone.
+- "prompt": as "attention", but the queries that score are the request's own tokens after the document (`probe_ids`:
+  the instruction a served request sends with its prompt), run once over all the placed KV (≈ len/T of a prefill):
+  the tokens the answer's first queries read, not those the document's end reads.
 - "last": the last `count` (what recompute:r does); "random": a seeded random choice (a control). With `layers` > 0
   they also make the first layers exact.
 Then one forward recomputes the chosen tokens through every layer over the rest (`reuse.recompute_selected`: exact
@@ -36,7 +39,7 @@ from kvbridge.transfer.suffix.reuse import first_layers_kv, recompute_selected
 
 SINKS = 4  # first tokens the attention and sinks+deviation rules always take
 
-RULES = ("attention", "sinks+deviation", "deviation", "last", "random")
+RULES = ("attention", "prompt", "sinks+deviation", "deviation", "last", "random")
 DEVIATION_RULES = ("sinks+deviation", "deviation")
 
 
@@ -106,8 +109,8 @@ def select_tokens(score: torch.Tensor, count: int, config: BlendConfig) -> torch
     if config.rule == "random":
         return torch.randperm(t, generator=torch.Generator().manual_seed(config.seed))[:count].sort().values
     chosen = torch.zeros(t, dtype=torch.bool)
-    if config.rule in ("sinks+deviation", "attention"):
-        tail = config.window if config.rule == "attention" else config.tail
+    if config.rule in ("sinks+deviation", "attention", "prompt"):
+        tail = config.window if config.rule in ("attention", "prompt") else config.tail
         chosen[t - min(tail, count):] = True
         room = count - int(chosen.sum())
         if room > 0:
@@ -138,13 +141,33 @@ def attention_received(lm: LoadedModel, context: KVSegment, placed: KVSegment, w
     return torch.cat((mass.cpu(), torch.full((window,), float("inf"))))
 
 
+@torch.no_grad()
+def attention_of_probe(lm: LoadedModel, context: KVSegment, placed: KVSegment, probe_ids: torch.Tensor,
+                       from_layer: int) -> torch.Tensor:
+    """[T]: per placed token, the attention that `probe_ids` (tokens right after the placed ones) give it in layers
+    from_layer.. (summed over heads and queries), from one eager forward of the probe over the context and all the
+    placed KV."""
+    t, c = placed.num_tokens, context.num_tokens
+    param = next(lm.model.parameters())
+    head = torch.cat((context.kv, placed.kv.to(context.kv)), dim=3)
+    cache = kvcache.build_cache(head.to(device=param.device, dtype=param.dtype)[:, :, None])
+    n = probe_ids.numel()
+    with eager_attention(lm.model):
+        out = lm.model(input_ids=probe_ids.reshape(1, n).to(param.device),
+                       position_ids=torch.arange(c + t, c + t + n)[None].to(param.device), cache=cache,
+                       use_cache=True, output_attentions=True, logits_to_keep=1)
+    return sum(a[0, :, :, c:c + t].float().sum(dim=(0, 1)) for a in out.attentions[from_layer:]).cpu()
+
+
 def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig,
-          prior: InductionPrior | None = None, context_projected: torch.Tensor | None = None) -> BlendResult:
+          prior: InductionPrior | None = None, context_projected: torch.Tensor | None = None,
+          probe_ids: torch.Tensor | None = None) -> BlendResult:
     """`placed` (KV the model did not compute, right after `context`, which is exact) blended as the module says.
 
     With a `prior`, the forward that recomputes the selected tokens reads the placed KV that stays projected (and
     the context's positions where `context_projected`, [C] bool, is True) with it, from layer m on (the first m
-    layers' KV is the target's own after the selection pass)."""
+    layers' KV is the target's own after the selection pass). The "prompt" rule needs `probe_ids` [N]: the tokens
+    the request puts right after the placed ones."""
     if int(placed.positions[0]) != context.num_tokens:
         raise ValueError("place the segment right after the context first")
     t, c, layers = placed.num_tokens, context.num_tokens, lm.spec.num_layers
@@ -162,6 +185,12 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
         kv = placed.kv.clone()
         kv[:m] = own.to(kv)
         placed = replace(placed, kv=kv)
+    if config.rule == "prompt":
+        if probe_ids is None or probe_ids.numel() == 0:
+            raise ValueError("the prompt rule scores with the request's tokens after the document: give probe_ids")
+        if count > min(config.window, t):
+            score = attention_of_probe(lm, context, placed, probe_ids, int(config.attention_from * layers))
+            forwards.append((probe_ids.numel(), c + t, layers))
     if config.rule == "attention" and count > min(config.window, t):
         window = min(config.window, t)
         score = attention_received(lm, context, placed, window, int(config.attention_from * layers))

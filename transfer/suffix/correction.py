@@ -74,8 +74,9 @@ class Corrected:
 
 
 def correct(lm: LoadedModel, projected: KVSegment, correction: Correction,
-            prior: InductionPrior | None = None) -> Corrected:
-    """The projected document cache (the start token at position 0, exact; the document at 1..d) corrected."""
+            prior: InductionPrior | None = None, probe_ids: torch.Tensor | None = None) -> Corrected:
+    """The projected document cache (the start token at position 0, exact; the document at 1..d) corrected.
+    probe_ids: the request's tokens after the document (blend's "prompt" rule scores with them)."""
     if int(projected.positions[0]) != 0 or projected.num_tokens < 2:
         raise ValueError("a correction needs the start token at position 0 and at least one document token")
     d = projected.num_tokens - 1
@@ -93,6 +94,6 @@ def correct(lm: LoadedModel, projected: KVSegment, correction: Correction,
         return Corrected(KVSegment.concat([head, tail.to(dtype=head.dtype)]), still,
                          ((k, d + 1 - k, lm.spec.num_layers),))
     config = BlendConfig(fraction=k / d, rule=correction.rule)
-    blended = blend(lm, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior)
+    blended = blend(lm, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior, probe_ids=probe_ids)
     still[1:] = blended.still_projected
     return Corrected(KVSegment.concat([projected.slice(0, 1), blended.segment]), still, blended.forwards)
