@@ -90,8 +90,12 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--eval", metavar="FILE", help="held-out documents (.jsonl with 'document' or 'text'); default: "
                                                   "the packaged pydoc_heldout.jsonl")
     p.add_argument("--eval-docs", type=int, default=20, help="documents for the recovery figure (0: skip it)")
-    p.add_argument("--context-tokens", type=int, default=192)
-    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--context-tokens", type=int, default=192,
+                   help="projected context tokens of the evaluation documents and, for chain/fuser, of every teacher "
+                        "window (default 192; past Gemma's 512-token sliding window, e.g. 1024, to train for long "
+                        "documents: a new --work folder)")
+    p.add_argument("--continuation-tokens", type=int, default=64,
+                   help="tokens after the context that are scored (default 64)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help="auto: bfloat16 on CUDA, float32 elsewhere")
@@ -215,7 +219,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     fuser = args.trainer == "fuser"
     stages = parse_stages(args.stages or ("ce:600" if fuser else "attention:300,kl:600"))
     # the queries (45% of a teacher window) only for attention matching
-    teacher = TeacherConfig(queries=any(name == "attention" for name, _ in stages))
+    teacher = TeacherConfig(context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
+                            queries=any(name == "attention" for name, _ in stages))
     config = ChainConfig(stages=stages, teacher=teacher, fuser_rank=args.fuser_rank if fuser else 0,
                          token_rank=0 if fuser else args.token_rank, source_rank=0 if fuser else args.source_rank,
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,

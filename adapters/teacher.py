@@ -240,7 +240,11 @@ class TeacherCache:
                   "source_record": model_record(source.spec)}
         if saved is not None:
             if {k: saved.get(k) for k in header} != header:
-                raise ValueError(f"{self.root} holds teacher data of another configuration or model pair; use "
+                differ = [f"{k}: {saved['config'].get(k)!r} there, {v!r} here" for k, v in header["config"].items()
+                          if saved["config"].get(k) != v]
+                differ += [k for k in header if k != "config" and saved.get(k) != header[k]]
+                raise ValueError(f"{self.root} holds teacher data of another configuration or model pair "
+                                 f"({'; '.join(differ)}); use "
                                  "another folder")
         have = {e["id"] for e in self.entries}
         index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])

@@ -91,6 +91,19 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     assert "token features of rank 8 and a source basis of rank 0, this run asks for 0 and 0" in capsys.readouterr().err
 
 
+def test_chain_teacher_windows_take_the_commands_context_length(corpus, tmp_path, capsys):
+    """--context-tokens / --continuation-tokens size every teacher window (train for long documents), and a work
+    folder made at one length refuses another by name."""
+    work, out = tmp_path / "work", tmp_path / "long.safetensors"
+    args = _args(corpus, work, out, "--trainer", "chain", "--stages", "kl:1", "--context-tokens", "80",
+                 "--continuation-tokens", "12")
+    assert main(args) == 0
+    config = json.loads((work / "teacher" / "index.json").read_text())["config"]
+    assert (config["context_tokens"], config["continuation_tokens"], config["queries"]) == (80, 12, False)
+    assert main(_args(corpus, work, out, "--trainer", "chain", "--stages", "kl:1")) == 2
+    assert "context_tokens" in capsys.readouterr().err
+
+
 def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
     out = tmp_path / "f.safetensors"
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "ce:3",
