@@ -26,6 +26,13 @@ short question, greedy, one new token, timed from submission to the finished req
   it computes only the question over them: the best any load of the context can reach on this engine (a loaded
   context is read by the same forward; the load adds the fetch, the map and check and the writes to that).
 
+Where a warm load's time goes: every process of the run records timestamped events (`kvbridge.transfer.timeline`)
+and the bench prints the median of each phase of the warm requests beside the prefix hit's whole request: the
+lookup's round trip to the server (of it the server's own work), what comes between the server's answer and the
+scheduler's load (the step that ran empty while the lookup was out, the next schedule), the worker's read ahead of
+the server's segment during that empty step (map, checksum, token-major copy), the hop to the worker, what the load
+still waited for of that read, the writes into vLLM's blocks, then the forward, sampling and the way back.
+
 The engine runs with prefix caching on, as `vllm serve` deploys it; every request but the prefix hit has a salt of
 its own (`cache_salt`), so nothing else is reused across requests.
 
@@ -49,6 +56,7 @@ from kvbridge.adapters.pairs import start_token_id
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
+from kvbridge.transfer import timeline
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.models import prepare_gguf
 from kvbridge.transfer.presets import load_pair
@@ -59,12 +67,28 @@ PRESET = "small"
 SERVED_MODE = "blend:0.1"  # the server's stored correction the served rows ask for
 
 
-def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: int, rounds: int,
-            chat: list[int]) -> dict:
-    """Interleaved rounds of own and warm requests after one cold one; medians in seconds."""
-    salts = (f"bench-{n}" for n in itertools.count())  # a salt per request: nothing reused but the prefix hit's
+# the phases of a warm request, one after the other (label, first event, last event): `kvbridge.transfer.timeline`;
+# then, beside them, the server's part of the round trip and the worker's read ahead during the empty step
+WARM_PHASES = [("to the scheduler", "submit", "lookup"), ("lookup round trip", "lookup", "fetched"),
+               ("empty step, next schedule", "fetched", "matched"), ("to the worker", "matched", "load_begin"),
+               ("map and checksum (waited for)", "load_begin", "mapped"), ("writes", "mapped", "written"),
+               ("forward", "written", "forward_end")]
+WARM_BESIDE = [("of the round trip, the server", "server_begin", "server_end"),
+               ("read ahead (prefetch)", "prefetch_begin", "prefetched")]
+# the prefix hit's: its step's connector calls come after its forward (no load), the first marks the forward's end
+HIT_PHASES = [("to the forward's end", "submit", "forward_end")]
+WHOLE = ("whole request", "submit", "done")
 
-    def generate(ids: list[int], kvbridge: dict | None = None, salt: str | None = None) -> dict:
+
+def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: int, rounds: int,
+            chat: list[int], sent: list[str] | None = None) -> dict:
+    """Interleaved rounds of own and warm requests after one cold one; medians in seconds. `sent` gets the name of
+    each request in the order sent (the timeline's requests)."""
+    salts = (f"bench-{n}" for n in itertools.count())  # a salt per request: nothing reused but the prefix hit's
+    sent = [] if sent is None else sent
+
+    def generate(ids: list[int], kvbridge: dict | None = None, salt: str | None = None, name: str = "") -> dict:
+        sent.append(name)
         return engine.generate(ids, max_tokens=1, kvbridge=kvbridge, cache_salt=salt or next(salts))
 
     cold = generate(prompt, {"key": key})
@@ -84,9 +108,10 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
              ("chat_own", chat, None), ("chat", chat, {"key": key}), ("floor", prompt[context_tokens:], None)]
     for r in range(rounds):
         for name, ids, kvbridge in (steps if r % 2 == 0 else steps[::-1]):
-            runs[name].append(generate(ids, kvbridge, salt=f"{name}-{r}" if name in ("own", "warm") else None))
-        runs["hit"].append(generate(prompt, salt=f"own-{r}"))  # the round's own request's blocks, reused
-        runs["repeat"].append(generate(prompt, {"key": key}, salt=f"warm-{r}"))  # the warm request's, no lookup
+            runs[name].append(generate(ids, kvbridge, salt=f"{name}-{r}" if name in ("own", "warm") else None,
+                                       name=name))
+        runs["hit"].append(generate(prompt, salt=f"own-{r}", name="hit"))  # the round's own request's blocks, reused
+        runs["repeat"].append(generate(prompt, {"key": key}, salt=f"warm-{r}", name="repeat"))  # no lookup
     if any(h["num_cached_tokens"] < context_tokens for h in runs["hit"]):
         raise RuntimeError(f"vLLM's prefix cache held {[h['num_cached_tokens'] for h in runs['hit']]} tokens of the "
                            f"repeated prompt, not the context's {context_tokens}")
@@ -107,6 +132,7 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
     same = same and {tuple(o["token_ids"]) for o in runs["repeat"]} == {tuple(w["token_ids"]) for w in warm}
     # the scheduler's longest single connector call per request (the fetch runs on the connector's threads)
     in_calls = [r["kvbridge_scheduler_max_s"] for r in (cold, served_first, *warm, *served)]
+    read_ahead = sum(w["kvbridge_read_ahead"] for w in warm)
     return {"scheduler_call_max_median_s": statistics.median(in_calls), "scheduler_call_max_s": max(in_calls),
             "own_s": own_s, "warm_s": warm_s, "warm_fetch_s": warm_fetch_s, "cold_s": cold["seconds"],
             "cold_fetch_s": cold["kvbridge_fetch_s"], "ratio_warm": warm_s / own_s,
@@ -116,7 +142,27 @@ def measure(engine: EngineProcess, prompt: list[int], key: str, context_tokens: 
             "ratio_chat": chat_s / chat_own_s, "chat_loaded_tokens": runs["chat"][0]["loaded_tokens"],
             "chat_tokens": len(chat), "transport": warm[0]["kvbridge_transport"], "floor_s": floor_s,
             "ratio_floor": floor_s / own_s, "question_tokens": len(prompt) - context_tokens, "hit_s": hit_s,
-            "ratio_hit": hit_s / own_s, "repeat_s": repeat_s, "ratio_repeat": repeat_s / own_s}
+            "ratio_hit": hit_s / own_s, "repeat_s": repeat_s, "ratio_repeat": repeat_s / own_s,
+            "warm_read_ahead": read_ahead}
+
+
+def phases(requests: list[list[timeline.Event]], names: list[str]) -> dict:
+    """The warm requests' phases and the prefix hit's whole request, in ms (medians), from the timeline's requests
+    in the order sent (`names`); {} when they do not pair up (a request's events lost)."""
+    if len(requests) != len(names):
+        return {}
+    warm = [r for r, name in zip(requests, names, strict=True) if name == "warm"]
+    hit = [r for r, name in zip(requests, names, strict=True) if name == "hit"]
+    out = {}
+    for name, reqs, sequence, beside in (("warm", warm, WARM_PHASES, WARM_BESIDE), ("hit", hit, HIT_PHASES, [])):
+        spans = timeline.median_spans(reqs, [*sequence, WHOLE])
+        if any(ms is None for ms in spans.values()):
+            return {}
+        # sampling, the engine's output and the hop back to the caller (and the step vLLM runs as the request ends)
+        spans["after the forward"] = spans.pop(WHOLE[0]) - sum(spans.values())
+        out[f"{name}_phases_ms"] = {**spans, **timeline.median_spans(reqs, beside),
+                                    WHOLE[0]: timeline.median_spans(reqs, [WHOLE])[WHOLE[0]]}
+    return out
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -149,6 +195,9 @@ def run(argv: list[str] | None = None) -> dict:
                 {"role": "user", "content": context + QUESTION}]
     chat = ids(target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as folder:
+        events = Path(folder) / "timeline"
+        timeline.record_to(events)  # this process (the server) and the engine's, started below
+        sent: list[str] = []
         config = ServeConfig(preset=PRESET, listen="127.0.0.1:0", selfcheck=False, adapters=folder,
                              store_capacity_mb=1024, store_device="cpu", correction="replace")
         running = start_server(build_service(config, source=source, targets=[target]), config)
@@ -165,8 +214,10 @@ def run(argv: list[str] | None = None) -> dict:
                       f"started in {time.perf_counter() - t0:.0f} s; context {args.tokens} tokens + question "
                       f"{len(prompt) - args.tokens}", flush=True)
                 engine.generate(prompt[:64], max_tokens=1, cache_salt="bench-first")  # first-call costs, untimed
-                result = measure(engine, prompt, entry.key, args.tokens, args.rounds, chat)
+                result = measure(engine, prompt, entry.key, args.tokens, args.rounds, chat, sent)
+            result.update(phases(timeline.requests(timeline.read(events)), ["first", *sent]))
         finally:
+            timeline.record_to(None)
             running.stop(grace_s=1)
     print(f"vllm ttft {args.tokens} tokens: own prefill {result['own_s']:.3f} s, through the connector warm "
           f"{result['warm_s']:.3f} s (of it the fetch {result['warm_fetch_s']:.3f} s), cold {result['cold_s']:.3f} s "
@@ -196,6 +247,14 @@ def run(argv: list[str] | None = None) -> dict:
     print(f"vllm scheduler: its longest call into the connector per kvbridge request, median "
           f"{result['scheduler_call_max_median_s'] * 1e3:.3f} ms, max {result['scheduler_call_max_s'] * 1e3:.3f} ms "
           "(goal: median <= 1 ms; fetches run on the connector's threads)", flush=True)
+    if result.get("warm_phases_ms"):
+        parts = ", ".join(f"{label} {ms:.1f}" for label, ms in result["warm_phases_ms"].items() if ms is not None)
+        hit_parts = ", ".join(f"{label} {ms:.1f}" for label, ms in result["hit_phases_ms"].items() if ms is not None)
+        hit = result["hit_phases_ms"]["whole request"]
+        print(f"vllm warm timeline (ms, medians of {args.rounds}): {parts}; the prefix hit's: {hit_parts}: the load "
+              f"adds {result['warm_phases_ms']['whole request'] - hit:.1f} ms where the warm goal leaves "
+              f"{0.15 * result['own_s'] * 1e3 - hit:.1f} ms above the hit; {result['warm_read_ahead']} of "
+              f"{args.rounds} warm loads read ahead", flush=True)
     wall_s = time.perf_counter() - started
     print(f"done in {wall_s:.0f} s", flush=True)
     return {**result, "tokens": args.tokens, "dtype": args.dtype, "wall_s": wall_s}

@@ -31,6 +31,7 @@ from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
 from kvbridge.server.shm_layout import LAYOUT
 from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
 from kvbridge.server.wire_cache import StreamOut, WireCache
+from kvbridge.transfer import timeline
 from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.store import QuotaExceeded
 
@@ -265,6 +266,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 else:  # streamed: gathered into a reused buffer (lent until the last chunk), or sent as before
                     pending = lent = StreamOut(self.wire, self.buffers.lend(out_dtype) if self.buffers else None,
                                                tenant, out_dtype, size)
+                timeline.event("server_begin")
                 result = fetch(tenant, pending)
                 seg = result.segment
                 if lent is not None and lent.messages is not None:  # sent before: seg.kv is a meta tensor
@@ -294,6 +296,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
                     header.shared.CopyFrom(shared)
                     header.num_chunks = 0
+                    timeline.event("server_end")
                     self.metrics.bytes_streamed.labels(method, "shm").inc(shared.size)
                     yield pb2.CacheChunk(header=header)
                     outcome["code"] = "OK"

@@ -136,8 +136,9 @@ def test_the_questions_log_probs_over_a_loaded_context_are_vllms_own(engine, doc
 
 WRITE_CHECK = """
 import torch
-from kvbridge.vllm.connector import KVBridgeConnector, Load
+from kvbridge.vllm.connector import KVBridgeConnector
 from kvbridge.vllm.layouts import write_cpu_vec
+from kvbridge.vllm.loading import Load, write
 
 class Impl:
     def do_kv_cache_update(self, layer, key, value, cache, slots):
@@ -147,11 +148,10 @@ class Layer:
     def __init__(self):
         self.kv_cache, self.impl = torch.zeros(6, 2, 32, 8), Impl()  # [blocks, H_kv, block_size, 2 D]
 
-connector = object.__new__(KVBridgeConnector)  # the worker side's _write needs only the block size
-connector.block_size = 32
+assert KVBridgeConnector.start_load_kv  # the connector imports in the vLLM venv; its workers write with loading.write
 layers = {0: Layer(), 1: Layer()}
 kv = torch.randn(2, 2, 2, 160, 4)  # [L, 2, H_kv, n, D]
-connector._write(Load("r", "", [0, 0, 3, 5, 1], 0, 160), kv, layers)  # a sliding window's table: 2 null blocks
+write(Load("r", "", [0, 0, 3, 5, 1], 0, 160), kv, layers, 32)  # a sliding window's table: 2 null blocks
 for index, layer in layers.items():
     expected = torch.zeros(6, 2, 32, 8)
     positions = torch.arange(64, 160)
@@ -164,8 +164,8 @@ print("null blocks skipped")
 
 
 def test_write_never_touches_the_null_block():
-    """The worker side's `_write` itself (in the vLLM venv, no engine): a table with two null blocks in front writes
-    positions 64.. into blocks 3, 5, 1, exactly as the CPU layout puts them, and leaves block 0 as it was."""
+    """The worker side's `loading.write` itself (in the vLLM venv, no engine): a table with two null blocks in front
+    writes positions 64.. into blocks 3, 5, 1, exactly as the CPU layout puts them, and leaves block 0 as it was."""
     env = {**os.environ, **CPU_ENV}
     env.pop("PYTHONPATH", None)
     run = subprocess.run([str(vllm_python()), "-c", WRITE_CHECK], capture_output=True, text=True, env=env,

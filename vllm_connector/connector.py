@@ -1,8 +1,8 @@
 """KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
-cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~450
+cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~400
 lines: vLLM's connector interface is one class for both the scheduler's and the workers' side; the parts with logic
 of their own are beside it: params (requests, matching), plans (a request's state, what lookups received), handoff
-(where the KV is), layouts, saving.)
+(where the KV is), loading (the workers' reads and writes), layouts, saving.)
 
 Load it with
 
@@ -40,6 +40,8 @@ gone past its TTL, a bad checksum) is reported: a synchronous one's blocks by `g
 (vLLM drops the step's output for the request and computes it from the first of them), an asynchronous one by
 `get_transfer_results` as a failed receive (vLLM computes the request from its first token); `kv_transfer_config`
 sets `kv_load_failure_policy="recompute"` for that (vLLM's default "fail" would fail the request instead).
+When a step runs empty while a lookup ends, its metadata names the KV for the workers to read and check ahead, while
+the scheduler schedules the request (`loading`: the load then only writes).
 The layouts (vLLM 0.32, one tensor per layer):
   CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
              ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
@@ -58,8 +60,8 @@ one `FullAttentionSpec` group, since vLLM turns its hybrid manager off for a con
 (`VllmConfig`, `unify_hybrid_kv_cache_specs`). For N tokens loaded into a window W, `SlidingWindowManager` puts the
 shared null block (id 0) at the first (N - W + 1) // block_size places of the request's block table
 (`add_local_computed_blocks`) and real blocks after them (`allocate_external_computed_blocks`); the forward never
-reads the null ones (the CPU kernel skips blocks out of the window). `_write` writes the positions that have a real
-block and never block 0, and the connector still reports all N tokens loaded: vLLM would have dropped the others
+reads the null ones (the CPU kernel skips blocks out of the window). `loading.write` writes the positions that have a
+real block and never block 0, and the connector still reports all N tokens loaded: vLLM would have dropped the others
 itself. More than one group (the hybrid manager on), another kind of group (MLA, Mamba) and tensor parallelism
 (heads split over workers): nothing loaded, one warning per request naming it.
 """
@@ -76,7 +78,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvbridge.vllm import handoff, layouts
+from kvbridge.transfer import timeline
+from kvbridge.vllm import handoff
+from kvbridge.vllm.loading import Load, Loads, Prefetch
 from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, SaveRequest, match_prompt
 from kvbridge.vllm.plans import Covered, CoveredKey, Plan
 from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
@@ -100,26 +104,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvbridge.vllm")
 
 
-@dataclass(frozen=True)
-class Load:
-    """One request's load, sent from the scheduler to the workers."""
-
-    req_id: str
-    # the KV of the prompt's first tokens [L, 2, H_kv, >= start + num_tokens, D]: the server's own segment (same host,
-    # handoff.read maps it and checks its checksum), else a file the scheduler staged (handoff.stage)
-    source: handoff.KVSource
-    block_ids: list[int]  # the request's blocks from position 0 (first KV cache group)
-    start: int  # the first prompt position to write (tokens before it were cached locally)
-    num_tokens: int
-    # loaded before the step's forward, which then computes the rest of the prompt (no step of its own); a failure is
-    # reported as invalid blocks, which vLLM recomputes. False (a sliding-window group): an asynchronous load, a
-    # failure is the whole request's (`get_transfer_results`)
-    sync: bool = False
-
-
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    prefetch: list[Prefetch] = field(default_factory=list)  # for the workers to read ahead (loading.py)
     saves: list[SaveChunk] = field(default_factory=list)  # what the step's forward makes savable (saving.py)
 
 
@@ -173,10 +161,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._staging = handoff.private_folder(self.config.staging_dir)
         self.saving = self._kv_transfer_config.is_kv_producer  # kv_producer / kv_both: requests may save their KV
         self._saves = SaveTracker()
+        self._prefetched: set[str] = set()  # lookups whose KV the workers were told to read ahead
         # worker side
-        self._finished_loads: set[str] = set()
-        self._failed_loads: set[str] = set()
-        self._invalid_blocks: set[int] = set()  # blocks of failed synchronous loads, for vLLM to recompute
+        self._loads = Loads(self.block_size)
         self._saver = (Saver(self.config, model.model, self.block_size)
                        if self.saving and role == KVConnectorRole.WORKER else None)
 
@@ -208,6 +195,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 dtype=self.wire_dtype, mode=covered[2],
                 prompt=prompt,  # the server places the document where the prompt has it (after a chat template)
                 keep_shared=True)  # through shared memory: the worker maps the server's segment, no second copy
+            timeline.event("fetched")
             seg = fetched.segment
             if not seg.rotated or (seg.num_layers, seg.num_kv_heads, seg.head_dim) != self.shape:
                 raise ValueError(f"the server sent KV of {seg.model.name} with (layers, kv heads, head dim) "
@@ -222,6 +210,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             fetch_s = time.perf_counter() - t0
             source = (fetched.shared if fetched.shared is not None
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
+            timeline.event("planned")
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
                         wire_bytes=fetched.wire_bytes, covered=covered,
                         cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
@@ -285,6 +274,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     if loadable is not None and num_computed_tokens >= loadable:
                         self._plans[req_id] = Plan(source=None, loadable=loadable, prefix_cached=num_computed_tokens)
                         return 0, False
+                timeline.event("lookup")
                 self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, prompt, request.cache_salt, context,
                                                               covered)
                 return None, False
@@ -297,6 +287,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if plan.source is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
         tokens = max(0, plan.loadable - num_computed_tokens)
+        if tokens:
+            timeline.event("matched")
         return tokens, tokens > 0 and not self.sync_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -320,7 +312,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads and not meta.saves
                 and not self._loading):
             self._idle(list(self._lookups.values()))
+            meta.prefetch = self._prefetch()
         return meta
+
+    def _prefetch(self) -> list[Prefetch]:
+        """The KV of lookups that ended (after an empty step's wait), for the workers to read while the next step is
+        scheduled: once per request."""
+        items = []
+        for req_id, lookup in self._lookups.items():
+            if req_id not in self._prefetched and lookup.done():
+                plan = lookup.result()
+                if plan.source is not None:
+                    self._prefetched.add(req_id)
+                    items.append(Prefetch(req_id, plan.source, plan.loadable))
+        return items
 
     def _idle(self, lookups: list[Future]) -> None:
         """A step with nothing to compute while lookups run: wait for the first to end, up to idle_wait_ms. Nothing
@@ -361,6 +366,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._loading.discard(req_id)
+        read_ahead = req_id in self._prefetched
+        self._prefetched.discard(req_id)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:  # aborted while its lookup ran: what it fetches is given up when it is done
             lookup.add_done_callback(self._release_lookup)
@@ -375,7 +382,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         transport = "" if plan.source is None else "stream" if isinstance(plan.source, str) else "shared_memory"
         return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
                                   "wire_bytes": plan.wire_bytes, "transport": transport, "scheduler_s": in_calls,
-                                  "scheduler_max_s": longest, "prefix_cached": plan.prefix_cached}}
+                                  "scheduler_max_s": longest, "prefix_cached": plan.prefix_cached,
+                                  "read_ahead": read_ahead}}
 
     def shutdown(self):
         if self._fetchers is not None:
@@ -390,52 +398,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._clients.clear()
         if self._saver is not None:
             self._saver.close()
+        self._loads.close()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
 
     # ---------------------------------------------------------------------------------------- worker side
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """The step's loads, written before its forward (`loading.Loads`); the KV it names to read ahead."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeConnectorMetadata)
+        self._loads.prefetch(meta.prefetch)
         if not meta.loads:
             return
         layers = {extract_layer_index(name): layer for name, layer in forward_context.no_compile_layers.items()
                   if getattr(layer, "kv_cache", None) is not None and hasattr(getattr(layer, "impl", None),
                                                                               "do_kv_cache_update")}
-        for load in meta.loads:
-            try:
-                kv = handoff.read(load.source)  # [L, 2, H_kv, >= start + n, D]: the tokens from position 0
-                self._write(load, kv[:, :, :, load.start:load.start + load.num_tokens], layers)
-            except Exception as exc:  # noqa: BLE001 - reported as failed: vLLM recomputes the tokens
-                log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
-                            load.num_tokens, exc)
-                if load.sync:  # every block the load covers: vLLM recomputes from the first
-                    first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
-                    self._invalid_blocks.update(load.block_ids[first:last + 1])
-                else:
-                    self._failed_loads.add(load.req_id)
-            if not load.sync:
-                self._finished_loads.add(load.req_id)  # done, failed or not
-
-    def _write(self, load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module]) -> None:
-        """Write kv [L, 2, H_kv, n, D] for positions start..start+n-1 of the request into every layer's buffer: the
-        positions that have a real block (a sliding-window group's table holds the null block, id 0, before the
-        window; nothing is written there)."""
-        if kv.shape[0] != len(layers) or kv.shape[3] != load.num_tokens:
-            raise ValueError(f"staged KV {tuple(kv.shape)} does not fit {len(layers)} layers x {load.num_tokens} "
-                             "tokens")
-        kept, slots = layouts.slot_mapping(load.block_ids, load.start, load.num_tokens, self.block_size)  # [n'], [n']
-        if kept.numel() == 0:
-            return
-        if kept.numel() < load.num_tokens:
-            kv = kv.index_select(3, kept)  # [L, 2, H_kv, n', D]
-        for index in sorted(layers):  # layer by layer
-            layer = layers[index]
-            cache = layer.kv_cache
-            key = kv[index, 0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [n', H, D]
-            value = kv[index, 1].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
-            layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
+        self._loads.run(meta.loads, layers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward; asynchronous loads wait for get_finished
@@ -443,7 +422,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of synchronous loads that failed since the last call: vLLM recomputes the request from the
         first of them (kv_load_failure_policy "recompute") and drops the step's output for it."""
-        failed, self._invalid_blocks = self._invalid_blocks, set()
+        failed, self._loads.invalid_blocks = self._loads.invalid_blocks, set()
         return failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -460,6 +439,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         """After the step's forward: the saves it completed go to their upload thread (the forward never waits)."""
+        timeline.event("forward_end")
         if self._saver is None:
             return
         meta = self._get_connector_metadata()
@@ -469,13 +449,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: nothing is saved, the requests whose loads this worker finished since the last call, failed ones
         too: get_transfer_results tells which failed)."""
-        loaded, self._finished_loads = self._finished_loads, set()
+        self._loads.forget(finished_req_ids)
+        loaded, self._loads.finished = self._loads.finished, set()
         return None, loaded or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished loads, and among them the failed ones: vLLM computes those requests from their first token
         (with kv_load_failure_policy="recompute"). A whole request, not its blocks: in a sliding-window group the
         blocks before a failed one are null blocks that a recompute from that block would read."""
-        failed, self._failed_loads = self._failed_loads, set()
+        failed, self._loads.failed = self._loads.failed, set()
         _, loaded = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=failed)

@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from kvbridge.transfer import timeline
+
 
 def main() -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own stdout
@@ -38,8 +40,10 @@ def main() -> int:
             replies.write(json.dumps({"replies": _generate_many(llm, request["requests"])}) + "\n")
             continue
         prompt, params = _request(request)
+        timeline.event("submit")
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
+        timeline.event("done")
         replies.write(json.dumps(_reply(out, time.perf_counter() - t0, request)) + "\n")
     return 0
 
@@ -72,7 +76,8 @@ def _reply(out, seconds: float, request: dict) -> dict:
              "kvbridge_transport": kv.get("transport", ""),
              "kvbridge_scheduler_s": kv.get("scheduler_s", 0.0),
              "kvbridge_scheduler_max_s": kv.get("scheduler_max_s", 0.0),
-             "kvbridge_prefix_cached": kv.get("prefix_cached", 0), "num_cached_tokens": out.num_cached_tokens}
+             "kvbridge_prefix_cached": kv.get("prefix_cached", 0),
+             "kvbridge_read_ahead": bool(kv.get("read_ahead", False)), "num_cached_tokens": out.num_cached_tokens}
     if request.get("score_from") is not None:
         reply.update(_prompt_scores(out, request["prompt_token_ids"], request["score_from"]))
     return reply

@@ -150,8 +150,10 @@ class EngineProcess(LoggedProcess):
         wait for the server, on a fetch thread), "kvbridge_wire_bytes" (KV bytes the connector received),
         "kvbridge_transport" (how: "shared_memory", the worker read the server's segment; "stream", a staged file),
         "kvbridge_scheduler_s" / "kvbridge_scheduler_max_s" (the scheduler's time inside this request's connector
-        calls: in all, and the longest call), "kvbridge_prefix_cached" (> 0: vLLM's own prefix cache held that many
-        prompt tokens, all the connector would have loaded: it asked the server nothing), "num_cached_tokens"}."""
+        calls: in all, and the longest call), "kvbridge_read_ahead" (the worker read the KV ahead, during a step
+        that ran empty while the lookup ended: `loading`), "kvbridge_prefix_cached" (> 0: vLLM's own prefix cache
+        held that many prompt tokens, all the connector would have loaded: it asked the server nothing),
+        "num_cached_tokens"}."""
         self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],
                     "max_tokens": max_tokens, "kvbridge": kvbridge, "cache_salt": cache_salt})
         return self._receive()
