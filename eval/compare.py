@@ -1,8 +1,9 @@
 """`kvbridge eval compare A B --pairs MODE_A=MODE_B,...`: paired differences between two `eval rouge` runs (their
 results.json files, or the folders holding them) on the documents both scored, e.g. one mode through vLLM against
-its in-process form. Per pair: NLL recovery in each run (each against its own run's `none` and `full`) and their
-difference, fidelity ROUGE-L and top-1 agreement with `full` and their differences, all with bootstrap 95% intervals
-over the same resampled documents, and on how many documents A is worse than B.
+its in-process form. Per pair: NLL recovery in each run (each against its own run's `none` and `full`; left out, "–",
+when a run has no `none`) and their difference, fidelity ROUGE-L and top-1 agreement with `full` and their
+differences, all with bootstrap 95% intervals over the same resampled documents, and on how many documents A is worse
+than B.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _ci(values: np.ndarray, point: float) -> dict:
 def compare(a: Run, b: Run, pairs: list[tuple[str, str]], samples: int = 1000, seed: int = 0) -> dict:
     """{"documents": n, "pairs": {"A_MODE vs B_MODE": {"recovery_a", "recovery_b", "recovery_diff", "fidelity_a",
     "fidelity_b", "fidelity_diff", "top1_a", "top1_b", "top1_diff", "worse_on"}}} (each figure {"value", "low",
-    "high"})."""
+    "high"}; the recovery figures and worse_on None when a run has no `none` mode)."""
     from kvbridge.adapters.scoring import bootstrap_draws, recovery_ratio
     from kvbridge.eval.report import rouge, top1_agreement
 
@@ -67,17 +68,21 @@ def compare(a: Run, b: Run, pairs: list[tuple[str, str]], samples: int = 1000, s
             top1.append(np.nan if agree is None else agree)
         return np.asarray(fidelity), np.asarray(top1)
 
+    # recovery needs each run's `none`; fidelity and top-1 only its `full`
+    recoverable = all("none" in run.documents[i]["modes"] for run in (a, b) for i in ids)
     for name_a, name_b in pairs:
         rec = {}
-        for side, run, name in (("a", a, name_a), ("b", b, name_b)):
+        for side, run, name in (("a", a, name_a), ("b", b, name_b)) if recoverable else ():
             none, full, mode = (column(run, m, "nll") for m in ("none", "full", name))
             rec[side] = (recovery_ratio(none, full, mode, boot), float(recovery_ratio(none, full, mode, every)[0]),
                          none - mode)  # per document: NLL recovered
         fid_a, top_a = against_full(a, name_a)
         fid_b, top_b = against_full(b, name_b)
-        entry = {"recovery_a": _ci(rec["a"][0], rec["a"][1]), "recovery_b": _ci(rec["b"][0], rec["b"][1]),
-                 "recovery_diff": _ci(rec["a"][0] - rec["b"][0], rec["a"][1] - rec["b"][1]),
-                 "worse_on": int((rec["a"][2] < rec["b"][2]).sum())}
+        entry = {"recovery_a": None, "recovery_b": None, "recovery_diff": None, "worse_on": None}
+        if recoverable:
+            entry = {"recovery_a": _ci(rec["a"][0], rec["a"][1]), "recovery_b": _ci(rec["b"][0], rec["b"][1]),
+                     "recovery_diff": _ci(rec["a"][0] - rec["b"][0], rec["a"][1] - rec["b"][1]),
+                     "worse_on": int((rec["a"][2] < rec["b"][2]).sum())}
         for key, x, y in (("fidelity", fid_a, fid_b), ("top1", top_a, top_b)):
             entry[f"{key}_a"] = _ci(np.nanmean(x[boot], -1), np.nanmean(x))
             entry[f"{key}_b"] = _ci(np.nanmean(y[boot], -1), np.nanmean(y))
@@ -87,18 +92,19 @@ def compare(a: Run, b: Run, pairs: list[tuple[str, str]], samples: int = 1000, s
 
 
 def markdown(result: dict, a: Run, b: Run) -> str:
-    def f(x: dict) -> str:
-        return f"{x['value']:+.3f} [{x['low']:+.3f}, {x['high']:+.3f}]"
+    def f(x: dict | None) -> str:
+        return "–" if x is None else f"{x['value']:+.3f} [{x['low']:+.3f}, {x['high']:+.3f}]"
 
-    def g(x: dict) -> str:
-        return f"{x['value']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
+    def g(x: dict | None) -> str:
+        return "–" if x is None else f"{x['value']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
 
     lines = [f"A: {a.path}; B: {b.path}; {result['documents']} documents in both, paired; bootstrap 95% intervals.",
              "", "| A vs B | NLL recovery A | B | A − B | worse on | fidelity A − B | top-1 A − B |",
              "|---|---|---|---|---|---|---|"]
     for name, e in result["pairs"].items():
         lines.append(f"| {name} | {g(e['recovery_a'])} | {g(e['recovery_b'])} | {f(e['recovery_diff'])} | "
-                     f"{e['worse_on']} of {result['documents']} | {f(e['fidelity_diff'])} | {f(e['top1_diff'])} |")
+                     f"{'–' if e['worse_on'] is None else e['worse_on']} of {result['documents']} | "
+                     f"{f(e['fidelity_diff'])} | {f(e['top1_diff'])} |")
     return "\n".join(lines)
 
 

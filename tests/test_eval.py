@@ -330,6 +330,16 @@ def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
     assert apart["top1_b"]["value"] == 1 and apart["fidelity_diff"]["value"] < 0
     with pytest.raises(ValueError, match="mode 'fuse:9' is not in the run"):
         compare(a, b, [("fuse:9", "full")], samples=10)
+    # a run without `none` (fidelity only): no recovery, the same fidelity and top-1 figures
+    from kvbridge.eval.compare import Run, markdown
+
+    lean = Run(b.path, {i: {**row, "modes": {m: v for m, v in row["modes"].items() if m != "none"}}
+                        for i, row in b.documents.items()})
+    fidelity_only = compare(a, lean, [("replace", "replace")], samples=100)
+    entry = fidelity_only["pairs"]["replace vs replace"]
+    assert entry["recovery_diff"] is None and entry["worse_on"] is None
+    assert entry["fidelity_b"] == same["fidelity_b"] and entry["top1_diff"] == same["top1_diff"]
+    assert "| replace vs replace | – | – | – | – of" in markdown(fidelity_only, a, lean)
 
 
 def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys):

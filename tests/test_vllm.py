@@ -157,8 +157,9 @@ def test_identity_transfer_gives_vllms_own_tokens(engine, doc, own):
 
 
 def test_the_worker_reads_a_same_host_servers_segment_and_it_is_released(engine, doc, own, identity_server):
-    """On one host the worker maps the server's own shared-memory segment (no KV on the wire, no staged copy) and the
-    scheduler releases it once loaded; a server asked to stream gives the same tokens through a staged file."""
+    """On one host the worker maps the server's own shared-memory segment (no KV on the wire, no staged copy; read
+    ahead during an empty step) and the scheduler releases it once loaded; a server asked to stream gives the same
+    tokens through a staged file."""
     import time
 
     prepared, prompt = doc
@@ -169,6 +170,14 @@ def test_the_worker_reads_a_same_host_servers_segment_and_it_is_released(engine,
     while len(identity_server.segments) and time.monotonic() < deadline:  # the release is not waited for
         time.sleep(0.05)
     assert len(identity_server.segments) == 0
+    # a step that ran empty while the lookup ended had the worker map and check the segment ahead (loading.Loads):
+    # a warm lookup ends within the empty step's wait, so one of a few requests reads ahead, with the same tokens
+    read_ahead = [out["kvbridge_read_ahead"]]
+    while not any(read_ahead) and len(read_ahead) < 4:
+        again = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": "identity"})
+        assert again["loaded_tokens"] == CONTEXT and again["token_ids"] == own["token_ids"]
+        read_ahead.append(again["kvbridge_read_ahead"])
+    assert any(read_ahead), read_ahead
     streamed = engine.generate(prompt, max_tokens=NEW, kvbridge={"text": prepared.text, "server": "identity-stream"})
     assert streamed["kvbridge_transport"] == "stream" and streamed["kvbridge_wire_bytes"] > 0
     assert streamed["loaded_tokens"] == CONTEXT and streamed["token_ids"] == own["token_ids"]
