@@ -24,6 +24,8 @@ What KV the document gets in each mode (the instruction after it is always prefi
                 deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control);
                 blend-prompt:r scores with the instruction's own queries (one pass of it over the projected KV)
                 instead of the document's last 16
+  layers:k      replace, then the target's own KV of the document in its first k layers (a forward through those
+                layers only, k/L of a prefill's layer work): the layers above keep the projected KV
 Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
 (transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
 projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
@@ -41,9 +43,9 @@ from kvbridge.transfer.suffix.correction import Correction
 DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
 BLEND_RULES = {"blend": "attention", "blend-prompt": "prompt", "blend-sdev": "sinks+deviation",
                "blend-dev": "deviation", "blend-last": "last", "blend-random": "random"}
-NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", *BLEND_RULES)
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", "layers", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
-READS_PROJECTED = ("replace", "recompute", "served", *BLEND_RULES)  # modes whose context keeps projected KV
+READS_PROJECTED = ("replace", "recompute", "served", "layers", *BLEND_RULES)  # modes whose context keeps projected KV
 ROUNDINGS = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}  # rounded:T -> the torch dtype
 NO_PRIOR = "/noprior"
 PROBE_PRIOR = "/probe"
@@ -64,6 +66,7 @@ class Mode:
     # (/probe: InductionPrior.probed)
     prior: str = "model"
     correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1"); rounded: dtype
+    layers: int = 0  # layers: the target's own first layers
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -90,6 +93,10 @@ def parse_modes(spec: str) -> list[Mode]:
             if arg not in ROUNDINGS:
                 raise ValueError(f"mode {raw!r}: rounded takes one of {', '.join(ROUNDINGS)}, e.g. rounded:fp8")
             mode = Mode(raw, kind, correction=ROUNDINGS[arg])
+        elif kind == "layers":
+            if not arg.isdigit() or int(arg) < 1:
+                raise ValueError(f"mode {raw!r}: layers takes a number of layers >= 1, e.g. layers:3")
+            mode = Mode(f"layers:{int(arg)}", kind, layers=int(arg))
         elif kind in ("full", "none", "replace", "fuse", "fuser"):
             if arg:
                 raise ValueError(f"mode {raw!r}: {kind} takes no fraction")
@@ -105,11 +112,12 @@ def parse_modes(spec: str) -> list[Mode]:
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, rounded:T, none, replace, recompute:R, tail:R, "
                              "fuse, fuser, "
-                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, served:MODE; replace, "
-                             f"recompute, blend and served also take a {NO_PRIOR} or {PROBE_PRIOR} suffix")
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, layers:K, served:MODE; "
+                             f"replace, recompute, blend, layers and served also take a {NO_PRIOR} or {PROBE_PRIOR} "
+                             "suffix")
         if slash:
             mode = Mode(mode.name + suffix, mode.kind, mode.fraction, prior=PRIOR_SUFFIXES[suffix],
-                        correction=mode.correction)
+                        correction=mode.correction, layers=mode.layers)
         if any(m.name == mode.name for m in modes):
             raise ValueError(f"mode {mode.name!r} is given twice")
         modes.append(mode)

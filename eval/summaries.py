@@ -34,6 +34,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.blend import BlendConfig
 from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
+from kvbridge.transfer.suffix.reuse import first_layers_kv
 
 OWN_KINDS = ("full", "rounded", "fuse", "fuser")  # the modes that need the target's own prefill of the document
 
@@ -212,6 +213,8 @@ class SummaryEvaluator:
                     warm_s = base_s - fetch_s + result.warm_fetch_s
             if prior is not None and mode.kind in BLEND_RULES:  # blend's selection pass made the first m layers exact
                 prior = prior.from_layer(BlendConfig(fraction=mode.fraction, rule=BLEND_RULES[mode.kind]).exact_layers)
+            if prior is not None and mode.kind == "layers":  # the first k layers are the target's own
+                prior = prior.from_layer(mode.layers)
             reading = (prior.reading(self.target, context.token_ids, still)
                        if prior is not None and still is not None else contextlib.nullcontext())
             with reading:
@@ -271,6 +274,15 @@ class SummaryEvaluator:
             layers = self.target.spec.num_layers
             forwards = [f[:2] if f[2] == layers else f for f in fixed.forwards]
             return fixed.segment, fetch_s + time.perf_counter() - t0, forwards, wire, fixed.still_projected
+        if mode.kind == "layers":  # the target's own first k layers over the document, projected above them
+            t0 = time.perf_counter()
+            seg = projected.slice(0, d + 1)
+            m = min(mode.layers, self.target.spec.num_layers)
+            own_first = first_layers_kv(self.target, seg.slice(0, 1), doc.target_ids[1:d + 1], m)  # [m, 2, H, d, D]
+            kv = seg.kv.clone()
+            kv[:m, :, :, 1:] = own_first.to(kv)
+            still[1:] = True  # per token: still projected in the layers from m on
+            return replace(seg, kv=kv), fetch_s + time.perf_counter() - t0, [(d, 1, m)], wire, still
         if mode.kind == "fuse":  # every token's KV mixes the target's own with the projected: no prior
             t0 = time.perf_counter()
             seg = fuse_gated(own, projected, self.gates)

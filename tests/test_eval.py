@@ -59,6 +59,7 @@ def test_modes_parse_and_bad_modes_are_named():
                        ("tail:1.5", "(0, 1]"), ("blend", "needs a fraction"), ("mix:0.1", "unknown mode .mix:0.1."),
                        ("full,full", "twice"), ("rounded", "rounded takes one of bf16, fp16, fp8"),
                        ("rounded:int4", "rounded takes one of"), ("rounded:fp8/noprior", "read projected KV"),
+                       ("layers:0", "layers takes a number of layers >= 1"), ("layers:0.5", "layers takes"),
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
@@ -81,6 +82,28 @@ def test_rounded_modes_read_fulls_own_kv_through_a_narrower_dtype(tiny_target):
     result = evaluator.run(doc)
     nll = {name: m.nll for name, m in result.modes.items()}
     assert abs(nll["rounded:bf16"] - nll["full"]) < 0.01 * nll["full"]
+
+
+def test_layers_mode_makes_the_first_k_layers_the_targets_own_and_leaves_the_rest_projected(tiny_target):
+    """layers:k: the target's own KV of the document in its first k layers (a forward through those layers only), the
+    projected KV above them; with every layer, full's own KV."""
+    modes = parse_modes("layers:1,layers:2/noprior,layers:99")
+    assert [(m.name, m.kind, m.layers, m.prior) for m in modes] == [("layers:1", "layers", 1, "model"),
+                                                                  ("layers:2/noprior", "layers", 2, "none"),
+                                                                  ("layers:99", "layers", 99, "model")]
+    evaluator = SummaryEvaluator(tiny_target, parse_modes("full"), TINY, None)  # _context is given the projection
+    doc = prepare(read_records(SAMPLE)[0], tiny_target, TINY)
+    own, own_s = evaluator._own(doc.target_ids)
+    torch.manual_seed(0)
+    kv = own.kv + 0.5 * torch.randn_like(own.kv)
+    kv[:, :, :, 0] = own.kv[:, :, :, 0]  # the start token's KV is the target's own in a projection too
+    projected = replace(own, kv=kv)
+    layers = tiny_target.spec.num_layers
+    for mode, k in zip(modes, (1, 2, layers)):
+        context, _, forwards, _, still = evaluator._context(mode, doc, own, own_s, projected, 0.0, 0, None)
+        assert torch.allclose(context.kv[:k], own.kv[:k], rtol=1e-4, atol=1e-4)  # the target's own (float order)
+        assert torch.equal(context.kv[k:], projected.kv[k:])  # projected above them
+        assert forwards == [(doc.doc_tokens, 1, k)] and still[1:].all() and not still[0]
 
 
 @pytest.mark.parametrize("modes, words", [("full,blend:0.1", "'blend:0.1' does not run with --engine vllm"),
