@@ -26,6 +26,9 @@ What KV the document gets in each mode (the instruction after it is always prefi
                 instead of the document's last 16
   layers:k      replace, then the target's own KV of the document in its first k layers (a forward through those
                 layers only, k/L of a prefill's layer work): the layers above keep the projected KV
+  exact:a-b     analysis, not a correction anyone runs (it needs full's prefill): full's own KV in layers a..b-1, the
+                projection in the others, read without a prior: where in depth the projection's error costs the answer
+                (compare with replace/noprior)
 Modes that read projected KV (replace, recompute, blend) read it with the evaluator's induction prior
 (transfer.suffix.induction: the target's induction heads get back, from the document's tokens, the match their
 projected keys blur) when it has one: the prior shipped for the target, else the probe's (`InductionPrior.for_model`),
@@ -43,7 +46,7 @@ from kvbridge.transfer.suffix.correction import Correction
 DEFAULT_MODES = "full,none,replace,recompute:0.1,tail:0.1,blend:0.1,recompute:0.25,tail:0.25,blend:0.25,fuse"
 BLEND_RULES = {"blend": "attention", "blend-prompt": "prompt", "blend-sdev": "sinks+deviation",
                "blend-dev": "deviation", "blend-last": "last", "blend-random": "random"}
-NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", "layers", *BLEND_RULES)
+NEEDS_PROJECTION = ("replace", "recompute", "fuse", "served", "layers", "exact", *BLEND_RULES)
 FRACTION_KINDS = ("recompute", "tail", *BLEND_RULES)
 READS_PROJECTED = ("replace", "recompute", "served", "layers", *BLEND_RULES)  # modes whose context keeps projected KV
 ROUNDINGS = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}  # rounded:T -> the torch dtype
@@ -66,7 +69,8 @@ class Mode:
     # (/probe: InductionPrior.probed)
     prior: str = "model"
     correction: str = ""  # served: the correction the server computes once and serves ("blend:0.1"); rounded: dtype
-    layers: int = 0  # layers: the target's own first layers
+    layers: int = 0  # layers: the target's own first layers; exact: the first layer of full's KV
+    upto: int = 0  # exact: the layer after the last of full's KV
 
 
 def parse_modes(spec: str) -> list[Mode]:
@@ -93,6 +97,11 @@ def parse_modes(spec: str) -> list[Mode]:
             if arg not in ROUNDINGS:
                 raise ValueError(f"mode {raw!r}: rounded takes one of {', '.join(ROUNDINGS)}, e.g. rounded:fp8")
             mode = Mode(raw, kind, correction=ROUNDINGS[arg])
+        elif kind == "exact":
+            first, dash, last = arg.partition("-")
+            if not (dash and first.isdigit() and last.isdigit() and int(first) < int(last)):
+                raise ValueError(f"mode {raw!r}: exact takes a range of layers a-b with a < b, e.g. exact:20-30")
+            mode = Mode(f"exact:{int(first)}-{int(last)}", kind, layers=int(first), upto=int(last))
         elif kind == "layers":
             if not arg.isdigit() or int(arg) < 1:
                 raise ValueError(f"mode {raw!r}: layers takes a number of layers >= 1, e.g. layers:3")
@@ -112,7 +121,8 @@ def parse_modes(spec: str) -> list[Mode]:
         else:
             raise ValueError(f"unknown mode {raw!r}; modes are full, rounded:T, none, replace, recompute:R, tail:R, "
                              "fuse, fuser, "
-                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, layers:K, served:MODE; "
+                             "blend:R, blend-sdev:R, blend-dev:R, blend-last:R, blend-random:R, layers:K, exact:A-B, "
+                             "served:MODE; "
                              f"replace, recompute, blend, layers and served also take a {NO_PRIOR} or {PROBE_PRIOR} "
                              "suffix")
         if slash:

@@ -36,7 +36,8 @@ from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import first_layers_kv
 
-OWN_KINDS = ("full", "rounded", "fuse", "fuser")  # the modes that need the target's own prefill of the document
+# the modes that need the target's own prefill of the document
+OWN_KINDS = ("full", "rounded", "exact", "fuse", "fuser")
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,10 @@ class SummaryEvaluator:
         if mode.kind == "rounded":  # full's KV through a narrower dtype and back
             rounded = own.kv.to(getattr(torch, mode.correction)).to(own.kv.dtype)
             return replace(own, kv=rounded), own_s, [(d + 1, 0)], 0, None
+        if mode.kind == "exact":  # analysis: full's own KV in layers a..b-1, projected elsewhere, no prior
+            kv = projected.slice(0, d + 1).kv.clone()
+            kv[mode.layers:mode.upto] = own.kv[mode.layers:mode.upto].to(kv)
+            return replace(projected.slice(0, d + 1), kv=kv), own_s, [(d + 1, 0)], wire, None
         if mode.kind == "none":
             seg, s = self._own(doc.target_ids[:1])
             return seg, s, [(1, 0)], 0, None

@@ -60,6 +60,8 @@ def test_modes_parse_and_bad_modes_are_named():
                        ("full,full", "twice"), ("rounded", "rounded takes one of bf16, fp16, fp8"),
                        ("rounded:int4", "rounded takes one of"), ("rounded:fp8/noprior", "read projected KV"),
                        ("layers:0", "layers takes a number of layers >= 1"), ("layers:0.5", "layers takes"),
+                       ("exact:3", "exact takes a range"), ("exact:4-2", "a < b"),
+                       ("exact:0-2/noprior", "read projected"),
                        (" , ", "no modes")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
             parse_modes(bad)
@@ -104,6 +106,11 @@ def test_layers_mode_makes_the_first_k_layers_the_targets_own_and_leaves_the_res
         assert torch.allclose(context.kv[:k], own.kv[:k], rtol=1e-4, atol=1e-4)  # the target's own (float order)
         assert torch.equal(context.kv[k:], projected.kv[k:])  # projected above them
         assert forwards == [(doc.doc_tokens, 1, k)] and still[1:].all() and not still[0]
+    # exact:a-b (analysis): full's own KV in layers a..b-1, the projection elsewhere, read without a prior
+    band = parse_modes("exact:1-2")[0]
+    context, _, _, _, still = evaluator._context(band, doc, own, own_s, projected, 0.0, 0, None)
+    assert torch.equal(context.kv[1:2], own.kv[1:2]) and still is None
+    assert torch.equal(context.kv[:1], projected.kv[:1]) and torch.equal(context.kv[2:], projected.kv[2:])
 
 
 @pytest.mark.parametrize("modes, words", [("full,blend:0.1", "'blend:0.1' does not run with --engine vllm"),
