@@ -30,7 +30,7 @@ Where a warm load's time goes: every process of the run records timestamped even
 and the bench prints the median of each phase of the warm requests beside the prefix hit's whole request: the
 lookup's round trip to the server (of it the server's own work), what comes between the server's answer and the
 scheduler's load (the step that ran empty while the lookup was out, the next schedule), the worker's read ahead of
-the server's segment during that empty step (map, checksum, token-major copy), the hop to the worker, what the load
+the server's segment during that empty step (map and checksum), the hop to the worker, what the load
 still waited for of that read, the writes into vLLM's blocks, then the forward, sampling and the way back.
 
 The engine runs with prefix caching on, as `vllm serve` deploys it; every request but the prefix hit has a salt of
@@ -158,10 +158,10 @@ def phases(requests: list[list[timeline.Event]], names: list[str]) -> dict:
         spans = timeline.median_spans(reqs, [*sequence, WHOLE])
         if any(ms is None for ms in spans.values()):
             return {}
+        whole = spans.pop(WHOLE[0])
         # sampling, the engine's output and the hop back to the caller (and the step vLLM runs as the request ends)
-        spans["after the forward"] = spans.pop(WHOLE[0]) - sum(spans.values())
-        out[f"{name}_phases_ms"] = {**spans, **timeline.median_spans(reqs, beside),
-                                    WHOLE[0]: timeline.median_spans(reqs, [WHOLE])[WHOLE[0]]}
+        spans["after the forward"] = whole - sum(spans.values())
+        out[f"{name}_phases_ms"] = {**spans, **timeline.median_spans(reqs, beside), WHOLE[0]: whole}
     return out
 
 

@@ -210,7 +210,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
             fetch_s = time.perf_counter() - t0
             source = (fetched.shared if fetched.shared is not None
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
-            timeline.event("planned")
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
                         wire_bytes=fetched.wire_bytes, covered=covered,
                         cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
