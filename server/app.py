@@ -163,6 +163,10 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
                               else DetectorConfig(layers=layers))
     corrections = Corrections(CorrectionLimits(default=config.correction, max_running=config.max_corrections,
                                                prior=config.correction_prior))
+    if config.selfcheck:  # with the start-up checks: no user's first corrected fetch pays for first runs
+        for target in targets:
+            log.info("corrections warmed on %s in %.1f s (prior: %s)", target.name, corrections.warm(target),
+                     getattr(corrections.prior(target), "origin", None))
     return KVBridgeService(source, targets, store, registry, limits, detector=detector, corrections=corrections)
 
 

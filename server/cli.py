@@ -117,7 +117,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--detector-layers", type=int, nargs="+", default=None,
                    help="layers whose attention entropy Ingest's DETECT_SEGMENTS uses (default: all)")
     p.add_argument("--detector-strict", action="store_true", help="5 positions below 0.75 nats (default 3 below 0.8)")
-    p.add_argument("--no-selfcheck", action="store_true", help="skip the start-up self-checks (not for production)")
+    p.add_argument("--no-selfcheck", action="store_true",
+                   help="skip the start-up self-checks and the warm-up of served corrections (not for production)")
     p.add_argument("--log-json", action="store_true", help="structured logs: one JSON object per line")
     p.add_argument("--ready-file", help="write the bound address as JSON here once serving (for scripts)")
     p.set_defaults(func=cmd_serve)

@@ -82,7 +82,7 @@ class ServeConfig:
     metrics_listen: str | None = None  # host:port of the Prometheus /metrics endpoint; None: off
     detector_layers: list[int] | None = None  # layers of Ingest's segment detector; None: every layer
     detector_strict: bool = False  # 5 positions below 0.75 nats instead of 3 below 0.8
-    selfcheck: bool = True  # run the foundation self-checks on the models at start; refuse to serve on failure
+    selfcheck: bool = True  # the foundation self-checks at start (refuse to serve on failure), then warm corrections
     grace_s: float = 10.0  # shutdown: how long in-flight calls and streams may take to finish
     log_json: bool = False  # one JSON object per log line
 

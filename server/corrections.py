@@ -11,6 +11,7 @@ annotations keep the mode and the positions the target recomputed, which the hea
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ __all__ = ["CorrectionLimits", "Corrections", "recomputed_of"]
 
 RECOMPUTED = "recomputed"  # the annotation: positions the target recomputed, as "p,p,p" (short, JSON-able)
 MODE = "mode"
+WARM_TEXT = ("A reader skips the fields it does not understand; a writer keeps the order of the fields it was given, "
+             "so that a reader may stop at any field and a writer never reorders what it was handed.")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,23 @@ class Corrections:
             fixed = correct(lm, projected.to(device=device), correction, prior=prior)
         return Corrected(fixed.segment.to(device=projected.device, dtype=projected.dtype), fixed.still_projected,
                          fixed.forwards)
+
+    def warm(self, lm: LoadedModel) -> float:
+        """At start, so that no user's first fetch pays for it: the target's prior built (or loaded) and one
+        correction of each kind of a short document of the target's own KV (its kernels' first runs). Seconds."""
+        from kvbridge.transfer import kvcache
+
+        t0 = time.perf_counter()
+        prior = self.prior(lm)
+        ids = torch.tensor(lm.tokenizer(WARM_TEXT)["input_ids"][:64])
+        with torch.no_grad():
+            own = kvcache.extract(lm.model, lm.spec, ids)  # positions 0.., as a placed document's
+            for mode in dict.fromkeys(("recompute:0.1", "blend:0.1", str(self.default))):
+                correction = Correction.parse(mode, "mode")
+                if correction.kind != "replace":
+                    with self._running:
+                        correct(lm, own, correction, prior=prior)
+        return time.perf_counter() - t0
 
     @staticmethod
     def annotations(correction: Correction, fixed: Corrected) -> dict:

@@ -196,3 +196,37 @@ def test_bad_modes_are_invalid_argument_naming_the_field(tmp_path, tiny_source, 
             assert client.fetch_projected(key=key, mode="replace").mode == "replace"
     finally:
         running.stop(grace_s=1)
+
+
+def test_a_service_started_with_its_checks_warms_its_corrections_and_stores_nothing(tmp_path, tiny_source,
+                                                                                     tiny_target, adapter,
+                                                                                     monkeypatch, caplog):
+    from kvbridge.adapters.io import save_adapter
+    from kvbridge.server.app import build_service
+    from kvbridge.server.config import ServeConfig
+
+    save_adapter(adapter, tmp_path / "adapters" / "fitted.safetensors")
+    probes = []
+    real = InductionPrior.probed.__func__
+    monkeypatch.setattr(InductionPrior, "probed", classmethod(lambda cls, lm, *a, **k: probes.append(lm.name)
+                                                              or real(cls, lm, *a, **k)))
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"))
+    forwards = Forwards(tiny_target)
+    try:
+        with caplog.at_level("INFO", logger="kvbridge.server"):
+            service = build_service(ServeConfig(preset="tiny", adapters=str(tmp_path / "adapters"), selfcheck=True,
+                                                correction="blend:0.2"),
+                                    source=tiny_source, targets=[tiny_target], store=store)
+        warmed = forwards.count
+    finally:
+        forwards.close()
+    assert any(f"corrections warmed on {tiny_target.name}" in r.getMessage() for r in caplog.records)
+    # recompute:0.1, blend:0.1 and the default blend:0.2 ran the target (besides its self-checks); nothing stored
+    assert warmed >= 3 and store.stats().entries == 0 and store.stats().puts == 0
+    prior_builds = len(probes)
+    assert prior_builds == 1  # the tiny target has no shipped fit: probed once, at start
+    key = service.ingest("t", text=TEXT).entries[0][0].key
+    assert service.projected_cache("t", key=key).mode == "blend:0.2"
+    assert len(probes) == prior_builds  # the first corrected fetch builds no prior
+    off = Corrections(CorrectionLimits(prior=False))
+    assert off.warm(tiny_target) >= 0 and off.prior(tiny_target) is None  # warmed without a prior when it is off
