@@ -14,6 +14,8 @@ shapes and RoPE) in bf16 with flash-attn on CUDA:
   projection   projection time against the target's own prefill of the same tokens (ratio < 1 passes)
   corrections  in process: the target's induction prior built (cold), `recompute:0.1` and `blend:0.1` of a
                projected document (warm), against the target's own prefill of it
+  premise      the production target at full size (random weights): its prefill of n tokens against moving their KV
+               through the same-host data plane as a fetch does (ratio < 1 passes: serving KV beats prefilling)
   vllm         the vLLM connector's CUDA tests, only where a CUDA vLLM is importable (else SKIP)
 `--device cpu --quick` runs the same checks on the CPU as a dry run (flash-attn and vLLM then SKIP).
 """
@@ -259,6 +261,62 @@ def check_corrections(source, target, tokens, adapter):
     return ("PASS" if ok else "FAIL"), "; ".join(figures)
 
 
+@check("premise")
+def check_premise(device, quick: bool):
+    """The product's premise on this device at the production target's full size (random Phi-3-mini-4k: 32 layers,
+    MLP 8192): its own prefill of n tokens against moving that many tokens of its KV through the same-host data
+    plane as a fetch does (the store's copy on the device -> host -> a /dev/shm segment -> the client's checked map ->
+    the device). A ratio < 1: serving KV beats prefilling here. --quick: 2 layers, 256 tokens."""
+    from kvbridge.server import shm_layout
+    from kvbridge.transfer.shaped_pair import production_shapes
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    c = dict(production_shapes()["target"]["config"])
+    layers, counts = (2, (256,)) if quick else (c["num_hidden_layers"], (1024, 4096))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = Phi3Config(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                        intermediate_size=c["intermediate_size"], num_hidden_layers=layers,
+                        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+                        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+                        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
+                        sliding_window=None, attn_implementation="sdpa")
+    with torch.device(device):
+        model = Phi3ForCausalLM(config).to(dtype).eval()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+
+    def median_ms(fn, reps=3):
+        fn()
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    folder = Path(tempfile.mkdtemp(prefix="kvbridge-premise-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+
+    def through_shm(kv: torch.Tensor) -> None:
+        path = folder / "segment"
+        size, sum_ = shm_layout.write(path, kv.cpu())  # the server: device -> host -> its segment
+        shm_layout.map_kv(path, size, sum_, tuple(kv.shape), kv.dtype).to(device)  # the client: checked map
+        path.unlink()
+
+    figures, ratios = [], []
+    for n in counts:
+        ids = torch.randint(3, c["vocab_size"], (1, n), device=device)
+        with torch.no_grad():
+            prefill = median_ms(functools.partial(model, input_ids=ids, logits_to_keep=1))
+        kv = torch.randn(layers, 2, c["num_key_value_heads"], n, head_dim, device=device).to(dtype)
+        moved = median_ms(functools.partial(through_shm, kv))
+        ratios.append(moved / prefill)
+        figures.append(f"{n} tokens ({kv.numel() * kv.element_size() / 1e6:.0f} MB of KV): prefill {prefill:.1f} ms, "
+                       f"same-host KV {moved:.1f} ms, ratio {moved / prefill:.2f}")
+    return ("PASS" if max(ratios) < 1 else "FAIL"), f"{layers} layers; " + "; ".join(figures)
+
+
 @check("vllm")
 def check_vllm(device):
     if device.type != "cuda":
@@ -297,6 +355,7 @@ def main() -> int:
     check_store(device)
     check_projection(source, target, 256 if args.quick else 4096, adapter.to(device))
     check_corrections(source, target, 256 if args.quick else 1024, adapter.to(device))
+    check_premise(device, args.quick)
     check_vllm(device)
     failed = results.count("FAIL")
     print(f"gpu_check: {len(results) - failed - results.count('SKIP')} passed, {failed} failed, "
