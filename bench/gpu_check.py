@@ -266,7 +266,8 @@ def check_premise(device, quick: bool):
     """The product's premise on this device at the production target's full size (random Phi-3-mini-4k: 32 layers,
     MLP 8192): its own prefill of n tokens against moving that many tokens of its KV through the same-host data
     plane as a fetch does (the store's copy on the device -> host -> a /dev/shm segment -> the client's checked map ->
-    the device). A ratio < 1: serving KV beats prefilling here. --quick: 2 layers, 256 tokens."""
+    the device), through fresh buffers each time (as a cold server: first-touch page faults included). A ratio < 1:
+    serving KV beats prefilling here. --quick: 2 layers, 256 tokens."""
     from kvbridge.server import shm_layout
     from kvbridge.transfer.shaped_pair import production_shapes
     from transformers import Phi3Config, Phi3ForCausalLM
