@@ -12,7 +12,6 @@ import torch
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from rouge_score import rouge_scorer, tokenizers
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -67,12 +66,16 @@ def greedy(target: LoadedModel, context: KVSegment, prompt: torch.Tensor, max_ne
 
 
 @cache
-def _scorer() -> rouge_scorer.RougeScorer:
+def _scorer():
+    from rouge_score import rouge_scorer  # here, not at import: it loads nltk (a second at every CLI start)
+
     return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
 
 
 @cache
-def _tokenizer() -> tokenizers.DefaultTokenizer:
+def _tokenizer():
+    from rouge_score import tokenizers
+
     return tokenizers.DefaultTokenizer(use_stemmer=True)  # the scorer's own
 
 

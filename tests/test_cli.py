@@ -76,3 +76,12 @@ def test_kvbridge_train_adapter_passes_its_options_through(capsys):
         main(["train-adapter", "--help"])
     assert info.value.code == 0
     assert "usage: kvbridge train-adapter" in capsys.readouterr().out
+
+
+def test_the_command_starts_without_loading_rouge():
+    """`kvbridge serve` and every other command that scores nothing start without rouge-score and the nltk it loads
+    (a second of every start here; a server machine need not have it importable)."""
+    code = ("import sys; from kvbridge.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('rouge_score', 'nltk') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
