@@ -299,9 +299,7 @@ def check_premise(device, quick: bool):
             times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
 
-    folder = Path(tempfile.mkdtemp(prefix="kvbridge-premise-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-
-    def through_shm(kv: torch.Tensor) -> None:
+    def through_shm(kv: torch.Tensor, folder: Path) -> None:
         path = folder / "segment"
         size, sum_ = shm_layout.write(path, kv.cpu())  # the server: device -> host -> its segment
         shm_layout.map_kv(path, size, sum_, tuple(kv.shape), kv.dtype).to(device)  # the client: checked map
@@ -323,7 +321,9 @@ def check_premise(device, quick: bool):
         with torch.no_grad():
             prefill = median_ms(functools.partial(model, input_ids=ids, logits_to_keep=1))
         kv = torch.randn(layers, 2, c["num_key_value_heads"], n, head_dim, device=device).to(dtype)
-        moved = median_ms(functools.partial(through_shm, kv))
+        with tempfile.TemporaryDirectory(prefix="kvbridge-premise-",
+                                         dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as folder:
+            moved = median_ms(functools.partial(through_shm, kv, Path(folder)))
         buffers = (torch.zeros(kv.shape, dtype=dtype, pin_memory=device.type == "cuda"),
                    torch.zeros(kv.shape, dtype=dtype), torch.zeros_like(kv))
         reused = median_ms(functools.partial(through_reused, kv, *buffers))
