@@ -61,6 +61,25 @@ def check(name: str):
     return wrap
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing's edges)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, reps: int = 3) -> float:
+    """fn's median time over `reps` runs after one untimed run, in ms."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 @check("attention")
 def check_attention(target, device):
     used = target.model.config._attn_implementation
@@ -140,7 +159,6 @@ def check_prior(target):
     weights[-1, :4] = 1.0  # the last layer biased: the others keep the model's own attention
     prior = InductionPrior.from_weights(weights)
     device = next(target.model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     mode = Syncs()
 
     def step(with_prior: bool, watch: TorchDispatchMode | None = None) -> float:
@@ -148,11 +166,11 @@ def check_prior(target):
         reading = prior.reading(target, ids, torch.ones(512, dtype=torch.bool)) if with_prior else \
             contextlib.nullcontext()
         with reading, torch.no_grad(), watch or contextlib.nullcontext():
-            sync()
+            sync(device)
             t0 = time.perf_counter()
             target.model(input_ids=ids[5:6][None].to(device), position_ids=torch.tensor([[512]], device=device),
                          cache=cache, use_cache=True)
-            sync()
+            sync(device)
         return 1e3 * (time.perf_counter() - t0)
 
     first = step(True, mode)  # every op seen through Python: slow, and the first step
@@ -197,15 +215,14 @@ def check_projection(source, target, tokens, adapter):
     seg = kvcache.extract(source.model, source.spec, ids)
     alignment = Alignment(source_index=torch.arange(tokens), kind=torch.zeros(tokens, dtype=torch.int8),
                           target_special=torch.zeros(tokens, dtype=torch.bool), num_source_tokens=tokens)
-    sync = torch.cuda.synchronize if seg.kv.is_cuda else (lambda: None)
 
     def timed(fn, reps=3):
         fn()
-        sync()
+        sync(seg.kv.device)
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        sync()
+        sync(seg.kv.device)
         return (time.perf_counter() - t0) / reps
 
     p = timed(lambda: project(adapter, seg, alignment, ids, source.rope, target.rope))
@@ -234,21 +251,19 @@ def check_corrections(source, target, tokens, adapter):
                           target_special=torch.zeros(tokens, dtype=torch.bool), num_source_tokens=tokens)
     projected = project(adapter, seg, alignment, ids, source.rope, target.rope)
     device = next(target.model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def once(fn):
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         out = fn()
-        sync()
+        sync(device)
         return out, 1e3 * (time.perf_counter() - t0)
 
     prior, prior_ms = once(lambda: InductionPrior.for_model(target))
     figures = [f"{tokens} tokens: prior built {prior_ms:.0f} ms ({prior.origin})"]
     with torch.no_grad():
         prefill_ids = ids[None].to(device)
-        once(lambda: target.model(input_ids=prefill_ids, logits_to_keep=1))
-        _, prefill = once(lambda: target.model(input_ids=prefill_ids, logits_to_keep=1))
+        prefill = median_ms(functools.partial(target.model, input_ids=prefill_ids, logits_to_keep=1), device, reps=1)
         ok = True
         for mode in ("recompute:0.1", "blend:0.1"):
             correction = Correction.parse(mode, "mode")
@@ -285,19 +300,7 @@ def check_premise(device, quick: bool):
                         sliding_window=None, attn_implementation="sdpa")
     with torch.device(device):
         model = Phi3ForCausalLM(config).to(dtype).eval()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-
-    def median_ms(fn, reps=3):
-        fn()
-        times = []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
 
     def through_shm(kv: torch.Tensor, folder: Path) -> None:
         path = folder / "segment"
@@ -319,14 +322,14 @@ def check_premise(device, quick: bool):
     for n in counts:
         ids = torch.randint(3, c["vocab_size"], (1, n), device=device)
         with torch.no_grad():
-            prefill = median_ms(functools.partial(model, input_ids=ids, logits_to_keep=1))
+            prefill = median_ms(functools.partial(model, input_ids=ids, logits_to_keep=1), device)
         kv = torch.randn(layers, 2, c["num_key_value_heads"], n, head_dim, device=device).to(dtype)
         with tempfile.TemporaryDirectory(prefix="kvbridge-premise-",
                                          dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as folder:
-            moved = median_ms(functools.partial(through_shm, kv, Path(folder)))
+            moved = median_ms(functools.partial(through_shm, kv, Path(folder)), device)
         buffers = (torch.zeros(kv.shape, dtype=dtype, pin_memory=device.type == "cuda"),
                    torch.zeros(kv.shape, dtype=dtype), torch.zeros_like(kv))
-        reused = median_ms(functools.partial(through_reused, kv, *buffers))
+        reused = median_ms(functools.partial(through_reused, kv, *buffers), device)
         ratios.append(moved / prefill)
         figures.append(f"{n} tokens ({kv.numel() * kv.element_size() / 1e6:.0f} MB of KV): prefill {prefill:.1f} ms, "
                        f"same-host KV {moved:.1f} ms (ratio {moved / prefill:.2f}; every buffer reused "

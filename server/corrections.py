@@ -83,15 +83,10 @@ class Corrections:
         from kvbridge.transfer import kvcache
 
         t0 = time.perf_counter()
-        prior = self.prior(lm)
         ids = torch.tensor(lm.tokenizer(WARM_TEXT)["input_ids"][:64])
-        with torch.no_grad():
-            own = kvcache.extract(lm.model, lm.spec, ids)  # positions 0.., as a placed document's
-            for mode in dict.fromkeys(("recompute:0.1", "blend:0.1", str(self.default))):
-                correction = Correction.parse(mode, "mode")
-                if correction.kind != "replace":
-                    with self._running:
-                        correct(lm, own, correction, prior=prior)
+        own = kvcache.extract(lm.model, lm.spec, ids)  # positions 0.., as a placed document's
+        for mode in dict.fromkeys(("recompute:0.1", "blend:0.1", str(self.default))):
+            self.compute(lm, own, Correction.parse(mode, "mode"))  # the prior built by the first
         return time.perf_counter() - t0
 
     @staticmethod
