@@ -134,5 +134,5 @@ class AnswerCache(TeacherCache):
 
     config_class = AnswerConfig
 
-    def window_tensors(self, source, target, window, config, start_token):
-        return answer_window(source, target, window, config, start_token)
+    def window_tensors(self, source, target, window, config, start_token, keep_kv=True):
+        return answer_window(source, target, window, config, start_token)  # (an answer window keeps no target KV)

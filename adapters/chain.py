@@ -135,6 +135,16 @@ def select_windows(files: list[str | Path], target_tokenizer, config: ChainConfi
     return dev, train_all[:config.train_windows]
 
 
+def kv_windows(config: ChainConfig, dev: list[Window], train_w: list[Window]) -> set[str] | None:
+    """The ids of the teacher windows that must keep the target's own KV: the dev windows (the recovery probe reads
+    it) and the ridge windows (the statistics), and every window when a stage reads it (attention matching, a
+    fuser's ce); None for every window. The rest are lean (teacher.py): the kl and ce stages of a projection read
+    only the source's features and the teacher's log-probs."""
+    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
+        return None
+    return {w.id for w in dev} | {w.id for w in train_w[:config.ridge_windows]}
+
+
 def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
                           ) -> tuple[list[Window], list[Window]]:
     """(dev, train) answer windows: dev from dev_per_corpus held-out dev documents of every file (the documents the
@@ -217,7 +227,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     dev, train_w = select_windows(files, target.tokenizer, config)
     t0 = time.perf_counter()
     cache, made = build_teacher_cache(work / "teacher", source, target, dev + train_w, config.teacher,
-                                      start_token_id(target.tokenizer), progress=progress)
+                                      start_token_id(target.tokenizer), progress=progress, kv_ids=kv_windows(
+                                          config, dev, train_w))
     teacher_s = time.perf_counter() - t0
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped

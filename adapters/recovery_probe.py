@@ -65,6 +65,7 @@ class RecoveryProbe:
     def from_cache(cls, target: LoadedModel, start_kv, cache: TeacherCache, indices: list[int],
                    context_tokens: int) -> "RecoveryProbe":
         c, items = context_tokens, []
+        cache.require_kv(indices, "the recovery probe of the dev windows")
         for i in indices:
             w = cache.load(i)
             items.append(ProbeItem(w["xk"][:, :1 + c].float(), w["xv"][:, :1 + c].float(), w["start_mask"][:1 + c],

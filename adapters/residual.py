@@ -207,6 +207,7 @@ def accumulate(stats: RidgeStats | JointStats, cache, indices: list[int], target
     from tqdm import tqdm
 
     assert world_size() == 1 or stats.count == 0, "a sharded accumulate starts from empty statistics"
+    cache.require_kv(indices, desc)
     for i in tqdm(shard(indices), desc=desc, disable=not progress):
         w = cache.load(i)
         use = w["has_text"].nonzero()[:, 0]

@@ -12,6 +12,9 @@ One window is `context_tokens + continuation_tokens` target text tokens behind t
                                   without them a window of the small pair takes 10.7 MB, not 19.6); with
                                   `query_positions` "scored" only the continuation's, [L_t, H_q, N, D_t] (the
                                   queries attention matching reads by default: 12.9 MB a window, not 19.6)
+              (k, v and q are left out of a *lean* window, one that only objectives reading no target KV use:
+              the `kl` and `ce` stages of a projection; its index entry says "kv": false. 4.8 MB a window of the
+              small pair instead of 10.7; `TeacherCache.build(kv_ids=...)` decides which windows keep them)
   has_text    [T] bool            a source text token covers the target token (the tokens ridge fits on)
   start_mask  [T] bool            positions that take the adapter's exact start KV (the start token)
   ids         [T] int64           target ids: start, context, continuation
@@ -158,9 +161,9 @@ def source_features(source: LoadedModel, source_ids: torch.Tensor, source_index:
 
 @torch.no_grad()
 def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: TeacherConfig,
-                   start_token: int) -> dict[str, torch.Tensor] | None:
+                   start_token: int, keep_kv: bool = True) -> dict[str, torch.Tensor] | None:
     """Every tensor of one window's cache file (see the module docstring); None when the text re-tokenises to
-    fewer than context + continuation target tokens."""
+    fewer than context + continuation target tokens. keep_kv False: a lean window (no q, k, v)."""
     paired = pair_text(text, source.tokenizer, target.tokenizer)
     t = 1 + config.window_tokens
     if paired.target_ids.numel() < t:
@@ -178,12 +181,14 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     layers = range(target.spec.num_layers)
     bf16 = torch.bfloat16
     first = 1 + c if config.query_positions == "scored" else 0
-    queries = ({"q": torch.stack([rec[j][1][0, :, first:] for j in layers]).to(bf16).cpu()} if config.queries
-               else {})
-    return queries | {  # q: [L_t, H_q, T, D], or [L_t, H_q, N, D] (query_positions "scored")
+    own = {}
+    if keep_kv:
+        if config.queries:  # q: [L_t, H_q, T, D], or [L_t, H_q, N, D] (query_positions "scored")
+            own["q"] = torch.stack([rec[j][1][0, :, first:] for j in layers]).to(bf16).cpu()
+        own["k"] = torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu()  # [L_t, H_t, T, D]
+        own["v"] = torch.stack([rec[j][3][0] for j in layers]).to(bf16).cpu()
+    return own | {
         "xk": xk.to(bf16), "xv": xv.to(bf16),
-        "k": torch.stack([rec[j][2][0] for j in layers]).to(bf16).cpu(),  # [L_t, H_t, T, D]
-        "v": torch.stack([rec[j][3][0] for j in layers]).to(bf16).cpu(),
         "has_text": has_text_source(kind), "start_mask": (~has_text_source(kind)) & (ids == start_token),
         "ids": ids.clone(), "top_logp": top.values.cpu(), "top_idx": top.indices.cpu(),
     }
@@ -196,9 +201,9 @@ class TeacherCache:
 
     config_class = TeacherConfig
 
-    def window_tensors(self, source: LoadedModel, target: LoadedModel, window: Window, config, start_token: int
-                       ) -> dict[str, torch.Tensor] | None:
-        return teacher_window(source, target, window.text, config, start_token)
+    def window_tensors(self, source: LoadedModel, target: LoadedModel, window: Window, config, start_token: int,
+                       keep_kv: bool = True) -> dict[str, torch.Tensor] | None:
+        return teacher_window(source, target, window.text, config, start_token, keep_kv)
 
     def _header(self, index: dict) -> dict:
         """An index file's header: everything but its windows, the config with today's fields."""
@@ -216,9 +221,13 @@ class TeacherCache:
         return len(self.entries)
 
     def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
-              start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1)) -> dict:
+              start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1),
+              kv_ids: set[str] | None = None) -> dict:
         """Teacher data of every window; returns timing {windows, seconds, per_window_s}. A cache that keeps the
         queries serves a run that does not need them (its new windows keep them too).
+
+        kv_ids: the windows that keep the target's own q, k, v (None: every window); the others are made lean. A lean
+        window already cached whose id is in kv_ids is computed again with them (its entry replaced).
 
         part (p, n): only the p-th of n strided shares of the windows not cached yet (one rank's under torchrun),
         listed in the index part `index.part-p.json` until `merge_parts` folds the parts into index.json; the n
@@ -246,19 +255,30 @@ class TeacherCache:
                 raise ValueError(f"{self.root} holds teacher data of another configuration or model pair "
                                  f"({'; '.join(differ)}); use "
                                  "another folder")
-        have = {e["id"] for e in self.entries}
+        position = {e["id"]: i for i, e in enumerate(self.entries)}
+
+        def wanted(w: Window) -> bool:
+            if w.id not in position:
+                return True
+            return self.entries[position[w.id]].get("kv", True) is False and (kv_ids is None or w.id in kv_ids)
+
         index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])
         began, made = time.perf_counter(), 0
-        for w in tqdm([w for w in windows if w.id not in have][p::n], desc="teacher windows", disable=not progress):
-            tensors = self.window_tensors(source, target, w, config, start_token)
+        for w in tqdm([w for w in windows if wanted(w)][p::n], desc="teacher windows", disable=not progress):
+            keep_kv = kv_ids is None or w.id in kv_ids
+            tensors = self.window_tensors(source, target, w, config, start_token, keep_kv)
             if tensors is None:
                 continue
             name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
-            entry = {"id": w.id, "doc_id": w.doc_id, "file": name}
-            self.entries.append(entry)
+            entry = {"id": w.id, "doc_id": w.doc_id, "file": name} | ({} if keep_kv else {"kv": False})
             if n > 1:
                 listed.append(entry)
+            elif w.id in position:  # a lean window made whole
+                self.entries[position[w.id]] = entry
+            else:
+                position[w.id] = len(self.entries)
+                self.entries.append(entry)
             made += 1
             if made % 4 == 0:
                 self._write_index(index, header, listed)
@@ -278,7 +298,7 @@ class TeacherCache:
             return
         saved = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
         header = None if saved is None else self._header(saved)
-        have, new = {e["id"] for e in self.entries}, []
+        have, new = {e["id"]: i for i, e in enumerate(self.entries)}, []
         for path in parts:
             data = json.loads(path.read_text())
             header = header or self._header(data)
@@ -287,8 +307,10 @@ class TeacherCache:
                                  f"{self.index_path}; remove it and the folder's unlisted files")
             for e in data["windows"]:
                 if e["id"] not in have:
-                    have.add(e["id"])
+                    have[e["id"]] = -1
                     new.append(e)
+                elif have[e["id"]] >= 0 and e.get("kv", True) and not self.has_kv(have[e["id"]]):
+                    self.entries[have[e["id"]]] = e  # a lean window made whole by this build
         if order is not None:
             position = {wid: i for i, wid in enumerate(order)}
             new.sort(key=lambda e: position.get(e["id"], len(position)))
@@ -304,6 +326,18 @@ class TeacherCache:
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.root / self.entries[i]["file"]))
+
+    def has_kv(self, i: int) -> bool:
+        """Window i keeps the target's own q (when the cache keeps queries), k and v: it is not lean."""
+        return self.entries[i].get("kv", True) is not False
+
+    def require_kv(self, indices, what: str) -> None:
+        """Raise, naming `what` reads them, when any of the windows is lean."""
+        lean = [self.entries[i]["id"] for i in indices if not self.has_kv(i)]
+        if lean:
+            raise ValueError(f"{what} reads the target's own KV, but {len(lean)} of its {len(indices)} teacher "
+                             f"windows in {self.root} are lean (e.g. {lean[0]}): build them with kv_ids that "
+                             "include them")
 
     def load_tensor(self, i: int, name: str) -> torch.Tensor:
         """One tensor of window i, read without the rest of its file."""

@@ -199,6 +199,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
     if config.objective == "attention" and isinstance(maps, FuserMaps):
         raise ValueError("a fuser trains end to end (objective 'ce'); attention matching is for projections")
     geometry = AttentionGeometry(target) if config.objective == "attention" else None
+    if geometry is not None or isinstance(maps, FuserMaps):
+        cache.require_kv(train_idx, f"the {config.objective} stage of a {type(maps).__name__}")
     if geometry is not None and "q" not in cache.load(train_idx[0]):
         raise ValueError(f"attention matching reads the target's queries, and the teacher cache {cache.root} was "
                          "built without them (TeacherConfig.queries)")

@@ -104,6 +104,48 @@ def test_lean_teacher_cache_scores_like_the_full_one(pair, teacher, ridge):
         attention_loss(maps, ridge[0].start_kv, lean.load(0), target, geometry, 24, "all")
 
 
+def test_windows_without_the_targets_kv_score_kl_like_full_ones_and_are_refused_where_it_is_read(pair, teacher,
+                                                                                                 ridge, tmp_path):
+    """A kl-only window keeps no q, k, v (4.8 MB of 10.7 for the small pair): the kl loss is the same; the ridge
+    statistics, the recovery probe and attention matching refuse it by name; asked for with its KV, it is rebuilt."""
+    from kvbridge.adapters.recovery_probe import RecoveryProbe
+
+    source, target = pair
+    rng = random.Random(0)
+    windows = [Window(f"doc:{i // 2}/{i % 2}", f"doc:{i // 2}", _text(rng)) for i in range(12)]
+    config = TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8, query_positions="all")
+    cache = TeacherCache(tmp_path / "mixed")
+    kv_ids = {w.id for w in windows[:4]}
+    cache.build(source, target, windows, config, start_token_id(target.tokenizer), progress=False, kv_ids=kv_ids)
+    full = teacher["all"]
+    assert [cache.has_kv(i) for i in range(12)] == [True] * 4 + [False] * 8
+    assert {"q", "k", "v"} <= set(cache.load(0)) and not {"q", "k", "v"} & set(cache.load(5))
+    assert cache.root.joinpath(cache.entries[5]["file"]).stat().st_size < 0.6 * full.root.joinpath(
+        full.entries[5]["file"]).stat().st_size
+    maps = _maps(ridge)
+    with torch.no_grad():
+        for i in range(4, 12, 4):
+            batch = [i, i + 1, i + 2, i + 3]
+            assert torch.equal(kl_loss(maps, ridge[0].start_kv, [cache.load(j) for j in batch], target, 24),
+                               kl_loss(maps, ridge[0].start_kv, [full.load(j) for j in batch], target, 24))
+    fit_ridge(cache, [0, 1, 2], [3], target, progress=False)  # the windows with their KV serve the ridge fit
+    with pytest.raises(ValueError, match="4 of its 5 teacher windows .* are lean"):
+        fit_ridge(cache, [0, 4, 5, 6, 7], [3], target, progress=False)
+    with pytest.raises(ValueError, match="recovery probe .* lean"):
+        RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, [3, 8], 24)
+    with pytest.raises(ValueError, match="attention stage .* lean"):
+        train(_maps(ridge), ridge[0].start_kv, target, cache, [4, 5, 6, 7], None,
+              TrainerConfig(objective="attention", max_iters=2, warmup_iters=1, batch_windows=2), 24,
+              tmp_path / "stage", progress=False)
+    before = cache.load(3)
+    made = cache.build(source, target, windows, config, start_token_id(target.tokenizer), progress=False,
+                       kv_ids=kv_ids | {windows[8].id})
+    assert made["windows"] == 1 and cache.has_kv(8) and len(cache) == 12
+    assert TeacherCache(cache.root).has_kv(8) and not TeacherCache(cache.root).has_kv(9)  # (the index says so)
+    assert torch.equal(cache.load(8)["k"], full.load(8)["k"])
+    assert all(torch.equal(before[k], cache.load(3)[k]) for k in before)
+
+
 def test_an_answer_window_holds_the_targets_own_greedy_answer(pair, answers):
     _, target = pair
     w = answers.load(0)

@@ -100,6 +100,8 @@ def test_chain_teacher_windows_take_the_commands_context_length(corpus, tmp_path
     assert main(args) == 0
     config = json.loads((work / "teacher" / "index.json").read_text())["config"]
     assert (config["context_tokens"], config["continuation_tokens"], config["queries"]) == (80, 12, False)
+    kv = [e.get("kv", True) for e in json.loads((work / "teacher" / "index.json").read_text())["windows"]]
+    assert kv == [True] * (4 + 8) + [False] * 8  # kl reads no target KV: only the dev and ridge windows keep it
     assert main(_args(corpus, work, out, "--trainer", "chain", "--stages", "kl:1")) == 2
     assert "context_tokens" in capsys.readouterr().err
 
