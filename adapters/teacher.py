@@ -194,6 +194,11 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     }
 
 
+def whole(entry: dict) -> bool:
+    """An index entry of a window that keeps the target's own KV (not lean: no `"kv": false`)."""
+    return entry.get("kv", True) is not False
+
+
 class TeacherCache:
     """A folder of per-window safetensors files plus index.json ({config, models, windows: [{id, doc_id,
     file}]}). `build` computes what is missing (resumable: a rerun skips finished files). A subclass caches other
@@ -260,7 +265,7 @@ class TeacherCache:
         def wanted(w: Window) -> bool:
             if w.id not in position:
                 return True
-            return self.entries[position[w.id]].get("kv", True) is False and (kv_ids is None or w.id in kv_ids)
+            return not self.has_kv(position[w.id]) and (kv_ids is None or w.id in kv_ids)
 
         index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])
         began, made = time.perf_counter(), 0
@@ -309,7 +314,7 @@ class TeacherCache:
                 if e["id"] not in have:
                     have[e["id"]] = -1
                     new.append(e)
-                elif have[e["id"]] >= 0 and e.get("kv", True) and not self.has_kv(have[e["id"]]):
+                elif have[e["id"]] >= 0 and whole(e) and not self.has_kv(have[e["id"]]):
                     self.entries[have[e["id"]]] = e  # a lean window made whole by this build
         if order is not None:
             position = {wid: i for i, wid in enumerate(order)}
@@ -329,7 +334,7 @@ class TeacherCache:
 
     def has_kv(self, i: int) -> bool:
         """Window i keeps the target's own q (when the cache keeps queries), k and v: it is not lean."""
-        return self.entries[i].get("kv", True) is not False
+        return whole(self.entries[i])
 
     def require_kv(self, indices, what: str) -> None:
         """Raise, naming `what` reads them, when any of the windows is lean."""
