@@ -21,6 +21,9 @@ features of all source layers' keys and values, z = [xk of every layer, xv of ev
 reduced-rank regression (`fit.source_basis`); layer_map is then [L_t, 1] of zeros and wk, wv [L_t, r, d_t]: the
 rest of the adapter (mix, token features, bias, start KV) works on z as on one source layer of width r.
 
+Optional context branch (format 4, context.py): a small MLP over the maps' inputs of the few target tokens before
+each token, added to its K and V; a CPU tile then reads those tokens before it too (`halo`).
+
 This module projects with an adapter (`project`, tiled on the CPU; `map_tokens`, the linear part). The adapter itself
 (its tensors, metadata and saved-format versions) is defined in `weights`; `Adapter`, `AdapterMeta` and
 `model_record` are imported from here too.
@@ -70,11 +73,12 @@ def source_inputs(src_basis: torch.Tensor | None, xk: torch.Tensor, xv: torch.Te
 
 
 def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True,
-               target_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The linear part, batched over target layers.
+               target_ids: torch.Tensor | None = None, halo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maps, batched over target layers.
 
-    xk, xv: [L_s, T, d_s] un-rotated source keys / values (already gathered to target tokens)
-    target_ids: [T], needed when the adapter has token features
+    xk, xv: [L_s, halo + T, d_s] un-rotated source keys / values (already gathered to target tokens)
+    target_ids: [halo + T], needed when the adapter has token features
+    halo: leading tokens that only the context branch reads (the tokens before a tile); no output for them
     returns yk, yv: [L_t, T, d_t] un-rotated target keys / values, in float32 (accumulate_fp32) or xk's dtype
 
     An adapter stored in bfloat16 or float16 (the shipped ones) runs its matmuls in that dtype where the device
@@ -95,16 +99,29 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
         if target_ids is None:
             raise ValueError(f"adapter {adapter.name!r} reads the target's token ids: pass target_ids")
         tok = adapter.token_features(target_ids).to(device=xk.device, dtype=gemm)  # [T, r]
-    out = []
+    if halo and adapter.ctx_lags is None:
+        raise ValueError(f"adapter {adapter.name!r} has no context branch to read {halo} tokens before")
+    out, inputs = [], []
     for x, kind in ((xk, "k"), (xv, "v")):
-        mixed = mix_layers(x.to(gemm), adapter.layer_map, maps[f"mix_{kind}"])  # [L_t, T, d_s]
+        mixed = mix_layers(x.to(gemm), adapter.layer_map, maps[f"mix_{kind}"])  # [L_t, halo + T, d_s]
+        if adapter.ctx_lags is not None:  # the branch reads [mixed, token features] of every token
+            inputs.append(mixed if tok is None else torch.cat((mixed, tok[None].expand(mixed.shape[0], -1, -1)), -1))
+        mixed = mixed[:, halo:]
+        t_tok = None if tok is None else tok[halo:]
         bias = maps[f"b{kind}"][:, None, :]  # [L_t, 1, d_t]
-        if tok is None:
+        if t_tok is None:
             y = torch.baddbmm(bias, mixed, maps[f"w{kind}"])  # [L_t, T, d_t]
         else:  # every layer's token map (tok broadcast over layers: no copy), the bias and the map, in place
-            y = torch.matmul(tok, maps[f"w{kind}_tok"]).add_(bias).baddbmm_(mixed, maps[f"w{kind}"])
-        out.append(y.to(work))
-    return out[0], out[1]
+            y = torch.matmul(t_tok, maps[f"w{kind}_tok"]).add_(bias).baddbmm_(mixed, maps[f"w{kind}"])
+        out.append(y)
+    if inputs:
+        from kvbridge.adapters.context import branch
+
+        d_t = out[0].shape[-1]
+        y = branch(torch.cat(inputs, dim=-1), adapter.ctx_lags, maps["ctx_mu"], maps["ctx_g"], maps["ctx_a"],
+                   maps["ctx_b"], halo)
+        out = [out[0] + y[..., :d_t].to(out[0].dtype), out[1] + y[..., d_t:].to(out[1].dtype)]
+    return out[0].to(work), out[1].to(work)
 
 
 TILE_BYTES = 32 << 20  # a CPU tile's working set: inside a last-level cache, so its steps never wait on DRAM
@@ -118,6 +135,8 @@ def cpu_tile_tokens(adapter: Adapter, segment: KVSegment) -> int:
     d_s = segment.num_kv_heads * segment.head_dim
     lt, d_in, d_t = adapter.wk.shape
     per_token = 4 * (2 * segment.num_layers * d_s + 2 * lt * (d_in + 2 * d_t))
+    if adapter.ctx_lags is not None:  # the branch's inputs (its filter runs a layer at a time, in cache)
+        per_token += 2 * lt * 2 * (d_in + adapter.token_rank)
     return max(32, TILE_BYTES // per_token // 16 * 16)
 
 
@@ -131,19 +150,20 @@ def _project_tile(adapter: Adapter, segment: KVSegment, alignment: Alignment, ta
     mapped, and the keys rotated straight into `out`: every step is per token."""
     device = adapter.wk.device
     ls, hs, ds_ = segment.num_layers, segment.num_kv_heads, segment.head_dim
-    n = t1 - t0
-    idx = alignment.source_index[t0:t1].cpu()  # [n] (the alignment lives on the CPU: no read back from the device)
+    halo = min(t0, adapter.context_halo)  # the tokens before the tile that its context branch reads
+    n, m = t1 - t0, t1 - t0 + halo
+    idx = alignment.source_index[t0 - halo:t1].cpu()  # [m] (the alignment lives on the CPU: no read back)
     mapped = idx >= 0
     gather = idx.clamp(min=0)
-    src = segment.kv.to(device).index_select(3, gather.to(device))  # [L_s, 2, H_s, n, D_s]
-    keys = source_rope.unrotate_all(src[:, 0].float(), segment.positions.cpu()[gather])  # [L_s, H_s, n, D_s]
-    xk = keys.permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)  # a view when H_s == 1
-    xv = src[:, 1].float().permute(0, 2, 1, 3).reshape(ls, n, hs * ds_)
+    src = segment.kv.to(device).index_select(3, gather.to(device))  # [L_s, 2, H_s, m, D_s]
+    keys = source_rope.unrotate_all(src[:, 0].float(), segment.positions.cpu()[gather])  # [L_s, H_s, m, D_s]
+    xk = keys.permute(0, 2, 1, 3).reshape(ls, m, hs * ds_)  # a view when H_s == 1
+    xv = src[:, 1].float().permute(0, 2, 1, 3).reshape(ls, m, hs * ds_)
     if not bool(mapped.all()):  # unmapped tokens get zero input
         on = mapped.to(device)[None, :, None]
         xk, xv = xk * on, xv * on
+    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, target_ids[t0 - halo:t1], halo)  # [L_t, n, d_t]
     ids = target_ids[t0:t1]
-    yk, yv = map_tokens(adapter, xk, xv, accumulate_fp32, ids)  # [L_t, n, d_t]
     tgt = target_rope.spec
     lt, ht, dt = tgt.num_layers, tgt.num_kv_heads, tgt.head_dim
     yk = yk.view(lt, n, ht, dt).permute(0, 2, 1, 3)  # [L_t, H_t, n, D_t]

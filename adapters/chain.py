@@ -3,7 +3,8 @@
 corpus files -> documents (ids "<file stem's first word>:NNNNN", held out by a hash of the id) -> windows ->
 the teacher cache (dev windows from held-out documents, then training windows in a seeded shuffle) -> ridge from
 the first `ridge_windows` training windows (λ and α chosen on the dev windows) -> the stages in order, each starting
-from the previous stage's best weights (by dev recovery) -> a folded format-1 adapter (chain) or a format-2 fuser.
+from the previous stage's best weights (by dev recovery) -> a folded adapter (chain: format 1-3, or 4 with a context
+branch, `context_window`: context.py) or a format-2 fuser.
 
 With `init` (a trained adapter of this pair) the ridge fit is skipped: the stages train a residual on that adapter,
 whitened by statistics of the ridge windows read through its own layer groups and token table (init/), e.g. to
@@ -29,6 +30,7 @@ import torch
 from kvbridge.adapters.adapter import Adapter
 from kvbridge.adapters.answer_probe import AnswerProbe
 from kvbridge.adapters.answer_windows import AnswerCache, AnswerConfig, answer_windows
+from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.distributed import build_teacher_cache, is_main, world_size
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
@@ -62,6 +64,8 @@ class ChainConfig:
     fuser_rank: int = 0  # > 0: train a fuser of this rank (stages "ce" only) instead of a projection
     token_rank: int = 0  # > 0: the projection's maps also read the target's token features of this rank
     source_rank: int = 0  # > 0: the maps read a basis of this rank over all source layers (format 3), not a mix
+    context_window: int = 0  # > 0: a context branch over that many tokens before each token (format 4, context.py)
+    context_rank: int = 32  # its hidden width per target layer
     train_windows: int = 1400  # training windows put in the teacher cache (in the seeded shuffle's order)
     ridge_windows: int = 200  # of them, for the ridge statistics
     dev_per_corpus: int = 12  # held-out windows per corpus file: λ/α, and the stages' best-checkpoint choice
@@ -93,6 +97,11 @@ class ChainConfig:
             raise ValueError(f"token_rank and source_rank must be >= 0, got {self.token_rank}, {self.source_rank}")
         if self.fuser_rank and self.source_rank:
             raise ValueError("a source basis is for projections; the fuser reads a mix of source layers")
+        if self.context_window < 0 or (self.context_window and self.fuser_rank):
+            raise ValueError(f"a context window is for projections and >= 0, got {self.context_window}"
+                             + (" with a fuser" if self.fuser_rank else ""))
+        if self.context_window:
+            ContextConfig(window=self.context_window, rank=self.context_rank)  # names a bad rank
         if self.init and self.fuser_rank:
             raise ValueError("init starts a projection from a trained adapter; a fuser starts from its own KV")
         if self.exact_tail and not any(name in ("kl", "ce") for name, _ in self.stages):
@@ -195,6 +204,9 @@ def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, targe
     """The trained adapter `config.init` (float32) and the whitening statistics of the ridge windows through it."""
     adapter = load_adapter(config.init)
     adapter.check_models(source.spec, target.spec)
+    if adapter.ctx_lags is not None:
+        raise ValueError(f"{config.init} has a context branch (adapter format 4): --init starts from the linear maps "
+                         "of formats 1-3 only (the branch would be left behind, out of step with the maps it adds to)")
     adapter = adapter.with_maps_dtype(torch.float32)
     adapter = dataclasses.replace(adapter, start_kv=None if adapter.start_kv is None else adapter.start_kv.float())
     folder = work / "init"
@@ -250,8 +262,11 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     torch.manual_seed(config.seed)
     if config.fuser_rank:
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
+    elif config.context_window:
+        maps = ContextMaps(ridge, stats, ContextConfig(window=config.context_window, rank=config.context_rank))
     else:
         maps = ResidualMaps(ridge, stats, CapacityConfig())
+    kind = f"-context{config.context_window}r{config.context_rank}" if config.context_window else ""
     probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
              if is_main() else None)  # rank 0 scores the dev windows
     answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)
@@ -273,7 +288,7 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                            select="fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
         stage_cache, stage_idx = (answers, a_train_idx) if objective in ANSWER_OBJECTIVES else (cache, train_idx)
         out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
-                    work / f"stage-{n}-{objective}", resume=True, progress=progress, answers=answer_probe)
+                    work / f"stage-{n}-{objective}{kind}", resume=True, progress=progress, answers=answer_probe)
         best = next((r for r in out["record"] if r["iter"] == out["best_iter"]), {})
         dev_scores = {k: round(best[k], 4) for k in ("dev_recovery", "dev_fidelity", "dev_rougeL", "dev_top1",
                                                      "dev_greedy") if k in best}

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from kvbridge.adapters.weights import (
     BASIS_FORMAT_VERSION,
+    CONTEXT,
+    CONTEXT_FORMAT_VERSION,
     FORMAT_VERSION,
     READ_VERSIONS,
     TOKENS_FORMAT_VERSION,
@@ -19,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")
-OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok", "src_basis")
+OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok", "src_basis", *CONTEXT)
 
 
 def save_adapter(adapter: Adapter, path: str | Path) -> Path:
@@ -31,7 +33,8 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
                if getattr(adapter, name) is not None}
     record = dataclasses.asdict(adapter.meta)
     # the lowest version that has everything in the file, so older kvbridge releases keep reading what they can
-    record["format_version"] = (BASIS_FORMAT_VERSION if adapter.src_basis is not None else
+    record["format_version"] = (CONTEXT_FORMAT_VERSION if adapter.ctx_lags is not None else
+                                BASIS_FORMAT_VERSION if adapter.src_basis is not None else
                                 TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION)
     meta = {"kvbridge_adapter": json.dumps(record, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)

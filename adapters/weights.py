@@ -17,7 +17,9 @@ from kvbridge.transfer.spec import ModelSpec
 FORMAT_VERSION = 1  # an adapter of the source maps only; version 2 adds token features (TOKENS_FORMAT_VERSION)
 TOKENS_FORMAT_VERSION = 2
 BASIS_FORMAT_VERSION = 3  # a source basis over all source layers (src_basis)
-READ_VERSIONS = (1, 2, 3)
+CONTEXT_FORMAT_VERSION = 4  # a context branch over the tokens before (ctx_*: context.py)
+READ_VERSIONS = (1, 2, 3, 4)
+CONTEXT = ("ctx_lags", "ctx_mu", "ctx_g", "ctx_a", "ctx_b")
 
 
 def rope_record(spec: ModelSpec) -> list[dict | None]:
@@ -67,6 +69,12 @@ class Adapter:
     wk_tok: torch.Tensor | None = None  # [L_t, r, d_t]
     wv_tok: torch.Tensor | None = None  # [L_t, r, d_t]
     src_basis: torch.Tensor | None = None  # [2 · L_s · d_s, r_s]: the maps read r_s features of every source layer
+    ctx_lags: torch.Tensor | None = None  # [w] int64 on the host: the context branch (context.py) reads the tokens
+    #                                       these lags back
+    ctx_mu: torch.Tensor | None = None  # [L_t, 2 d_in]: the mean of the maps' inputs (K then V, with token features)
+    ctx_g: torch.Tensor | None = None  # [L_t, w, 2 d_in]: per-feature filter over the lags
+    ctx_a: torch.Tensor | None = None  # [L_t, 2 d_in, r_c]
+    ctx_b: torch.Tensor | None = None  # [L_t, r_c, 2 d_t]: K then V
     # the maps converted to a compute dtype by `maps_in`, kept while the tensors are the same objects, unchanged
     _converted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # (the tensors' identities and versions, `digest`) of the last digest computed, carried over by `to`
@@ -106,9 +114,32 @@ class Adapter:
             raise ValueError(f"adapter layer_map refers to source layers outside [0, {source_layers})"
                              + (" (with a source basis the maps read one layer of features)" if source_layers == 1
                                 and self.src_basis is not None else ""))
+        self._check_context(lt, 2 * (d_s + self.token_rank), d_t)
         if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
             raise ValueError(f"adapter start_kv has shape {tuple(self.start_kv.shape)}, expected "
                              f"{(lt, 2, t['num_kv_heads'], t['head_dim'])}")
+
+    def _check_context(self, lt: int, d_in: int, d_t: int) -> None:
+        ctx = [getattr(self, n) for n in CONTEXT]
+        if all(x is None for x in ctx):
+            return
+        if any(x is None for x in ctx) or self.ctx_lags.ndim != 1 or self.ctx_a.ndim != 3:
+            raise ValueError("an adapter's context branch needs ctx_lags [w], ctx_mu [L_t, 2 d_in], ctx_g "
+                             "[L_t, w, 2 d_in], ctx_a [L_t, 2 d_in, r] and ctx_b [L_t, r, 2 d_t]")
+        w, r = self.ctx_lags.shape[0], self.ctx_a.shape[2]
+        expect = {"ctx_mu": (lt, d_in), "ctx_g": (lt, w, d_in), "ctx_a": (lt, d_in, r), "ctx_b": (lt, r, 2 * d_t)}
+        for name, shape in expect.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"adapter tensor {name} has shape {tuple(getattr(self, name).shape)}, expected "
+                                 f"{shape} for a context branch over {w} lags of rank {r}")
+        if self.ctx_lags.dtype != torch.int64 or (self.ctx_lags.device.type != "meta" and (
+                w < 1 or int(self.ctx_lags.min()) < 0 or int(self.ctx_lags.max()) > 4096)):
+            raise ValueError("adapter ctx_lags must hold one or more int64 lags in [0, 4096]")
+
+    @property
+    def context_halo(self) -> int:
+        """Tokens before a tile that its context branch reads (0 without one)."""
+        return 0 if self.ctx_lags is None else int(self.ctx_lags.max())
 
     @property
     def name(self) -> str:
@@ -125,13 +156,19 @@ class Adapter:
         return 0 if self.src_basis is None else int(self.src_basis.shape[1])
 
     def extra_flops_per_token(self) -> int:
-        """FLOPs per target token beyond the per-layer maps: the token features' K and V maps of every layer, and
-        the source basis (once per token, shared by every layer)."""
+        """FLOPs per target token beyond the per-layer maps: the token features' K and V maps of every layer, the
+        source basis (once per token, shared by every layer) and the context branch."""
         flops = 0 if self.src_basis is None else 2 * self.src_basis.numel()
         if self.tok_table is None:
-            return flops
+            return flops + self._context_flops()
         lt, r, d_t = self.wk_tok.shape
-        return flops + 2 * 2 * lt * r * d_t
+        return flops + 2 * 2 * lt * r * d_t + self._context_flops()
+
+    def _context_flops(self) -> int:
+        """The context branch per token: its filter, then its two GEMMs."""
+        if self.ctx_lags is None:
+            return 0
+        return 2 * (self.ctx_g.numel() + self.ctx_a.numel() + self.ctx_b.numel())
 
     def token_features(self, target_ids: torch.Tensor) -> torch.Tensor | None:
         """[T] target ids -> [T, r] float32 token features, or None without token features."""
@@ -143,7 +180,8 @@ class Adapter:
             raise ValueError(f"target token id outside the adapter's vocabulary of {self.tok_table.shape[0]}")
         return self.tok_table[ids.to(self.tok_table.device)].float()  # ids on a device: checked by the kernel
 
-    MAPS = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "wk_tok", "wv_tok", "src_basis")
+    MAPS = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "wk_tok", "wv_tok", "src_basis", "ctx_mu", "ctx_g", "ctx_a",
+            "ctx_b")
 
     def maps_in(self, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
         """The maps (mixes, weights, biases, token maps, source basis) in `dtype`: as they are when already in it,
@@ -159,14 +197,14 @@ class Adapter:
         return self._converted[key]
 
     def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
-        """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis) in `dtype`;
-        the layer map and the exact start KV are kept as they are."""
-        names = ("mix_k", "mix_v", "wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok", "src_basis")
+        """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis, context
+        branch) in `dtype`; the layer map, the context's lags and the exact start KV are kept as they are."""
+        names = ("tok_table", *self.MAPS)
         return dataclasses.replace(self, **{n: getattr(self, n).to(dtype) for n in names
                                             if getattr(self, n) is not None})
 
     TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv", "start_kv", "tok_table", "wk_tok", "wv_tok",
-               "src_basis")
+               "src_basis", *CONTEXT)
 
     def _versions(self) -> tuple:
         return tuple((id(t), t._version) if t is not None else None for t in (getattr(self, n) for n in self.TENSORS))
@@ -192,7 +230,8 @@ class Adapter:
         return self._digest[1]
 
     def to(self, device: torch.device | str) -> "Adapter":
-        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None else None for n in self.TENSORS}
+        move = {n: getattr(self, n).to(device) if getattr(self, n) is not None and n != "ctx_lags" else
+                getattr(self, n) for n in self.TENSORS}  # the context's lags stay host integers: read, never computed
         moved = Adapter(meta=self.meta, **move)
         if self._digest and self._digest[0] == self._versions():  # the same content on another device
             moved._digest = (moved._versions(), self._digest[1])

@@ -209,9 +209,10 @@ class Projecting:
                          chosen: Adapter, source: ServedModel, target: ServedModel) -> tuple[KVSegment, int]:
         """The projection of a source entry at target positions 0.., reusing the projected KV of target tokens that
         a stored projection of an entry sharing its source prefix already holds: (projection, target tokens
-        reused). A target token's projected KV depends only on the KV of the source token it is aligned to, so it
-        is reused where both texts have the same target token, aligned to the same source token, inside the
-        shared source prefix (the tokens at the boundary, which either tokenizer may cut differently, fail this)."""
+        reused). A target token's projected KV depends only on the KV of the source token it is aligned to (and, with
+        a context branch, on the tokens before it: the same ones here), so it is reused where both texts have the
+        same target token, aligned to the same source token, inside the shared source prefix (the tokens at the
+        boundary, which either tokenizer may cut differently, fail this), and every token before it is reused too."""
         dtype = getattr(torch, target.lm.spec.dtype)
         t_t = paired.target_ids.numel()
         reuse, old = 0, None
@@ -230,14 +231,18 @@ class Projecting:
                 break
         if reuse == t_t:
             return old.slice(0, t_t), reuse
-        # project target tokens reuse.. from the source tokens they use (the ones before are not unrotated)
+        # project target tokens reuse.. from the source tokens they use (the ones before are not unrotated); an
+        # adapter's context branch (format 4) also reads the `halo` target tokens before them: projected and dropped
+        halo = min(reuse, chosen.context_halo)
+        start = reuse - halo
         rest = paired.alignment
-        index = rest.source_index[reuse:]
+        index = rest.source_index[start:]
         first = int(index[index >= 0].min()) if bool((index >= 0).any()) else 0
-        tail = Alignment(source_index=torch.where(index >= 0, index - first, index), kind=rest.kind[reuse:],
-                         target_special=rest.target_special[reuse:], num_source_tokens=segment.num_tokens - first)
-        fresh = project(chosen, segment.slice(first, segment.num_tokens), tail, paired.target_ids[reuse:],
-                        source.lm.rope, target.lm.rope, offset=reuse, dtype=dtype)
+        tail = Alignment(source_index=torch.where(index >= 0, index - first, index), kind=rest.kind[start:],
+                         target_special=rest.target_special[start:], num_source_tokens=segment.num_tokens - first)
+        fresh = project(chosen, segment.slice(first, segment.num_tokens), tail, paired.target_ids[start:],
+                        source.lm.rope, target.lm.rope, offset=start, dtype=dtype)
+        fresh = fresh.slice(halo, fresh.num_tokens)
         if not reuse:
             return fresh, 0
         kv = torch.cat((old.kv[:, :, :, :reuse].to(fresh.kv.device), fresh.kv), dim=3)  # [L, 2, H, T_t, D]

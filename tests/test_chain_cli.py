@@ -216,3 +216,23 @@ def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_
     assert len(train) == 40 and len(dev) == 4
     assert not any(is_heldout(w.doc_id, config.heldout_fraction) for w in train)
     assert all(is_heldout(w.doc_id, config.heldout_fraction) and is_heldout(w.doc_id, 0.5, salt="dev") for w in dev)
+
+
+def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, tmp_path, capsys):
+    """--context-window: the maps also read the tokens before each token (format 4); its stages live in their own
+    folders of the work folder, so a plain run there is not resumed into it; --init from it is refused by name."""
+    work, plain, ctx = tmp_path / "work", tmp_path / "plain.safetensors", tmp_path / "ctx.safetensors"
+    assert main(_args(corpus, work, plain, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8")) == 0
+    assert main(_args(corpus, work, ctx, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8",
+                      "--context-window", "2", "--context-rank", "4", "--save-dtype", "bfloat16")) == 0
+    assert "recovery projected" in capsys.readouterr().out
+    assert read_adapter_meta(plain)["format_version"] == 2 and read_adapter_meta(ctx)["format_version"] == 4
+    a, c = load_adapter(plain), load_adapter(ctx)
+    assert a.ctx_lags is None and c.ctx_lags.tolist() == [1, 2] and c.ctx_a.shape[2] == 4
+    assert c.ctx_a.dtype == torch.bfloat16 and c.token_rank == a.token_rank == 8
+    assert (work / "stage-0-kl").is_dir() and (work / "stage-0-kl-context2r4").is_dir()
+    assert main(_args(corpus, tmp_path / "work-b", tmp_path / "x.safetensors", "--trainer", "chain", "--init",
+                      str(ctx), "--stages", "kl:2")) == 2
+    assert "has a context branch" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="context window is for projections"):
+        ChainConfig(stages=(("ce", 3),), fuser_rank=8, context_window=2)

@@ -4,6 +4,8 @@ tokens not already projected for that prefix. Counted as tokens reused vs comput
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kvbridge.adapters.adapter import project
@@ -68,8 +70,19 @@ def test_an_ingest_that_extends_a_cached_prefix_computes_only_the_new_tokens(tmp
     assert service.store.check() == []
 
 
+@pytest.mark.parametrize("context", [False, True])
 def test_a_projection_of_an_extended_text_projects_only_the_new_target_tokens(tmp_path, monkeypatch, tiny_source,
-                                                                             tiny_target, adapter):
+                                                                             tiny_target, adapter, context):
+    """With a context branch (format 4) the new tokens' projection also reads the 3 tokens before them, and the
+    result is still the whole text's projection."""
+    halo = 3 if context else 0
+    if context:
+        lt, d_in, d_t = adapter.wk.shape
+        gen = torch.Generator().manual_seed(0)
+        adapter = dataclasses.replace(adapter, ctx_lags=torch.tensor([1, 2, 3]), ctx_mu=torch.zeros(lt, 2 * d_in),
+                                      ctx_g=torch.rand(lt, 3, 2 * d_in, generator=gen),
+                                      ctx_a=torch.randn(lt, 2 * d_in, 4, generator=gen),
+                                      ctx_b=torch.randn(lt, 4, 2 * d_t, generator=gen))
     service = _service(tiny_source, tiny_target, tmp_path, adapter)
     service.projected_cache("t", text=BASE)
     projected_tokens = []
@@ -86,7 +99,7 @@ def test_a_projection_of_an_extended_text_projects_only_the_new_target_tokens(tm
     first = pair_text(BASE, tiny_source.tokenizer, tiny_target.tokenizer)
     t_t = paired.target_ids.numel()
     assert len(projected_tokens) == 1 and projected_tokens[0] < t_t - first.target_ids.numel() // 2
-    reused = t_t - projected_tokens[0]
+    reused = t_t - projected_tokens[0] + halo
     assert service.token_counts[("projection", "reused")] - before.get(("projection", "reused"), 0) == reused
     assert service.token_counts[("projection", "computed")] - before[("projection", "computed")] == t_t - reused
     source_kv = kvcache.extract(tiny_source.model, tiny_source.spec, paired.source_ids)

@@ -5,6 +5,7 @@ and the models on the meta device (which, like CUDA, refuses to mix with CPU ten
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -25,10 +26,17 @@ def _on_meta(lm, name: str):
     return model, ModelRope(lm.spec, find_rotary_module(model, name))
 
 
-@pytest.mark.parametrize("tile", [None, 8])
-def test_project_makes_everything_on_the_adapters_device(tiny_source, tiny_target, tile):
-    """One piece (a GPU's way) and in tiles of 8 tokens (a CPU's way), some target tokens without a source."""
-    adapter = random_adapter(tiny_source, tiny_target).to(META)
+@pytest.mark.parametrize("tile,context", [(None, False), (8, False), (None, True), (8, True)])
+def test_project_makes_everything_on_the_adapters_device(tiny_source, tiny_target, tile, context):
+    """One piece (a GPU's way) and in tiles of 8 tokens (a CPU's way), some target tokens without a source; with and
+    without a context branch (format 4: its tiles read the tokens before them)."""
+    adapter = random_adapter(tiny_source, tiny_target)
+    if context:
+        lt, d_in, d_t = adapter.wk.shape
+        adapter = dataclasses.replace(adapter, ctx_lags=torch.tensor([1, 2, 3]), ctx_mu=torch.zeros(lt, 2 * d_in),
+                                      ctx_g=torch.ones(lt, 3, 2 * d_in), ctx_a=torch.randn(lt, 2 * d_in, 4),
+                                      ctx_b=torch.randn(lt, 4, 2 * d_t))
+    adapter = adapter.to(META)
     ids = torch.arange(5, 29)
     seg = kvcache.extract(tiny_source.model, tiny_source.spec, ids).to(device=META)
     _, src_rope = _on_meta(tiny_source, "tiny_source")

@@ -1,0 +1,158 @@
+"""The context branch (adapter format 4): every other part of a map reads one target token's source features; the
+branch reads those of the few target tokens before it. A Gemma token often covers several SmolLM2 tokens, which then
+get the same source KV; which of them a token is, and what came just before, the per-token map cannot see.
+
+For target layer j (x_t = [mixed K input, mixed V input] of target token t, each with its token features: what the
+linear maps read, width 2 · d_in):
+
+  c_t = sum_i g_i * (x_{t - lag_i} - mu)        per-feature causal filter over the lags (nothing before the first)
+  h_t = silu(rmsnorm(c_t) @ A)                  A: [2 d_in, r]
+  [dK_t, dV_t] = h_t @ B                        B: [r, 2 d_t], added to the linear maps' un-rotated K and V
+
+In an adapter file (`Adapter.ctx_*`, folded: the standardisation in g, the norm's weight in A, the output scale,
+per-head gates and the target's K/V scale in B): ctx_lags [w] int64, ctx_mu [L_t, 2 d_in], ctx_g [L_t, w, 2 d_in],
+ctx_a [L_t, 2 d_in, r], ctx_b [L_t, r, 2 d_t]. `branch` computes it for both (the trained `ContextMaps` and
+`adapter.map_tokens`), so what was trained is what projects. A CPU tile of a projection reads the `halo` tokens
+before it (adapter.py), so a tiled projection equals an untiled one.
+
+`ContextMaps` is the trainable form: residual.ResidualMaps (the ridge map and its linear residual) plus the branch,
+whose B starts at zero (step 0 is the per-token map); trained by `train-adapter --trainer chain --context-window W`
+(docs/adapters.md: the 8 tokens before each token, not the token itself, raised held-out recovery by +0.020 at the
+same data and steps).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
+from torch import nn
+
+RMS_EPS = torch.finfo(torch.float32).eps  # the norm's epsilon, whatever dtype the branch's GEMMs run in
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    window: int = 8  # tokens the branch reads
+    rank: int = 32  # width of its hidden layer per target layer
+    first_lag: int = 1  # 1: the `window` tokens before (not the token itself); 0: the token and window - 1 before
+    scale: float = 0.1  # the branch's output scale at training (its Adam steps a tenth of the linear residual's)
+
+    def __post_init__(self):
+        if self.window < 1 or self.rank < 1:
+            raise ValueError(f"the context window and rank must be >= 1, got {self.window}, {self.rank}")
+        if self.first_lag not in (0, 1):
+            raise ValueError(f"first_lag must be 0 or 1, got {self.first_lag}")
+
+    @property
+    def lags(self) -> torch.Tensor:
+        return torch.arange(self.first_lag, self.first_lag + self.window, dtype=torch.int64)
+
+
+def branch(x: torch.Tensor, lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+           halo: int = 0) -> torch.Tensor:
+    """x: [L_t, halo + n, 2 d_in] the maps' inputs (K then V) of the halo tokens before and the n tokens wanted ->
+    [L_t, n, 2 d_t] the branch's K then V outputs of the n tokens. Token halo + t reads halo + t - lag (none before
+    index 0: the document's start, or a tile's first read token with halo >= max lag). The filter and the norm run in
+    float32, the two GEMMs in a's dtype."""
+    lt, total, _ = x.shape
+    n = total - halo
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, mu, g, a, b))):
+        return _branch_inference(x, lags, mu, g, a, b, halo)
+    u = x.float() - mu.float()[:, None]
+    c = torch.zeros(lt, n, u.shape[-1], dtype=torch.float32, device=x.device)
+    g = g.float()
+    for i, lag in enumerate(lags.tolist()):  # in place: a temporary per lag costs more than the filter (CPU)
+        first = halo - lag  # the read index of the first wanted token
+        if first >= 0:
+            c.addcmul_(u[:, first:first + n], g[:, i, None])
+        elif n + first > 0:  # the first -first wanted tokens have nothing that far back
+            c[:, -first:].addcmul_(u[:, :n + first], g[:, i, None])
+    h = F.rms_norm(c, (c.shape[-1],), eps=RMS_EPS).to(a.dtype)
+    return torch.bmm(F.silu(torch.bmm(h, a)), b)
+
+
+def _branch_inference(x, lags, mu, g, a, b, halo, layers: int = 3):
+    """`branch` without autograd, a few target layers at a time: their inputs and filter output (float32) stay in
+    the cores' caches, where the whole tile's passed through memory once per lag (about 3x faster on the 2-core VM;
+    one layer at a time pays more per-operation overhead than it saves)."""
+    lt, total, width = x.shape
+    n = total - halo
+    h = torch.empty(lt, n, width, dtype=a.dtype, device=x.device)
+    c = torch.empty(layers, n, width, dtype=torch.float32, device=x.device)
+    u = torch.empty(layers, total, width, dtype=torch.float32, device=x.device)
+    mu, g = mu.float(), g.float()
+    lag_list = lags.tolist()
+    for j0 in range(0, lt, layers):
+        k = min(layers, lt - j0)
+        uj, cj = u[:k], c[:k]
+        torch.sub(x[j0:j0 + k], mu[j0:j0 + k, None], out=uj)  # (never in place: x may be the caller's float32)
+        cj.zero_()
+        for i, lag in enumerate(lag_list):
+            first = halo - lag
+            gi = g[j0:j0 + k, i, None]
+            if first >= 0:
+                cj.addcmul_(uj[:, first:first + n], gi)
+            elif n + first > 0:
+                cj[:, -first:].addcmul_(uj[:, :n + first], gi)
+        h[j0:j0 + k] = F.rms_norm(cj, (width,), eps=RMS_EPS)
+    return torch.bmm(F.silu(torch.bmm(h, a)), b)
+
+
+class ContextMaps(ResidualMaps):
+    """ResidualMaps plus the context branch (module docstring); `to_adapter` folds both into a format-4 adapter."""
+
+    def __init__(self, ridge, stats, config: ContextConfig = ContextConfig()):
+        super().__init__(ridge, stats, CapacityConfig())
+        self.context_config = config
+        lt = self.wk.shape[0]
+        for m in "kv":  # the inputs' standard deviations, the diagonal of cov + eps = white^-2 (eigh: an LU-based
+            w, q = torch.linalg.eigh(getattr(self, f"white_{m}").double())  # inverse failed in MKL on this VM)
+            var = (q * q * w.clamp(min=1e-12).pow(-2)[:, None, :]).sum(-1)
+            self.register_buffer(f"std_{m}", var.sqrt().float())  # [L_t, d_in]
+        d_in = 2 * self.d_s
+        g = torch.zeros(lt, config.window, d_in)
+        g[:, 0] = 1.0
+        self.ctx_g = nn.Parameter(g)
+        self.ctx_norm = nn.Parameter(torch.ones(lt, d_in))
+        self.ctx_a = nn.Parameter(torch.randn(lt, d_in, config.rank) / math.sqrt(d_in))
+        self.ctx_b = nn.Parameter(torch.zeros(lt, config.rank, 2 * self.d_t))
+        self.ctx_gate = nn.Parameter(torch.ones(lt, 2, self.num_heads))
+
+    def folded(self) -> dict[str, torch.Tensor]:
+        """The branch as an adapter holds it (differentiable: training runs through these)."""
+        cfg, lt = self.context_config, self.wk.shape[0]
+        std = torch.cat((self.std_k, self.std_v), dim=-1)  # [L_t, 2 d_in]
+        gate = self.ctx_gate[:, :, :, None].expand(lt, 2, self.num_heads, self.d_t // self.num_heads)
+        sigma = torch.stack((self.sigma_k, self.sigma_v), dim=1)[:, :, None]  # [L_t, 2, 1]
+        out_scale = (gate.reshape(lt, 2, self.d_t) * sigma).reshape(lt, 1, 2 * self.d_t)
+        return {"ctx_lags": cfg.lags, "ctx_mu": torch.cat((self.mu_k, self.mu_v), dim=-1),
+                "ctx_g": self.ctx_g / std[:, None], "ctx_a": self.ctx_a * self.ctx_norm[:, :, None],
+                "ctx_b": self.ctx_b * (cfg.scale / math.sqrt(cfg.rank)) * out_scale}
+
+    def forward(self, xk, xv, ids=None):
+        from kvbridge.adapters.adapter import source_inputs
+
+        yk, yv = super().forward(xk, xv, ids)
+        sk, sv = source_inputs(self.src_basis, xk.float(), xv.float())
+        x = torch.cat((self.mixed(sk, "k", ids), self.mixed(sv, "v", ids)), dim=-1)
+        f = self.folded()
+        y = branch(x, f["ctx_lags"], f["ctx_mu"], f["ctx_g"], f["ctx_a"], f["ctx_b"])
+        return yk + y[..., :self.d_t], yv + y[..., self.d_t:]
+
+    def to_adapter(self, ridge):
+        import dataclasses
+
+        from kvbridge.adapters.weights import CONTEXT_FORMAT_VERSION
+
+        linear = super().to_adapter(ridge)
+        with torch.no_grad():
+            tensors = {k: v.detach().cpu().clone() for k, v in self.folded().items()}
+        meta = dataclasses.replace(linear.meta, format_version=CONTEXT_FORMAT_VERSION)
+        return dataclasses.replace(linear, meta=meta, **tensors)
+
+    def adapter_bytes(self) -> int:
+        return super().adapter_bytes() + sum(v.numel() * 4 for k, v in self.folded().items() if k != "ctx_lags")
