@@ -1,8 +1,11 @@
-"""Train a context map (context_maps.py) with the kl stage of `train-adapter --trainer chain`, from the ridge fit and
-on the teacher windows of a data-need run (experiments/data-need/curve.sh: WORK/w3000, 3,000 windows, ridge of 100,
-token rank 64), with that run's schedule and batches (seed 0, lr 3e-3 -> 3e-4, 10 warm-up steps, 4 windows a step,
-dev recovery every 25): its record.json is the paired baseline (the same windows in the same order; only the map
-differs). Writes OUT/{best,last}.safetensors and OUT/record.json; a rerun resumes.
+"""Train a context map (kvbridge.adapters.context.ContextMaps, adapter format 4) with the kl stage of `train-adapter
+--trainer chain`, from the ridge fit and on the teacher windows of a data-need run (experiments/data-need/curve.sh:
+WORK/w3000, 3,000 windows, ridge of 100, token rank 64), with that run's schedule and batches (seed 0, lr 3e-3 ->
+3e-4, 10 warm-up steps, 4 windows a step, dev recovery every 25): its record.json is the paired baseline (the same
+windows in the same order; only the map differs). Writes OUT/{best,last}.safetensors and OUT/record.json; a rerun
+resumes. With --first-lag 1 the same run as `train-adapter --trainer chain --train-windows 3000 --ridge-windows 100
+--token-rank 64 --stages kl:1000 --context-window N --context-rank R --work WORK`, whose stage folder
+(stage-0-kl-contextNrR) takes OUT's files.
 
     .venv/bin/python experiments/context-map/train.py --work WORK/w3000 --out WORK/ctx-w4r64 \
         --window 4 --rank 64 --steps 1000
@@ -46,6 +49,11 @@ def load(work: Path, windows: int, data: Path, ridge_windows: int = 100, token_r
     return source, target, config, cache, dev_idx, train_idx, ridge, stats
 
 
+def _macs(maps) -> int:
+    """The branch's multiply-adds per target token over every layer: its filter and two GEMMs."""
+    return sum(p.numel() for name, p in maps.named_parameters() if name in ("ctx_g", "ctx_a", "ctx_b"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="a data-need run's work folder (teacher/, ridge/)")
@@ -61,22 +69,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from context_maps import ContextMaps
     from kvbridge.adapters.chain import DEFAULT_EVAL_INTERVAL, DEFAULT_LR
+    from kvbridge.adapters.context import ContextConfig, ContextMaps
     from kvbridge.adapters.recovery_probe import RecoveryProbe
     from kvbridge.adapters.trainer import TrainerConfig, train
 
     _, target, config, cache, dev_idx, train_idx, ridge, stats = load(args.work, args.windows, args.data)
     torch.manual_seed(config.seed)
-    maps = ContextMaps(ridge, stats, window=args.window, rank=args.rank, scale=args.scale,
-                       first_lag=args.first_lag)
+    maps = ContextMaps(ridge, stats, ContextConfig(window=args.window, rank=args.rank, scale=args.scale,
+                                                   first_lag=args.first_lag))
     probe = RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
     lr = DEFAULT_LR["kl"]
     tc = TrainerConfig(objective="kl", lr=lr, min_lr=lr / 10, warmup_iters=10, max_iters=args.steps,
                        batch_windows=config.batch_windows, eval_interval=DEFAULT_EVAL_INTERVAL["kl"], seed=0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "args.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}
-                                                   | {"branch_macs_per_token": maps.branch_macs_per_token()}))
+                                                   | {"branch_macs_per_token": _macs(maps)}))
     out = train(maps, ridge.start_kv, target, cache, train_idx, probe, tc, config.teacher.context_tokens, args.out,
                 resume=True, progress=True)
     print(json.dumps({"best_iter": out["best_iter"], "best": out["best"], "iters": out["iters"],
