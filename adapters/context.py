@@ -11,7 +11,7 @@ linear maps read, width 2 · d_in):
 
 In an adapter file (`Adapter.ctx_*`, folded: the standardisation in g, the norm's weight in A, the output scale,
 per-head gates and the target's K/V scale in B): ctx_lags [w] int64, ctx_mu [L_t, 2 d_in], ctx_g [L_t, w, 2 d_in],
-ctx_a [L_t, 2 d_in, r], ctx_b [L_t, r, 2 d_t]. `branch` computes it for both (the trained `ContextMaps` and
+ctx_a [L_t, 2 d_in, r], ctx_b [L_t, r, 2 d_t]. `adapter.branch` computes it for both (the trained `ContextMaps` and
 `adapter.map_tokens`), so what was trained is what projects. A CPU tile of a projection reads the `halo` tokens
 before it (adapter.py), so a tiled projection equals an untiled one.
 
@@ -27,11 +27,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from kvbridge.adapters.adapter import branch
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from torch import nn
-
-RMS_EPS = torch.finfo(torch.float32).eps  # the norm's epsilon, whatever dtype the branch's GEMMs run in
 
 
 @dataclass(frozen=True)
@@ -50,56 +48,6 @@ class ContextConfig:
     @property
     def lags(self) -> torch.Tensor:
         return torch.arange(self.first_lag, self.first_lag + self.window, dtype=torch.int64)
-
-
-def branch(x: torch.Tensor, lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-           halo: int = 0) -> torch.Tensor:
-    """x: [L_t, halo + n, 2 d_in] the maps' inputs (K then V) of the halo tokens before and the n tokens wanted ->
-    [L_t, n, 2 d_t] the branch's K then V outputs of the n tokens. Token halo + t reads halo + t - lag (none before
-    index 0: the document's start, or a tile's first read token with halo >= max lag). The filter and the norm run in
-    float32, the two GEMMs in a's dtype."""
-    lt, total, _ = x.shape
-    n = total - halo
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, mu, g, a, b))):
-        return _branch_inference(x, lags, mu, g, a, b, halo)
-    u = x.float() - mu.float()[:, None]
-    c = torch.zeros(lt, n, u.shape[-1], dtype=torch.float32, device=x.device)
-    g = g.float()
-    for i, lag in enumerate(lags.tolist()):  # in place: a temporary per lag costs more than the filter (CPU)
-        first = halo - lag  # the read index of the first wanted token
-        if first >= 0:
-            c.addcmul_(u[:, first:first + n], g[:, i, None])
-        elif n + first > 0:  # the first -first wanted tokens have nothing that far back
-            c[:, -first:].addcmul_(u[:, :n + first], g[:, i, None])
-    h = F.rms_norm(c, (c.shape[-1],), eps=RMS_EPS).to(a.dtype)
-    return torch.bmm(F.silu(torch.bmm(h, a)), b)
-
-
-def _branch_inference(x, lags, mu, g, a, b, halo, layers: int = 3):
-    """`branch` without autograd, a few target layers at a time: their inputs and filter output (float32) stay in
-    the cores' caches, where the whole tile's passed through memory once per lag (about 3x faster on the 2-core VM;
-    one layer at a time pays more per-operation overhead than it saves)."""
-    lt, total, width = x.shape
-    n = total - halo
-    h = torch.empty(lt, n, width, dtype=a.dtype, device=x.device)
-    c = torch.empty(layers, n, width, dtype=torch.float32, device=x.device)
-    u = torch.empty(layers, total, width, dtype=torch.float32, device=x.device)
-    mu, g = mu.float(), g.float()
-    lag_list = lags.tolist()
-    for j0 in range(0, lt, layers):
-        k = min(layers, lt - j0)
-        uj, cj = u[:k], c[:k]
-        torch.sub(x[j0:j0 + k], mu[j0:j0 + k, None], out=uj)  # (never in place: x may be the caller's float32)
-        cj.zero_()
-        for i, lag in enumerate(lag_list):
-            first = halo - lag
-            gi = g[j0:j0 + k, i, None]
-            if first >= 0:
-                cj.addcmul_(uj[:, first:first + n], gi)
-            elif n + first > 0:
-                cj[:, -first:].addcmul_(uj[:, :n + first], gi)
-        h[j0:j0 + k] = F.rms_norm(cj, (width,), eps=RMS_EPS)
-    return torch.bmm(F.silu(torch.bmm(h, a)), b)
 
 
 class ContextMaps(ResidualMaps):

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-from kvbridge.adapters.adapter import map_tokens, project
-from kvbridge.adapters.context import ContextConfig, ContextMaps, branch
+from kvbridge.adapters.adapter import branch, map_tokens, project
+from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.io import load_adapter, read_adapter_meta, save_adapter
 from kvbridge.adapters.map_kv import project_window
 from kvbridge.adapters.pairs import pair_text, start_token_id
