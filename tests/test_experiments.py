@@ -29,7 +29,7 @@ CHECKED = ("experiments", "docs", "transfer", "adapters", "server", "eval", "vll
 # An absolute path under /work/ or /root/: the slash not preceded by a path's character (docs/work/ and
 # ../work/ are relative).
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(?:work|root)/")
-MODULES = {"common.py"}  # imported by the scripts beside them, no command line of their own
+MODULES = {"common.py", "factored.py"}  # imported by the scripts beside them, no command line of their own
 
 
 def experiment_files(pattern: str) -> list[Path]:

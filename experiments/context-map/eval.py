@@ -38,11 +38,30 @@ def main(argv=None) -> int:
 
     made = json.loads((args.maps / "args.json").read_text())
     _, _, _, _, _, _, ridge, stats = load(args.work, int(made["windows"]), args.data)
-    maps = ContextMaps(ridge, stats, ContextConfig(window=int(made["window"]), rank=int(made["rank"]),
-                                                   scale=float(made["scale"]), first_lag=int(made.get("first_lag", 0))))
+    config = ContextConfig(window=int(made["window"]), rank=int(made["rank"]), scale=float(made["scale"]),
+                           first_lag=int(made.get("first_lag", 0)))
+    if made.get("factored") != "True":
+        maps = ContextMaps(ridge, stats, config)
+        _load(args.maps / args.checkpoint, maps, None)
+        path = save_adapter(maps.to_adapter(ridge), args.maps / "adapter.safetensors")
+        return cli.main(["eval", "rouge", *rest, "--adapter", str(path)])
+    # factored.py's branch has no adapter format: the ridge adapter serves, its map replaced (one tile: the branch
+    # reads the tokens before)
+    import torch
+    from factored import FactoredContextMaps
+    from kvbridge.adapters import adapter as adapter_module
+
+    maps = FactoredContextMaps(ridge, stats, config)
     _load(args.maps / args.checkpoint, maps, None)
-    path = save_adapter(maps.to_adapter(ridge), args.maps / "adapter.safetensors")
-    return cli.main(["eval", "rouge", *rest, "--adapter", str(path)])
+    maps.eval()
+
+    def map_tokens(adapter, xk, xv, accumulate_fp32=True, target_ids=None, halo=0):
+        with torch.no_grad():
+            return maps(xk.float(), xv.float(), target_ids)
+
+    adapter_module.map_tokens = map_tokens
+    adapter_module.cpu_tile_tokens = lambda adapter, segment: 1 << 30
+    return cli.main(["eval", "rouge", *rest, "--adapter", str(args.work / "ridge" / "ridge.safetensors")])
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--factored", action="store_true",
+                        help="the cheaper branch of factored.py (the first GEMM before the filter)")
     parser.add_argument("--data", type=Path, default=ROOT / "data")
     args = parser.parse_args(argv)
 
@@ -76,8 +78,11 @@ def main(argv=None) -> int:
 
     _, target, config, cache, dev_idx, train_idx, ridge, stats = load(args.work, args.windows, args.data)
     torch.manual_seed(config.seed)
-    maps = ContextMaps(ridge, stats, ContextConfig(window=args.window, rank=args.rank, scale=args.scale,
-                                                   first_lag=args.first_lag))
+    kind = ContextMaps
+    if args.factored:
+        from factored import FactoredContextMaps as kind
+    maps = kind(ridge, stats, ContextConfig(window=args.window, rank=args.rank, scale=args.scale,
+                                            first_lag=args.first_lag))
     probe = RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
     lr = DEFAULT_LR["kl"]
     tc = TrainerConfig(objective="kl", lr=lr, min_lr=lr / 10, warmup_iters=10, max_iters=args.steps,
