@@ -7,7 +7,7 @@ instead of the shipped adapter's 19.5x. This one applies the first GEMM to each 
   [dK_t, dV_t] = silu(rmsnorm(c_t) * n) @ B     the norm over r values; B starts at zero
 
 (per token and layer: 2 d_in r + w r + r 2 d_t multiply-adds, the filter 192 instead of 5,120 at w 8, r 24). Trained
-by train.py --factored, scored by eval.py --factored (the projection's map patched, one tile).
+by train.py --factored, scored by eval.py (which reads train.py's args.json; the projection's map patched, one tile).
 """
 
 from __future__ import annotations
