@@ -82,11 +82,9 @@ class ContextMaps(ResidualMaps):
                 "ctx_b": self.ctx_b * (cfg.scale / math.sqrt(cfg.rank)) * out_scale}
 
     def forward(self, xk, xv, ids=None):
-        from kvbridge.adapters.adapter import source_inputs
-
-        yk, yv = super().forward(xk, xv, ids)
-        sk, sv = source_inputs(self.src_basis, xk.float(), xv.float())
-        x = torch.cat((self.mixed(sk, "k", ids), self.mixed(sv, "v", ids)), dim=-1)
+        inputs = self.inputs(xk, xv, ids)  # read once, by the linear maps and the branch
+        yk, yv = self.maps(inputs)
+        x = torch.cat((inputs["k"], inputs["v"]), dim=-1)
         f = self.folded()
         y = branch(x, f["ctx_lags"], f["ctx_mu"], f["ctx_g"], f["ctx_a"], f["ctx_b"])
         return yk + y[..., :self.d_t], yv + y[..., self.d_t:]

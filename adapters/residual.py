@@ -135,9 +135,16 @@ class ResidualMaps(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """xk, xv: [L_s, T, d_src] (as `adapter.map_tokens` takes), ids: [T] target ids (token features) ->
         yk, yv: [L_t, T, d_t] un-rotated."""
-        cfg = self.config
+        return self.maps(self.inputs(xk, xv, ids))
+
+    def inputs(self, xk: torch.Tensor, xv: torch.Tensor, ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """What the maps read: {"k", "v": [L_t, T, d_s]} (the mixed source features, then the token features)."""
         xk, xv = source_inputs(self.src_basis, xk.float(), xv.float())
-        x = {m: self.mixed(xx, m, ids) for m, xx in (("k", xk), ("v", xv))}
+        return {m: self.mixed(xx, m, ids) for m, xx in (("k", xk), ("v", xv))}
+
+    def maps(self, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`inputs`' result -> yk, yv: [L_t, T, d_t] un-rotated."""
+        cfg = self.config
         z = {m: torch.bmm(x[m] - getattr(self, f"mu_{m}")[:, None], getattr(self, f"white_{m}")) for m in "kv"}
         out = []
         for m in "kv":

@@ -31,12 +31,9 @@ class FactoredContextMaps(ContextMaps):
         self.ctx_norm = nn.Parameter(torch.ones(lt, config.rank))
 
     def forward(self, xk, xv, ids=None):
-        from kvbridge.adapters.adapter import source_inputs
-        from kvbridge.adapters.residual import ResidualMaps
-
-        yk, yv = ResidualMaps.forward(self, xk, xv, ids)
-        sk, sv = source_inputs(self.src_basis, xk.float(), xv.float())
-        x = torch.cat((self.mixed(sk, "k", ids), self.mixed(sv, "v", ids)), dim=-1)  # [L_t, T, 2 d_in]
+        inputs = self.inputs(xk, xv, ids)
+        yk, yv = self.maps(inputs)  # the per-token maps (ResidualMaps)
+        x = torch.cat((inputs["k"], inputs["v"]), dim=-1)  # [L_t, T, 2 d_in]
         mu = torch.cat((self.mu_k, self.mu_v), dim=-1)[:, None]
         std = torch.cat((self.std_k, self.std_v), dim=-1)[:, None]
         p = torch.bmm((x - mu) / std, self.ctx_a)  # [L_t, T, r]
