@@ -103,40 +103,75 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
         tok = adapter.token_features(target_ids).to(device=xk.device, dtype=gemm)  # [T, r]
     if halo and adapter.ctx_lags is None:
         raise ValueError(f"adapter {adapter.name!r} has no context branch to read {halo} tokens before")
-    out, inputs = [], []
+    out, inputs, lagged = [], [], None
+    fused = None  # format 5 without autograd: the maps' GEMMs also give every lag's branch input (more columns)
+    if adapter.ctx_lags is not None and not adapter.context_norm and not _autograd(
+            xk, xv, *(t for t in maps.values() if t is not None)):
+        fused = adapter.cached(("fused_context", gemm), lambda: _fused_maps(adapter, maps, gemm))
     for x, kind in ((xk, "k"), (xv, "v")):
-        mixed = mix_layers(x.to(gemm), adapter.layer_map, maps[f"mix_{kind}"])  # [L_t, halo + T, d_s]
+        # [L_t, halo + T, d_s] in gemm's dtype; a float32 input is mixed before it is rounded (a bf16 GEMM over
+        # the few source layers is slower than the float32 one and its conversion)
+        mixed = mix_layers(x, adapter.layer_map, adapter.mix_k.float() if kind == "k" else adapter.mix_v.float()
+                           ).to(gemm) if x.dtype == torch.float32 else mix_layers(x.to(gemm), adapter.layer_map,
+                                                                                    maps[f"mix_{kind}"])
+        if fused is not None:  # [L_t, halo + T, d_t + lags x r]: the map's outputs, then the branch's inputs
+            w, b, w_tok = fused[kind]
+            y = torch.baddbmm(b[:, None], mixed, w)
+            if tok is not None:  # (tok broadcast over layers: no copy)
+                y.baddbmm_(tok.expand(mixed.shape[0], -1, -1), w_tok)
+            d_t = maps[f"w{kind}"].shape[-1]
+            lagged = y[..., d_t:] if lagged is None else lagged.add_(y[..., d_t:])  # K's and V's shares
+            out.append(y[:, halo:, :d_t])
+            continue
         if adapter.ctx_lags is not None:  # the branch reads [mixed, token features] of every token
-            inputs.append(mixed if tok is None else torch.cat((mixed, tok[None].expand(mixed.shape[0], -1, -1)), -1))
+            inputs += [mixed] if tok is None else [mixed, tok[None].expand(mixed.shape[0], -1, -1)]
         mixed = mixed[:, halo:]
         t_tok = None if tok is None else tok[halo:]
         bias = maps[f"b{kind}"][:, None, :]  # [L_t, 1, d_t]
-        if t_tok is None:
-            y = torch.baddbmm(bias, mixed, maps[f"w{kind}"])  # [L_t, T, d_t]
-        else:  # every layer's token map (tok broadcast over layers: no copy), the bias and the map, in place
-            y = torch.matmul(t_tok, maps[f"w{kind}_tok"]).add_(bias).baddbmm_(mixed, maps[f"w{kind}"])
+        y = torch.baddbmm(bias, mixed, maps[f"w{kind}"])  # [L_t, T, d_t]
+        if t_tok is not None:  # every layer's token map (tok broadcast over layers: no copy), in place
+            y = y.baddbmm_(t_tok.expand(mixed.shape[0], -1, -1), maps[f"w{kind}_tok"]) if not _autograd(
+                y, t_tok, maps[f"w{kind}_tok"]) else y + torch.matmul(t_tok, maps[f"w{kind}_tok"])
         out.append(y)
+    if fused is not None:
+        y = _lagged_branch(lagged, fused["beta"], adapter.ctx_lags, maps["ctx_b"], halo)
+        d_t = out[0].shape[-1]
+        return (out[0].add_(y[..., :d_t]).to(work).contiguous(), out[1].add_(y[..., d_t:]).to(work).contiguous())
     if inputs:
         d_t = out[0].shape[-1]
-        y = branch(torch.cat(inputs, dim=-1), adapter.ctx_lags, maps["ctx_mu"], maps["ctx_g"], maps["ctx_a"],
-                   maps["ctx_b"], halo)
-        out = [out[0] + y[..., :d_t].to(out[0].dtype), out[1] + y[..., d_t:].to(out[1].dtype)]
+        ctx = (adapter.ctx_lags, maps["ctx_mu"], maps["ctx_g"], maps["ctx_a"], maps["ctx_b"], halo)
+        if _autograd(inputs[0], *ctx[1:5]):
+            y = branch(torch.cat(inputs, dim=-1), *ctx, norm=adapter.context_norm)
+        else:  # format 4: no copy of the inputs into one tensor
+            y = _branch_inference(inputs, *ctx)
+        if _autograd(out[0], out[1], y):
+            out = [out[0] + y[..., :d_t].to(out[0].dtype), out[1] + y[..., d_t:].to(out[1].dtype)]
+        else:
+            out[0].add_(y[..., :d_t])
+            out[1].add_(y[..., d_t:])
     return out[0].to(work), out[1].to(work)
 
 
 RMS_EPS = torch.finfo(torch.float32).eps  # the context branch's norm epsilon, whatever dtype its GEMMs run in
 
 
+def _autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def branch(x: torch.Tensor, lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-           halo: int = 0) -> torch.Tensor:
+           halo: int = 0, norm: bool = True) -> torch.Tensor:
     """x: [L_t, halo + n, 2 d_in] the maps' inputs (K then V) of the halo tokens before and the n tokens wanted ->
     [L_t, n, 2 d_t] the branch's K then V outputs of the n tokens. Token halo + t reads halo + t - lag (none before
     index 0: the document's start, or a tile's first read token with halo >= max lag). The filter and the norm run in
-    float32, the two GEMMs in a's dtype."""
+    float32, the two GEMMs in a's dtype. norm False (format 5): the filter goes to A as it is."""
     lt, total, _ = x.shape
     n = total - halo
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, mu, g, a, b))):
-        return _branch_inference(x, lags, mu, g, a, b, halo)
+    if not _autograd(x, mu, g, a, b):
+        if norm:
+            return _branch_inference([x], lags, mu, g, a, b, halo)
+        maps, beta = linear_context_maps(lags, mu, g, a, (((0, x.shape[-1]),),), a.dtype)
+        return _linear_branch([x], maps, beta, lags, b, halo)
     u = x.float() - mu.float()[:, None]
     c = torch.zeros(lt, n, u.shape[-1], dtype=torch.float32, device=x.device)
     g = g.float()
@@ -146,35 +181,123 @@ def branch(x: torch.Tensor, lags: torch.Tensor, mu: torch.Tensor, g: torch.Tenso
             c.addcmul_(u[:, first:first + n], g[:, i, None])
         elif n + first > 0:  # the first -first wanted tokens have nothing that far back
             c[:, -first:].addcmul_(u[:, :n + first], g[:, i, None])
-    h = F.rms_norm(c, (c.shape[-1],), eps=RMS_EPS).to(a.dtype)
+    h = (F.rms_norm(c, (c.shape[-1],), eps=RMS_EPS) if norm else c).to(a.dtype)
     return torch.bmm(F.silu(torch.bmm(h, a)), b)
 
 
-def _branch_inference(x, lags, mu, g, a, b, halo, layers: int = 3):
-    """`branch` without autograd, a few target layers at a time: their inputs and filter output (float32) stay in
-    the cores' caches, where the whole tile's passed through memory once per lag (about 3x faster on the 2-core VM;
-    one layer at a time pays more per-operation overhead than it saves)."""
-    lt, total, width = x.shape
+BRANCH_TILE = 448  # layers x tokens the inference filter holds at once: a piece's input and filter in a core's cache
+
+
+def _branch_inference(pieces: list[torch.Tensor], lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor,
+                      a: torch.Tensor, b: torch.Tensor, halo: int) -> torch.Tensor:
+    """`branch` without autograd, on its input's pieces (in feature order, each [L_t, halo + n, w], concatenated
+    `branch`'s x; a view may broadcast a piece over layers): no concatenated copy, a few target layers at a time so
+    each piece's input and filter stay in cache, and the norm taken after the first GEMM, which it commutes with
+    (rms_norm(c) @ a = (c @ a) / rms(c)): the filter is never normalised or copied, only read by the GEMM and by
+    the sum of its squares. Equal to `branch` up to rounding (the GEMM's inputs are rounded before the scale)."""
+    lt, total = pieces[0].shape[:2]
     n = total - halo
-    h = torch.empty(lt, n, width, dtype=a.dtype, device=x.device)
-    c = torch.empty(layers, n, width, dtype=torch.float32, device=x.device)
-    u = torch.empty(layers, total, width, dtype=torch.float32, device=x.device)
-    mu, g = mu.float(), g.float()
+    width, rank = a.shape[1:]
+    if sum(p.shape[-1] for p in pieces) != width:
+        raise ValueError(f"the branch reads {width} features, its inputs have {sum(p.shape[-1] for p in pieces)}")
+    dev, f32 = pieces[0].device, torch.float32
+    z = torch.empty(lt, n, rank, dtype=f32, device=dev)  # c @ a
+    sq = torch.empty(lt, n, dtype=f32, device=dev)  # |c|^2
+    mu, g, a = mu.float(), g.float(), a.float()  # (a float32 GEMM costs here what a bf16 one does with its casts)
     lag_list = lags.tolist()
-    for j0 in range(0, lt, layers):
-        k = min(layers, lt - j0)
+    k_max = max(1, min(lt, round(BRANCH_TILE / max(n, 1)))) if dev.type == "cpu" else lt  # (a GPU: all at once)
+    u = torch.empty(k_max, total, width, dtype=f32, device=dev)
+    c = torch.empty(k_max, n, width, dtype=f32, device=dev)
+    for j0 in range(0, lt, k_max):
+        k = min(k_max, lt - j0)
         uj, cj = u[:k], c[:k]
-        torch.sub(x[j0:j0 + k], mu[j0:j0 + k, None], out=uj)  # (never in place: x may be the caller's float32)
-        cj.zero_()
+        col = 0
+        for piece in pieces:  # the inputs side by side, in float32, then standardised
+            uj[..., col:col + piece.shape[-1]] = piece[j0:j0 + k]
+            col += piece.shape[-1]
+        uj.sub_(mu[j0:j0 + k, None])
+        started = False
         for i, lag in enumerate(lag_list):
-            first = halo - lag
+            first = halo - lag  # the read index of the first wanted token
+            if n + min(first, 0) <= 0:
+                continue  # no wanted token reads that far back
+            dst = cj if first >= 0 else cj[:, -first:]
+            src = uj[:, max(first, 0):max(first, 0) + dst.shape[1]]
             gi = g[j0:j0 + k, i, None]
-            if first >= 0:
-                cj.addcmul_(uj[:, first:first + n], gi)
-            elif n + first > 0:
-                cj[:, -first:].addcmul_(uj[:, :n + first], gi)
-        h[j0:j0 + k] = F.rms_norm(cj, (width,), eps=RMS_EPS)
-    return torch.bmm(F.silu(torch.bmm(h, a)), b)
+            if started:
+                dst.addcmul_(src, gi)
+            else:  # the first lag writes (no zeroing pass); the tokens it does not reach are zero
+                torch.mul(src, gi, out=dst)
+                if first < 0:
+                    cj[:, :-first].zero_()
+                started = True
+        if not started:
+            cj.zero_()
+        torch.linalg.vector_norm(cj, dim=-1, out=sq[j0:j0 + k])
+        torch.bmm(cj, a[j0:j0 + k], out=z[j0:j0 + k])
+    z.mul_(torch.rsqrt(sq.square_().div_(width).add_(RMS_EPS))[..., None])
+    return torch.bmm(F.silu(z).to(b.dtype), b)
+
+
+def linear_context_maps(lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor, a: torch.Tensor,
+                        layout: tuple[tuple[tuple[int, int], ...], ...], dtype: torch.dtype
+                        ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A format-5 branch (no norm) as GEMMs: its filter then A is, for lag i, the map A_i = diag(g_i) A applied to
+    the token lag_i back. layout: for each input piece, the feature ranges of the branch's input it stands for (a
+    piece of token features stands for K's and V's). Returns each piece's [L_t, w_piece, lags x r] maps (in dtype)
+    and the standardisation's share [L_t, lags, r] (float32), subtracted for each lag a token reaches."""
+    g, a = g.float(), a.float()
+    lt, w, width = g.shape
+    per_lag = (g[..., None] * a[:, None]).permute(0, 2, 1, 3).reshape(lt, width, w * a.shape[-1])  # [L_t, W, w r]
+    beta = torch.einsum("lf,lwf,lfr->lwr", mu.float(), g, a)
+    maps = [sum(per_lag[:, s:e] for s, e in ranges).to(dtype) for ranges in layout]
+    return maps, beta
+
+
+def _fused_maps(adapter: Adapter, maps: dict, dtype: torch.dtype) -> dict:
+    """Format 5's maps for `map_tokens`: each kind's map, bias and token map with every lag's branch map as more
+    columns (the branch's input is [K map's input, V map's input], each with its token features), and beta."""
+    d_in, r_tok = maps["wk"].shape[1], adapter.token_rank
+    kinds = [(0, d_in), (d_in, d_in + r_tok), (d_in + r_tok, 2 * d_in + r_tok), (2 * d_in + r_tok, 2 * (d_in + r_tok))]
+    lin, beta = linear_context_maps(adapter.ctx_lags, maps["ctx_mu"], maps["ctx_g"], maps["ctx_a"],
+                                    tuple((k,) for k in kinds), dtype)
+    extra = lin[0].shape[-1]
+    out = {"beta": beta}
+    for i, kind in enumerate("kv"):
+        w = torch.cat((maps[f"w{kind}"], lin[2 * i]), dim=-1)
+        b = torch.cat((maps[f"b{kind}"], maps[f"b{kind}"].new_zeros(maps[f"b{kind}"].shape[0], extra)), dim=-1)
+        w_tok = None if adapter.tok_table is None else torch.cat((maps[f"w{kind}_tok"], lin[2 * i + 1]), dim=-1)
+        out[kind] = (w, b, w_tok)
+    return out
+
+
+def _linear_branch(pieces: list[torch.Tensor], maps: list[torch.Tensor], beta: torch.Tensor, lags: torch.Tensor,
+                   b: torch.Tensor, halo: int) -> torch.Tensor:
+    """A format-5 branch over its input's pieces ([L_t, halo + n, w] each, or [halo + n, w] for one every layer
+    shares) with `linear_context_maps`: one GEMM per piece for all lags, then each lag's columns shifted and summed
+    (r values a token and lag instead of the filter's 2 d_in), silu, B. Equal to `branch(..., norm=False)` up to
+    rounding."""
+    p = None  # [L_t, halo + n, lags x r] in the maps' dtype, as the per-token maps' outputs
+    for piece, m in zip(pieces, maps):
+        p = torch.matmul(piece.to(m.dtype), m) if p is None else p.add_(torch.matmul(piece.to(m.dtype), m))
+    return _lagged_branch(p, beta, lags, b, halo)
+
+
+def _lagged_branch(p: torch.Tensor, beta: torch.Tensor, lags: torch.Tensor, b: torch.Tensor, halo: int
+                   ) -> torch.Tensor:
+    """p: [L_t, halo + n, lags x r] every token's input through each lag's map -> [L_t, n, 2 d_t]: for each wanted
+    token the columns of lag i of the token lag_i before (none before index 0), less the standardisation's share,
+    summed; silu; B."""
+    lt, total = p.shape[:2]
+    n, r = total - halo, beta.shape[-1]
+    z = torch.zeros(lt, n, r, dtype=torch.float32, device=b.device)
+    for i, lag in enumerate(lags.tolist()):
+        first = halo - lag  # the read index of the first wanted token
+        skip = max(0, -first)  # wanted tokens with nothing that far back
+        if skip >= n:
+            continue
+        z[:, skip:].add_(p[:, first + skip:first + n, i * r:(i + 1) * r]).sub_(beta[:, i, None])
+    return torch.bmm(F.silu(z).to(b.dtype), b)
 
 
 TILE_BYTES = 32 << 20  # a CPU tile's working set: inside a last-level cache, so its steps never wait on DRAM
@@ -188,8 +311,8 @@ def cpu_tile_tokens(adapter: Adapter, segment: KVSegment) -> int:
     d_s = segment.num_kv_heads * segment.head_dim
     lt, d_in, d_t = adapter.wk.shape
     per_token = 4 * (2 * segment.num_layers * d_s + 2 * lt * (d_in + 2 * d_t))
-    if adapter.ctx_lags is not None:  # the branch's inputs (its filter runs a layer at a time, in cache)
-        per_token += 2 * lt * 2 * (d_in + adapter.token_rank)
+    if adapter.ctx_lags is not None:  # the branch's hidden layer (its inputs are the maps'; its filter runs a few
+        per_token += 4 * lt * (adapter.ctx_a.shape[-1] + 1)  # layers at a time, in buffers of BRANCH_TILE tokens)
     return max(32, TILE_BYTES // per_token // 16 * 16)
 
 

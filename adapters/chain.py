@@ -66,6 +66,7 @@ class ChainConfig:
     source_rank: int = 0  # > 0: the maps read a basis of this rank over all source layers (format 3), not a mix
     context_window: int = 0  # > 0: a context branch over that many tokens before each token (format 4, context.py)
     context_rank: int = 32  # its hidden width per target layer
+    context_norm: bool = True  # False: its filter's output goes to its GEMM without a norm (format 5)
     train_windows: int = 1400  # training windows put in the teacher cache (in the seeded shuffle's order)
     ridge_windows: int = 200  # of them, for the ridge statistics
     dev_per_corpus: int = 12  # held-out windows per corpus file: λ/α, and the stages' best-checkpoint choice
@@ -263,10 +264,12 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     if config.fuser_rank:
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
     elif config.context_window:
-        maps = ContextMaps(ridge, stats, ContextConfig(window=config.context_window, rank=config.context_rank))
+        maps = ContextMaps(ridge, stats, ContextConfig(window=config.context_window, rank=config.context_rank,
+                                                       norm=config.context_norm))
     else:
         maps = ResidualMaps(ridge, stats, CapacityConfig())
-    kind = f"-context{config.context_window}r{config.context_rank}" if config.context_window else ""
+    kind = (f"-context{config.context_window}r{config.context_rank}{'' if config.context_norm else '-nonorm'}"
+            if config.context_window else "")
     probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
              if is_main() else None)  # rank 0 scores the dev windows
     answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)

@@ -65,6 +65,9 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                    help="chain: the maps also read the W target tokens before each token through a small MLP (adapter "
                         "format 4; the small pair: 8; 0: none)")
     p.add_argument("--context-rank", type=int, default=32, help="chain: the hidden width of that MLP per layer")
+    p.add_argument("--context-no-norm", action="store_true",
+                   help="chain: that MLP without the norm of its filtered inputs (adapter format 5): the projection "
+                        "then runs the filter as one GEMM per lag with the maps, not as elementwise passes")
     p.add_argument("--init", metavar="ADAPTER",
                    help="chain: start from this trained adapter of the pair (no ridge fit; its token rank is kept), "
                         "e.g. to fine-tune it with --exact-tail")
@@ -228,6 +231,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     config = ChainConfig(stages=stages, teacher=teacher, fuser_rank=args.fuser_rank if fuser else 0,
                          token_rank=0 if fuser else args.token_rank, source_rank=0 if fuser else args.source_rank,
                          context_window=0 if fuser else args.context_window, context_rank=args.context_rank,
+                         context_norm=not args.context_no_norm,
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,

@@ -38,6 +38,7 @@ class ContextConfig:
     rank: int = 32  # width of its hidden layer per target layer
     first_lag: int = 1  # 1: the `window` tokens before (not the token itself); 0: the token and window - 1 before
     scale: float = 0.1  # the branch's output scale at training (its Adam steps a tenth of the linear residual's)
+    norm: bool = True  # False: no rmsnorm before A (format 5: the projection runs the filter as GEMMs, adapter.py)
 
     def __post_init__(self):
         if self.window < 1 or self.rank < 1:
@@ -86,18 +87,19 @@ class ContextMaps(ResidualMaps):
         yk, yv = self.maps(inputs)
         x = torch.cat((inputs["k"], inputs["v"]), dim=-1)
         f = self.folded()
-        y = branch(x, f["ctx_lags"], f["ctx_mu"], f["ctx_g"], f["ctx_a"], f["ctx_b"])
+        y = branch(x, f["ctx_lags"], f["ctx_mu"], f["ctx_g"], f["ctx_a"], f["ctx_b"], norm=self.context_config.norm)
         return yk + y[..., :self.d_t], yv + y[..., self.d_t:]
 
     def to_adapter(self, ridge):
         import dataclasses
 
-        from kvbridge.adapters.weights import CONTEXT_FORMAT_VERSION
+        from kvbridge.adapters.weights import CONTEXT_FORMAT_VERSION, LINEAR_CONTEXT_FORMAT_VERSION
 
         linear = super().to_adapter(ridge)
         with torch.no_grad():
             tensors = {k: v.detach().cpu().clone() for k, v in self.folded().items()}
-        meta = dataclasses.replace(linear.meta, format_version=CONTEXT_FORMAT_VERSION)
+        meta = dataclasses.replace(linear.meta, format_version=CONTEXT_FORMAT_VERSION if self.context_config.norm
+                                   else LINEAR_CONTEXT_FORMAT_VERSION)
         return dataclasses.replace(linear, meta=meta, **tensors)
 
     def adapter_bytes(self) -> int:

@@ -12,6 +12,7 @@ from kvbridge.adapters.weights import (
     CONTEXT,
     CONTEXT_FORMAT_VERSION,
     FORMAT_VERSION,
+    LINEAR_CONTEXT_FORMAT_VERSION,
     READ_VERSIONS,
     TOKENS_FORMAT_VERSION,
     Adapter,
@@ -33,7 +34,8 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
                if getattr(adapter, name) is not None}
     record = dataclasses.asdict(adapter.meta)
     # the lowest version that has everything in the file, so older kvbridge releases keep reading what they can
-    record["format_version"] = (CONTEXT_FORMAT_VERSION if adapter.ctx_lags is not None else
+    record["format_version"] = ((CONTEXT_FORMAT_VERSION if adapter.context_norm else LINEAR_CONTEXT_FORMAT_VERSION)
+                                if adapter.ctx_lags is not None else
                                 BASIS_FORMAT_VERSION if adapter.src_basis is not None else
                                 TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION)
     meta = {"kvbridge_adapter": json.dumps(record, sort_keys=True)}

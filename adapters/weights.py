@@ -18,7 +18,8 @@ FORMAT_VERSION = 1  # an adapter of the source maps only; version 2 adds token f
 TOKENS_FORMAT_VERSION = 2
 BASIS_FORMAT_VERSION = 3  # a source basis over all source layers (src_basis)
 CONTEXT_FORMAT_VERSION = 4  # a context branch over the tokens before (ctx_*: context.py)
-READ_VERSIONS = (1, 2, 3, 4)
+LINEAR_CONTEXT_FORMAT_VERSION = 5  # the same tensors, the branch without its norm (AdapterMeta.context_norm False)
+READ_VERSIONS = (1, 2, 3, 4, 5)
 CONTEXT = ("ctx_lags", "ctx_mu", "ctx_g", "ctx_a", "ctx_b")
 
 
@@ -77,6 +78,8 @@ class Adapter:
     ctx_b: torch.Tensor | None = None  # [L_t, r_c, 2 d_t]: K then V
     # the maps converted to a compute dtype by `maps_in`, kept while the tensors are the same objects, unchanged
     _converted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # values derived from the tensors by `cached`, kept while the tensors are the same objects, unchanged
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # (the tensors' identities and versions, `digest`) of the last digest computed, carried over by `to`
     _digest: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -137,6 +140,11 @@ class Adapter:
             raise ValueError("adapter ctx_lags must hold one or more int64 lags in [0, 4096]")
 
     @property
+    def context_norm(self) -> bool:
+        """Whether the context branch normalises its filter before A (format 4; format 5: not)."""
+        return self.meta.format_version != LINEAR_CONTEXT_FORMAT_VERSION
+
+    @property
     def context_halo(self) -> int:
         """Tokens before a tile that its context branch reads (0 without one)."""
         return 0 if self.ctx_lags is None else int(self.ctx_lags.max())
@@ -168,6 +176,8 @@ class Adapter:
         """The context branch per token: its filter, then its two GEMMs."""
         if self.ctx_lags is None:
             return 0
+        if not self.context_norm:  # format 5: a GEMM per lag over the inputs (adapter.linear_context_maps), then B
+            return 2 * (self.ctx_g.shape[1] * self.ctx_a.numel() + self.ctx_b.numel())
         return 2 * (self.ctx_g.numel() + self.ctx_a.numel() + self.ctx_b.numel())
 
     def token_features(self, target_ids: torch.Tensor) -> torch.Tensor | None:
@@ -195,6 +205,17 @@ class Adapter:
             self._converted.clear()
             self._converted[key] = {n: None if t is None else t.to(dtype) for n, t in tensors.items()}
         return self._converted[key]
+
+    def cached(self, key, compute):
+        """compute(), kept under key until one of the adapter's tensors is replaced or changed in place (what a
+        projection derives from the weights on every call otherwise, e.g. format 5's per-lag maps)."""
+        versions = self._versions()
+        if self._derived.get("versions") != versions:
+            self._derived.clear()
+            self._derived["versions"] = versions
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def with_maps_dtype(self, dtype: torch.dtype) -> "Adapter":
         """The same adapter with its maps (mixes, weights, biases, token table and maps, source basis, context

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from kvbridge.adapters import adapter as adapter_module
 from kvbridge.adapters.adapter import branch, map_tokens, project
 from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.io import load_adapter, read_adapter_meta, save_adapter
@@ -50,16 +51,21 @@ def _document(models, seed=5, words=60):
     return paired, seg
 
 
-def test_the_branch_folds_into_a_format_4_adapter_that_projects_as_trained_tiled_or_not(pair, either_ridge, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("norm", [True, False], ids=["format4", "format5-no-norm"])
+def test_the_branch_folds_into_a_format_4_adapter_that_projects_as_trained_tiled_or_not(pair, either_ridge, tmp_path,  # noqa: F811
+                                                                                        norm):
+    """Format 5 (no norm) projects through its GEMM form (adapter._linear_branch), trained through the filter."""
     source, target = pair
-    maps = _context_maps(either_ridge)
+    maps = _context_maps(either_ridge, dataclasses.replace(CONFIG, norm=norm))
     adapter = maps.to_adapter(either_ridge[0])
+    assert adapter.context_norm == norm
     assert adapter.context_halo == 3 and adapter.ctx_lags.tolist() == [1, 2, 3]
     paired, seg = _document(pair)
     xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
     start = (paired.alignment.source_index < 0) & (paired.target_ids == start_token_id(target.tokenizer))
-    with torch.no_grad():
-        k, v = project_window(maps, either_ridge[0].start_kv, xk, xv, start, target, paired.target_ids)
+    # the trained module with autograd (the filter as training runs it), the projection without (its own forms)
+    k, v = (t.detach() for t in project_window(maps, either_ridge[0].start_kv, xk, xv, start, target,
+                                                paired.target_ids))
     whole = project(adapter, seg, paired.alignment, paired.target_ids, source.rope, target.rope, dtype=torch.float32)
     torch.testing.assert_close(whole.keys, k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(whole.values, v, atol=1e-4, rtol=1e-4)
@@ -71,12 +77,14 @@ def test_the_branch_folds_into_a_format_4_adapter_that_projects_as_trained_tiled
                         dtype=torch.float32, tile=tile)
         torch.testing.assert_close(tiled.kv, whole.kv, atol=1e-5, rtol=1e-5)
     path = save_adapter(adapter, tmp_path / "ctx.safetensors")
-    assert read_adapter_meta(path)["format_version"] == 4
+    assert read_adapter_meta(path)["format_version"] == (4 if norm else 5)
     again = load_adapter(path)
+    assert again.context_norm == norm
     assert torch.equal(project(again, seg, paired.alignment, paired.target_ids, source.rope, target.rope,
                                dtype=torch.float32).kv, whole.kv)
-    assert again.extra_flops_per_token() - either_ridge[0].extra_flops_per_token() == 2 * sum(
-        getattr(again, n).numel() for n in ("ctx_g", "ctx_a", "ctx_b"))
+    lags = again.ctx_lags.numel()  # format 4: the filter, then A and B; format 5: A once per lag, then B
+    assert again.extra_flops_per_token() - either_ridge[0].extra_flops_per_token() == 2 * (
+        again.ctx_b.numel() + (again.ctx_g.numel() + again.ctx_a.numel() if norm else lags * again.ctx_a.numel()))
     half = again.with_maps_dtype(torch.bfloat16)  # the shipped dtype: the lags stay integers
     assert half.ctx_a.dtype == torch.bfloat16 and half.ctx_lags.dtype == torch.int64
     got = project(half, seg, paired.alignment, paired.target_ids, source.rope, target.rope, dtype=torch.float32)
@@ -97,6 +105,32 @@ def test_the_branch_reads_only_the_tokens_before():
     changed = (branch(x2, *args) - y).abs().amax(dim=(0, 2)) > 1e-6
     assert changed.tolist() == [False] * 5 + [True, True, False, False]
     torch.testing.assert_close(branch(x, *args, halo=4), y[:, 4:])  # a halo only reads: the same outputs
+
+
+@pytest.mark.parametrize("layers_at_once", [1, 2, 5])
+def test_the_inference_branch_on_pieces_is_the_trained_branch(monkeypatch, layers_at_once):
+    """The projection's branch (no autograd: the inputs as pieces, one broadcast over layers, a few layers at a
+    time, the norm after the GEMM) computes what training's does, at every halo and length, the document's start
+    (lags reaching before it) and lags in any order."""
+    gen = torch.Generator().manual_seed(1)
+    lt, r, dt = 5, 3, 4
+    widths = (3, 2, 4)
+    d = sum(widths)
+    lags = torch.tensor([2, 1, 4])
+    params = (torch.randn(lt, d, generator=gen), torch.randn(lt, 3, d, generator=gen),
+              torch.randn(lt, d, r, generator=gen), torch.randn(lt, r, dt, generator=gen))
+    monkeypatch.setattr(adapter_module, "BRANCH_TILE", layers_at_once)  # n >= 1 tokens: 1 .. 5 layers at a time
+    for halo in (0, 1, 3, 4, 6):
+        for n in (1, 2, 7):
+            x = torch.randn(lt, halo + n, d, generator=gen)
+            x[..., 3:5] = torch.randn(halo + n, 2, generator=gen)  # the same for every layer (as token features)
+            trained = branch(x.clone().requires_grad_(), lags, *[p.clone().requires_grad_() for p in params],
+                             halo=halo)
+            pieces = [x[..., :3], x[0, :, 3:5].expand(lt, -1, -1), x[..., 5:]]
+            got = adapter_module._branch_inference(pieces, lags, *params, halo)
+            torch.testing.assert_close(got, trained.detach(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="reads 9 features, its inputs have 7"):
+        adapter_module._branch_inference([x[..., :7]], lags, *params, 0)
 
 
 def test_a_new_branch_is_the_per_token_map_and_training_moves_it(pair, cache, ridge, tmp_path):  # noqa: F811

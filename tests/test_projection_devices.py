@@ -26,16 +26,18 @@ def _on_meta(lm, name: str):
     return model, ModelRope(lm.spec, find_rotary_module(model, name))
 
 
-@pytest.mark.parametrize("tile,context", [(None, False), (8, False), (None, True), (8, True)])
+@pytest.mark.parametrize("tile,context", [(None, 0), (8, 0), (None, 4), (8, 4), (None, 5), (8, 5)])
 def test_project_makes_everything_on_the_adapters_device(tiny_source, tiny_target, tile, context):
     """One piece (a GPU's way) and in tiles of 8 tokens (a CPU's way), some target tokens without a source; with and
-    without a context branch (format 4: its tiles read the tokens before them)."""
+    without a context branch (format 4: its tiles read the tokens before them; format 5: its filter as GEMMs)."""
     adapter = random_adapter(tiny_source, tiny_target)
     if context:
         lt, d_in, d_t = adapter.wk.shape
         adapter = dataclasses.replace(adapter, ctx_lags=torch.tensor([1, 2, 3]), ctx_mu=torch.zeros(lt, 2 * d_in),
                                       ctx_g=torch.ones(lt, 3, 2 * d_in), ctx_a=torch.randn(lt, 2 * d_in, 4),
-                                      ctx_b=torch.randn(lt, 4, 2 * d_t))
+                                      ctx_b=torch.randn(lt, 4, 2 * d_t),
+                                      meta=dataclasses.replace(adapter.meta, format_version=context))
+        assert adapter.context_norm == (context == 4)
     adapter = adapter.to(META)
     ids = torch.arange(5, 29)
     seg = kvcache.extract(tiny_source.model, tiny_source.spec, ids).to(device=META)

@@ -67,9 +67,12 @@ def test_the_shipped_small_pair_adapter_says_how_it_was_made():
     path = shipped_module.SHIPPED_FOLDER / SMALL_PAIR_FILE
     assert path.is_file() and path.stat().st_size <= 16 << 20
     adapter = load_adapter(path)
-    assert {getattr(adapter, n).dtype for n in ("wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok")} == {
-        torch.bfloat16}
-    assert adapter.meta.format_version == 2 and adapter.token_rank == 64  # the maps read the target's token ids
+    assert {getattr(adapter, n).dtype for n in ("wk", "bk", "wv", "bv", "tok_table", "wk_tok", "wv_tok", "ctx_mu",
+                                                 "ctx_g", "ctx_a", "ctx_b")} == {torch.bfloat16}
+    assert adapter.token_rank == 64  # the maps read the target's token ids
+    # and the 4 tokens before each token, through a rank-24 branch without a norm (format 5: GEMMs in a projection)
+    assert adapter.meta.format_version == 5 and not adapter.context_norm
+    assert adapter.ctx_lags.tolist() == [1, 2, 3, 4] and adapter.ctx_a.shape[-1] == 24
     assert tuple(adapter.tok_table.shape) == (49152, 64)  # one row per SmolLM2 embedding row
     meta = adapter.meta
     assert meta.source["name"] == "gemma-3-270m-q4_k_m" and meta.target["name"] == "smollm2-135m-instruct-q4_1"

@@ -31,6 +31,7 @@ from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
 from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.map_kv import project_window
 from kvbridge.adapters.recovery_probe import RecoveryProbe
+from kvbridge.adapters.scoring import continuation_nll
 from kvbridge.transfer.presets import load_pair
 from kvbridge.transfer.segment import KVSegment
 
@@ -61,7 +62,7 @@ with torch.no_grad():
         k, v = project_window(maps, probe.start_kv, src.xk, src.xv, it.start_mask, target, it.context_ids)
         seg = KVSegment(kv=torch.stack((k, v), dim=1), token_ids=it.context_ids,
                         positions=torch.arange(it.context_ids.numel()), model=target.spec.identity, rotated=True)
-        mixed.append(probe._cached(seg, it.continuation))
+        mixed.append(float(continuation_nll(target, seg, it.continuation, 0)))
 rows = list(zip(probe.none, probe.full, own, mixed))
 
 
