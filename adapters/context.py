@@ -15,6 +15,11 @@ ctx_a [L_t, 2 d_in, r], ctx_b [L_t, r, 2 d_t]. `adapter.branch` computes it for 
 `adapter.map_tokens`), so what was trained is what projects. A CPU tile of a projection reads the `halo` tokens
 before it (adapter.py), so a tiled projection equals an untiled one.
 
+Without the norm (`ContextConfig(norm=False)`, `train-adapter --context-no-norm`, adapter format 5: the same tensors)
+h_t = silu(c_t @ A) is linear up to silu, so the projection runs it as one GEMM per lag (A_i = diag(g_i) A, as more
+columns of the per-token maps' GEMMs) and sums each lag's r columns of the token that far back, not as elementwise
+passes over 2 · d_in features (adapter.py: `linear_context_maps`, `_fused_maps`); the small pair's shipped adapter.
+
 `ContextMaps` is the trainable form: residual.ResidualMaps (the ridge map and its linear residual) plus the branch,
 whose B starts at zero (step 0 is the per-token map); trained by `train-adapter --trainer chain --context-window W`
 (docs/adapters.md: the 8 tokens before each token, not the token itself, raised held-out recovery by +0.020 at the
