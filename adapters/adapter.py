@@ -191,8 +191,9 @@ BRANCH_TILE = 448  # layers x tokens the inference filter holds at once: a piece
 def _branch_inference(pieces: list[torch.Tensor], lags: torch.Tensor, mu: torch.Tensor, g: torch.Tensor,
                       a: torch.Tensor, b: torch.Tensor, halo: int) -> torch.Tensor:
     """`branch` without autograd, on its input's pieces (in feature order, each [L_t, halo + n, w], concatenated
-    `branch`'s x; a view may broadcast a piece over layers): no concatenated copy, a few target layers at a time so
-    each piece's input and filter stay in cache, and the norm taken after the first GEMM, which it commutes with
+    `branch`'s x; a view may broadcast a piece over layers), copied side by side a few target layers at a time (no
+    copy of every layer's inputs at once) so each group's input and filter stay in cache, and the norm taken after
+    the first GEMM, which it commutes with
     (rms_norm(c) @ a = (c @ a) / rms(c)): the filter is never normalised or copied, only read by the GEMM and by
     the sum of its squares. Equal to `branch` up to rounding (the GEMM's inputs are rounded before the scale)."""
     lt, total = pieces[0].shape[:2]
