@@ -74,6 +74,14 @@ def source_inputs(src_basis: torch.Tensor | None, xk: torch.Tensor, xv: torch.Te
     return z, z
 
 
+def _mixed(adapter: Adapter, maps: dict, x: torch.Tensor, kind: str, gemm: torch.dtype) -> torch.Tensor:
+    """The mix of source layers in gemm's dtype; a float32 input is mixed before it is rounded (a bf16 GEMM over the
+    few source layers is slower than the float32 one and its conversion)."""
+    if x.dtype == torch.float32:
+        return mix_layers(x, adapter.layer_map, getattr(adapter, f"mix_{kind}").float()).to(gemm)
+    return mix_layers(x.to(gemm), adapter.layer_map, maps[f"mix_{kind}"])
+
+
 def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_fp32: bool = True,
                target_ids: torch.Tensor | None = None, halo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The maps, batched over target layers.
@@ -109,11 +117,7 @@ def map_tokens(adapter: Adapter, xk: torch.Tensor, xv: torch.Tensor, accumulate_
             xk, xv, *(t for t in maps.values() if t is not None)):
         fused = adapter.cached(("fused_context", gemm), lambda: _fused_maps(adapter, maps, gemm))
     for x, kind in ((xk, "k"), (xv, "v")):
-        # [L_t, halo + T, d_s] in gemm's dtype; a float32 input is mixed before it is rounded (a bf16 GEMM over
-        # the few source layers is slower than the float32 one and its conversion)
-        mixed = mix_layers(x, adapter.layer_map, adapter.mix_k.float() if kind == "k" else adapter.mix_v.float()
-                           ).to(gemm) if x.dtype == torch.float32 else mix_layers(x.to(gemm), adapter.layer_map,
-                                                                                    maps[f"mix_{kind}"])
+        mixed = _mixed(adapter, maps, x, kind, gemm)  # [L_t, halo + T, d_s]
         if fused is not None:  # [L_t, halo + T, d_t + lags x r]: the map's outputs, then the branch's inputs
             w, b, w_tok = fused[kind]
             y = torch.baddbmm(b[:, None], mixed, w)

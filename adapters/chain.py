@@ -200,14 +200,29 @@ def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: 
     return adapter, stats, seconds
 
 
+def context_config(config: ChainConfig) -> ContextConfig:
+    """The context branch a command asks for (--context-window, --context-rank, --context-no-norm)."""
+    return ContextConfig(window=config.context_window, rank=config.context_rank, norm=config.context_norm)
+
+
 def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, target: LoadedModel,
           config: ChainConfig, progress: bool) -> tuple[Adapter, RidgeStats, float]:
     """The trained adapter `config.init` (float32) and the whitening statistics of the ridge windows through it."""
     adapter = load_adapter(config.init)
     adapter.check_models(source.spec, target.spec)
-    if adapter.ctx_lags is not None:
-        raise ValueError(f"{config.init} has a context branch (adapter format 4): --init starts from the linear maps "
-                         "of formats 1-3 only (the branch would be left behind, out of step with the maps it adds to)")
+    if adapter.ctx_lags is not None and config.context_window and (
+            ContextConfig.of(adapter) != context_config(config)):
+        raise ValueError(f"{config.init} has a context branch of {len(adapter.ctx_lags)} tokens, rank "
+                         f"{adapter.ctx_a.shape[-1]}, {'with' if adapter.context_norm else 'without'} its norm; the "
+                         f"command asks for {config.context_window}, rank {config.context_rank}, "
+                         f"{'with' if config.context_norm else 'without'} (leave out --context-window to keep the "
+                         "adapter's)")
+    if adapter.ctx_lags is not None and config.fuser_rank:
+        raise ValueError(f"{config.init} has a context branch (adapter format {adapter.meta.format_version}): a "
+                         "fuser starts from the linear maps of formats 1-3 only")
+    if adapter.ctx_lags is None and config.context_window:
+        raise ValueError(f"{config.init} has no context branch: --context-window trains one from a ridge fit, "
+                         "not from --init")
     adapter = adapter.with_maps_dtype(torch.float32)
     adapter = dataclasses.replace(adapter, start_kv=None if adapter.start_kv is None else adapter.start_kv.float())
     folder = work / "init"
@@ -261,15 +276,19 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     else:
         ridge, stats, ridge_s = _ridge(work, cache, train_idx, dev_idx, target, config, progress)
     torch.manual_seed(config.seed)
+    context = None
     if config.fuser_rank:
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
+    elif config.init and ridge.ctx_lags is not None:  # the branch goes on training from where it ended
+        context = ContextConfig.of(ridge)
+        maps = ContextMaps(ridge, stats, context)
+        maps.unfold(ridge)
     elif config.context_window:
-        maps = ContextMaps(ridge, stats, ContextConfig(window=config.context_window, rank=config.context_rank,
-                                                       norm=config.context_norm))
+        context = context_config(config)
+        maps = ContextMaps(ridge, stats, context)
     else:
         maps = ResidualMaps(ridge, stats, CapacityConfig())
-    kind = (f"-context{config.context_window}r{config.context_rank}{'' if config.context_norm else '-nonorm'}"
-            if config.context_window else "")
+    kind = (f"-context{context.window}r{context.rank}{'' if context.norm else '-nonorm'}" if context else "")
     probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
              if is_main() else None)  # rank 0 scores the dev windows
     answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)

@@ -69,8 +69,9 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                    help="chain: that MLP without the norm of its filtered inputs (adapter format 5): the projection "
                         "then runs the filter as one GEMM per lag with the maps, not as elementwise passes")
     p.add_argument("--init", metavar="ADAPTER",
-                   help="chain: start from this trained adapter of the pair (no ridge fit; its token rank is kept), "
-                        "e.g. to fine-tune it with --exact-tail")
+                   help="chain: start from this trained adapter of the pair (no ridge fit; its token rank and its "
+                        "context branch, formats 4-5, are kept and trained on), e.g. to fine-tune it with --exact-tail "
+                        "or on longer windows (--context-tokens)")
     p.add_argument("--exact-tail", type=float, default=0.0, metavar="F",
                    help="chain/fuser: in half the kl/ce steps the context's last k tokens (k up to F of it) are "
                         "prefilled exactly after the projected rest, as selective recompute does (0: never)")

@@ -28,6 +28,7 @@ same data and steps).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -55,6 +56,14 @@ class ContextConfig:
     def lags(self) -> torch.Tensor:
         return torch.arange(self.first_lag, self.first_lag + self.window, dtype=torch.int64)
 
+    @classmethod
+    def of(cls, adapter) -> "ContextConfig":
+        """The branch a trained adapter holds (formats 4 and 5): its window, first lag, rank and norm."""
+        lags = adapter.ctx_lags.tolist()
+        if lags != list(range(lags[0], lags[0] + len(lags))):
+            raise ValueError(f"the adapter's context lags {lags} are not consecutive: no ContextConfig trains them")
+        return cls(window=len(lags), rank=adapter.ctx_a.shape[-1], first_lag=lags[0], norm=adapter.context_norm)
+
 
 class ContextMaps(ResidualMaps):
     """ResidualMaps plus the context branch (module docstring); `to_adapter` folds both into a format-4 adapter."""
@@ -68,6 +77,8 @@ class ContextMaps(ResidualMaps):
             var = (q * q * w.clamp(min=1e-12).pow(-2)[:, None, :]).sum(-1)
             self.register_buffer(f"std_{m}", var.sqrt().float())  # [L_t, d_in]
         d_in = 2 * self.d_s
+        # the inputs' mean the filter subtracts: the statistics' own, or the one of the adapter `unfold` starts from
+        self.register_buffer("ctx_mu", torch.cat((self.mu_k, self.mu_v), dim=-1), persistent=False)
         g = torch.zeros(lt, config.window, d_in)
         g[:, 0] = 1.0
         self.ctx_g = nn.Parameter(g)
@@ -81,11 +92,32 @@ class ContextMaps(ResidualMaps):
         cfg, lt = self.context_config, self.wk.shape[0]
         std = torch.cat((self.std_k, self.std_v), dim=-1)  # [L_t, 2 d_in]
         gate = self.ctx_gate[:, :, :, None].expand(lt, 2, self.num_heads, self.d_t // self.num_heads)
-        sigma = torch.stack((self.sigma_k, self.sigma_v), dim=1)[:, :, None]  # [L_t, 2, 1]
-        out_scale = (gate.reshape(lt, 2, self.d_t) * sigma).reshape(lt, 1, 2 * self.d_t)
-        return {"ctx_lags": cfg.lags, "ctx_mu": torch.cat((self.mu_k, self.mu_v), dim=-1),
+        out_scale = gate.reshape(lt, 1, 2 * self.d_t) * self._out_scale()
+        return {"ctx_lags": cfg.lags, "ctx_mu": self.ctx_mu,
                 "ctx_g": self.ctx_g / std[:, None], "ctx_a": self.ctx_a * self.ctx_norm[:, :, None],
                 "ctx_b": self.ctx_b * (cfg.scale / math.sqrt(cfg.rank)) * out_scale}
+
+    def _out_scale(self) -> torch.Tensor:
+        """[L_t, 1, 2 d_t]: the target's K and V scale per output feature (what `folded` multiplies B by at gate 1)."""
+        lt = self.wk.shape[0]
+        sigma = torch.stack((self.sigma_k, self.sigma_v), dim=1)[:, :, None]  # [L_t, 2, 1]
+        return sigma.expand(lt, 2, self.d_t).reshape(lt, 1, 2 * self.d_t)
+
+    @torch.no_grad()
+    def unfold(self, adapter) -> None:
+        """Start the branch as the trained `adapter` holds it folded (`train-adapter --init` of a format-4/5
+        adapter): `folded()` then gives back its tensors (up to rounding), whatever statistics these maps whiten
+        with; the norm's weight and the gates start at 1 (folded into A and B)."""
+        cfg = self.context_config
+        if ContextConfig.of(adapter) != dataclasses.replace(cfg, scale=ContextConfig.scale):
+            raise ValueError(f"the adapter's context branch is {ContextConfig.of(adapter)}, these maps' {cfg}")
+        std = torch.cat((self.std_k, self.std_v), dim=-1)
+        self.ctx_mu.copy_(adapter.ctx_mu.float())
+        self.ctx_g.copy_(adapter.ctx_g.float() * std[:, None])
+        self.ctx_norm.fill_(1.0)
+        self.ctx_a.copy_(adapter.ctx_a.float())
+        self.ctx_gate.fill_(1.0)
+        self.ctx_b.copy_(adapter.ctx_b.float() / (self._out_scale() * (cfg.scale / math.sqrt(cfg.rank))))
 
     def forward(self, xk, xv, ids=None):
         inputs = self.inputs(xk, xv, ids)  # read once, by the linear maps and the branch
@@ -96,8 +128,6 @@ class ContextMaps(ResidualMaps):
         return yk + y[..., :self.d_t], yv + y[..., self.d_t:]
 
     def to_adapter(self, ridge):
-        import dataclasses
-
         from kvbridge.adapters.weights import CONTEXT_FORMAT_VERSION, LINEAR_CONTEXT_FORMAT_VERSION
 
         linear = super().to_adapter(ridge)

@@ -1,6 +1,6 @@
 """Evaluation sets of long documents no training or tuning step reads: `kvbridge eval heldout`.
 
-Two sources, each written as records (id, document, summary) for `kvbridge eval rouge`:
+Three sources, written as records (id, document, summary) for `kvbridge eval rouge` (one or more in one file):
   man     manual pages installed on this machine (section 1, rendered by man(1) and col(1)): text of another kind
           than every training corpus (DESIGN: man pages stay out of training sets). The document is the page from its
           DESCRIPTION on (NAME and SYNOPSIS left out), paragraphs on one line each; the reference summary is the
@@ -9,6 +9,9 @@ Two sources, each written as records (id, document, summary) for `kvbridge eval 
   corpus  the documents of the training corpora held out from training *and* from the trainer's dev windows
           (adapters.chain's split: blake2b of the id under heldout_fraction, and not among the dev half); no
           reference summary (fidelity is measured against the target's own answer).
+  summaries  the pages among the first 100 records of `data/pydoc_summaries.jsonl` (held out from every training
+          and tuning step: docs/adapters.md) that are not in the packaged sample or held-out set, with their
+          summaries.
 Only documents with at least `min_tokens` target tokens are kept, so a run at --max-doc-tokens N below that reads
 N tokens of every one.
 """
@@ -108,6 +111,23 @@ def corpus_records(files: list[str], tokenizer, min_tokens: int, doc_chars: int 
     return out
 
 
+HELD_OUT_SUMMARIES = 100  # the first records of pydoc_summaries.jsonl: no training or tuning step read them
+PACKAGED = ("pydoc_summaries_sample.jsonl", "pydoc_heldout.jsonl")  # what eval runs exclude (--exclude)
+
+
+def summaries_records(path: str, tokenizer, min_tokens: int) -> list[dict]:
+    """The summaries file's held-out pages (its first 100 records, less the packaged ones) with >= min_tokens."""
+    from kvbridge.eval.records import read_records
+    from kvbridge.transfer.data import data_path
+
+    packaged = {r.id for name in PACKAGED for r in read_records(data_path(name))}
+    out = []
+    for r in read_records(path)[:HELD_OUT_SUMMARIES]:
+        if r.id not in packaged and len(tokenizer(r.document, add_special_tokens=False)["input_ids"]) >= min_tokens:
+            out.append({"id": r.id, "document": r.document, "summary": r.summary})
+    return out
+
+
 def add_parser(esub) -> None:
     from kvbridge.transfer.presets import PRESETS
 
@@ -115,6 +135,8 @@ def add_parser(esub) -> None:
                                         "corpora's documents no training step read)")
     p.add_argument("--man", type=int, metavar="N", help="N manual pages of section 1 installed here")
     p.add_argument("--corpus", nargs="+", metavar="FILE", help="the training corpora: their held-out documents")
+    p.add_argument("--summaries", metavar="FILE", help="data/pydoc_summaries.jsonl: its held-out pages (the first "
+                                                       "100 records, less the packaged sample and held-out set)")
     p.add_argument("--min-tokens", type=int, default=1056,
                    help="keep documents of at least this many target tokens (1,024 + the 32-token continuation)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="whose target tokenizer counts")
@@ -126,13 +148,16 @@ def add_parser(esub) -> None:
 def cmd_eval_heldout(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
-    if bool(args.man) == bool(args.corpus):
-        raise ValueError("give one of --man N or --corpus FILE...")
+    if not (args.man or args.corpus or args.summaries):
+        raise ValueError("give --man N, --corpus FILE... or --summaries FILE (or several)")
     tokenizer = load_pair(args.preset, device="cpu", source_weights=False)[1].tokenizer
+    records = []
     if args.man:
-        records = man_records(tokenizer, args.man, args.min_tokens, args.seed)
-    else:
-        records = corpus_records(args.corpus, tokenizer, args.min_tokens)
+        records += man_records(tokenizer, args.man, args.min_tokens, args.seed)
+    if args.corpus:
+        records += corpus_records(args.corpus, tokenizer, args.min_tokens)
+    if args.summaries:
+        records += summaries_records(args.summaries, tokenizer, args.min_tokens)
     if not records:
         raise ValueError(f"no document of at least {args.min_tokens} target tokens found")
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)

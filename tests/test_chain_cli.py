@@ -220,7 +220,8 @@ def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_
 
 def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, tmp_path, capsys):
     """--context-window: the maps also read the tokens before each token (format 4); its stages live in their own
-    folders of the work folder, so a plain run there is not resumed into it; --init from it is refused by name."""
+    folders of the work folder, so a plain run there is not resumed into it; --init from it trains its branch on
+    (a different branch asked for, or a fuser, is refused by name, as is --context-window from a plain adapter)."""
     work, plain, ctx = tmp_path / "work", tmp_path / "plain.safetensors", tmp_path / "ctx.safetensors"
     assert main(_args(corpus, work, plain, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8")) == 0
     assert main(_args(corpus, work, ctx, "--trainer", "chain", "--stages", "kl:2", "--token-rank", "8",
@@ -231,8 +232,20 @@ def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, 
     assert a.ctx_lags is None and c.ctx_lags.tolist() == [1, 2] and c.ctx_a.shape[2] == 4
     assert c.ctx_a.dtype == torch.bfloat16 and c.token_rank == a.token_rank == 8
     assert (work / "stage-0-kl").is_dir() and (work / "stage-0-kl-context2r4").is_dir()
-    assert main(_args(corpus, tmp_path / "work-b", tmp_path / "x.safetensors", "--trainer", "chain", "--init",
-                      str(ctx), "--stages", "kl:2")) == 2
-    assert "has a context branch" in capsys.readouterr().err
+    # --init from it: the branch goes on training (same lags and rank, same format), in its own stage folder
+    tuned = tmp_path / "tuned.safetensors"
+    assert main(_args(corpus, tmp_path / "work-b", tuned, "--trainer", "chain", "--init", str(ctx), "--stages",
+                      "kl:2", "--stage-lr", "kl=1e-2")) == 0
+    t = load_adapter(tuned)
+    assert read_adapter_meta(tuned)["format_version"] == 4 and torch.equal(t.ctx_lags, c.ctx_lags)
+    assert t.ctx_a.shape == c.ctx_a.shape and (tmp_path / "work-b" / "stage-0-kl-context2r4").is_dir()
+    for bad, says in ((("--context-window", "3", "--context-rank", "4"), "has a context branch of 2 tokens, rank 4"),
+                      (("--trainer", "fuser", "--stages", "ce:2", "--fuser-rank", "4"), "a fuser starts from")):
+        assert main(_args(corpus, tmp_path / "work-c", tmp_path / "x.safetensors", "--trainer", "chain", "--init",
+                          str(ctx), "--stages", "kl:2", *bad)) == 2
+        assert says in capsys.readouterr().err
+    assert main(_args(corpus, tmp_path / "work-c", tmp_path / "x.safetensors", "--trainer", "chain", "--init",
+                      str(plain), "--stages", "kl:2", "--context-window", "2")) == 2
+    assert "has no context branch" in capsys.readouterr().err
     with pytest.raises(ValueError, match="context window is for projections"):
         ChainConfig(stages=(("ce", 3),), fuser_rank=8, context_window=2)

@@ -16,7 +16,7 @@ from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.io import load_adapter, read_adapter_meta, save_adapter
 from kvbridge.adapters.map_kv import project_window
 from kvbridge.adapters.pairs import pair_text, start_token_id
-from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats
 from kvbridge.adapters.teacher import source_features
 from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.transfer import kvcache
@@ -146,6 +146,32 @@ def test_a_new_branch_is_the_per_token_map_and_training_moves_it(pair, cache, ri
     train(maps, ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
           tmp_path / "kl", progress=False)
     assert float(maps.ctx_b.detach().abs().max()) > 0 and bool(maps.ctx_g.detach()[:, 1:].abs().max() > 0)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["format4", "format5-no-norm"])
+def test_a_trained_branch_unfolds_into_maps_that_go_on_from_it(pair, cache, ridge_tok, norm):  # noqa: F811
+    """train-adapter --init of a context adapter: new maps over the adapter, whitened with statistics of other
+    windows (another mean, scale and target scale than the branch was trained with), and the branch unfolded into
+    them compute what the adapter's maps computed and fold back into the same tensors."""
+    _, target = pair
+    maps = _context_maps(ridge_tok, dataclasses.replace(CONFIG, norm=norm))
+    adapter = maps.to_adapter(ridge_tok[0])
+    stats = adapter_stats(adapter, cache, list(range(4, 10)), target, progress=False)
+    again = ContextMaps(adapter, stats, ContextConfig.of(adapter))
+    assert not torch.allclose(again.std_k, maps.std_k) and not torch.allclose(again.ctx_mu, maps.ctx_mu)
+    again.unfold(adapter)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(adapter.meta.source["num_layers"], 9, adapter.wk.shape[1], generator=gen)
+    ids = torch.randint(0, adapter.tok_table.shape[0], (9,), generator=gen)
+    with torch.no_grad():
+        for got, want in zip(again(x, x, ids), maps(x, x, ids)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        folded = again.to_adapter(adapter)
+    for name in ("ctx_lags", "ctx_mu", "ctx_g", "ctx_a", "ctx_b", "wk", "wv", "bk", "bv"):
+        torch.testing.assert_close(getattr(folded, name), getattr(adapter, name), atol=1e-5, rtol=1e-4)
+    assert folded.meta.format_version == adapter.meta.format_version == (4 if norm else 5)
+    with pytest.raises(ValueError, match="the adapter's context branch is"):
+        ContextMaps(adapter, stats, dataclasses.replace(CONFIG, window=2, norm=norm)).unfold(adapter)
 
 
 def test_bad_context_branches_are_refused_by_name(ridge):  # noqa: F811

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 from kvbridge.adapters.teacher import is_heldout, split_documents
-from kvbridge.eval.heldout import corpus_records, man_record, man_records, render_man
+from kvbridge.eval.heldout import corpus_records, man_record, man_records, render_man, summaries_records
 from kvbridge.eval.records import read_records
 
 PAGE = r""".TH FROB 1 "2026-12-01" "frob 1.0" "User Commands"
@@ -71,6 +71,24 @@ def test_corpus_records_are_the_documents_no_training_or_dev_step_reads(tmp_path
     out = tmp_path / "records.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert [r.summary for r in read_records(out)] == [""] * len(records)  # no reference: fidelity only
+
+
+def test_summaries_records_are_the_first_hundred_pages_less_the_packaged_ones(tmp_path):
+    """The summaries file's held-out pages: its first 100 records (later ones were read by tuning), not the packaged
+    sample or held-out pages (eval runs --exclude them), long enough; their reference summaries kept."""
+    from kvbridge.transfer.data import data_path
+
+    packaged = [r for name in ("pydoc_summaries_sample.jsonl", "pydoc_heldout.jsonl") for r in read_records(
+        data_path(name))]
+    mine = [{"id": f"pydoc:page{i}", "document": " ".join(["word"] * (50 + i)), "summary": f"page {i}"}
+            for i in range(120)]
+    rows = [{"id": r.id, "document": r.document + " word" * 200, "summary": r.summary} for r in packaged[:3]] + mine
+    path = tmp_path / "summaries.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = summaries_records(str(path), Words(), min_tokens=140)
+    # records 0-99 of the file: 3 packaged (left out, however long), then pages 0-96, of which 90-96 are long enough
+    assert [r["id"] for r in records] == [f"pydoc:page{i}" for i in range(90, 97)]
+    assert records[0]["summary"] == "page 90"
 
 
 def test_a_record_needs_a_string_summary(tmp_path):
