@@ -161,6 +161,7 @@ def cmd_eval_heldout(args: argparse.Namespace) -> int:
     if not records:
         raise ValueError(f"no document of at least {args.min_tokens} target tokens found")
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # `--out data/...` on a fresh clone
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"{len(records)} documents of >= {args.min_tokens} target tokens -> {args.out} "
           f"(sha256 {hashlib.sha256(text.encode()).hexdigest()})")

@@ -92,10 +92,11 @@ if args.write:
     metrics = dict(meta.metrics)
     metrics["recovery_heldout"] = {
         "note": f"value, then the bootstrap 95% interval; the first {n} documents of pydoc_summaries.jsonl "
-                "(192-token context, 64-token continuation), none in the training corpus; 'recovery' above: the 46 "
-                "packaged pydoc_heldout.jsonl documents, as train-adapter printed it; own_tokens_other_source: this "
-                "document's target tokens with the next document's source KV (what token identity alone gives through "
-                "this adapter); source_share: projected minus that, paired",
+                "(192-token context, 64-token continuation), none in the training corpus; "
+                + ("'recovery' above: the 46 packaged pydoc_heldout.jsonl documents, as train-adapter printed it; "
+                   if "recovery" in metrics else "")
+                + "own_tokens_other_source: this document's target tokens with the next document's source KV (what "
+                "token identity alone gives through this adapter); source_share: projected minus that, paired",
         f"pydoc_summaries_{n}_docs": result}
     training = dict(meta.training)
     if args.teacher_reused_s is not None:  # the teacher cache came from an earlier run of the same windows
