@@ -73,6 +73,24 @@ def test_corpus_records_are_the_documents_no_training_or_dev_step_reads(tmp_path
     assert [r.summary for r in read_records(out)] == [""] * len(records)  # no reference: fidelity only
 
 
+def test_the_command_writes_into_a_folder_that_does_not_exist_yet(tmp_path, capsys):
+    """`kvbridge eval heldout --out data/FILE` on a fresh clone, before `data build` made `data/`."""
+    import argparse
+
+    from kvbridge.eval.heldout import cmd_eval_heldout
+
+    rng = random.Random(1)
+    corpus = tmp_path / "alpha_corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice("a model reads text once".split()) for _ in range(200))
+                                  for _ in range(300)))
+    out = tmp_path / "data" / "sub" / "long.jsonl"
+    args = argparse.Namespace(man=None, corpus=[str(corpus)], summaries=None, min_tokens=100, preset="tiny", seed=0,
+                              out=str(out))
+    assert cmd_eval_heldout(args) == 0
+    records = read_records(out)
+    assert records and f"{len(records)} documents of >= 100 target tokens -> {out}" in capsys.readouterr().out
+
+
 def test_summaries_records_are_the_first_hundred_pages_less_the_packaged_ones(tmp_path):
     """The summaries file's held-out pages: its first 100 records (later ones were read by tuning), not the packaged
     sample or held-out pages (eval runs --exclude them), long enough; their reference summaries kept."""
