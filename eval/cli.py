@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from kvbridge.eval.modes import DEFAULT_MODES
 from kvbridge.eval.summaries import EvalConfig
@@ -33,6 +34,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--continuation-tokens", type=int, default=EvalConfig.continuation_tokens,
                    help="held-out tokens after the cut, for NLL recovery")
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens, help="summary length (greedy)")
+    p.add_argument("--instruction", default=EvalConfig.instruction,
+                   help="the text after the document that asks for the answer (default %(default)r; backslash "
+                        "escapes such as \\n are read as such)")
     p.add_argument("--fuse-steps", type=int, default=EvalConfig.fuse_steps, help="Adam steps fitting fuse's gates")
     p.add_argument("--no-induction-prior", action="store_true",
                    help="read projected KV as it is in every mode (default: with the target's induction prior, "
@@ -76,7 +80,7 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
 
     config = EvalConfig(max_doc_tokens=args.max_doc_tokens, continuation_tokens=args.continuation_tokens,
                         max_new_tokens=args.max_new_tokens, fuse_steps=args.fuse_steps,
-                        induction_prior=not args.no_induction_prior)
+                        induction_prior=not args.no_induction_prior, instruction=_unescape(args.instruction))
     options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
                          fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
                          out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
@@ -86,6 +90,11 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
     for name, path in result["paths"].items():
         print(f"{name}: {path}")
     return 0
+
+
+def _unescape(text: str) -> str:
+    r"""'\n\nSummary:' as typed in a shell -> two line breaks, then 'Summary:' (\n, \t and \\ only)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def cmd_eval_compare(args: argparse.Namespace) -> int:

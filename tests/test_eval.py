@@ -381,11 +381,13 @@ def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys
     rc = main(["eval", "rouge", "--data", str(SAMPLE), "--preset", "tiny", "--adapter", str(tiny_adapter_file),
                "--modes", "full,none,replace,recompute:1", "--limit", "2", "--max-doc-tokens", "64",
                "--continuation-tokens", "8", "--max-new-tokens", "6", "--out", str(out), "--no-progress",
-               "--bootstrap", "100"])
+               "--bootstrap", "100", "--instruction", r"\n\nIn short:"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| recompute:1 |" in printed and str(out / "table.md") in printed
-    docs = json.loads((out / "results.json").read_text())["documents"]
+    written = json.loads((out / "results.json").read_text())
+    assert written["meta"]["config"]["instruction"] == "\n\nIn short:"  # typed escapes are line breaks
+    docs = written["documents"]
     for doc in docs:
         m = doc["modes"]
         assert m["replace"]["nll"] != pytest.approx(m["full"]["nll"], rel=1e-3)
