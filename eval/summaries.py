@@ -47,9 +47,13 @@ class EvalConfig:
     min_doc_tokens: int = 32  # documents with less context than this are skipped
     max_new_tokens: int = 24  # greedy summary length; the first line break after some text also ends it
     # A completion prompt, not the chat template: SmolLM2's template puts its default system prompt between the
-    # document and the request, and the model then describes itself. Chosen on 6 documents of the shipped sample
-    # (excluded from the full run) by the target's own-prefill ROUGE-L against 2 other wordings.
-    instruction: str = "\n\nOne-line summary of the text above:"
+    # document and the request, and the model then describes itself. Until 2026-12-05 "\n\nOne-line summary of the
+    # text above:", whose own answer (`full`) was a repeated request ("The one-line summary of the text above is:",
+    # the content on a next line no answer reached) on 57 of the 100 held-out pydoc pages: fidelity compared those
+    # preambles. This one was chosen among 6 wordings (none an answer window's) on pages 100-159 of
+    # pydoc_summaries.jsonl by `full`'s answers alone (no preamble: 2 of 60; ROUGE-L vs the reference 0.142, the old
+    # 0.061): docs/quality.md, "The instruction".
+    instruction: str = "\n\nSummary (one sentence):"
     fuse_steps: int = 20  # Adam steps fitting fuse's gates (eval.gates)
     # Modes that read projected KV read it with the target's induction prior (transfer.suffix.induction), but for
     # those named with /noprior (or /probe: the probe's prior); False: every mode reads it as it is.

@@ -289,7 +289,7 @@ def test_the_connector_honours_recompute_tokens(engine, doc, own):
 def test_projected_path_gives_the_tokens_of_kvbridges_replace_mode(engine, doc, smollm2, small_server):
     """Same projected KV, two engines: vLLM through the connector, and kvbridge's own `replace` mode (transformers,
     the projected cache as context, the instruction prefilled over it)."""
-    from kvbridge.eval.summaries import greedy, instruction_ids
+    from kvbridge.eval.summaries import EvalConfig, greedy, instruction_ids
     from kvbridge.server.client import KVBridgeClient
 
     prepared, prompt = doc
@@ -297,8 +297,8 @@ def test_projected_path_gives_the_tokens_of_kvbridges_replace_mode(engine, doc, 
         entry = client.ingest(prepared.text).entries[0]
         fetched = client.fetch_projected(key=entry.key, target_model=smollm2.name)
     assert torch.equal(fetched.segment.token_ids, prepared.target_ids)
-    reference, _ = greedy(smollm2, fetched.segment, instruction_ids(smollm2, "\n\nOne-line summary of the text above:"),
-                          NEW, stop=set())
+    reference, _ = greedy(smollm2, fetched.segment, instruction_ids(smollm2, EvalConfig().instruction), NEW,
+                          stop=set())  # the prompt's instruction (the doc fixture's)
     out = engine.generate(prompt, max_tokens=NEW, kvbridge={"key": entry.key, "server": "small"})
     assert out["kvbridge_error"] == "" and out["loaded_tokens"] == CONTEXT
     assert out["token_ids"] == reference[:len(out["token_ids"])]

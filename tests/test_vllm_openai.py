@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow,
 
 BLOCK = 32
 NEW = 16  # greedy tokens compared
-INSTRUCTION = "\n\nOne-line summary of the text above:"
+INSTRUCTION = "\n\nSummary (one sentence):"
 
 
 @pytest.fixture(scope="module")
