@@ -38,7 +38,10 @@ from kvbridge.transfer.models import LoadedModel
 # word of the document (document_term).
 INSTRUCTIONS = (
     "\n\nSummarize the text above in one sentence:",
-    "\n\nIn one line, what is the text above about?",
+    # until 2026-12-05 "In one line, what is the text above about?", which the target answered with nothing on 60 of
+    # 60 pages (its windows were dropped); this one got an answer on all 60 (experiments/instruction/run.sh WORK
+    # WORDING ...: docs/adapters.md, "Training for answers")
+    "\n\nThe text above is about",
     "\n\nTL;DR:",
     "\n\nQuestion: What is the main purpose of what the text above describes?\nAnswer:",
     "\n\nQuestion: According to the text above, what is {term}?\nAnswer:",
@@ -136,3 +139,8 @@ class AnswerCache(TeacherCache):
 
     def window_tensors(self, source, target, window, config, start_token, keep_kv=True):
         return answer_window(source, target, window, config, start_token)  # (an answer window keeps no target KV)
+
+    def wordings(self) -> dict:
+        """The instructions the windows drew from: a window's id chooses one of them, so a folder of windows drawn
+        from other wordings (before 2026-12-05, one of them answered with nothing) is another cache."""
+        return {"instructions": list(INSTRUCTIONS)}

@@ -210,6 +210,11 @@ class TeacherCache:
                        keep_kv: bool = True) -> dict[str, torch.Tensor] | None:
         return teacher_window(source, target, window.text, config, start_token, keep_kv)
 
+    def wordings(self) -> dict:
+        """What else a cache's windows depend on that its config does not hold (answer windows: their instructions);
+        a folder built with other wordings is refused by name."""
+        return {}
+
     def _header(self, index: dict) -> dict:
         """An index file's header: everything but its windows, the config with today's fields."""
         return ({k: v for k, v in index.items() if k != "windows"}
@@ -251,7 +256,7 @@ class TeacherCache:
                 config = self.config_class(**saved["config"])
         header = {"version": CACHE_VERSION, "config": asdict(config), "source": source.spec.identity.key,
                   "target": target.spec.identity.key, "start_token": start_token,
-                  "source_record": model_record(source.spec)}
+                  "source_record": model_record(source.spec)} | self.wordings()
         if saved is not None:
             if {k: saved.get(k) for k in header} != header:
                 differ = [f"{k}: {saved['config'].get(k)!r} there, {v!r} here" for k, v in header["config"].items()

@@ -67,6 +67,9 @@ class EvalConfig:
             raise ValueError(f"continuation_tokens must be >= 2 (the first is input), got {self.continuation_tokens}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.instruction.strip():
+            raise ValueError(f"the instruction asks the target for its answer after the document; got "
+                             f"{self.instruction!r}, which asks nothing")
 
 
 @dataclass(frozen=True)

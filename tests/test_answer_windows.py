@@ -162,6 +162,23 @@ def test_an_answer_window_holds_the_targets_own_greedy_answer(pair, answers):
     assert len(lengths) > 1  # lengths are drawn per window
 
 
+def test_an_answer_cache_of_other_wordings_is_refused_by_name(pair, answers, monkeypatch):
+    """A window's id chooses its instruction among INSTRUCTIONS: windows drawn from other wordings (the cache of a
+    run before one of them changed) are another cache, refused before anything in the folder is written."""
+    import kvbridge.adapters.answer_windows as module
+
+    source, target = pair
+    index = answers.index_path.read_text()
+    assert json.loads(index)["instructions"] == list(INSTRUCTIONS)
+    monkeypatch.setattr(module, "INSTRUCTIONS", (*INSTRUCTIONS[:1], "\n\nIn one line, what is the text above about?",
+                                                 *INSTRUCTIONS[2:]))
+    windows = answer_windows([("doc:new", _text(random.Random(5), 80))], target.tokenizer, ANSWERS)
+    with pytest.raises(ValueError, match="another configuration .*instructions"):
+        AnswerCache(answers.root).build(source, target, windows, ANSWERS, start_token_id(target.tokenizer),
+                                        progress=False)
+    assert answers.index_path.read_text() == index
+
+
 def test_instructions_are_chosen_by_window_and_never_the_evaluations():
     text = "The blockpool keeps blocks. A blockpool evicts tails. Nothing else repeats here."
     assert document_term(text, 0) == "blockpool"

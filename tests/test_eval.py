@@ -394,6 +394,9 @@ def test_eval_rouge_command_on_the_tiny_pair(tiny_adapter_file, tmp_path, capsys
         assert m["recompute:1"]["nll"] == pytest.approx(m["full"]["nll"], rel=1e-4)
     assert main(["eval", "rouge", "--data", str(tmp_path / "missing.jsonl"), "--preset", "tiny"]) == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err
+    # an instruction of only line breaks asks nothing: refused by name before a model loads
+    assert main(["eval", "rouge", "--data", str(SAMPLE), "--preset", "tiny", "--instruction", r"\n\n "]) == 2
+    assert "asks nothing" in capsys.readouterr().err
 
 
 def _tiny_fuser(adapter_file, path, scale: float):

@@ -48,7 +48,7 @@ CHEAP = {".venv/bin/kvbridge models info --preset production": "57,344 KV bytes/
 NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET", "ENETUNREACH",
                   "network request", "request to https://registry")
 NEW_DOCS = ("docs/library.md", "docs/serving.md", "docs/adapters.md", "docs/context-map.md", "docs/quality.md",
-            "docs/vllm.md", "docs/deployment.md")
+            "docs/fidelity-ceiling.md", "docs/vllm.md", "docs/deployment.md")
 
 
 def kind(block) -> str:
