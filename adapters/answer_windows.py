@@ -15,8 +15,8 @@ Its cache file holds only what the objective reads — no queries, keys or value
   top_logp, top_idx [A, topk]               the target's own log-probs of its top-k tokens where it chose answer
                                             tokens 0..A-1 (the last instruction token, then answer tokens 0..A-2)
 
-The evaluation's instruction (eval.summaries.EvalConfig.instruction) is not among INSTRUCTIONS: fidelity measured
-with it is fidelity on a wording no training step saw.
+The evaluation's instruction (eval.summaries.EvalConfig.instruction) is not among INSTRUCTIONS, nor is the dev
+windows' DEV_INSTRUCTION: fidelity measured with either is fidelity on a wording no training step saw.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ INSTRUCTIONS = (
     "\n\nQuestion: According to the text above, what is {term}?\nAnswer:",
     "\n\nExplain \"{term}\" as the text above uses it, in one sentence:",
 )
+# The dev answer windows' one wording, in none of the training windows nor the evaluation's: the dev probe (and the
+# checkpoint an `answer` stage keeps) measures fidelity under a wording no step trained on, as the evaluation does.
+# Probed on pydoc pages 100-159 at 256 tokens (experiments/instruction/run.sh): the target's own answer had content on
+# all 60 pages, none repeated the request.
+DEV_INSTRUCTION = "\n\nIn one sentence, the text above explains"
+DEV_MARK = "/answer-dev-"  # in a dev window's id (answer_windows(..., dev=True))
 TERM = re.compile(r"\b[A-Za-z][A-Za-z0-9_.]{4,}[A-Za-z0-9]\b")
 
 
@@ -83,23 +89,26 @@ def document_term(text: str, seed: int) -> str:
 
 
 def instruction_for(window_id: str, text: str) -> str:
-    """The instruction of a window: one of INSTRUCTIONS by a hash of its id, a term of the text filled in."""
+    """The instruction of a window: DEV_INSTRUCTION for a dev window, else one of INSTRUCTIONS by a hash of its id, a
+    term of the text filled in."""
+    if DEV_MARK in window_id:
+        return DEV_INSTRUCTION
     seed = _seed(window_id)
     wording = INSTRUCTIONS[seed % len(INSTRUCTIONS)]
     return wording.format(term=document_term(text, seed // len(INSTRUCTIONS))) if "{term}" in wording else wording
 
 
 def answer_windows(docs: list[tuple[str, str]], target_tokenizer, config: AnswerConfig, per_document: int = 1,
-                   seed: int = 0) -> list[Window]:
-    """Up to per_document windows of every document (ids "<doc id>/answer-<n>"): its first C target tokens, C drawn
-    (seeded by the window id) among config.lengths that the document holds, cut at a token boundary; documents
-    shorter than the shortest length give none."""
+                   seed: int = 0, dev: bool = False) -> list[Window]:
+    """Up to per_document windows of every document (ids "<doc id>/answer-<n>", dev: "<doc id>/answer-dev-<n>",
+    asked in DEV_INSTRUCTION): its first C target tokens, C drawn (seeded by the window id) among config.lengths
+    that the document holds, cut at a token boundary; documents shorter than the shortest length give none."""
     out = []
     for doc_id, text in docs:
         offsets = target_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         fits = [n for n in config.lengths if n <= len(offsets)]
         for n in range(per_document if fits else 0):
-            wid = f"{doc_id}/answer-{n}"
+            wid = f"{doc_id}{DEV_MARK if dev else '/answer-'}{n}"
             c = random.Random(seed * 1_000_003 + _seed(wid)).choice(fits)
             out.append(Window(wid, doc_id, text[:offsets[c - 1][1]]))
     return out
@@ -141,6 +150,7 @@ class AnswerCache(TeacherCache):
         return answer_window(source, target, window, config, start_token)  # (an answer window keeps no target KV)
 
     def wordings(self) -> dict:
-        """The instructions the windows drew from: a window's id chooses one of them, so a folder of windows drawn
-        from other wordings (before 2026-12-05, one of them answered with nothing) is another cache."""
-        return {"instructions": list(INSTRUCTIONS)}
+        """The instructions the windows drew from: a window's id chooses one of them (a dev window's is
+        DEV_INSTRUCTION), so a folder of windows drawn from other wordings (before 2026-12-05, one of them answered
+        with nothing; before the dev windows had a wording of their own) is another cache."""
+        return {"instructions": list(INSTRUCTIONS), "dev_instruction": DEV_INSTRUCTION}

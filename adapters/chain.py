@@ -158,15 +158,16 @@ def kv_windows(config: ChainConfig, dev: list[Window], train_w: list[Window]) ->
 def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
                           ) -> tuple[list[Window], list[Window]]:
     """(dev, train) answer windows: dev from dev_per_corpus held-out dev documents of every file (the documents the
-    dev windows come from), train from the other documents, answer_windows of them in a seeded shuffle (more than
-    one per document when there are fewer documents)."""
+    dev windows come from), asked in a wording of their own (answer_windows.DEV_INSTRUCTION); train from the other
+    documents, answer_windows of them in a seeded shuffle (more than one per document when there are fewer
+    documents)."""
     rng = random.Random(config.seed + 1)
     dev, train_docs = [], []
     for path in files:
         docs = split_documents(path, corpus_name(path), config.doc_chars)
         held = [d for d in docs if is_heldout(d[0], config.heldout_fraction) and is_heldout(d[0], 0.5, salt="dev")]
         dev += answer_windows(rng.sample(held, min(len(held), config.dev_per_corpus)), target_tokenizer,
-                              config.answer, seed=config.seed)
+                              config.answer, seed=config.seed, dev=True)
         train_docs += [d for d in docs if not is_heldout(d[0], config.heldout_fraction)]
     if not train_docs:
         return dev, []

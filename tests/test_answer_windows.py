@@ -11,6 +11,7 @@ import pytest
 import torch
 from kvbridge.adapters.answer_probe import AnswerProbe
 from kvbridge.adapters.answer_windows import (
+    DEV_INSTRUCTION,
     INSTRUCTIONS,
     AnswerCache,
     AnswerConfig,
@@ -186,6 +187,9 @@ def test_instructions_are_chosen_by_window_and_never_the_evaluations():
     made = {instruction_for(f"doc:{i}/answer-0", text) for i in range(200)}
     assert len(made) == len(INSTRUCTIONS)
     assert EvalConfig().instruction not in made and not any("{term}" in m for m in made)
+    # the dev windows' wording is neither a training window's nor the evaluation's
+    assert instruction_for("doc:1/answer-dev-0", text) == DEV_INSTRUCTION
+    assert DEV_INSTRUCTION not in made and DEV_INSTRUCTION != EvalConfig().instruction
 
 
 def test_answer_windows_take_only_lengths_a_document_holds(pair):

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from kvbridge.adapters.answer_windows import DEV_INSTRUCTION, instruction_for
 from kvbridge.adapters.chain import ChainConfig, parse_stages, select_windows
 from kvbridge.adapters.cli import main
 from kvbridge.adapters.fuser import load_fuser
@@ -216,6 +217,9 @@ def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_
     assert len(train) == 40 and len(dev) == 4
     assert not any(is_heldout(w.doc_id, config.heldout_fraction) for w in train)
     assert all(is_heldout(w.doc_id, config.heldout_fraction) and is_heldout(w.doc_id, 0.5, salt="dev") for w in dev)
+    # asked in the dev wording, which no training window is
+    assert {instruction_for(w.id, w.text) for w in dev} == {DEV_INSTRUCTION}
+    assert DEV_INSTRUCTION not in {instruction_for(w.id, w.text) for w in train}
 
 
 def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, tmp_path, capsys):
