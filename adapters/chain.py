@@ -78,7 +78,9 @@ class ChainConfig:
     init: str = ""  # a trained adapter of this pair to start from (no ridge fit); its token rank is the run's
     exact_tail: float = 0.0  # the kl/ce stages' exact tails (trainer.TrainerConfig.exact_tail)
     answer_windows: int = 0  # answer windows for the "answer" stages (answer_windows.py), from training documents;
-    #                          with any, every stage also reports dev fidelity on dev_per_corpus answer windows a file
+    #                          with any, every stage also reports dev fidelity on dev answer windows (answer_dev a file)
+    answer_dev: int = 0  # dev answer windows per corpus file (held-out dev documents); 0: dev_per_corpus. The dev
+    #                      fidelity of 24 windows moves by +-0.05 between checkpoints that score alike held out
     answer: AnswerConfig = AnswerConfig()
     lr: dict = field(default_factory=lambda: dict(DEFAULT_LR))
     teacher: TeacherConfig = TeacherConfig()
@@ -113,8 +115,9 @@ class ChainConfig:
             object.__setattr__(self, "answer", AnswerConfig(**self.answer))
         if any(name in ANSWER_OBJECTIVES for name, _ in self.stages) and self.answer_windows < 1:
             raise ValueError("an answer (or onpolicy) stage trains on answer windows: answer_windows must be >= 1")
-        if self.answer_windows < 0:
-            raise ValueError(f"answer_windows must be >= 0, got {self.answer_windows}")
+        if self.answer_windows < 0 or self.answer_dev < 0:
+            raise ValueError(f"answer_windows and answer_dev must be >= 0, got {self.answer_windows}, "
+                             f"{self.answer_dev}")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
 
@@ -157,16 +160,17 @@ def kv_windows(config: ChainConfig, dev: list[Window], train_w: list[Window]) ->
 
 def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
                           ) -> tuple[list[Window], list[Window]]:
-    """(dev, train) answer windows: dev from dev_per_corpus held-out dev documents of every file (the documents the
-    dev windows come from), asked in a wording of their own (answer_windows.DEV_INSTRUCTION); train from the other
-    documents, answer_windows of them in a seeded shuffle (more than one per document when there are fewer
-    documents)."""
+    """(dev, train) answer windows: dev from answer_dev (else dev_per_corpus) held-out dev documents of every file
+    (the documents the dev windows come from; fewer where a file has fewer), asked in a wording of their own
+    (answer_windows.DEV_INSTRUCTION); train from the other documents, answer_windows of them in a seeded shuffle
+    (more than one per document when there are fewer documents)."""
     rng = random.Random(config.seed + 1)
     dev, train_docs = [], []
     for path in files:
         docs = split_documents(path, corpus_name(path), config.doc_chars)
         held = [d for d in docs if is_heldout(d[0], config.heldout_fraction) and is_heldout(d[0], 0.5, salt="dev")]
-        dev += answer_windows(rng.sample(held, min(len(held), config.dev_per_corpus)), target_tokenizer,
+        dev += answer_windows(rng.sample(held, min(len(held), config.answer_dev or config.dev_per_corpus)),
+                              target_tokenizer,
                               config.answer, seed=config.seed, dev=True)
         train_docs += [d for d in docs if not is_heldout(d[0], config.heldout_fraction)]
     if not train_docs:

@@ -220,6 +220,10 @@ def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_
     # asked in the dev wording, which no training window is
     assert {instruction_for(w.id, w.text) for w in dev} == {DEV_INSTRUCTION}
     assert DEV_INSTRUCTION not in {instruction_for(w.id, w.text) for w in train}
+    more = select_answer_windows(corpus[0], target.tokenizer, ChainConfig(stages=(("answer", 1),), answer_windows=40,
+                                                                           dev_per_corpus=2, answer_dev=3))[0]
+    assert len(dev) < len(more) <= 6  # 3 a file where it holds that many held-out dev documents
+    assert all(is_heldout(w.doc_id, 0.5, salt="dev") and instruction_for(w.id, w.text) == DEV_INSTRUCTION for w in more)
 
 
 def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, tmp_path, capsys):
