@@ -39,7 +39,8 @@ from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
-from kvbridge.adapters.trainer import ANSWER_OBJECTIVES, OBJECTIVES, TrainerConfig, train
+from kvbridge.adapters.trainer import ANSWER_OBJECTIVES, OBJECTIVES, TrainerConfig, batch_indices, train
+from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 
@@ -158,6 +159,29 @@ def kv_windows(config: ChainConfig, dev: list[Window], train_w: list[Window]) ->
     return {w.id for w in dev} | {w.id for w in train_w[:config.ridge_windows]}
 
 
+def windows_read(config: ChainConfig, train_w: list[Window], target_tokenizer
+                 ) -> tuple[list[Window], set[int]] | None:
+    """When a run's stages read fewer training windows than it selected: (the windows that make teacher windows —
+    their text re-tokenises to a whole window, as teacher.teacher_window requires — and the positions among them that
+    are read: the ridge windows and every draw of every stage). A stage's draws are a function of its seed, its steps
+    and the number of windows (trainer.batch_indices), so a teacher cache of only those trains exactly as one of
+    every window (tested) and takes a fraction of its time (the shipped adapter's second command draws 300 of its 800
+    windows). None when the stages read about every window, or a stage reads every window's KV (attention matching,
+    a fuser)."""
+    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
+        return None
+    stages = [(n, steps) for n, (name, steps) in enumerate(config.stages) if name not in ANSWER_OBJECTIVES]
+    if sum(steps for _, steps in stages) * config.batch_windows + config.ridge_windows >= len(train_w):
+        return None
+    whole = 1 + config.teacher.window_tokens  # the start token and the window's tokens
+    valid = [w for w in train_w if 1 + len(tokenize(target_tokenizer, w.text, add_special_tokens=False).ids) >= whole]
+    read = set(range(min(config.ridge_windows, len(valid))))
+    for n, steps in stages:
+        for it in range(steps):
+            read.update(batch_indices(config.seed + n, config.batch_windows, it, len(valid)))
+    return valid, read
+
+
 def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
                           ) -> tuple[list[Window], list[Window]]:
     """(dev, train) answer windows: dev from answer_dev (else dev_per_corpus) held-out dev documents of every file
@@ -259,13 +283,21 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     began = time.perf_counter()
     dev, train_w = select_windows(files, target.tokenizer, config)
     t0 = time.perf_counter()
-    cache, made = build_teacher_cache(work / "teacher", source, target, dev + train_w, config.teacher,
+    read = windows_read(config, train_w, target.tokenizer)
+    needed = train_w if read is None else [w for i, w in enumerate(read[0]) if i in read[1]]
+    cache, made = build_teacher_cache(work / "teacher", source, target, dev + needed, config.teacher,
                                       start_token_id(target.tokenizer), progress=progress, kv_ids=kv_windows(
                                           config, dev, train_w))
     teacher_s = time.perf_counter() - t0
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
-    train_idx = [pos[w.id] for w in train_w if w.id in pos]
+    if read is None:
+        train_idx = [pos[w.id] for w in train_w if w.id in pos]
+    else:  # every window that makes one keeps its place (the draws index them); one no step reads is -1
+        train_idx = [pos.get(w.id, -1) for w in read[0]]
+        if any(train_idx[i] < 0 for i in read[1]):
+            raise RuntimeError(f"{sum(train_idx[i] < 0 for i in read[1])} training windows the run reads made no "
+                               "teacher window: the length check of chain.windows_read and teacher_window disagree")
     answers, answer_s = None, 0.0
     if config.answer_windows:
         t0 = time.perf_counter()
@@ -299,7 +331,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)
                     if answers is not None and is_main() else None)
     record: dict = {"teacher_windows": {"dev": len(dev_idx), "train": len(train_idx),
-                                        "ridge": min(config.ridge_windows, len(train_idx))},
+                                        "ridge": min(config.ridge_windows, len(train_idx)),
+                                        "cached": sum(i >= 0 for i in train_idx)},
                     "teacher_cache_s": round(teacher_s), "ridge_s": round(ridge_s), "stages": []}
     if answers is not None:
         record |= {"answer_windows": {"dev": len(a_dev_idx), "train": len(a_train_idx)},

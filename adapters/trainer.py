@@ -138,15 +138,20 @@ def get_lr(config: TrainerConfig, it: int, progress: float) -> float:
 
 # ------------------------------------------------------------------------------------------------------- the loop
 
-def _batch_indices(config: TrainerConfig, it: int, n: int) -> list[int]:
-    """Windows of step `it`: epoch-wise permutations seeded by (seed, epoch) — a function of `it` alone, so a
-    resumed run draws what an uninterrupted one would."""
+def batch_indices(seed: int, batch_windows: int, it: int, n: int) -> list[int]:
+    """Windows (of n) of step `it`: epoch-wise permutations seeded by (seed, epoch) — a function of `it` alone, so a
+    resumed run draws what an uninterrupted one would, and a run's draws are known before it starts
+    (chain.windows_read)."""
     out = []
-    for slot in range(it * config.batch_windows, (it + 1) * config.batch_windows):
+    for slot in range(it * batch_windows, (it + 1) * batch_windows):
         epoch, pos = divmod(slot, n)
-        g = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         out.append(int(torch.randperm(n, generator=g)[pos]))
     return out
+
+
+def _batch_indices(config: TrainerConfig, it: int, n: int) -> list[int]:
+    return batch_indices(config.seed, config.batch_windows, it, n)
 
 
 def _save(path: Path, maps: ResidualMaps, optimizer, state: dict) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -92,12 +93,36 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     assert "token features of rank 8 and a source basis of rank 0, this run asks for 0 and 0" in capsys.readouterr().err
 
 
+def test_a_teacher_cache_of_the_windows_read_trains_the_adapter_of_every_window(corpus, tmp_path):
+    """kl:3 of 2 windows draws 6 of the 40 selected windows: the run computes only those, the ridge windows and the
+    dev ones (chain.windows_read), and writes the very adapter a run whose teacher cache holds every window writes."""
+    def args(work, out, stages):
+        return _args(corpus, work, out, "--trainer", "chain", "--stages", stages, "--train-windows", "40",
+                     "--ridge-windows", "4", "--batch-windows", "2", "--token-rank", "8", "--eval-docs", "0")
+
+    lean, full = tmp_path / "lean", tmp_path / "full"
+    assert main(args(lean, tmp_path / "lean.safetensors", "kl:3")) == 0
+    # every window computed: a run that reads them all (20 steps of 2 windows), then the same kl:3 in its folder
+    assert main(args(full, tmp_path / "all.safetensors", "kl:20")) == 0
+    shutil.rmtree(full / "stage-0-kl")
+    assert main(args(full, tmp_path / "full.safetensors", "kl:3")) == 0
+    record = read_adapter_meta(tmp_path / "lean.safetensors")["training"]["record"]["teacher_windows"]
+    everything = read_adapter_meta(tmp_path / "full.safetensors")["training"]["record"]["teacher_windows"]
+    assert record["train"] == everything["train"] == everything["cached"] > record["cached"]
+    assert record["cached"] <= 3 * 2 + 4, record
+    n_lean = len(json.loads((lean / "teacher" / "index.json").read_text())["windows"])
+    assert n_lean == record["cached"] + record["dev"]
+    a, b = load_adapter(tmp_path / "lean.safetensors"), load_adapter(tmp_path / "full.safetensors")
+    for name in ("wk", "wv", "tok_table"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_chain_teacher_windows_take_the_commands_context_length(corpus, tmp_path, capsys):
     """--context-tokens / --continuation-tokens size every teacher window (train for long documents), and a work
     folder made at one length refuses another by name."""
     work, out = tmp_path / "work", tmp_path / "long.safetensors"
-    args = _args(corpus, work, out, "--trainer", "chain", "--stages", "kl:1", "--context-tokens", "80",
-                 "--continuation-tokens", "12")
+    args = _args(corpus, work, out, "--trainer", "chain", "--stages", "kl:2", "--context-tokens", "80",
+                 "--continuation-tokens", "12")  # (2 steps of 4 and the 8 ridge windows read all 16 windows)
     assert main(args) == 0
     config = json.loads((work / "teacher" / "index.json").read_text())["config"]
     assert (config["context_tokens"], config["continuation_tokens"], config["queries"]) == (80, 12, False)
