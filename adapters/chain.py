@@ -194,8 +194,7 @@ def select_answer_windows(files: list[str | Path], target_tokenizer, config: Cha
         docs = split_documents(path, corpus_name(path), config.doc_chars)
         held = [d for d in docs if is_heldout(d[0], config.heldout_fraction) and is_heldout(d[0], 0.5, salt="dev")]
         dev += answer_windows(rng.sample(held, min(len(held), config.answer_dev or config.dev_per_corpus)),
-                              target_tokenizer,
-                              config.answer, seed=config.seed, dev=True)
+                              target_tokenizer, config.answer, seed=config.seed, dev=True)
         train_docs += [d for d in docs if not is_heldout(d[0], config.heldout_fraction)]
     if not train_docs:
         return dev, []

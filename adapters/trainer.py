@@ -223,7 +223,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         raise ValueError("select 'recovery' chooses checkpoints on a recovery probe; only an answer probe was given")
     metric = "dev_fidelity" if config.select == "fidelity" else "dev_recovery"
     scored = from_main(dev is not None or answers is not None)  # rank 0 scores the dev windows
-    tokens_per_step = config.batch_windows * cache.load(train_idx[0])["ids"].numel()  # target tokens per step
+    first = next(i for i in train_idx if i >= 0)  # (-1: a window the teacher cache left out)
+    tokens_per_step = config.batch_windows * cache.load(first)["ids"].numel()  # target tokens per step
     if config.objective == "onpolicy":  # the student answers as the windows' teacher did (answer_windows.py)
         made = json.loads(cache.index_path.read_text())["config"]
         onpolicy = {"max_new_tokens": made["max_answer_tokens"], "stop": stop_ids(target), "topk": made["topk"],
@@ -289,7 +290,10 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
             group["lr"] = lr
         state["lr"] = lr  # the step's rate, for the record
         batch = _batch_indices(config, it, len(train_idx))  # the global batch; this rank's share of it:
-        windows = [cache.load(train_idx[i]) for i in shard(batch)]
+        picked = [train_idx[i] for i in shard(batch)]
+        if any(i < 0 for i in picked):  # (-1: a window the teacher cache left out, chain.windows_read)
+            raise RuntimeError(f"step {it} draws a training window the teacher cache does not hold")
+        windows = [cache.load(i) for i in picked]
         if config.objective == "attention":
             loss = sum(attention_loss(maps, start_kv, w, target, geometry, context_tokens, config.queries)
                        for w in windows)

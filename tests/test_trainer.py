@@ -15,7 +15,7 @@ from kvbridge.adapters.pairs import pair_text, start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, is_heldout
-from kvbridge.adapters.trainer import TrainerConfig, exact_tail_tokens, train
+from kvbridge.adapters.trainer import TrainerConfig, batch_indices, exact_tail_tokens, train
 from kvbridge.transfer import kvcache
 from safetensors.torch import save_file
 
@@ -314,3 +314,16 @@ def test_a_teacher_cache_without_queries_serves_kl_and_refuses_attention(pair, c
     with pytest.raises(ValueError, match="another configuration"):
         TeacherCache(tmp_path / "light").build(source, target, windows, TEACHER, start_token_id(target.tokenizer),
                                                progress=False)
+
+
+def test_a_draw_of_a_window_the_teacher_cache_left_out_is_refused(pair, cache, ridge, tmp_path):
+    """chain.windows_read leaves windows no step draws out of the cache (-1 in the index list): a step that drew one
+    anyway is an error, never the cache's last window read in its place."""
+    _, target = pair
+    cfg = TrainerConfig(objective="kl", max_iters=2, warmup_iters=1, batch_windows=2, eval_interval=2, lr=1e-2,
+                        min_lr=1e-3)
+    drawn = set(batch_indices(cfg.seed, 2, 0, 12))
+    train_idx = [-1 if i in drawn else i for i in range(12)]
+    with pytest.raises(RuntimeError, match="step 0 draws a training window the teacher cache does not hold"):
+        train(_maps(ridge), ridge[0].start_kv, target, cache, train_idx, None, cfg, TEACHER.context_tokens,
+              tmp_path / "left-out", progress=False)
