@@ -38,7 +38,15 @@ from kvbridge.adapters.io import load_adapter, save_adapter
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
-from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window, document_windows, is_heldout, split_documents
+from kvbridge.adapters.teacher import (
+    TeacherCache,
+    TeacherConfig,
+    Window,
+    document_windows,
+    is_heldout,
+    makes_window,
+    split_documents,
+)
 from kvbridge.adapters.trainer import ANSWER_OBJECTIVES, OBJECTIVES, TrainerConfig, batch_indices, train
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
@@ -173,8 +181,10 @@ def windows_read(config: ChainConfig, train_w: list[Window], target_tokenizer
     stages = [(n, steps) for n, (name, steps) in enumerate(config.stages) if name not in ANSWER_OBJECTIVES]
     if sum(steps for _, steps in stages) * config.batch_windows + config.ridge_windows >= len(train_w):
         return None
-    whole = 1 + config.teacher.window_tokens  # the start token and the window's tokens
-    valid = [w for w in train_w if 1 + len(tokenize(target_tokenizer, w.text, add_special_tokens=False).ids) >= whole]
+    def target_ids(w: Window) -> int:  # as pair_text makes them: the start token and the text's tokens
+        return 1 + len(tokenize(target_tokenizer, w.text, add_special_tokens=False).ids)
+
+    valid = [w for w in train_w if makes_window(target_ids(w), config.teacher)]
     read = set(range(min(config.ridge_windows, len(valid))))
     for n, steps in stages:
         for it in range(steps):

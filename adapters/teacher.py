@@ -159,6 +159,12 @@ def source_features(source: LoadedModel, source_ids: torch.Tensor, source_index:
     return xk.cpu(), xv.cpu()
 
 
+def makes_window(num_target_ids: int, config: TeacherConfig) -> bool:
+    """A text whose target ids (the start token and its tokens) number this many makes a teacher window: it holds
+    the start token and a whole window (teacher_window; chain.windows_read decides by it before computing any)."""
+    return num_target_ids >= 1 + config.window_tokens
+
+
 @torch.no_grad()
 def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: TeacherConfig,
                    start_token: int, keep_kv: bool = True) -> dict[str, torch.Tensor] | None:
@@ -166,7 +172,7 @@ def teacher_window(source: LoadedModel, target: LoadedModel, text: str, config: 
     fewer than context + continuation target tokens. keep_kv False: a lean window (no q, k, v)."""
     paired = pair_text(text, source.tokenizer, target.tokenizer)
     t = 1 + config.window_tokens
-    if paired.target_ids.numel() < t:
+    if not makes_window(paired.target_ids.numel(), config):
         return None
     ids = paired.target_ids[:t]
     assert int(ids[0]) == start_token

@@ -150,10 +150,6 @@ def batch_indices(seed: int, batch_windows: int, it: int, n: int) -> list[int]:
     return out
 
 
-def _batch_indices(config: TrainerConfig, it: int, n: int) -> list[int]:
-    return batch_indices(config.seed, config.batch_windows, it, n)
-
-
 def _save(path: Path, maps: ResidualMaps, optimizer, state: dict) -> None:
     tensors = {f"maps.{k}": v.detach().contiguous() for k, v in maps.state_dict().items()}
     if optimizer is not None:
@@ -289,7 +285,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         for group in optimizer.param_groups:
             group["lr"] = lr
         state["lr"] = lr  # the step's rate, for the record
-        batch = _batch_indices(config, it, len(train_idx))  # the global batch; this rank's share of it:
+        # the global batch; this rank's share of it:
+        batch = batch_indices(config.seed, config.batch_windows, it, len(train_idx))
         picked = [train_idx[i] for i in shard(batch)]
         if any(i < 0 for i in picked):  # (-1: a window the teacher cache left out, chain.windows_read)
             raise RuntimeError(f"step {it} draws a training window the teacher cache does not hold")
