@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.adapters.adapter import has_text_source
-from kvbridge.adapters.answering import greedy, stop_ids
+from kvbridge.adapters.answering import greedy_rows, stop_ids
 from kvbridge.adapters.pairs import pair_text
 from kvbridge.adapters.teacher import TeacherCache, Window, source_features
 from kvbridge.transfer import kvcache
@@ -114,40 +114,75 @@ def answer_windows(docs: list[tuple[str, str]], target_tokenizer, config: Answer
     return out
 
 
+ROWS = 8  # answer windows whose greedy answers are decoded in one batch (AnswerCache.batch_windows)
+
+
 @torch.no_grad()
 def answer_window(source: LoadedModel, target: LoadedModel, window: Window, config: AnswerConfig,
                   start_token: int) -> dict[str, torch.Tensor] | None:
     """Every tensor of one answer window's cache file (see the module docstring); None when the target's answer is
     empty (it stopped at once)."""
-    paired = pair_text(window.text, source.tokenizer, target.tokenizer)
-    ids = paired.target_ids  # [1 + C]: start + document
-    assert int(ids[0]) == start_token
-    kind = paired.alignment.kind
-    xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
-    prompt = torch.tensor(target.tokenizer(instruction_for(window.id, window.text),
-                                           add_special_tokens=False)["input_ids"], dtype=torch.int64)
-    own = kvcache.extract(target.model, target.spec, ids)
-    scores: list[torch.Tensor] = []
-    answer, _ = greedy(target, own, prompt, config.max_answer_tokens, stop_ids(target), one_line=True,
-                       scores=scores)
-    if not answer:
-        return None
-    top = torch.stack(scores).log_softmax(-1).topk(config.topk, dim=-1)  # [A, k]
+    return answer_window_rows(source, target, [window], config, start_token)[0]
+
+
+@torch.no_grad()
+def answer_window_rows(source: LoadedModel, target: LoadedModel, windows: list[Window], config: AnswerConfig,
+                       start_token: int) -> list[dict[str, torch.Tensor] | None]:
+    """`answer_window` of several windows: each document read alone (the source's features, the target's prefill),
+    the greedy answers of windows with as many document and instruction tokens decoded together
+    (answering.greedy_rows: the decoding was half of a window's time one at a time)."""
+    made = []
+    for window in windows:
+        paired = pair_text(window.text, source.tokenizer, target.tokenizer)
+        ids = paired.target_ids  # [1 + C]: start + document
+        assert int(ids[0]) == start_token
+        xk, xv = source_features(source, paired.source_ids, paired.alignment.source_index)
+        prompt = torch.tensor(target.tokenizer(instruction_for(window.id, window.text),
+                                               add_special_tokens=False)["input_ids"], dtype=torch.int64)
+        made.append({"paired": paired, "xk": xk, "xv": xv, "prompt": prompt,
+                     "own": kvcache.extract(target.model, target.spec, ids)})
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(made):
+        groups.setdefault((m["paired"].target_ids.numel(), m["prompt"].numel()), []).append(i)
+    out: list[dict[str, torch.Tensor] | None] = [None] * len(windows)
     bf16 = torch.bfloat16
-    return {"xk": xk.to(bf16), "xv": xv.to(bf16),
-            "start_mask": (~has_text_source(kind)) & (ids == start_token),
-            "ids": torch.cat((ids, prompt, torch.tensor(answer, dtype=torch.int64))),
-            "lengths": torch.tensor([ids.numel() - 1, prompt.numel(), len(answer)]),
-            "top_logp": top.values, "top_idx": top.indices}
+    for rows in groups.values():
+        scores: list[list[torch.Tensor]] = [[] for _ in rows]
+        answers, _ = greedy_rows(target, [made[i]["own"] for i in rows], torch.stack([made[i]["prompt"] for i in rows]),
+                                 config.max_answer_tokens, stop_ids(target), one_line=True, scores=scores)
+        for i, answer, answer_scores in zip(rows, answers, scores):
+            if not answer:
+                continue
+            m = made[i]
+            ids = m["paired"].target_ids
+            top = torch.stack(answer_scores).log_softmax(-1).topk(config.topk, dim=-1)  # [A, k]
+            out[i] = {"xk": m["xk"].to(bf16), "xv": m["xv"].to(bf16),
+                      "start_mask": (~has_text_source(m["paired"].alignment.kind)) & (ids == start_token),
+                      "ids": torch.cat((ids, m["prompt"], torch.tensor(answer, dtype=torch.int64))),
+                      "lengths": torch.tensor([ids.numel() - 1, m["prompt"].numel(), len(answer)]),
+                      "top_logp": top.values, "top_idx": top.indices}
+    return out
 
 
 class AnswerCache(TeacherCache):
-    """TeacherCache of answer windows (its config an AnswerConfig)."""
+    """TeacherCache of answer windows (its config an AnswerConfig), ROWS windows at a time."""
 
     config_class = AnswerConfig
+    batch_windows = ROWS
 
     def window_tensors(self, source, target, window, config, start_token, keep_kv=True):
         return answer_window(source, target, window, config, start_token)  # (an answer window keeps no target KV)
+
+    def batch_tensors(self, source, target, windows, config, start_token, keep_kv=True):
+        return answer_window_rows(source, target, windows, config, start_token)
+
+    def batch_order(self, windows, target):
+        """Windows of one document length and one instruction length side by side, so that a batch decodes them
+        together (the length a window was cut at, and its instruction's tokens)."""
+        def key(w: Window) -> tuple[int, int]:
+            return (len(target.tokenizer(w.text, add_special_tokens=False)["input_ids"]),
+                    len(target.tokenizer(instruction_for(w.id, w.text), add_special_tokens=False)["input_ids"]))
+        return sorted(windows, key=key)
 
     def wordings(self) -> dict:
         """The instructions the windows drew from: a window's id chooses one of them (a dev window's is

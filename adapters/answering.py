@@ -39,30 +39,52 @@ def greedy(target: LoadedModel, context: KVSegment, prompt: torch.Tensor, max_ne
     (without the stop token) and the seconds from the prompt's forward to the first token. one_line: a token with
     a line break ends the answer once it has begun. scores: a list that receives, for each returned token, the
     float32 logits [V] it was chosen from (the teacher's distributions over its own answer)."""
-    cache = kvcache.to_cache(context, target.model, target.spec)
+    answers, first_s = greedy_rows(target, [context], prompt[None], max_new_tokens, stop, one_line,
+                                   None if scores is None else [scores])
+    return answers[0], first_s
+
+
+@torch.no_grad()
+def greedy_rows(target: LoadedModel, contexts: list[KVSegment], prompts: torch.Tensor, max_new_tokens: int,
+                stop: set[int], one_line: bool = False, scores: list[list[torch.Tensor]] | None = None
+                ) -> tuple[list[list[int]], float]:
+    """`greedy` of B rows in one batch: row b continues contexts[b] (all of one length) after prompts[b] ([B, Q]).
+    Each row stops by the rules of one answer; the batch steps on until every row has stopped (a stopped row's
+    further tokens are computed and dropped). Decoding B rows at once costs little more than one on a CPU (a step of 8
+    rows of SmolLM2-135M: 2x the time of one), and a row's answer is the one it gives alone up to float ties (a batch
+    sums in another order). Returns the answers and the seconds to the first tokens."""
+    cache = kvcache.to_cache(contexts if len(contexts) > 1 else contexts[0], target.model, target.spec)
     device = target.device
-    pos = context.num_tokens
+    rows, pos = prompts.shape[0], contexts[0].num_tokens
     t0 = time.perf_counter()
-    logits = target.model(input_ids=prompt[None].to(device),
-                          position_ids=torch.arange(pos, pos + prompt.numel(), device=device)[None],
+    logits = target.model(input_ids=prompts.to(device),
+                          position_ids=torch.arange(pos, pos + prompts.shape[1], device=device)[None].expand(rows, -1),
                           cache=cache, use_cache=True, logits_to_keep=1).logits
-    token = int(logits[0, -1].argmax())
+    tokens = logits[:, -1].argmax(-1).tolist()
     first_s = time.perf_counter() - t0
-    pos += prompt.numel()
-    out: list[int] = []
-    while token not in stop and len(out) < max_new_tokens:
-        if one_line and "\n" in target.tokenizer.decode([token]) and target.tokenizer.decode(out).strip():
-            break
-        out.append(token)
-        if scores is not None:
-            scores.append(logits[0, -1].float().cpu())
-        if len(out) == max_new_tokens:
-            break
-        logits = target.model(input_ids=torch.tensor([[token]], device=device),
-                              position_ids=torch.tensor([[pos]], device=device), cache=cache, use_cache=True).logits
-        token = int(logits[0, -1].argmax())
+    pos += prompts.shape[1]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    going = [True] * rows
+    while True:
+        for b in range(rows):
+            if not going[b]:
+                continue
+            token, decode = tokens[b], target.tokenizer.decode
+            if (token in stop or len(out[b]) >= max_new_tokens
+                    or one_line and "\n" in decode([token]) and decode(out[b]).strip()):
+                going[b] = False
+                continue
+            out[b].append(token)
+            if scores is not None:
+                scores[b].append(logits[b, -1].float().cpu())
+            going[b] = len(out[b]) < max_new_tokens
+        if not any(going):
+            return out, first_s
+        logits = target.model(input_ids=torch.tensor(tokens, device=device)[:, None],
+                              position_ids=torch.full((rows, 1), pos, device=device), cache=cache,
+                              use_cache=True).logits
+        tokens = logits[:, -1].argmax(-1).tolist()
         pos += 1
-    return out, first_s
 
 
 @cache

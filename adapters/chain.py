@@ -192,6 +192,17 @@ def windows_read(config: ChainConfig, train_w: list[Window], target_tokenizer
     return valid, read
 
 
+def answer_windows_read(config: ChainConfig, windows: int) -> set[int] | None:
+    """The positions among `windows` selected answer windows that the answer stages draw (their draws index every
+    selected window, one whose answer turns out empty too: trainer.batch_indices), as `windows_read` for the
+    continuation windows; None when they draw about every one."""
+    stages = [(n, steps) for n, (name, steps) in enumerate(config.stages) if name in ANSWER_OBJECTIVES]
+    if sum(steps for _, steps in stages) * config.batch_windows >= windows:
+        return None
+    return {i for n, steps in stages for it in range(steps)
+            for i in batch_indices(config.seed + n, config.batch_windows, it, windows)}
+
+
 def select_answer_windows(files: list[str | Path], target_tokenizer, config: ChainConfig
                           ) -> tuple[list[Window], list[Window]]:
     """(dev, train) answer windows: dev from answer_dev (else dev_per_corpus) held-out dev documents of every file
@@ -311,12 +322,19 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     if config.answer_windows:
         t0 = time.perf_counter()
         a_dev, a_train = select_answer_windows(files, target.tokenizer, config)
-        answers, _ = build_teacher_cache(work / "answers", source, target, a_dev + a_train, config.answer,
-                                         start_token_id(target.tokenizer), progress=progress, cache_class=AnswerCache)
+        a_read = answer_windows_read(config, len(a_train))
+        answers, _ = build_teacher_cache(work / "answers", source, target, a_dev + [
+            w for i, w in enumerate(a_train) if a_read is None or i in a_read], config.answer,
+            start_token_id(target.tokenizer), progress=progress, cache_class=AnswerCache)
         answer_s = time.perf_counter() - t0
         a_pos = {e["id"]: i for i, e in enumerate(answers.entries)}
         a_dev_idx = [a_pos[w.id] for w in a_dev if w.id in a_pos]  # an empty answer makes no window
-        a_train_idx = [a_pos[w.id] for w in a_train if w.id in a_pos]
+        # every selected window keeps its place: None where its answer is empty (a draw of it adds nothing to its
+        # step), -1 where no stage draws it (left out of the cache)
+        a_empty = set(answers.empty)
+        a_train_idx = [a_pos[w.id] if w.id in a_pos else None if w.id in a_empty else -1 for w in a_train]
+        if any(a_train_idx[i] == -1 for i in (range(len(a_train)) if a_read is None else a_read)):
+            raise RuntimeError(f"{work / 'answers'} lacks answer windows the run draws")
     if config.init:
         ridge, stats, ridge_s = _init(work, cache, train_idx, source, target, config, progress)
     else:
@@ -344,7 +362,9 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                                         "cached": sum(i >= 0 for i in train_idx)},
                     "teacher_cache_s": round(teacher_s), "ridge_s": round(ridge_s), "stages": []}
     if answers is not None:
-        record |= {"answer_windows": {"dev": len(a_dev_idx), "train": len(a_train_idx)},
+        record |= {"answer_windows": {"dev": len(a_dev_idx), "train": len(a_train_idx),
+                                      "cached": sum(i is not None and i >= 0 for i in a_train_idx),
+                                      "empty": sum(i is None for i in a_train_idx)},
                    "answer_cache_s": round(answer_s)}
     if world_size() > 1:
         record["ranks"] = {"world_size": world_size(), "teacher_windows_made": made}

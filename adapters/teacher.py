@@ -216,6 +216,16 @@ class TeacherCache:
                        keep_kv: bool = True) -> dict[str, torch.Tensor] | None:
         return teacher_window(source, target, window.text, config, start_token, keep_kv)
 
+    batch_windows = 1  # windows `batch_tensors` computes at once
+
+    def batch_tensors(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
+                      start_token: int, keep_kv: bool = True) -> list[dict[str, torch.Tensor] | None]:
+        return [self.window_tensors(source, target, w, config, start_token, keep_kv) for w in windows]
+
+    def batch_order(self, windows: list[Window], target: LoadedModel) -> list[Window]:
+        """The order `build` computes the missing windows in (a batch of alike windows computes faster)."""
+        return windows
+
     def wordings(self) -> dict:
         """What else a cache's windows depend on that its config does not hold (answer windows: their instructions);
         a folder built with other wordings is refused by name."""
@@ -223,15 +233,17 @@ class TeacherCache:
 
     def _header(self, index: dict) -> dict:
         """An index file's header: everything but its windows, the config with today's fields."""
-        return ({k: v for k, v in index.items() if k != "windows"}
+        return ({k: v for k, v in index.items() if k not in ("windows", "empty")}
                 | {"config": asdict(self.config_class(**index["config"]))})
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.index_path = self.root / "index.json"
         self.entries: list[dict] = []
+        self.empty: list[str] = []  # ids of windows computed that made none (an answer window answered with nothing)
         if self.index_path.exists():
-            self.entries = json.loads(self.index_path.read_text())["windows"]
+            saved = json.loads(self.index_path.read_text())
+            self.entries, self.empty = saved["windows"], saved.get("empty", [])
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -273,35 +285,51 @@ class TeacherCache:
                                  "another folder")
         position = {e["id"]: i for i, e in enumerate(self.entries)}
 
+        empty = set(self.empty)
+
         def wanted(w: Window) -> bool:
+            if w.id in empty:  # computed before: it makes no window
+                return False
             if w.id not in position:
                 return True
             return not self.has_kv(position[w.id]) and (kv_ids is None or w.id in kv_ids)
 
-        index, listed = (self.index_path, self.entries) if n == 1 else (self._part_path(p), [])
+        index, listed, none = (self.index_path, self.entries, self.empty) if n == 1 else (self._part_path(p), [], [])
+        todo = self.batch_order([w for w in windows if wanted(w)], target)[p::n]
+        first_new = len(listed)
         began, made = time.perf_counter(), 0
-        for w in tqdm([w for w in windows if wanted(w)][p::n], desc="teacher windows", disable=not progress):
-            keep_kv = kv_ids is None or w.id in kv_ids
-            tensors = self.window_tensors(source, target, w, config, start_token, keep_kv)
-            if tensors is None:
-                continue
-            name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
-            entry = {"id": w.id, "doc_id": w.doc_id, "file": name} | ({} if keep_kv else {"kv": False})
-            if n > 1:
-                listed.append(entry)
-            elif w.id in position:  # a lean window made whole
-                self.entries[position[w.id]] = entry
-            else:
-                position[w.id] = len(self.entries)
-                self.entries.append(entry)
-            made += 1
-            if made % 4 == 0:
-                self._write_index(index, header, listed)
-        if n == 1 or listed:  # (a part with nothing new leaves index.json as it is)
-            self._write_index(index, header, listed)
+        with tqdm(total=len(todo), desc="teacher windows", disable=not progress) as bar:
+            for at in range(0, len(todo), self.batch_windows):
+                batch = todo[at:at + self.batch_windows]
+                keep = [kv_ids is None or w.id in kv_ids for w in batch]
+                if self.batch_windows == 1:
+                    computed = [self.window_tensors(source, target, batch[0], config, start_token, keep[0])]
+                else:  # (a batch class keeps no target KV: keep_kv is the first window's)
+                    computed = self.batch_tensors(source, target, batch, config, start_token, keep[0])
+                for w, keep_kv, tensors in zip(batch, keep, computed):
+                    if tensors is None:
+                        none.append(w.id)
+                        continue
+                    name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
+                    save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
+                    entry = {"id": w.id, "doc_id": w.doc_id, "file": name} | ({} if keep_kv else {"kv": False})
+                    if n > 1:
+                        listed.append(entry)
+                    elif w.id in position:  # a lean window made whole
+                        self.entries[position[w.id]] = entry
+                    else:
+                        position[w.id] = len(self.entries)
+                        self.entries.append(entry)
+                    made += 1
+                bar.update(len(batch))
+                if (at + len(batch)) % 4 == 0 or self.batch_windows >= 4:
+                    self._write_index(index, header, listed, none)
+        order = {w.id: i for i, w in enumerate(windows)}  # the new windows listed in `windows` order, as computed
+        listed[first_new:] = sorted(listed[first_new:], key=lambda e: order.get(e["id"], len(order)))
+        if n == 1 or listed or none:  # (a part with nothing new leaves index.json as it is)
+            self._write_index(index, header, listed, none)
         seconds = time.perf_counter() - began
-        return {"windows": made, "seconds": seconds, "per_window_s": seconds / max(made, 1)}
+        return {"windows": made, "computed": len(todo), "seconds": seconds, "per_window_s": seconds / max(made, 1)}
 
     def _part_path(self, p: int) -> Path:
         return self.root / f"index.part-{p}.json"
@@ -327,17 +355,18 @@ class TeacherCache:
                     new.append(e)
                 elif have[e["id"]] >= 0 and whole(e) and not self.has_kv(have[e["id"]]):
                     self.entries[have[e["id"]]] = e  # a lean window made whole by this build
+            self.empty += [wid for wid in data.get("empty", []) if wid not in self.empty]
         if order is not None:
             position = {wid: i for i, wid in enumerate(order)}
             new.sort(key=lambda e: position.get(e["id"], len(position)))
         self.entries += new
-        self._write_index(self.index_path, header, self.entries)
+        self._write_index(self.index_path, header, self.entries, self.empty)
         for path in parts:
             path.unlink()
 
-    def _write_index(self, path: Path, header: dict, entries: list[dict]) -> None:
+    def _write_index(self, path: Path, header: dict, entries: list[dict], empty: list[str]) -> None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(header | {"windows": entries}))
+        tmp.write_text(json.dumps(header | {"windows": entries} | ({"empty": empty} if empty else {})))
         tmp.replace(path)
 
     def load(self, i: int) -> dict[str, torch.Tensor]:

@@ -179,7 +179,7 @@ def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
 
 
 def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache: TeacherCache,
-          train_idx: list[int], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
+          train_idx: list[int | None], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
           out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None,
           answers: AnswerProbe | None = None, teacher=None) -> dict:
     """Train `maps` in place; the best (by the dev score `config.select`, else the last) weights are loaded back at
@@ -219,7 +219,8 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         raise ValueError("select 'recovery' chooses checkpoints on a recovery probe; only an answer probe was given")
     metric = "dev_fidelity" if config.select == "fidelity" else "dev_recovery"
     scored = from_main(dev is not None or answers is not None)  # rank 0 scores the dev windows
-    first = next(i for i in train_idx if i >= 0)  # (-1: a window the teacher cache left out)
+    # (-1: a window the teacher cache left out; None: an answer window answered with nothing)
+    first = next(i for i in train_idx if i is not None and i >= 0)
     tokens_per_step = config.batch_windows * cache.load(first)["ids"].numel()  # target tokens per step
     if config.objective == "onpolicy":  # the student answers as the windows' teacher did (answer_windows.py)
         made = json.loads(cache.index_path.read_text())["config"]
@@ -288,13 +289,15 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
         # the global batch; this rank's share of it:
         batch = batch_indices(config.seed, config.batch_windows, it, len(train_idx))
         picked = [train_idx[i] for i in shard(batch)]
-        if any(i < 0 for i in picked):  # (-1: a window the teacher cache left out, chain.windows_read)
+        if any(i is not None and i < 0 for i in picked):  # (-1: a window the teacher cache left out)
             raise RuntimeError(f"step {it} draws a training window the teacher cache does not hold")
-        windows = [cache.load(i) for i in picked]
+        windows = [cache.load(i) for i in picked if i is not None]  # (None: an empty answer adds nothing)
         if config.objective == "attention":
             loss = sum(attention_loss(maps, start_kv, w, target, geometry, context_tokens, config.queries)
                        for w in windows)
             loss = loss / len(batch)
+        elif not windows:  # every window drawn here answered with nothing: a step of no gradient
+            loss = sum(p.sum() for p in maps.parameters() if p.requires_grad) * 0.0
         elif config.objective == "answer":
             loss = answer_loss(maps, start_kv, windows, target) * (len(windows) / len(batch))
         elif config.objective == "onpolicy":

@@ -4,6 +4,7 @@ where attention matching reads them) scoring like the full one, a planted answer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -32,7 +33,7 @@ from kvbridge.adapters.losses import (
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, fit_ridge
 from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
-from kvbridge.adapters.trainer import TrainerConfig, train
+from kvbridge.adapters.trainer import TrainerConfig, batch_indices, train
 from kvbridge.eval.summaries import EvalConfig
 from kvbridge.transfer import kvcache
 from safetensors.torch import load_file, save_file
@@ -161,6 +162,60 @@ def test_an_answer_window_holds_the_targets_own_greedy_answer(pair, answers):
     assert again == w["ids"][1 + c + q:].tolist()
     lengths = {answers.load(i)["lengths"][0].item() for i in range(len(answers))}
     assert len(lengths) > 1  # lengths are drawn per window
+
+
+def test_answers_decoded_together_are_the_ones_each_window_gives_alone(pair, answers):
+    """The cache decodes the answers of windows with as many document and instruction tokens in one batch
+    (answer_window_rows): every window's answer and its teacher log-probs are those of its own greedy decoding."""
+    _, target = pair
+    shapes = [tuple(answers.load(i)["lengths"][:2].tolist()) for i in range(len(answers))]
+    assert max(shapes.count(s) for s in shapes) > 1  # (some windows were decoded together)
+    for i in range(len(answers)):
+        w = answers.load(i)
+        c, q, _ = w["lengths"].tolist()
+        own = kvcache.extract(target.model, target.spec, w["ids"][:1 + c])
+        scores: list[torch.Tensor] = []
+        alone, _ = greedy(target, own, w["ids"][1 + c:1 + c + q], ANSWERS.max_answer_tokens, stop_ids(target),
+                          one_line=True, scores=scores)
+        assert alone == w["ids"][1 + c + q:].tolist(), i
+        top = torch.stack(scores).log_softmax(-1).topk(ANSWERS.topk, dim=-1)
+        torch.testing.assert_close(w["top_logp"].float(), top.values, atol=1e-4, rtol=0)
+
+
+def test_a_window_that_makes_none_is_listed_and_not_computed_again(pair, tmp_path):
+    """A window that makes no teacher window (here: too short; an answer window answered with nothing) is listed
+    in the index as empty, so a resumed build does not compute it again."""
+    source, target = pair
+    rng = random.Random(3)
+    windows = [Window("d:0/0", "d:0", "model"), Window("d:1/0", "d:1", _text(rng, 80))]
+    config = TeacherConfig(context_tokens=24, continuation_tokens=8, topk=8)
+    cache = TeacherCache(tmp_path / "t")
+    made = cache.build(source, target, windows, config, start_token_id(target.tokenizer), progress=False)
+    assert (made["windows"], made["computed"]) == (1, 2)
+    index = json.loads(cache.index_path.read_text())
+    assert index["empty"] == ["d:0/0"] and [e["id"] for e in index["windows"]] == ["d:1/0"]
+    again = TeacherCache(tmp_path / "t").build(source, target, windows, config, start_token_id(target.tokenizer),
+                                               progress=False)
+    assert (again["windows"], again["computed"]) == (0, 0)
+
+
+def test_a_draw_of_a_window_answered_with_nothing_adds_nothing(pair, answers, ridge, tmp_path):
+    """An answer window whose answer is empty keeps its place among the drawn windows (None): a step that draws only
+    such windows moves no weight, the next step trains."""
+    _, target = pair
+    cfg = TrainerConfig(objective="answer", max_iters=1, warmup_iters=0, batch_windows=2, lr=1e-2, min_lr=1e-3)
+    idx: list[int | None] = [0, 1, 2, 3]
+    for i in batch_indices(cfg.seed, 2, 0, 4):  # step 0 draws two windows answered with nothing
+        idx[i] = None
+    weights = []
+    for steps in (1, 2):
+        maps = _maps(ridge)
+        train(maps, ridge[0].start_kv, target, answers, idx, None, dataclasses.replace(cfg, max_iters=steps), 0,
+              tmp_path / f"run-{steps}", progress=False)
+        weights.append(maps.state_dict())
+    start = _maps(ridge).state_dict()
+    assert all(torch.equal(start[k], weights[0][k]) for k in start)
+    assert not all(torch.equal(start[k], weights[1][k]) for k in start)
 
 
 def test_an_answer_cache_of_other_wordings_is_refused_by_name(pair, answers, monkeypatch):

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from kvbridge.adapters.answer_windows import DEV_INSTRUCTION, instruction_for
+from kvbridge.adapters.answer_windows import DEV_INSTRUCTION, AnswerCache, instruction_for
 from kvbridge.adapters.chain import ChainConfig, parse_stages, select_windows
 from kvbridge.adapters.cli import main
 from kvbridge.adapters.fuser import load_fuser
@@ -114,6 +114,31 @@ def test_a_teacher_cache_of_the_windows_read_trains_the_adapter_of_every_window(
     assert n_lean == record["cached"] + record["dev"]
     a, b = load_adapter(tmp_path / "lean.safetensors"), load_adapter(tmp_path / "full.safetensors")
     for name in ("wk", "wv", "tok_table"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_an_answer_cache_of_the_windows_drawn_trains_the_adapter_of_every_window(corpus, tmp_path, monkeypatch):
+    """answer:2 of 2 windows draws 4 of the 24 selected answer windows: the answer cache computes only those and the
+    dev ones (chain.answer_windows_read), and the run writes the adapter a run whose answer cache holds every window
+    writes (each window decoded alone in both, so their teacher data are equal to the bit)."""
+    monkeypatch.setattr(AnswerCache, "batch_windows", 1)
+
+    def args(work, out, stages):
+        return _args(corpus, work, out, "--trainer", "chain", "--stages", stages, "--token-rank", "0",
+                     "--batch-windows", "2", "--answer-windows", "24", "--answer-lengths", "32,64")
+
+    lean, full = tmp_path / "lean", tmp_path / "full"
+    assert main(args(lean, tmp_path / "lean.safetensors", "answer:2")) == 0
+    assert main(args(full, tmp_path / "all.safetensors", "answer:12")) == 0  # draws all 24
+    shutil.rmtree(next(full.glob("stage-0-answer*")))
+    assert main(args(full, tmp_path / "full.safetensors", "answer:2")) == 0
+    record = read_adapter_meta(tmp_path / "lean.safetensors")["training"]["record"]["answer_windows"]
+    everything = read_adapter_meta(tmp_path / "full.safetensors")["training"]["record"]["answer_windows"]
+    assert record["train"] == everything["train"] == 24
+    assert record["cached"] + record["empty"] <= 4 < everything["cached"] + everything["empty"] == 24, record
+    assert len(json.loads((lean / "answers" / "index.json").read_text())["windows"]) == record["cached"] + record["dev"]
+    a, b = load_adapter(tmp_path / "lean.safetensors"), load_adapter(tmp_path / "full.safetensors")
+    for name in ("wk", "wv"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
