@@ -7,8 +7,8 @@ are answering.py's, as the evaluation reports them."""
 from __future__ import annotations
 
 import torch
-from kvbridge.adapters.answer_windows import AnswerCache
-from kvbridge.adapters.answering import greedy, greedy_agreement, rouge, stop_ids
+from kvbridge.adapters.answer_windows import ROWS, AnswerCache
+from kvbridge.adapters.answering import greedy_agreement, greedy_rows, rouge, stop_ids
 from kvbridge.adapters.losses import answer_context, answer_logits, topk_kl
 from kvbridge.adapters.scoring import bootstrap_mean
 from kvbridge.transfer.models import LoadedModel
@@ -29,22 +29,31 @@ class AnswerProbe:
 
     @torch.no_grad()
     def per_window(self, maps) -> dict[str, list[float]]:
-        """Every measure of every window (MEASURES)."""
-        out = {m: [] for m in MEASURES}
+        """Every measure of every window (MEASURES), in the windows' order. The answers of windows with as many
+        document and instruction tokens are decoded together, ROWS at a time (answering.greedy_rows)."""
         tok = self.target.tokenizer
-        for w in self.windows:
-            c, q, a = w["lengths"].tolist()
-            p = 1 + c
-            seg = answer_context(maps, self.start_kv, w, self.target)  # one projection: the answer and the logits
-            own = w["ids"][p + q:].tolist()  # the teacher's answer
-            got, _ = greedy(self.target, seg, w["ids"][p:p + q], self.max_answer_tokens, self.stop, one_line=True)
-            out["rougeL"].append(rouge(tok.decode(own, skip_special_tokens=True),
-                                       tok.decode(got, skip_special_tokens=True))["rougeL"])
-            out["greedy"].append(greedy_agreement(got, own))
-            logits = answer_logits(maps, self.start_kv, w, self.target, seg).float()  # [A, V]
-            out["top1"].append(float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()))
-            out["kl"].append(float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"])))
-        return out
+        shape = [tuple(w["lengths"][:2].tolist()) for w in self.windows]
+        order = sorted(range(len(self.windows)), key=lambda i: shape[i])
+        rows: dict[int, dict[str, float]] = {}
+        for at in range(0, len(order), ROWS):
+            chunk = order[at:at + ROWS]
+            segs = {i: answer_context(maps, self.start_kv, self.windows[i], self.target) for i in chunk}
+            for s in dict.fromkeys(shape[i] for i in chunk):  # one projection each: the answer and the logits
+                group = [i for i in chunk if shape[i] == s]
+                p, q = 1 + s[0], s[1]
+                got, _ = greedy_rows(self.target, [segs[i] for i in group],
+                                     torch.stack([self.windows[i]["ids"][p:p + q] for i in group]),
+                                     self.max_answer_tokens, self.stop, one_line=True)
+                for i, answer in zip(group, got):
+                    w = self.windows[i]
+                    own = w["ids"][p + q:].tolist()  # the teacher's answer
+                    logits = answer_logits(maps, self.start_kv, w, self.target, segs[i]).float()  # [A, V]
+                    rows[i] = {"rougeL": rouge(tok.decode(own, skip_special_tokens=True),
+                                               tok.decode(answer, skip_special_tokens=True))["rougeL"],
+                               "greedy": greedy_agreement(answer, own),
+                               "top1": float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()),
+                               "kl": float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"]))}
+        return {m: [rows[i][m] for i in range(len(self.windows))] for m in MEASURES}
 
     def score(self, maps, seed: int = 0) -> dict:
         """{measure: mean, measure_interval: bootstrap 95% over windows, fidelity: the mean of ROUGE-L and top-1 (the

@@ -15,6 +15,10 @@ Its cache file holds only what the objective reads — no queries, keys or value
   top_logp, top_idx [A, topk]               the target's own log-probs of its top-k tokens where it chose answer
                                             tokens 0..A-1 (the last instruction token, then answer tokens 0..A-2)
 
+AnswerCache computes ROWS windows at a time: each document is read alone, and the greedy answers of windows with as
+many document and instruction tokens are decoded as one batch (answering.greedy_rows; equal to one window's own
+decoding up to float ties). A window answered with nothing is listed as empty in the index (computed once).
+
 The evaluation's instruction (eval.summaries.EvalConfig.instruction) is not among INSTRUCTIONS, nor is the dev
 windows' DEV_INSTRUCTION: fidelity measured with either is fidelity on a wording no training step saw.
 """
@@ -40,7 +44,7 @@ INSTRUCTIONS = (
     "\n\nSummarize the text above in one sentence:",
     # until 2026-12-05 "In one line, what is the text above about?", which the target answered with nothing on 60 of
     # 60 pages (its windows were dropped); this one got an answer on all 60 (experiments/instruction/run.sh WORK
-    # WORDING ...: docs/adapters.md, "Training for answers")
+    # WORDING ...: docs/answers.md, "Training for answers")
     "\n\nThe text above is about",
     "\n\nTL;DR:",
     "\n\nQuestion: What is the main purpose of what the text above describes?\nAnswer:",

@@ -157,39 +157,42 @@ def select_windows(files: list[str | Path], target_tokenizer, config: ChainConfi
     return dev, train_all[:config.train_windows]
 
 
-def kv_windows(config: ChainConfig, dev: list[Window], train_w: list[Window]) -> set[str] | None:
-    """The ids of the teacher windows that must keep the target's own KV: the dev windows (the recovery probe reads
-    it) and the ridge windows (the statistics), and every window when a stage reads it (attention matching, a
-    fuser's ce); None for every window. The rest are lean (teacher.py): the kl and ce stages of a projection read
-    only the source's features and the teacher's log-probs."""
-    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
-        return None
-    return {w.id for w in dev} | {w.id for w in train_w[:config.ridge_windows]}
-
-
-def windows_read(config: ChainConfig, train_w: list[Window], target_tokenizer
-                 ) -> tuple[list[Window], set[int]] | None:
-    """When a run's stages read fewer training windows than it selected: (the windows that make teacher windows —
-    their text re-tokenises to a whole window, as teacher.teacher_window requires — and the positions among them that
-    are read: the ridge windows and every draw of every stage). A stage's draws are a function of its seed, its steps
-    and the number of windows (trainer.batch_indices), so a teacher cache of only those trains exactly as one of
-    every window (tested) and takes a fraction of its time (the shipped adapter's second command draws 300 of its 800
-    windows). None when the stages read about every window, or a stage reads every window's KV (attention matching,
-    a fuser)."""
-    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
-        return None
-    stages = [(n, steps) for n, (name, steps) in enumerate(config.stages) if name not in ANSWER_OBJECTIVES]
-    if sum(steps for _, steps in stages) * config.batch_windows + config.ridge_windows >= len(train_w):
-        return None
+def valid_windows(config: ChainConfig, train_w: list[Window], target_tokenizer) -> list[Window]:
+    """The training windows that make teacher windows (their text re-tokenises to a whole window, as
+    teacher.teacher_window requires: teacher.makes_window): the ridge reads the first of them, the draws index them."""
     def target_ids(w: Window) -> int:  # as pair_text makes them: the start token and the text's tokens
         return 1 + len(tokenize(target_tokenizer, w.text, add_special_tokens=False).ids)
 
-    valid = [w for w in train_w if makes_window(target_ids(w), config.teacher)]
+    return [w for w in train_w if makes_window(target_ids(w), config.teacher)]
+
+
+def kv_windows(config: ChainConfig, dev: list[Window], valid: list[Window]) -> set[str] | None:
+    """The ids of the teacher windows that must keep the target's own KV: the dev windows (the recovery probe reads
+    it) and the ridge windows (the statistics: the first `ridge_windows` of `valid`, valid_windows), and every window
+    when a stage reads it (attention matching, a fuser's ce); None for every window. The rest are lean (teacher.py):
+    the kl and ce stages of a projection read only the source's features and the teacher's log-probs."""
+    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
+        return None
+    return {w.id for w in dev} | {w.id for w in valid[:config.ridge_windows]}
+
+
+def windows_read(config: ChainConfig, valid: list[Window]) -> set[int] | None:
+    """When a run's stages read fewer training windows than it selected: the positions among the windows that make
+    teacher windows (valid_windows) that are read: the ridge windows and every draw of every stage. A stage's draws
+    are a function of its seed, its steps and the number of windows (trainer.batch_indices), so a teacher cache of
+    only those trains exactly as one of every window (tested) and takes a fraction of its time (the shipped adapter's
+    second command draws 300 of its 800 windows). None when the stages read about every window, or a stage reads
+    every window's KV (attention matching, a fuser)."""
+    if config.fuser_rank or any(name == "attention" for name, _ in config.stages):
+        return None
+    stages = [(n, steps) for n, (name, steps) in enumerate(config.stages) if name not in ANSWER_OBJECTIVES]
+    if sum(steps for _, steps in stages) * config.batch_windows + config.ridge_windows >= len(valid):
+        return None
     read = set(range(min(config.ridge_windows, len(valid))))
     for n, steps in stages:
         for it in range(steps):
             read.update(batch_indices(config.seed + n, config.batch_windows, it, len(valid)))
-    return valid, read
+    return read
 
 
 def answer_windows_read(config: ChainConfig, windows: int) -> set[int] | None:
@@ -303,21 +306,20 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     began = time.perf_counter()
     dev, train_w = select_windows(files, target.tokenizer, config)
     t0 = time.perf_counter()
-    read = windows_read(config, train_w, target.tokenizer)
-    needed = train_w if read is None else [w for i, w in enumerate(read[0]) if i in read[1]]
+    valid = valid_windows(config, train_w, target.tokenizer)
+    read = windows_read(config, valid)
+    needed = valid if read is None else [w for i, w in enumerate(valid) if i in read]
     cache, made = build_teacher_cache(work / "teacher", source, target, dev + needed, config.teacher,
-                                      start_token_id(target.tokenizer), progress=progress, kv_ids=kv_windows(
-                                          config, dev, train_w))
+                                      start_token_id(target.tokenizer), progress=progress,
+                                      kv_ids=kv_windows(config, dev, valid))
     teacher_s = time.perf_counter() - t0
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
-    if read is None:
-        train_idx = [pos[w.id] for w in train_w if w.id in pos]
-    else:  # every window that makes one keeps its place (the draws index them); one no step reads is -1
-        train_idx = [pos.get(w.id, -1) for w in read[0]]
-        if any(train_idx[i] < 0 for i in read[1]):
-            raise RuntimeError(f"{sum(train_idx[i] < 0 for i in read[1])} training windows the run reads made no "
-                               "teacher window: the length check of chain.windows_read and teacher_window disagree")
+    # every valid window keeps its place (the draws index them); one no step reads is -1
+    train_idx = [pos.get(w.id, -1) for w in valid]
+    if any(train_idx[i] < 0 for i in (range(len(valid)) if read is None else read)):
+        raise RuntimeError(f"{sum(train_idx[i] < 0 for i in (read or range(len(valid))))} training windows the run "
+                           "reads made no teacher window: teacher.makes_window and teacher_window disagree")
     answers, answer_s = None, 0.0
     if config.answer_windows:
         t0 = time.perf_counter()

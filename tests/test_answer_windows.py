@@ -20,7 +20,7 @@ from kvbridge.adapters.answer_windows import (
     document_term,
     instruction_for,
 )
-from kvbridge.adapters.answering import greedy, stop_ids
+from kvbridge.adapters.answering import greedy, greedy_agreement, stop_ids
 from kvbridge.adapters.losses import (
     AttentionGeometry,
     answer_context,
@@ -180,6 +180,23 @@ def test_answers_decoded_together_are_the_ones_each_window_gives_alone(pair, ans
         assert alone == w["ids"][1 + c + q:].tolist(), i
         top = torch.stack(scores).log_softmax(-1).topk(ANSWERS.topk, dim=-1)
         torch.testing.assert_close(w["top_logp"].float(), top.values, atol=1e-4, rtol=0)
+
+
+def test_the_probe_scores_answers_decoded_together_as_each_alone(pair, answers, ridge):
+    """The dev probe decodes the answers of alike windows together (AnswerProbe.per_window): each window's greedy
+    answer over the map's cache, and so its measures, are those of its own decoding."""
+    _, target = pair
+    maps, start_kv = _maps(ridge, seed=3), ridge[0].start_kv
+    indices = list(range(len(answers)))
+    rows = AnswerProbe(target, start_kv, answers, indices, ANSWERS.max_answer_tokens).per_window(maps)
+    for i in indices:
+        w = answers.load(i)
+        c, q, _ = w["lengths"].tolist()
+        with torch.no_grad():
+            seg = answer_context(maps, start_kv, w, target)
+        alone, _ = greedy(target, seg, w["ids"][1 + c:1 + c + q], ANSWERS.max_answer_tokens, stop_ids(target),
+                          one_line=True)
+        assert rows["greedy"][i] == greedy_agreement(alone, w["ids"][1 + c + q:].tolist()), i
 
 
 def test_a_window_that_makes_none_is_listed_and_not_computed_again(pair, tmp_path):

@@ -4,6 +4,7 @@ window computed twice) and gives the same weights; dev windows never come from t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -64,6 +65,20 @@ def test_dev_windows_come_from_held_out_documents_only(corpus, tiny_target):
     assert all(is_heldout(w.doc_id, config.heldout_fraction) for w in dev)
     assert not any(is_heldout(w.doc_id, config.heldout_fraction) for w in train)
     assert (dev, train) == select_windows(corpus[0], tiny_target.tokenizer, config)
+
+
+def test_the_ridge_windows_keep_the_targets_kv_where_they_make_teacher_windows(corpus, tiny_target):
+    """The ridge reads the first `ridge_windows` training windows that make teacher windows (valid_windows), so those
+    are the ones whose teacher data keep the target's own KV, not the first selected when one of them is too short."""
+    from kvbridge.adapters.chain import kv_windows, valid_windows
+
+    config = ChainConfig(stages=(("kl", 1),), train_windows=12, ridge_windows=3)
+    dev, train_w = select_windows(corpus[0], tiny_target.tokenizer, config)
+    short = dataclasses.replace(train_w[1], text=train_w[1].text[:40])  # re-tokenises to less than a window
+    windows = [train_w[0], short, *train_w[2:]]
+    valid = valid_windows(config, windows, tiny_target.tokenizer)
+    assert short not in valid and valid[:3] == [train_w[0], train_w[2], train_w[3]]
+    assert kv_windows(config, dev, valid) == {w.id for w in dev} | {train_w[i].id for i in (0, 2, 3)}
 
 
 def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path, capsys):

@@ -47,8 +47,8 @@ KINDS = {"setup", "tests", "python-client", "node-install", "node-client", "grpc
 CHEAP = {".venv/bin/kvbridge models info --preset production": "57,344 KV bytes/token"}
 NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET", "ENETUNREACH",
                   "network request", "request to https://registry")
-NEW_DOCS = ("docs/library.md", "docs/serving.md", "docs/adapters.md", "docs/context-map.md", "docs/quality.md",
-            "docs/fidelity-ceiling.md", "docs/vllm.md", "docs/deployment.md")
+NEW_DOCS = ("docs/library.md", "docs/serving.md", "docs/adapters.md", "docs/answers.md", "docs/context-map.md",
+            "docs/quality.md", "docs/fidelity-ceiling.md", "docs/vllm.md", "docs/deployment.md")
 
 
 def kind(block) -> str:

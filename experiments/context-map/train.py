@@ -27,7 +27,7 @@ def load(work: Path, windows: int, data: Path, ridge_windows: int = 100, token_r
     """The pair, teacher cache, dev/train indices and ridge fit of a `--trainer chain` work folder (nothing is
     recomputed when the folder is complete)."""
     import torch
-    from kvbridge.adapters.chain import ChainConfig, _ridge, kv_windows, select_windows
+    from kvbridge.adapters.chain import ChainConfig, _ridge, kv_windows, select_windows, valid_windows
     from kvbridge.adapters.distributed import build_teacher_cache
     from kvbridge.adapters.pairs import start_token_id
     from kvbridge.adapters.teacher import TeacherConfig
@@ -41,7 +41,7 @@ def load(work: Path, windows: int, data: Path, ridge_windows: int = 100, token_r
     dev, train_w = select_windows(files, target.tokenizer, config)
     cache, _ = build_teacher_cache(work / "teacher", source, target, dev + train_w, config.teacher,
                                    start_token_id(target.tokenizer), progress=False,
-                                   kv_ids=kv_windows(config, dev, train_w))
+                                   kv_ids=kv_windows(config, dev, valid_windows(config, train_w, target.tokenizer)))
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]
     train_idx = [pos[w.id] for w in train_w if w.id in pos]
