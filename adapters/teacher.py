@@ -251,8 +251,10 @@ class TeacherCache:
     def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
               start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1),
               kv_ids: set[str] | None = None) -> dict:
-        """Teacher data of every window; returns timing {windows, seconds, per_window_s}. A cache that keeps the
-        queries serves a run that does not need them (its new windows keep them too).
+        """Teacher data of every window; returns {windows: made, computed: tried, seconds, per_window_s}. A cache
+        that keeps the queries serves a run that does not need them (its new windows keep them too). A window that
+        makes none (too short; an answer window answered with nothing) is listed under "empty" and not tried again;
+        the windows made are listed in the order of `windows` (a class may compute them in another: batch_order).
 
         kv_ids: the windows that keep the target's own q, k, v (None: every window); the others are made lean. A lean
         window already cached whose id is in kv_ids is computed again with them (its entry replaced).
