@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from kvbridge.adapters.answer_windows import ROWS, AnswerCache
-from kvbridge.adapters.answering import greedy_agreement, greedy_rows, rouge, stop_ids
+from kvbridge.adapters.answering import greedy_agreement, greedy_alike, rouge, stop_ids
 from kvbridge.adapters.losses import answer_context, answer_logits, topk_kl
 from kvbridge.adapters.scoring import bootstrap_mean
 from kvbridge.transfer.models import LoadedModel
@@ -37,22 +37,18 @@ class AnswerProbe:
         rows: dict[int, dict[str, float]] = {}
         for at in range(0, len(order), ROWS):
             chunk = order[at:at + ROWS]
-            segs = {i: answer_context(maps, self.start_kv, self.windows[i], self.target) for i in chunk}
-            for s in dict.fromkeys(shape[i] for i in chunk):  # one projection each: the answer and the logits
-                group = [i for i in chunk if shape[i] == s]
-                p, q = 1 + s[0], s[1]
-                got, _ = greedy_rows(self.target, [segs[i] for i in group],
-                                     torch.stack([self.windows[i]["ids"][p:p + q] for i in group]),
-                                     self.max_answer_tokens, self.stop, one_line=True)
-                for i, answer in zip(group, got):
-                    w = self.windows[i]
-                    own = w["ids"][p + q:].tolist()  # the teacher's answer
-                    logits = answer_logits(maps, self.start_kv, w, self.target, segs[i]).float()  # [A, V]
-                    rows[i] = {"rougeL": rouge(tok.decode(own, skip_special_tokens=True),
-                                               tok.decode(answer, skip_special_tokens=True))["rougeL"],
-                               "greedy": greedy_agreement(answer, own),
-                               "top1": float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()),
-                               "kl": float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"]))}
+            segs = [answer_context(maps, self.start_kv, self.windows[i], self.target) for i in chunk]
+            prompts = [self.windows[i]["ids"][1 + shape[i][0]:1 + sum(shape[i])] for i in chunk]
+            got = greedy_alike(self.target, segs, prompts, self.max_answer_tokens, self.stop, one_line=True)
+            for i, seg, answer in zip(chunk, segs, got):  # one projection each: the answer and the logits
+                w = self.windows[i]
+                own = w["ids"][1 + sum(shape[i]):].tolist()  # the teacher's answer
+                logits = answer_logits(maps, self.start_kv, w, self.target, seg).float()  # [A, V]
+                rows[i] = {"rougeL": rouge(tok.decode(own, skip_special_tokens=True),
+                                           tok.decode(answer, skip_special_tokens=True))["rougeL"],
+                           "greedy": greedy_agreement(answer, own),
+                           "top1": float((logits.argmax(-1) == w["top_idx"][:, 0]).float().mean()),
+                           "kl": float(topk_kl(logits.log_softmax(-1), w["top_logp"], w["top_idx"]))}
         return {m: [rows[i][m] for i in range(len(self.windows))] for m in MEASURES}
 
     def score(self, maps, seed: int = 0) -> dict:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.adapters.adapter import has_text_source
-from kvbridge.adapters.answering import greedy_rows, stop_ids
+from kvbridge.adapters.answering import greedy_alike, stop_ids
 from kvbridge.adapters.pairs import pair_text
 from kvbridge.adapters.teacher import TeacherCache, Window, source_features
 from kvbridge.transfer import kvcache
@@ -145,26 +145,21 @@ def answer_window_rows(source: LoadedModel, target: LoadedModel, windows: list[W
                                                add_special_tokens=False)["input_ids"], dtype=torch.int64)
         made.append({"paired": paired, "xk": xk, "xv": xv, "prompt": prompt,
                      "own": kvcache.extract(target.model, target.spec, ids)})
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, m in enumerate(made):
-        groups.setdefault((m["paired"].target_ids.numel(), m["prompt"].numel()), []).append(i)
+    scores: list[list[torch.Tensor]] = [[] for _ in made]
+    answers = greedy_alike(target, [m["own"] for m in made], [m["prompt"] for m in made], config.max_answer_tokens,
+                           stop_ids(target), one_line=True, scores=scores)
     out: list[dict[str, torch.Tensor] | None] = [None] * len(windows)
     bf16 = torch.bfloat16
-    for rows in groups.values():
-        scores: list[list[torch.Tensor]] = [[] for _ in rows]
-        answers, _ = greedy_rows(target, [made[i]["own"] for i in rows], torch.stack([made[i]["prompt"] for i in rows]),
-                                 config.max_answer_tokens, stop_ids(target), one_line=True, scores=scores)
-        for i, answer, answer_scores in zip(rows, answers, scores):
-            if not answer:
-                continue
-            m = made[i]
-            ids = m["paired"].target_ids
-            top = torch.stack(answer_scores).log_softmax(-1).topk(config.topk, dim=-1)  # [A, k]
-            out[i] = {"xk": m["xk"].to(bf16), "xv": m["xv"].to(bf16),
-                      "start_mask": (~has_text_source(m["paired"].alignment.kind)) & (ids == start_token),
-                      "ids": torch.cat((ids, m["prompt"], torch.tensor(answer, dtype=torch.int64))),
-                      "lengths": torch.tensor([ids.numel() - 1, m["prompt"].numel(), len(answer)]),
-                      "top_logp": top.values, "top_idx": top.indices}
+    for i, (m, answer) in enumerate(zip(made, answers)):
+        if not answer:
+            continue
+        ids = m["paired"].target_ids
+        top = torch.stack(scores[i]).log_softmax(-1).topk(config.topk, dim=-1)  # [A, k]
+        out[i] = {"xk": m["xk"].to(bf16), "xv": m["xv"].to(bf16),
+                  "start_mask": (~has_text_source(m["paired"].alignment.kind)) & (ids == start_token),
+                  "ids": torch.cat((ids, m["prompt"], torch.tensor(answer, dtype=torch.int64))),
+                  "lengths": torch.tensor([ids.numel() - 1, m["prompt"].numel(), len(answer)]),
+                  "top_logp": top.values, "top_idx": top.indices}
     return out
 
 
@@ -177,8 +172,8 @@ class AnswerCache(TeacherCache):
     def window_tensors(self, source, target, window, config, start_token, keep_kv=True):
         return answer_window(source, target, window, config, start_token)  # (an answer window keeps no target KV)
 
-    def batch_tensors(self, source, target, windows, config, start_token, keep_kv=True):
-        return answer_window_rows(source, target, windows, config, start_token)
+    def batch_tensors(self, source, target, windows, config, start_token, keep_kv):
+        return answer_window_rows(source, target, windows, config, start_token)  # (no target KV to keep)
 
     def batch_order(self, windows, target):
         """Windows of one document length and one instruction length side by side, so that a batch decodes them

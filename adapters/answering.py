@@ -87,6 +87,23 @@ def greedy_rows(target: LoadedModel, contexts: list[KVSegment], prompts: torch.T
         pos += 1
 
 
+def greedy_alike(target: LoadedModel, contexts: list[KVSegment], prompts: list[torch.Tensor], max_new_tokens: int,
+                 stop: set[int], one_line: bool = False, scores: list[list[torch.Tensor]] | None = None
+                 ) -> list[list[int]]:
+    """`greedy` of every (contexts[i], prompts[i]), the rows of one context length and one prompt length decoded
+    together (greedy_rows); the answers (and scores) in the order given."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (context, prompt) in enumerate(zip(contexts, prompts, strict=True)):
+        groups.setdefault((context.num_tokens, prompt.numel()), []).append(i)
+    out: list[list[int]] = [[] for _ in contexts]
+    for rows in groups.values():
+        answers, _ = greedy_rows(target, [contexts[i] for i in rows], torch.stack([prompts[i] for i in rows]),
+                                 max_new_tokens, stop, one_line, None if scores is None else [scores[i] for i in rows])
+        for i, answer in zip(rows, answers):
+            out[i] = answer
+    return out
+
+
 @cache
 def _scorer():
     from rouge_score import rouge_scorer  # here, not at import: it loads nltk (a second at every CLI start)

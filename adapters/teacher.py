@@ -219,8 +219,9 @@ class TeacherCache:
     batch_windows = 1  # windows `batch_tensors` computes at once
 
     def batch_tensors(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
-                      start_token: int, keep_kv: bool = True) -> list[dict[str, torch.Tensor] | None]:
-        return [self.window_tensors(source, target, w, config, start_token, keep_kv) for w in windows]
+                      start_token: int, keep_kv: list[bool]) -> list[dict[str, torch.Tensor] | None]:
+        """window_tensors of each window (keep_kv: each one's); a class may compute them together."""
+        return [self.window_tensors(source, target, w, config, start_token, k) for w, k in zip(windows, keep_kv)]
 
     def batch_order(self, windows: list[Window], target: LoadedModel) -> list[Window]:
         """The order `build` computes the missing windows in (a batch of alike windows computes faster)."""
@@ -304,10 +305,7 @@ class TeacherCache:
             for at in range(0, len(todo), self.batch_windows):
                 batch = todo[at:at + self.batch_windows]
                 keep = [kv_ids is None or w.id in kv_ids for w in batch]
-                if self.batch_windows == 1:
-                    computed = [self.window_tensors(source, target, batch[0], config, start_token, keep[0])]
-                else:  # (a batch class keeps no target KV: keep_kv is the first window's)
-                    computed = self.batch_tensors(source, target, batch, config, start_token, keep[0])
+                computed = self.batch_tensors(source, target, batch, config, start_token, keep)
                 for w, keep_kv, tensors in zip(batch, keep, computed):
                     if tensors is None:
                         none.append(w.id)
