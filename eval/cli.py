@@ -41,6 +41,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-induction-prior", action="store_true",
                    help="read projected KV as it is in every mode (default: with the target's induction prior, "
                         "but in modes named with /noprior; /probe: the probe's prior)")
+    p.add_argument("--prior", metavar="FILE",
+                   help="the induction prior the modes without a suffix read (`kvbridge prior fit --adapter ADAPTER "
+                        "--out FILE`; default: the one that ships for the target; the report says when it was "
+                        "fitted for another adapter than the one evaluated)")
     p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                    help="the target's engine: transformers in this process (default), or a vLLM engine that gets "
                         "projected KV through the kvbridge connector, as vLLM deployments do (modes full, none, "
@@ -84,7 +88,8 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
     options = RunOptions(data=args.data, preset=args.preset, modes=args.modes, adapter=args.adapter,
                          fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
                          out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
-                         progress=not args.no_progress, engine=args.engine, vllm_dtype=args.vllm_dtype or "")
+                         progress=not args.no_progress, engine=args.engine, vllm_dtype=args.vllm_dtype or "",
+                         prior=args.prior)
     result = evaluate(options, config=config)
     print(result["paths"]["markdown"].read_text())
     for name, path in result["paths"].items():

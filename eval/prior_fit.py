@@ -7,7 +7,10 @@ two terms 0). Training windows: `window_tokens` target tokens of the adapter's t
 chain's split keeps for training, never its held-out ones), shuffled by seed 0, cut by eval's `prepare` to 512
 tokens of context and 32 of continuation, those with at least 400 context tokens kept; the first `dev` of them are
 the dev windows, the next `windows - dev` the training ones. Each is projected by a kvbridge server serving the
-pair's default adapter (the shipped one), and its last 10% recomputed by the target (`recompute:0.1`'s cache).
+adapter the prior is fitted for (`--adapter FILE`, default the pair's shipped one; the windows folder records its
+digest and refuses another's), and its last 10% recomputed by the target (`recompute:0.1`'s cache). The prior file
+records that adapter's name and digest (`InductionPrior.stale_for`: what reads the prior over another adapter's
+projection says so).
 
 A step: one training window drawn by random.Random(0), read as recompute:0.1 (p 0.7) or replace; the loss is the
 mean NLL of its 31 continuation tokens with the prior on the projected keys, plus lam × ||theta - init||²; Adam at
@@ -97,12 +100,27 @@ def reading(window: dict, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 class Windows:
     """The recipe's windows, built on demand into `folder` (NNNN.safetensors: ids, cont, kv and tail in bf16) from
-    the corpora in `data`, projected by an in-process kvbridge server of the preset (its default adapter)."""
+    the corpora in `data`, projected by an in-process kvbridge server of the preset serving the adapter file
+    `adapter` (folder/adapter.json records its name and digest: a folder of another adapter's windows is refused)."""
 
-    def __init__(self, recipe: Recipe, data: Path, folder: Path, source: LoadedModel, target: LoadedModel):
+    def __init__(self, recipe: Recipe, data: Path, folder: Path, source: LoadedModel, target: LoadedModel,
+                 adapter: Path):
         self.recipe, self.data, self.folder = recipe, Path(data), Path(folder)
-        self.source, self.target = source, target
+        self.source, self.target, self.adapter_file = source, target, Path(adapter)
+        self.adapter = adapter_record(self.adapter_file)
         self.folder.mkdir(parents=True, exist_ok=True)
+        record = self.folder / "adapter.json"
+        if record.is_file():
+            made = json.loads(record.read_text())
+            if made.get("digest") != self.adapter["digest"]:
+                raise ValueError(f"{self.folder} holds windows projected by adapter {made.get('name')} "
+                                 f"({str(made.get('digest'))[:16]}), not by {self.adapter['name']} "
+                                 f"({self.adapter['digest'][:16]}): use another --work folder")
+        elif any(self.folder.glob("*.safetensors")):
+            raise ValueError(f"{self.folder} holds windows that record no adapter (made before adapters were "
+                             "recorded): use another --work folder")
+        else:
+            record.write_text(json.dumps(self.adapter))
         self._loaded: dict[int, dict] = {}
 
     def path(self, index: int) -> Path:
@@ -136,7 +154,7 @@ class Windows:
         from kvbridge.eval.run import start_local_server
         from kvbridge.server.client import KVBridgeClient
 
-        running = start_local_server(self.source, self.target, self.recipe.preset, None, False)
+        running = start_local_server(self.source, self.target, self.recipe.preset, str(self.adapter_file), False)
         try:
             with KVBridgeClient(running.address, timeout_s=600) as client:
                 for index, doc in enumerate(self._candidates()):
@@ -272,21 +290,44 @@ def _recipe(args: argparse.Namespace) -> Recipe:
     return Recipe(preset=args.preset, windows=args.windows, dev=args.dev, steps=args.steps, lam=args.lam)
 
 
-def cmd_prior_fit(args: argparse.Namespace) -> int:
+def adapter_record(path: Path) -> dict:
+    """{"name": the file's stem, "digest": Adapter.digest} of an adapter file."""
+    from kvbridge.adapters.io import load_adapter
+
+    return {"name": path.name.removesuffix(".safetensors"), "digest": load_adapter(path).digest}
+
+
+def _adapter_file(args: argparse.Namespace, source: LoadedModel, target: LoadedModel) -> Path:
+    """--adapter, else the adapter that ships for the pair."""
     from kvbridge.adapters.shipped import find_shipped
+
+    if args.adapter:
+        path = Path(args.adapter)
+        if not path.is_file():
+            raise FileNotFoundError(f"--adapter {path}: no such file")
+        return path
+    path = find_shipped(source.spec, target.spec)
+    if path is None:
+        raise FileNotFoundError(f"no adapter ships for {source.name} -> {target.name}: pass --adapter FILE (the "
+                                "adapter the prior is for)")
+    return path
+
+
+def cmd_prior_fit(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
     recipe = _recipe(args)
     source, target = load_pair(recipe.preset)
     work = Path(args.work)
-    theta, trajectory = fit(recipe, target, Windows(recipe, args.data, work / "windows", source, target), work)
-    adapter = find_shipped(source.spec, target.spec)
-    command = (f"kvbridge prior fit --preset {recipe.preset} --data DATA --windows {recipe.windows} --dev {recipe.dev} "
-               f"--steps {recipe.steps} --lam {recipe.lam} --out {Path(args.out).name} (DATA: the folder `kvbridge "
-               f"data build --out DATA` writes)")
+    windows = Windows(recipe, args.data, work / "windows", source, target, _adapter_file(args, source, target))
+    theta, trajectory = fit(recipe, target, windows, work)
+    given = f" --adapter {windows.adapter_file.name}" if args.adapter else ""
+    command = (f"kvbridge prior fit --preset {recipe.preset} --data DATA{given} --windows {recipe.windows} "
+               f"--dev {recipe.dev} --steps {recipe.steps} --lam {recipe.lam} --out {Path(args.out).name} (DATA: the "
+               f"folder `kvbridge data build --out DATA` writes)")
     InductionPrior(theta.float(), origin=Path(args.out).name).save(args.out, {
         "target": {"name": target.name, "config_hash": target.spec.identity.config_hash},
-        "adapter": adapter.stem if adapter is not None else "the server's default adapter",
+        "adapter": windows.adapter,
         "recipe": asdict(recipe), "dev_nll": trajectory, "tolerance": TOLERANCE,
         "fitted_on": f"windows of pydoc_corpus.txt and kernel_docs_corpus.txt, the chain's training documents "
                      f"(blake2b split, 8% held out never used); {recipe.windows - recipe.dev} training windows, "
@@ -310,7 +351,12 @@ def cmd_prior_check(args: argparse.Namespace) -> int:
     if target.spec.identity.config_hash != meta["target"]["config_hash"]:
         raise ValueError(f"{args.file} was fitted for {meta['target']['name']}, not {target.name}")
     work = Path(args.work)
-    windows = Windows(recipe, args.data, work / "windows", source, target)
+    adapter = _adapter_file(args, source, target)
+    fitted, using = meta.get("adapter"), adapter_record(adapter)
+    if isinstance(fitted, dict) and fitted.get("digest") and fitted["digest"] != using["digest"]:
+        raise ValueError(f"{args.file} was fitted for adapter {fitted.get('name')} ({fitted['digest'][:16]}), not for "
+                         f"{using['name']} ({using['digest'][:16]}): pass --adapter the file it was fitted with")
+    windows = Windows(recipe, args.data, work / "windows", source, target, adapter)
     theta, trajectory = fit(recipe, target, windows, work, until=until)
     worst = compare(meta["dev_nll"][str(until)], trajectory[str(until)], float(meta["tolerance"]))
     line = f"step {until}: dev NLL {trajectory[str(until)]}, recorded {meta['dev_nll'][str(until)]}, " \
@@ -332,6 +378,9 @@ def add_parsers(sub) -> None:
                       help="folder of pydoc_corpus.txt and kernel_docs_corpus.txt (`kvbridge data build --out DIR`)")
     data.add_argument("--work", type=Path, default=Path("prior-work"), metavar="DIR",
                       help="the built windows and the checkpoint; a run resumes from it (default prior-work)")
+    data.add_argument("--adapter", metavar="FILE",
+                      help="the adapter whose projections the prior reads (default: the one that ships for the pair); "
+                           "the prior file records its digest")
     p = psub.add_parser("fit", parents=[data], help="fit the prior of a preset's target (about 15 minutes for the "
                         "small pair on 2 cores)")
     p.add_argument("--preset", default=Recipe.preset, choices=sorted(PRESETS))

@@ -218,6 +218,9 @@ def write_report(out: Path, summary: dict, results: list[DocumentResult], meta: 
     head = (f"{summary['documents']} documents ({meta.get('data', '')}), {meta.get('source', '')} -> "
             f"{meta.get('target', '')}, adapter {meta.get('adapter', '')}, target engine {engine}. Means with "
             "bootstrap 95% intervals.")
-    paths["markdown"].write_text(head + "\n\n" + table + "\n")
+    stale = (meta.get("induction_prior") or {}).get("stale")
+    warning = (f"\n\nThe modes that read the induction prior read one made for another adapter: {stale}."
+               if stale else "")
+    paths["markdown"].write_text(head + warning + "\n\n" + table + "\n")
     plot(summary, paths["plot"], head)
     return paths

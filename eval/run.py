@@ -39,6 +39,7 @@ class RunOptions:
     progress: bool = True
     engine: str = "transformers"  # the target's engine: transformers in this process, or vllm (eval.vllm_eval)
     vllm_dtype: str = ""  # --engine vllm: the engine's dtype ("": bfloat16 where the CPU has it natively, else float32)
+    prior: str | None = None  # a fitted induction prior file for the modes without a suffix; None: the shipped one
 
     def __post_init__(self):
         if self.engine not in ("transformers", "vllm"):
@@ -71,10 +72,16 @@ def start_local_server(source: LoadedModel, target: LoadedModel, preset: str, ad
     return start_server(service, config)
 
 
-def _prior_meta(prior) -> dict | None:
-    """An induction prior as results.json records it: the heads it biases and what made it."""
-    return None if prior is None else {"heads": {str(layer): heads for layer, heads in prior.heads.items()},
-                                       "origin": prior.origin}
+def _prior_meta(prior, adapter_digest: str = "") -> dict | None:
+    """An induction prior as results.json records it: the heads it biases, what made it, the adapter it was fitted
+    for and, where the run's adapter is known (`adapter_digest`), why it was not fitted for that one ("stale")."""
+    if prior is None:
+        return None
+    stale = prior.stale_for(adapter_digest) if adapter_digest else None
+    if stale:
+        log.warning("%s", stale)
+    return {"heads": {str(layer): heads for layer, heads in prior.heads.items()}, "origin": prior.origin,
+            "adapter": prior.adapter, "stale": stale}
 
 
 def evaluate(options: RunOptions, source: LoadedModel | None = None, target: LoadedModel | None = None,
@@ -91,6 +98,8 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         from kvbridge.vllm.engine import vllm_available
 
         check_vllm_modes(modes)
+        if options.prior:
+            raise ValueError("--prior: vLLM reads loaded KV as it is, with no induction prior")
         if vllm_available():
             raise RuntimeError(f"--engine vllm: {vllm_available()}")
     records = read_records(options.data, options.exclude)
@@ -103,13 +112,14 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         from kvbridge.transfer.presets import load_pair
 
         source, target = load_pair(options.preset)
-    running, cost = None, None
+    running, cost, served_digest = None, None, ""
     if options.server is None:
         running = start_local_server(source, target, options.preset, options.adapter, options.fit_adapter, adapter)
         address = running.address
         if source is not None:
             _, served = running.service.adapters.resolve("", source.spec, target.spec)
             cost = PairCost.of(source.model.config, target.model.config, served)
+            served_digest = served.digest  # what a fitted prior is checked against
     else:
         address = options.server  # the server's adapter is not known here: no system cost
     try:
@@ -130,7 +140,8 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
                                                 options.token or "", options.progress, engine)
                 engine_meta["induction_prior"] = None  # vLLM reads loaded KV as it is
             else:
-                results, engine_meta = _run_in_process(options, config, modes, docs, client, target, source)
+                results, engine_meta = _run_in_process(options, config, modes, docs, client, target, source,
+                                                       served_digest)
             elapsed = time.perf_counter() - t0
             adapters = client.list_adapters()
             adapter_label = next((f"{a.name}@{a.version}" for a in adapters if a.is_default), "") if adapters else ""
@@ -148,8 +159,8 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}
 
 
-def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source
-                    ) -> tuple[list, dict]:
+def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source,
+                    adapter_digest: str = "") -> tuple[list, dict]:
     """The in-process harness (eval.summaries) over `docs`, fitting fuse's gates and loading the fuser first when
     the modes ask for them; (results, meta: the gates and the priors the modes read with)."""
     projected = ProjectedSource(client, target)
@@ -165,10 +176,11 @@ def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], 
         from kvbridge.adapters.fuser import Fuser
 
         fuser = Fuser.load(options.fuser, source, target)
-    evaluator = SummaryEvaluator(target, modes, config, projected, gates, fuser)
+    evaluator = SummaryEvaluator(target, modes, config, projected, gates, fuser, options.prior)
     results = [evaluator.run(doc) for doc in tqdm(docs, desc=f"{len(modes)} modes per document",
                                                    disable=not options.progress)]
     return results, {"engine": "transformers", "gates": gate_report,
                      "gate_values": gates.tolist() if gates is not None else None,
-                     "induction_prior": _prior_meta(evaluator.prior),  # what the modes without a suffix read with
+                     # what the modes without a suffix read with
+                     "induction_prior": _prior_meta(evaluator.prior, adapter_digest),
                      "induction_prior_probe": _prior_meta(evaluator.priors.get("probe"))}  # what /probe modes read

@@ -171,7 +171,8 @@ class SummaryEvaluator:
     modes can run); `gates` [L, 2] are fuse's; `fuser` (adapters.fuser.Fuser) is the fuser mode's."""
 
     def __init__(self, target: LoadedModel, modes: list[Mode], config: EvalConfig | None = None,
-                 source: ProjectedSource | None = None, gates: torch.Tensor | None = None, fuser=None):
+                 source: ProjectedSource | None = None, gates: torch.Tensor | None = None, fuser=None,
+                 prior_file: str | None = None):
         if source is None and any(m.kind in NEEDS_PROJECTION for m in modes):
             raise ValueError("replace, recompute and fuse modes need a projected source (a kvbridge server)")
         if any(m.kind == "fuse" for m in modes) and gates is None:
@@ -182,7 +183,9 @@ class SummaryEvaluator:
         self.config = config or EvalConfig()
         wanted = {m.prior for m in modes if m.kind in READS_PROJECTED} if self.config.induction_prior else set()
         # the priors the modes read with, by Mode.prior; self.prior is the one the modes without a suffix read with
-        self.priors = {name: make(target) for name, make in (("model", InductionPrior.for_model),
+        # (prior_file: a fitted file in place of the one that ships for the target, checked to be the target's)
+        model = (lambda lm: InductionPrior.load_for(prior_file, lm)) if prior_file else InductionPrior.for_model
+        self.priors = {name: make(target) for name, make in (("model", model),
                                                               ("probe", InductionPrior.probed)) if name in wanted}
         self.prior = self.priors.get("model")
         self.target, self.modes, self.source, self.gates = target, modes, source, gates

@@ -162,7 +162,9 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
     detector = SuffixDetector(DetectorConfig.strict(layers=layers) if config.detector_strict
                               else DetectorConfig(layers=layers))
     corrections = Corrections(CorrectionLimits(default=config.correction, max_running=config.max_corrections,
-                                               prior=config.correction_prior))
+                                               prior=config.correction_prior,
+                                               prior_file=config.correction_prior_file or ""))
+    corrections.check_prior_file(list(targets))
     if config.selfcheck:  # with the start-up checks: no user's first corrected fetch pays for first runs
         for target in targets:
             log.info("corrections warmed on %s in %.1f s (prior: %s)", target.name, corrections.warm(target),

@@ -19,7 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
         "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s", "shm_headroom_tokens",
-        "stream_keep_mb", "stream_keep_s", "correction", "max_corrections")}
+        "stream_keep_mb", "stream_keep_s", "correction", "max_corrections", "correction_prior_file")}
     for flag in ("fit_adapter", "allow_remote_without_tokens", "log_json", "detector_strict", "redis_insecure"):
         overrides[flag] = True if getattr(args, flag) else None
     overrides["selfcheck"] = False if args.no_selfcheck else None
@@ -92,6 +92,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-corrections", type=int, default=None, help="corrections computed at once (default 1)")
     p.add_argument("--no-correction-prior", action="store_true",
                    help="corrections recompute without the target's induction prior")
+    p.add_argument("--correction-prior-file", metavar="FILE", default=None,
+                   help="the induction prior corrections read for the target it was fitted for (`kvbridge prior fit "
+                        "--adapter ADAPTER --out FILE`; default: the one that ships for the target)")
     p.add_argument("--tenant-max-entries", type=int, default=None, help="entries one tenant may hold (default 100000)")
     p.add_argument("--tenant-max-pinned-mb", type=float, default=None,
                    help="pinned KV one tenant may hold (default: a quarter of --store-capacity-mb)")

@@ -70,6 +70,9 @@ class ServeConfig:
     correction: str = "blend:0.1"
     max_corrections: int = 1  # corrections computed at once (each runs the target over a document); more wait
     correction_prior: bool = True  # corrections recompute with the target's induction prior
+    # a prior fitted for the adapter served (`kvbridge prior fit --adapter FILE`), for the target it names; None: the
+    # one that ships for each target (a correction of an adapter it was not fitted for says so in the log)
+    correction_prior_file: str | None = None
     tenant_max_entries: int | None = 100_000  # entries one tenant may hold; None: no quota
     tenant_max_pinned_mb: float | None = None  # pinned KV one tenant may hold; None: a quarter of the device pool
     shm_dir: str | None = "/dev/shm"  # same-host fetches' KV goes through a private folder made here; None: off

@@ -10,6 +10,7 @@ annotations keep the mode and the positions the target recomputed, which the hea
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ __all__ = ["CorrectionLimits", "Corrections", "recomputed_of"]
 
 RECOMPUTED = "recomputed"  # the annotation: positions the target recomputed, as "p,p,p" (short, JSON-able)
 MODE = "mode"
+log = logging.getLogger(__name__)
 WARM_TEXT = ("A reader skips the fields it does not understand; a writer keeps the order of the fields it was given, "
              "so that a reader may stop at any field and a writer never reorders what it was handed.")
 
@@ -33,6 +35,9 @@ class CorrectionLimits:
     default: str = "replace"  # what a fetch that names no mode gets
     max_running: int = 1  # corrections computed at once (each runs the target over the document); more wait
     prior: bool = True  # recompute with the target's induction prior over the KV that stays projected
+    # a fitted prior file (`kvbridge prior fit --adapter FILE --out PRIOR`) for the target it was fitted for, instead
+    # of the one that ships for it; other targets keep theirs
+    prior_file: str = ""
 
     def __post_init__(self):
         Correction.parse(self.default, "correction")
@@ -48,6 +53,7 @@ class Corrections:
         self.default = Correction.parse(limits.default, "correction")
         self._running = threading.BoundedSemaphore(limits.max_running)
         self._priors: dict[str, InductionPrior | None] = {}
+        self._stale_told: set[tuple[str, str]] = set()  # (target, adapter digest) whose stale prior was logged
         self._lock = threading.Lock()
 
     def resolve(self, mode: str) -> Correction:
@@ -64,13 +70,35 @@ class Corrections:
             return None
         with self._lock:
             if lm.name not in self._priors:
-                self._priors[lm.name] = InductionPrior.for_model(lm)
+                self._priors[lm.name] = (InductionPrior.load(self.limits.prior_file)
+                                         if self._given_for(lm) else InductionPrior.for_model(lm))
             return self._priors[lm.name]
 
-    def compute(self, lm: LoadedModel, projected: KVSegment, correction: Correction) -> Corrected:
+    def _given_for(self, lm: LoadedModel) -> bool:
+        if not self.limits.prior_file:
+            return False
+        try:
+            InductionPrior.load_for(self.limits.prior_file, lm)
+        except ValueError:
+            return False
+        return True
+
+    def check_prior_file(self, targets: list[LoadedModel]) -> None:
+        """At start: the given prior file loads and was fitted for one of the served targets (ValueError naming it)."""
+        if self.limits.prior_file and not any(self._given_for(lm) for lm in targets):
+            InductionPrior.load(self.limits.prior_file)  # not a prior file at all: its own error
+            raise ValueError(f"correction_prior_file {self.limits.prior_file}: fitted for none of the served targets "
+                             f"({', '.join(lm.name for lm in targets)})")
+
+    def compute(self, lm: LoadedModel, projected: KVSegment, correction: Correction, adapter: str = "") -> Corrected:
         """The correction of a projection (start token at 0, the document after it) by the target `lm`, at most
-        `max_running` at once; KV on the model's device and in the projection's dtype."""
+        `max_running` at once; KV on the model's device and in the projection's dtype. `adapter`: the digest of the
+        adapter that projected it; a fitted prior made for another one is still read, and said once in the log."""
         prior = self.prior(lm)
+        stale = prior.stale_for(adapter) if prior is not None and adapter else None
+        if stale and (lm.name, adapter) not in self._stale_told:
+            self._stale_told.add((lm.name, adapter))
+            log.warning("corrections of %s: %s", lm.name, stale)
         device = next(lm.model.parameters()).device
         with self._running, torch.no_grad():
             fixed = correct(lm, projected.to(device=device), correction, prior=prior)

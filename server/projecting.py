@@ -131,7 +131,7 @@ class Projecting:
             warm = self._replica_correction(tenant, base, tag, target)
         if warm is None:
             started = time.perf_counter()
-            fixed = self.corrections.compute(target.lm, base.segment, correction)
+            fixed = self.corrections.compute(target.lm, base.segment, correction, chosen.digest)
             log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
                      fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
             self._count("correction", computed=fixed.segment.num_tokens)

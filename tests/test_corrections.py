@@ -230,3 +230,60 @@ def test_a_service_started_with_its_checks_warms_its_corrections_and_stores_noth
     assert len(probes) == prior_builds  # the first corrected fetch builds no prior
     off = Corrections(CorrectionLimits(prior=False))
     assert off.warm(tiny_target) >= 0 and off.prior(tiny_target) is None  # warmed without a prior when it is off
+
+
+def test_a_prior_fitted_for_another_adapter_is_read_and_said_once(tmp_path, tiny_source, tiny_target, adapter,
+                                                                  monkeypatch, caplog):
+    from kvbridge.transfer.suffix import induction
+
+    terms = InductionPrior.probed(tiny_target).terms.clone()
+    terms[0, 1, 0] = 2.0  # a fitted file of the tiny target's
+    folder = tmp_path / "priors"
+    folder.mkdir()
+    target = {"name": tiny_target.name, "config_hash": tiny_target.spec.identity.config_hash}
+    InductionPrior(terms).save(folder / "tiny.safetensors", {"target": target,
+                                                             "adapter": {"name": "other", "digest": "0" * 64}})
+    monkeypatch.setattr(induction, "PRIORS", folder)
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    with caplog.at_level("WARNING", logger="kvbridge.server.corrections"):
+        for text in (TEXT, TEXT + " Two texts, two corrections."):
+            assert service.projected_cache("t", text=text, mode="blend:0.1").mode == "blend:0.1"
+    said = [r.getMessage() for r in caplog.records if "was fitted for adapter other" in r.getMessage()]
+    assert len(said) == 1 and adapter.digest[:16] in said[0]  # read, and said once, naming both adapters
+    InductionPrior(terms).save(folder / "tiny.safetensors", {"target": target,
+                                                             "adapter": {"name": "fitted", "digest": adapter.digest}})
+    caplog.clear()
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    with caplog.at_level("WARNING", logger="kvbridge.server.corrections"):
+        service.projected_cache("t", text=TEXT, mode="blend:0.1")
+    assert not [r for r in caplog.records if "induction prior" in r.getMessage()]  # its own adapter: nothing to say
+
+
+def test_a_given_prior_file_is_read_for_its_own_target_and_refused_for_none(tmp_path, tiny_source, tiny_target,
+                                                                            tiny_adapter_file):
+    from kvbridge.server.app import build_service
+    from kvbridge.server.config import ServeConfig
+
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    (folder / "fitted.safetensors").write_bytes(tiny_adapter_file.read_bytes())
+    terms = InductionPrior.probed(tiny_target).terms.clone()
+    terms[0, 1, 0] = 2.0
+    mine, theirs = tmp_path / "mine.safetensors", tmp_path / "theirs.safetensors"
+    InductionPrior(terms).save(mine, {"target": {"name": tiny_target.name,
+                                                 "config_hash": tiny_target.spec.identity.config_hash}})
+    InductionPrior(terms).save(theirs, {"target": {"name": "another-model", "config_hash": "1" * 64}})
+
+    def config(prior_file):
+        return ServeConfig(preset="tiny", adapters=str(folder), selfcheck=False, correction="blend:0.1",
+                           correction_prior_file=str(prior_file))
+
+    service = build_service(config(mine), source=tiny_source, targets=[tiny_target])
+    prior = service.corrections.prior(tiny_target)
+    assert prior.origin == "mine.safetensors" and torch.equal(prior.terms, terms)
+    with pytest.raises(ValueError, match="fitted for none of the served targets"):
+        build_service(config(theirs), source=tiny_source, targets=[tiny_target])
+    with pytest.raises(ValueError, match="not an induction prior file"):
+        build_service(config(tiny_adapter_file), source=tiny_source, targets=[tiny_target])
+    with pytest.raises(ValueError, match="fitted for another-model, not for"):
+        InductionPrior.load_for(theirs, tiny_target)

@@ -234,3 +234,20 @@ def test_the_probe_finds_smollm2s_induction_heads(smollm2):
     assert 3 in heads[17] and 6 in heads[18]
     fitted = InductionPrior.for_model(smollm2)  # the prior that ships for SmolLM2, fitted on the same heads' terms
     assert fitted.origin.endswith(".safetensors") and 3 in fitted.heads[17] and 6 in fitted.heads[18]
+
+
+def test_a_fitted_prior_says_when_it_was_fitted_for_another_adapter(tmp_path):
+    lm = zoo.build("qwen2")
+    prior = _terms(lm, 1, 2, match=1.5)
+    target = {"config_hash": lm.spec.identity.config_hash}
+    mine, other = "a" * 64, "b" * 64
+    prior.save(tmp_path / "fitted.safetensors", {"target": target, "adapter": {"name": "mine", "digest": mine}})
+    fitted = InductionPrior.load(tmp_path / "fitted.safetensors")
+    assert fitted.adapter == {"name": "mine", "digest": mine} and fitted.stale_for(mine) is None
+    said = fitted.stale_for(other)
+    assert "fitted for adapter mine (aaaaaaaaaaaaaaaa), not for this one (bbbbbbbbbbbbbbbb)" in said
+    assert said.split(" was ")[1] in fitted.from_layer(1).stale_for(other)  # from a layer on: the same fit
+    prior.save(tmp_path / "old.safetensors", {"target": target, "adapter": "mine"})  # before digests were recorded
+    assert "records no adapter digest (fitted for mine)" in InductionPrior.load(tmp_path / "old.safetensors").stale_for(
+        mine)
+    assert InductionPrior.probed(lm).stale_for(other) is None  # made from the target alone: no adapter to check

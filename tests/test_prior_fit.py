@@ -93,6 +93,13 @@ def test_the_shipped_prior_records_its_recipe_and_command():
     start, end = meta["dev_nll"]["0"], meta["dev_nll"][str(recipe.steps)]
     assert all(e < s for s, e in zip(start, end, strict=True)), "the fit did not lower the dev NLL"
     assert InductionPrior.load(SHIPPED).terms.shape[0] == 4
+    # fitted for the adapter that ships beside it, which `prior check` and every reader of the prior compare against
+    from kvbridge.adapters.io import load_adapter
+
+    shipped_adapter = ROOT / "adapters" / "shipped" / f"{meta['adapter']['name']}.safetensors"
+    digest = load_adapter(shipped_adapter).digest
+    assert meta["adapter"] == {"name": shipped_adapter.stem, "digest": digest}
+    assert InductionPrior.load(SHIPPED).stale_for(digest) is None
 
 
 def _corpora(tmp_path_factory) -> Path:
@@ -124,3 +131,81 @@ def test_the_shipped_prior_reproduces_from_its_recipe(tmp_path_factory):
                           env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "step 50: dev NLL" in done.stdout and "relative difference" in done.stdout
+
+
+def test_the_windows_and_the_prior_are_of_one_adapter(tmp_path, tiny_source, tiny_target, tiny_adapter_file, adapter):
+    import argparse
+    import dataclasses
+    import json
+
+    from kvbridge.adapters.io import save_adapter
+
+    recipe = Recipe(preset="tiny", windows=6, dev=2, steps=6, dev_every=2)
+    folder = tmp_path / "windows"
+    windows = prior_fit.Windows(recipe, tmp_path, folder, tiny_source, tiny_target, tiny_adapter_file)
+    assert windows.adapter == {"name": tiny_adapter_file.stem, "digest": adapter.digest}
+    assert json.loads((folder / "adapter.json").read_text()) == windows.adapter
+    other = tmp_path / "other.safetensors"
+    save_adapter(dataclasses.replace(adapter, bk=adapter.bk + 1), other)
+    with pytest.raises(ValueError, match="projected by adapter .* not by other"):
+        prior_fit.Windows(recipe, tmp_path, folder, tiny_source, tiny_target, other)  # another adapter's windows
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "0000.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="record no adapter"):
+        prior_fit.Windows(recipe, tmp_path, old, tiny_source, tiny_target, tiny_adapter_file)
+
+    # `prior check` projects with the adapter the file was fitted for, or refuses before building anything
+    fitted = tmp_path / "prior.safetensors"
+    InductionPrior(prior_fit.initial_terms(tiny_target)).save(fitted, {
+        "target": {"name": tiny_target.name, "config_hash": tiny_target.spec.identity.config_hash},
+        "adapter": {"name": "other", "digest": prior_fit.adapter_record(other)["digest"]},
+        "recipe": dataclasses.asdict(recipe), "dev_nll": {"0": [1.0, 1.0], "6": [1.0, 1.0]}, "tolerance": 1e-4})
+    args = argparse.Namespace(file=str(fitted), data=tmp_path, work=tmp_path / "check", until=None,
+                              adapter=str(tiny_adapter_file))
+    with pytest.raises(ValueError, match="was fitted for adapter other .* pass --adapter the file it was fitted with"):
+        prior_fit.cmd_prior_check(args)
+    assert not (tmp_path / "check").exists()
+
+
+def test_an_evaluation_says_when_its_prior_was_fitted_for_another_adapter(tmp_path, tiny_source, tiny_target,
+                                                                          tiny_adapter_file, adapter, monkeypatch):
+    import json
+
+    from kvbridge.eval.run import RunOptions, evaluate
+    from kvbridge.eval.summaries import EvalConfig
+    from kvbridge.transfer.data import data_path
+    from kvbridge.transfer.suffix import induction
+
+    folder = tmp_path / "priors"
+    folder.mkdir()
+    target = {"name": tiny_target.name, "config_hash": tiny_target.spec.identity.config_hash}
+    InductionPrior(prior_fit.initial_terms(tiny_target) + 0.5).save(
+        folder / "tiny.safetensors", {"target": target, "adapter": {"name": "other", "digest": "0" * 64}})
+    monkeypatch.setattr(induction, "PRIORS", folder)
+    config = EvalConfig(max_doc_tokens=64, continuation_tokens=8, max_new_tokens=4)
+    for name, out in (("other", tmp_path / "stale"), (None, tmp_path / "own")):
+        if name is None:  # the same prior, recorded as fitted for the adapter the run projects with
+            InductionPrior(prior_fit.initial_terms(tiny_target) + 0.5).save(
+                folder / "tiny.safetensors", {"target": target, "adapter": {"name": "x", "digest": adapter.digest}})
+        options = RunOptions(data=str(data_path("pydoc_summaries_sample.jsonl")), preset="tiny", modes="full,replace",
+                             limit=1, out=str(out), progress=False, adapter=str(tiny_adapter_file))
+        evaluate(options, source=tiny_source, target=tiny_target, config=config)
+        meta = json.loads((out / "results.json").read_text())["meta"]["induction_prior"]
+        table = (out / "table.md").read_text()
+        if name:
+            assert meta["adapter"]["name"] == "other" and adapter.digest[:16] in meta["stale"]
+            assert "read one made for another adapter: the induction prior tiny.safetensors was fitted for " \
+                   "adapter other" in table
+        else:
+            assert meta["stale"] is None and "another adapter" not in table
+    # --prior FILE: a fitted file in place of the shipped one, checked to be the target's
+    given = tmp_path / "given.safetensors"
+    InductionPrior(prior_fit.initial_terms(tiny_target) + 0.25).save(
+        given, {"target": target, "adapter": {"name": "x", "digest": adapter.digest}})
+    options = RunOptions(data=str(data_path("pydoc_summaries_sample.jsonl")), preset="tiny", modes="full,replace",
+                         limit=1, out=str(tmp_path / "given"), progress=False, adapter=str(tiny_adapter_file),
+                         prior=str(given))
+    evaluate(options, source=tiny_source, target=tiny_target, config=config)
+    meta = json.loads((tmp_path / "given" / "results.json").read_text())["meta"]["induction_prior"]
+    assert meta["origin"] == "given.safetensors" and meta["stale"] is None

@@ -97,6 +97,10 @@ class InductionPrior:
 
     terms: torch.Tensor  # [4, L, H_q] float32 (TERMS); a head whose four are 0 reads as the model does
     origin: str = "given"  # what made it: "probe ...", or the fitted file it came from
+    # a fitted prior's adapter, as its file records it ({"name", "digest": Adapter.digest}): the terms were fitted on
+    # that adapter's projections and are checked against the adapter a cache comes from (`stale_for`); None: made
+    # from the target alone (a probe), no adapter to check
+    adapter: dict | None = field(default=None, compare=False)
     # a fit's reading: every layer attends through the prior, so a head whose four terms are 0 gets a gradient too
     # (otherwise only the layers with a biased head do; the result is the same, the cost is not)
     every_layer: bool = False
@@ -147,7 +151,37 @@ class InductionPrior:
         with safe_open(str(path), "pt") as f:
             if "kvbridge_prior" not in (f.metadata() or {}) or "terms" not in f.keys():
                 raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
-            return cls(f.get_tensor("terms").float(), origin=path.name)
+            meta = json.loads(f.metadata()["kvbridge_prior"])
+            adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
+            adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
+            return cls(f.get_tensor("terms").float(), origin=path.name, adapter=adapter)
+
+    @classmethod
+    def load_for(cls, path: str | Path, lm: LoadedModel) -> InductionPrior:
+        """A fitted prior file (`kvbridge prior fit --out`) for `lm`: ValueError when it was fitted for another
+        model (its recorded config hash)."""
+        prior = cls.load(path)
+        with safe_open(str(path), "pt") as f:
+            target = json.loads(f.metadata()["kvbridge_prior"]).get("target", {})
+        if target.get("config_hash") != lm.spec.identity.config_hash:
+            raise ValueError(f"the induction prior {Path(path).name} was fitted for {target.get('name', '?')}, not "
+                             f"for {lm.name}")
+        return prior
+
+    def stale_for(self, digest: str) -> str | None:
+        """Why this prior was not fitted for the adapter of content `digest` (Adapter.digest), else None: a fitted
+        prior learns how far to trust one adapter's projected keys, and read over another adapter's it still helps,
+        less than its own would (docs/context-map.md). A probed prior reads the target alone: never stale."""
+        if self.adapter is None:
+            return None
+        name, fitted = self.adapter.get("name", "?"), self.adapter.get("digest")
+        refit = "`kvbridge prior fit --adapter FILE` fits one for it"
+        if not fitted:
+            return f"the induction prior {self.origin} records no adapter digest (fitted for {name}): {refit}"
+        if fitted != digest:
+            return (f"the induction prior {self.origin} was fitted for adapter {name} ({fitted[:16]}), not for this "
+                    f"one ({digest[:16]}): {refit}")
+        return None
 
     def from_layer(self, first: int) -> InductionPrior:
         """The prior on layers `first`.. only: where a pass made the first layers' KV the target's own."""
@@ -155,7 +189,7 @@ class InductionPrior:
             return self
         terms = self.terms.clone()
         terms[:, :first] = 0
-        return InductionPrior(terms, f"{self.origin}, from layer {first}")
+        return InductionPrior(terms, f"{self.origin}, from layer {first}", adapter=self.adapter)
 
     def placed(self, device: torch.device) -> dict[int, torch.Tensor]:
         """{layer: [H_q, 4] float32 terms (TERMS) on `device`} for the layers with a biased head; made once per
