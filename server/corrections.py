@@ -10,6 +10,7 @@ annotations keep the mode and the positions the target recomputed, which the hea
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -53,8 +54,9 @@ class Corrections:
         self.default = Correction.parse(limits.default, "correction")
         self._running = threading.BoundedSemaphore(limits.max_running)
         self._priors: dict[str, InductionPrior | None] = {}
+        self._given: dict[str, bool] = {}  # target -> whether the given prior file is its
         self._stale_told: set[tuple[str, str]] = set()  # (target, adapter digest) whose stale prior was logged
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # prior() asks _given_for() under it
 
     def resolve(self, mode: str) -> Correction:
         """The request's mode ('' = the server's default); ValueError naming the field `mode` otherwise."""
@@ -64,6 +66,17 @@ class Corrections:
         if correction.rule != "attention":
             raise ValueError(f"mode {mode!r}: served blends use the attention rule")
         return correction
+
+    def prior_tag(self, lm: LoadedModel) -> str:
+        """What the stored corrections' namespace adds for the prior they were computed with: nothing for the one
+        that ships for the target, "/noprior" without one, "/prior~<sha256 of the terms>" for a given file (replicas
+        sharing a Redis tier, or a restart with another prior, never serve one prior's corrections for another's)."""
+        if not self.limits.prior:
+            return "/noprior"
+        if not self._given_for(lm):
+            return ""
+        terms = self.prior(lm).terms.contiguous()
+        return "/prior~" + hashlib.sha256(terms.numpy().tobytes()).hexdigest()[:16]
 
     def prior(self, lm: LoadedModel) -> InductionPrior | None:
         if not self.limits.prior:
@@ -75,13 +88,17 @@ class Corrections:
             return self._priors[lm.name]
 
     def _given_for(self, lm: LoadedModel) -> bool:
+        """Whether the given prior file is `lm`'s (read once per target)."""
         if not self.limits.prior_file:
             return False
-        try:
-            InductionPrior.load_for(self.limits.prior_file, lm)
-        except ValueError:
-            return False
-        return True
+        with self._lock:
+            if lm.name not in self._given:
+                try:
+                    InductionPrior.load_for(self.limits.prior_file, lm)
+                    self._given[lm.name] = True
+                except ValueError:
+                    self._given[lm.name] = False
+            return self._given[lm.name]
 
     def check_prior_file(self, targets: list[LoadedModel]) -> None:
         """At start: the given prior file loads and was fitted for one of the served targets (ValueError naming it)."""

@@ -119,7 +119,8 @@ class Projecting:
             return self._projection(tenant, key, text, target_model, adapter, offset, require_cached, out)
         target = self.model(target_model, "target")
         label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
-        tag = f"{cache_label(label, chosen)}|{correction}"  # the stored correction's namespace is "<tag>#<source key>"
+        # the stored correction's namespace is "<tag>#<source key>"; a prior other than the target's shipped one in it
+        tag = f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
         source_key = key or self._cached_source_key(tenant, text)
         warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
             if source_key else None

@@ -287,3 +287,28 @@ def test_a_given_prior_file_is_read_for_its_own_target_and_refused_for_none(tmp_
         build_service(config(tiny_adapter_file), source=tiny_source, targets=[tiny_target])
     with pytest.raises(ValueError, match="fitted for another-model, not for"):
         InductionPrior.load_for(theirs, tiny_target)
+
+
+def test_corrections_made_with_another_prior_are_never_served_for_this_ones(tmp_path, tiny_source, tiny_target,
+                                                                           adapter):
+    terms = InductionPrior.probed(tiny_target).terms.clone()
+    terms[0, 1, 0] = 2.0
+    mine = tmp_path / "mine.safetensors"
+    InductionPrior(terms).save(mine, {"target": {"name": tiny_target.name,
+                                                 "config_hash": tiny_target.spec.identity.config_hash}})
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"))  # one store, as replicas share Redis
+    shipped = _service(tiny_source, tiny_target, tmp_path, adapter, store=store)
+    given = _service(tiny_source, tiny_target, tmp_path, adapter, store=store, prior_file=str(mine))
+    bare = _service(tiny_source, tiny_target, tmp_path, adapter, store=store, prior=False)
+    tags = [s.corrections.prior_tag(tiny_target) for s in (shipped, given, bare)]
+    assert tags[0] == "" and tags[1].startswith("/prior~") and tags[2] == "/noprior"
+    key = shipped.ingest("t", text=TEXT).entries[0][0].key
+    served = {}
+    for name, service in (("shipped", shipped), ("given", given), ("bare", bare)):
+        forwards = Forwards(tiny_target)
+        try:
+            served[name] = service.projected_cache("t", key=key, mode="blend:0.1").segment
+            assert forwards.count >= 1, f"{name}: served another prior's correction from the store"
+        finally:
+            forwards.close()
+    assert not torch.equal(served["given"].kv, served["shipped"].kv)  # the given prior made other KV
