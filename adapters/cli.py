@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                                            f"{source.name}--{target.name}--{args.layer_map}.safetensors")
     save_adapter(adapter, out)
     print(f"adapter written to {out}")
+    _prior_hint(preset, out)
     if args.json:
         Path(args.json).write_text(json.dumps(result_json, indent=2, default=float))
     return 0
@@ -321,6 +322,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
             adapter = adapter.with_maps_dtype(dtype)
         save_adapter(adapter, out)
     print(f"{args.trainer} written to {out} ({out.stat().st_size / 1e6:.1f} MB)")
+    if args.trainer == "chain":
+        _prior_hint(preset, out)
     if args.json:
         Path(args.json).write_text(json.dumps({"record": record, "metrics": metrics}, indent=2, default=float))
     return 0
@@ -354,3 +357,10 @@ def main(argv: list[str] | None = None, prog: str = "train-adapter") -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _prior_hint(preset: str, out: Path) -> None:
+    """The command that fits the target's induction prior for this adapter (corrections and `eval rouge` read the
+    shipped one otherwise, fitted for the shipped adapter, and say so)."""
+    print(f"its induction prior: kvbridge prior fit --preset {preset} --data DATA --adapter {out} --out PRIOR "
+          "(then `serve --correction-prior-file PRIOR`, `eval rouge --prior PRIOR`)")

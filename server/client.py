@@ -353,7 +353,7 @@ class KVBridgeClient:
         return FetchedCache(segment=projected, entry_key="", source_key=fetched.entry_key,
                             adapter=f"{adapter.name}@{adapter.meta.version} (local)", text=known,
                             exact_coverage=paired.alignment.exact_coverage, wire_bytes=fetched.wire_bytes,
-                            num_chunks=fetched.num_chunks)
+                            num_chunks=fetched.num_chunks, adapter_digest=adapter.digest)
 
     def list_models(self) -> list[pb2.ModelInfo]:
         return list(self._unary("ListModels", pb2.ListModelsRequest()).models)

@@ -107,7 +107,7 @@ class FetchReply:
                             text=h.text, exact_coverage=h.exact_coverage, wire_bytes=self.wire,
                             num_chunks=self.received, transport="shared_memory" if self.shared else "stream",
                             room=[room] if room is not None else [], mode=h.mode, shared=shared,
-                            recomputed=self._recomputed(segment.positions))
+                            recomputed=self._recomputed(segment.positions), adapter_digest=h.adapter_digest)
 
     def _recomputed(self, positions: torch.Tensor) -> torch.Tensor:
         """The header's recomputed positions, checked against the segment's: [R] int64."""

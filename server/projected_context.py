@@ -40,6 +40,7 @@ class ProjectedContext:
         self.wire_bytes = 0  # bytes they moved
         self.first: FetchRecord | None = None  # the first fetch and the last one (no KV kept: a session can be long)
         self.last: FetchRecord | None = None
+        self.adapter_digest = ""  # of the adapter the last fetch was projected by: the generator checks its prior
 
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         if offset < 1:
@@ -51,6 +52,7 @@ class ProjectedContext:
                              first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
                              num_chunks=fetched.num_chunks)
         self.calls += 1
+        self.adapter_digest = fetched.adapter_digest
         self.wire_bytes += fetched.wire_bytes
         self.first = self.first or record
         self.last = record

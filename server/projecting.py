@@ -65,6 +65,7 @@ class CacheResult:
     exact_coverage: float  # projected: fraction of target text tokens aligned exactly; 1.0 for source caches
     mode: str = ""  # projected: the correction served ("replace", "blend:0.1", ...); "" for source caches
     recomputed: tuple[int, ...] = ()  # projected: positions whose KV a correction recomputed with the target
+    adapter_digest: str = ""  # projected: Adapter.digest of the adapter ("" where not known)
 
 
 def cache_label(label: str, adapter: Adapter) -> str:
@@ -310,5 +311,6 @@ class Projecting:
             keys = target.lm.rope.shift_all(projected.keys.to(adapter.wk.device).float(), projected.positions, moved)
             projected = projected.with_keys(keys.to(projected.dtype).to(projected.device), moved, rotated=True)
         return CacheResult(segment=projected, entry_key=info.key, source_key=source_key, adapter=label,
+                           adapter_digest=adapter.digest,
                            text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)),
                            mode="replace")

@@ -80,6 +80,7 @@ class FetchedCache:
     room: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
     # keep_shared=True: the server's segment, not read here (segment.kv is then a meta tensor of the KV's shape)
     shared: SharedSegment | None = None
+    adapter_digest: str = ""  # Adapter.digest of a server-side projection's adapter ("" where the server sent none)
 
     @property
     def dtype(self) -> str:

@@ -283,7 +283,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
                     text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                     exact_coverage=result.exact_coverage, mode=result.mode,
-                    recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed])
+                    recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
+                    adapter_digest=result.adapter_digest)
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)

@@ -46,6 +46,7 @@ def test_ingest_then_projected_fetch_then_target_generate(server, alice, tiny_so
     assert torch.equal(fetched.segment.kv, expected.kv)  # the wire and the store change no bit
     assert fetched.dtype == tiny_target.spec.dtype == "float32"  # the target's dtype unless asked otherwise
     assert fetched.adapter == "tiny-pair@1" and fetched.source_key == entry.key and fetched.text == TEXT
+    assert fetched.adapter_digest == adapter.digest  # what a fitted induction prior is checked against
     assert fetched.num_chunks > 1  # 64 KB chunks: never one giant message
     assert 0 < fetched.wire_bytes - expected.kv.numel() * 4 <= 128 * fetched.num_chunks  # + safetensors headers
 
@@ -206,6 +207,23 @@ def test_the_generator_takes_projected_context_through_the_service(identity_serv
     assert metrics.parts == ["projected", "prefilled"] and metrics.tokens_projected == gen.tokens(doc).numel()
     assert source.calls == 1 and source.first is source.last and source.last.first_position == 0
     assert not any(isinstance(v, list) for v in vars(source).values())  # nothing that grows with a session
+
+
+def test_the_generator_says_when_its_prior_was_fitted_for_another_adapter(identity_server, tiny_target, caplog):
+    from kvbridge.server.projected_context import ProjectedContext
+    from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
+    from kvbridge.transfer.suffix.induction import InductionPrior
+
+    terms = torch.zeros(4, tiny_target.spec.num_layers, tiny_target.model.config.num_attention_heads)
+    prior = InductionPrior(terms, origin="fitted.safetensors", adapter={"name": "other", "digest": "0" * 64})
+    with KVBridgeClient(identity_server.address) as client, caplog.at_level("WARNING"):
+        source = ProjectedContext(client, tiny_target)
+        gen = SuffixReuseGenerator(tiny_target, context_source=source, induction_prior=prior)
+        for doc in (served.text(9), served.text(10)):
+            gen.generate("s", [Part(doc, "document", projected=True), Part(" In short,")], max_new_tokens=2)
+    assert len(source.adapter_digest) == 64  # the server's adapter, as the fetch's header says
+    said = [r.getMessage() for r in caplog.records if "fitted for adapter other" in r.getMessage()]
+    assert len(said) == 1 and source.adapter_digest[:16] in said[0]  # once per adapter
 
 
 def test_ingest_with_segment_detection_over_the_wire(server, alice):

@@ -23,6 +23,7 @@ unless `induction_prior=False`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,9 +39,13 @@ from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import place, prefill_after, recompute_first, recompute_most_deviating
 
 __all__ = ["Part", "RequestMetrics", "SuffixReuseGenerator", "ContextSource"]
+log = logging.getLogger(__name__)
 
 
 class ContextSource(Protocol):
+    """May also tell `adapter_digest` (str): the digest of the adapter its last segment was projected by, which the
+    generator checks its induction prior against (server.projected_context.ProjectedContext does)."""
+
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         """The target's KV for `text` (its target tokens) at positions offset.., projected from the source."""
 
@@ -94,6 +99,7 @@ class SuffixReuseGenerator:
         self.start_token = start_token if start_token is not None else start_token_id(lm.tokenizer)
         # True: the model's own prior (its probe runs at the first projected part); False: projected KV read as is
         self.induction_prior = induction_prior
+        self._stale_told: set[str] = set()  # adapter digests a stale prior was said for
 
     def tokens(self, text: str) -> torch.Tensor:
         return torch.tensor(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
@@ -164,6 +170,7 @@ class SuffixReuseGenerator:
                     raise ValueError("a projected part needs a context source")
                 flush()
                 seg = self.context_source.projected_segment(part.text, a)
+                self._check_prior(getattr(self.context_source, "adapter_digest", ""))
                 if (seg.num_tokens != b - a or int(seg.positions[0]) != a or seg.model != spec.identity
                         or not torch.equal(seg.token_ids, ids[a:b])):
                     raise ValueError(f"the context source returned KV of {seg.model.name!r} for "
@@ -223,6 +230,15 @@ class SuffixReuseGenerator:
         metrics.tokens_prefilled += redone
         metrics.parts.append("shifted")
         return fixed
+
+    def _check_prior(self, digest: str) -> None:
+        """Say once per adapter when the prior projected KV is read with was fitted for another adapter than the one
+        that projected it (`digest`: Adapter.digest, "" where the context source does not tell)."""
+        prior = self._prior() if digest and digest not in self._stale_told else None
+        stale = prior.stale_for(digest) if prior is not None else None
+        if stale:
+            self._stale_told.add(digest)
+            log.warning("%s", stale)
 
     def _prior(self) -> InductionPrior | None:
         if self.induction_prior is True:
