@@ -151,11 +151,15 @@ def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: i
         try:
             _say(f"server: listening on {server.address} after {time.perf_counter() - t0:.0f} s")
             with KVBridgeClient(server.address, timeout_s=600) as client:
-                evaluator = SummaryEvaluator(target, parse_modes(DEMO_MODES), config, ProjectedSource(client, target))
+                projected = ProjectedSource(client, target)
+                evaluator = SummaryEvaluator(target, parse_modes(DEMO_MODES), config, projected)
                 _say(f"document: {doc.doc_tokens} target tokens of {record.id}; ingesting it, fetching its projected "
                      "cache (cold, then warm), two served corrections (cold, then warm), then five requests")
                 result = evaluator.run(doc)
                 stats = client.stats()
+                stale = evaluator.prior.stale_for(projected.adapter_digest) if evaluator.prior else None
+                if stale:  # an adapter of the user's own in the folder, read with the shipped prior
+                    _say(f"note: {stale}")
         finally:
             code = server.stop()
         _say("")

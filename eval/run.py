@@ -112,14 +112,13 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         from kvbridge.transfer.presets import load_pair
 
         source, target = load_pair(options.preset)
-    running, cost, served_digest = None, None, ""
+    running, cost = None, None
     if options.server is None:
         running = start_local_server(source, target, options.preset, options.adapter, options.fit_adapter, adapter)
         address = running.address
         if source is not None:
             _, served = running.service.adapters.resolve("", source.spec, target.spec)
             cost = PairCost.of(source.model.config, target.model.config, served)
-            served_digest = served.digest  # what a fitted prior is checked against
     else:
         address = options.server  # the server's adapter is not known here: no system cost
     try:
@@ -140,8 +139,7 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
                                                 options.token or "", options.progress, engine)
                 engine_meta["induction_prior"] = None  # vLLM reads loaded KV as it is
             else:
-                results, engine_meta = _run_in_process(options, config, modes, docs, client, target, source,
-                                                       served_digest)
+                results, engine_meta = _run_in_process(options, config, modes, docs, client, target, source)
             elapsed = time.perf_counter() - t0
             adapters = client.list_adapters()
             adapter_label = next((f"{a.name}@{a.version}" for a in adapters if a.is_default), "") if adapters else ""
@@ -159,8 +157,8 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}
 
 
-def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source,
-                    adapter_digest: str = "") -> tuple[list, dict]:
+def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source
+                    ) -> tuple[list, dict]:
     """The in-process harness (eval.summaries) over `docs`, fitting fuse's gates and loading the fuser first when
     the modes ask for them; (results, meta: the gates and the priors the modes read with)."""
     projected = ProjectedSource(client, target)
@@ -181,6 +179,7 @@ def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], 
                                                    disable=not options.progress)]
     return results, {"engine": "transformers", "gates": gate_report,
                      "gate_values": gates.tolist() if gates is not None else None,
-                     # what the modes without a suffix read with
-                     "induction_prior": _prior_meta(evaluator.prior, adapter_digest),
+                     # what the modes without a suffix read with, checked against the adapter the fetches'
+                     # headers name (a local or a remote server's)
+                     "induction_prior": _prior_meta(evaluator.prior, projected.adapter_digest),
                      "induction_prior_probe": _prior_meta(evaluator.priors.get("probe"))}  # what /probe modes read

@@ -152,6 +152,7 @@ class ProjectedSource:
 
     def __init__(self, client, target: LoadedModel, adapter: str = ""):
         self.client, self.target, self.adapter = client, target, adapter
+        self.adapter_digest = ""  # of the adapter the last fetch was projected by (its header's), for the prior check
 
     def fetch(self, text: str, mode: str = "replace"):
         """(the cache the server serves in `mode`, seconds of the first fetch (cold: the server projects, and
@@ -163,6 +164,7 @@ class ProjectedSource:
             fetched = self.client.fetch_projected(key=entry.key, target_model=self.target.name,
                                                   adapter=self.adapter, mode=mode)
             seconds.append(time.perf_counter() - t0)
+        self.adapter_digest = fetched.adapter_digest
         return fetched, seconds[0], seconds[1], entry.num_tokens
 
 
