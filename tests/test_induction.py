@@ -251,3 +251,6 @@ def test_a_fitted_prior_says_when_it_was_fitted_for_another_adapter(tmp_path):
     assert "records no adapter digest (fitted for mine)" in InductionPrior.load(tmp_path / "old.safetensors").stale_for(
         mine)
     assert InductionPrior.probed(lm).stale_for(other) is None  # made from the target alone: no adapter to check
+    save_file({"terms": prior.terms}, str(tmp_path / "odd.safetensors"), metadata={"kvbridge_prior": "[1, 2"})
+    with pytest.raises(ValueError, match="odd.safetensors: its kvbridge_prior metadata is not a JSON object"):
+        InductionPrior.load(tmp_path / "odd.safetensors")

@@ -151,7 +151,12 @@ class InductionPrior:
         with safe_open(str(path), "pt") as f:
             if "kvbridge_prior" not in (f.metadata() or {}) or "terms" not in f.keys():
                 raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
-            meta = json.loads(f.metadata()["kvbridge_prior"])
+            try:
+                meta = json.loads(f.metadata()["kvbridge_prior"])
+            except ValueError:
+                meta = None
+            if not isinstance(meta, dict):
+                raise ValueError(f"{path}: its kvbridge_prior metadata is not a JSON object")
             adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
             adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
             return cls(f.get_tensor("terms").float(), origin=path.name, adapter=adapter)
@@ -162,7 +167,7 @@ class InductionPrior:
         model (its recorded config hash)."""
         prior = cls.load(path)
         with safe_open(str(path), "pt") as f:
-            target = json.loads(f.metadata()["kvbridge_prior"]).get("target", {})
+            target = json.loads(f.metadata()["kvbridge_prior"]).get("target") or {}
         if target.get("config_hash") != lm.spec.identity.config_hash:
             raise ValueError(f"the induction prior {Path(path).name} was fitted for {target.get('name', '?')}, not "
                              f"for {lm.name}")
