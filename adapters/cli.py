@@ -355,12 +355,12 @@ def main(argv: list[str] | None = None, prog: str = "train-adapter") -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _prior_hint(preset: str, out: Path) -> None:
     """The command that fits the target's induction prior for this adapter (corrections and `eval rouge` read the
     shipped one otherwise, fitted for the shipped adapter, and say so)."""
     print(f"its induction prior: kvbridge prior fit --preset {preset} --data DATA --adapter {out} --out PRIOR "
           "(then `serve --correction-prior-file PRIOR`, `eval rouge --prior PRIOR`)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
