@@ -96,6 +96,9 @@ class ServeConfig:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.correction_prior_file and not self.correction_prior:
+            raise ValueError("correction_prior_file names a prior for corrections, and correction_prior is off: "
+                             "give one or the other")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         for name in ("max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant", "stream_idle_s",

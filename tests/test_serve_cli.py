@@ -161,7 +161,9 @@ def test_config_reads_toml_then_flags_and_names_bad_fields(tmp_path):
                             ({"tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
                             ({"chunk_kb": 8192, "max_message_mb": 4}, "does not fit in max_message_mb"),
                             ({"listen": "10.0.0.5:50051"}, "not a loopback address"),
-                            ({"preset": "huge"}, "preset must be one of")]:
+                            ({"preset": "huge"}, "preset must be one of"),
+                            ({"correction_prior_file": "p.safetensors", "correction_prior": False},
+                             "correction_prior is off")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**fields)
     assert ServeConfig(listen="10.0.0.5:50051", token_file="tokens").listen == "10.0.0.5:50051"
