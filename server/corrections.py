@@ -54,9 +54,9 @@ class Corrections:
         self.default = Correction.parse(limits.default, "correction")
         self._running = threading.BoundedSemaphore(limits.max_running)
         self._priors: dict[str, InductionPrior | None] = {}
-        self._given: dict[str, bool] = {}  # target -> whether the given prior file is its
+        self._tags: dict[str, str] = {}  # target -> its prior's part of the stored corrections' namespace
         self._stale_told: set[tuple[str, str]] = set()  # (target, adapter digest) whose stale prior was logged
-        self._lock = threading.RLock()  # prior() asks _given_for() under it
+        self._lock = threading.Lock()
 
     def resolve(self, mode: str) -> Correction:
         """The request's mode ('' = the server's default); ValueError naming the field `mode` otherwise."""
@@ -73,36 +73,30 @@ class Corrections:
         sharing a Redis tier, or a restart with another prior, never serve one prior's corrections for another's)."""
         if not self.limits.prior:
             return "/noprior"
-        if not self._given_for(lm):
-            return ""
-        terms = self.prior(lm).terms.contiguous()
-        return "/prior~" + hashlib.sha256(terms.numpy().tobytes()).hexdigest()[:16]
+        self.prior(lm)
+        return self._tags[lm.name]
 
     def prior(self, lm: LoadedModel) -> InductionPrior | None:
+        """The target's prior, made once: the given file where it was fitted for `lm`, else the one that ships."""
         if not self.limits.prior:
             return None
         with self._lock:
             if lm.name not in self._priors:
-                self._priors[lm.name] = (InductionPrior.load(self.limits.prior_file)
-                                         if self._given_for(lm) else InductionPrior.for_model(lm))
+                prior, tag = None, ""
+                if self.limits.prior_file:
+                    try:
+                        prior = InductionPrior.load_for(self.limits.prior_file, lm)
+                        terms = prior.terms.contiguous().numpy().tobytes()
+                        tag = "/prior~" + hashlib.sha256(terms).hexdigest()[:16]
+                    except ValueError:  # another target's file (or none at all: check_prior_file says so)
+                        prior = None
+                self._priors[lm.name] = prior if prior is not None else InductionPrior.for_model(lm)
+                self._tags[lm.name] = tag
             return self._priors[lm.name]
-
-    def _given_for(self, lm: LoadedModel) -> bool:
-        """Whether the given prior file is `lm`'s (read once per target)."""
-        if not self.limits.prior_file:
-            return False
-        with self._lock:
-            if lm.name not in self._given:
-                try:
-                    InductionPrior.load_for(self.limits.prior_file, lm)
-                    self._given[lm.name] = True
-                except ValueError:
-                    self._given[lm.name] = False
-            return self._given[lm.name]
 
     def check_prior_file(self, targets: list[LoadedModel]) -> None:
         """At start: the given prior file loads and was fitted for one of the served targets (ValueError naming it)."""
-        if self.limits.prior_file and not any(self._given_for(lm) for lm in targets):
+        if self.limits.prior_file and self.limits.prior and not any(self.prior_tag(lm) for lm in targets):
             InductionPrior.load(self.limits.prior_file)  # not a prior file at all: its own error
             raise ValueError(f"correction_prior_file {self.limits.prior_file}: fitted for none of the served targets "
                              f"({', '.join(lm.name for lm in targets)})")

@@ -147,6 +147,22 @@ class InductionPrior:
 
     @classmethod
     def load(cls, path: str | Path) -> InductionPrior:
+        return cls._read(path)[0]
+
+    @classmethod
+    def load_for(cls, path: str | Path, lm: LoadedModel) -> InductionPrior:
+        """A fitted prior file (`kvbridge prior fit --out`) for `lm`: ValueError when it was fitted for another
+        model (its recorded config hash)."""
+        prior, meta = cls._read(path)
+        target = meta.get("target") or {}
+        if target.get("config_hash") != lm.spec.identity.config_hash:
+            raise ValueError(f"the induction prior {Path(path).name} was fitted for {target.get('name', '?')}, not "
+                             f"for {lm.name}")
+        return prior
+
+    @classmethod
+    def _read(cls, path: str | Path) -> tuple[InductionPrior, dict]:
+        """(the prior, its file's kvbridge_prior metadata)."""
         path = Path(path)
         with safe_open(str(path), "pt") as f:
             if "kvbridge_prior" not in (f.metadata() or {}) or "terms" not in f.keys():
@@ -159,19 +175,7 @@ class InductionPrior:
                 raise ValueError(f"{path}: its kvbridge_prior metadata is not a JSON object")
             adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
             adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
-            return cls(f.get_tensor("terms").float(), origin=path.name, adapter=adapter)
-
-    @classmethod
-    def load_for(cls, path: str | Path, lm: LoadedModel) -> InductionPrior:
-        """A fitted prior file (`kvbridge prior fit --out`) for `lm`: ValueError when it was fitted for another
-        model (its recorded config hash)."""
-        prior = cls.load(path)
-        with safe_open(str(path), "pt") as f:
-            target = json.loads(f.metadata()["kvbridge_prior"]).get("target") or {}
-        if target.get("config_hash") != lm.spec.identity.config_hash:
-            raise ValueError(f"the induction prior {Path(path).name} was fitted for {target.get('name', '?')}, not "
-                             f"for {lm.name}")
-        return prior
+            return cls(f.get_tensor("terms").float(), origin=path.name, adapter=adapter), meta
 
     def stale_for(self, digest: str) -> str | None:
         """Why this prior was not fitted for the adapter of content `digest` (Adapter.digest), else None: a fitted
