@@ -38,6 +38,7 @@ HEADS = "prompt-head"  # the store namespace of the target's own KV of prompts' 
 PLACED = "placed"  # the store namespaces of placed caches: "placed|<adapter label>|<correction>#<source key>"
 PROJECTION = "projection"  # a placed cache's annotations: the key of the projected entry it was placed from,
 ADAPTER = "adapter"  # and the adapter's "name@version"
+DIGEST = "adapter_digest"  # and its content digest (Adapter.digest: what a reader checks its prior against)
 PROBE = 8  # document tokens that must follow one another in the prompt for it to be placed there
 MAX_SKIP = 4  # leading document tokens the prompt may cut otherwise (merged with the text before it)
 
@@ -126,7 +127,8 @@ class Placing:
         self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
                        source_key=base.source_key,
                        annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
-                                    RECOMPUTED: ",".join(map(str, placed.recomputed)), PROJECTION: base.entry_key})
+                                    DIGEST: base.adapter_digest, RECOMPUTED: ",".join(map(str, placed.recomputed)),
+                                    PROJECTION: base.entry_key})
         self._count("placement", computed=placed.segment.num_tokens)
         return placed
 
@@ -160,7 +162,8 @@ class Placing:
                            source_key=namespace.rsplit("#", 1)[1], adapter=str(notes.get(ADAPTER, "")),
                            text=info.text, exact_coverage=float(notes.get("exact_coverage", 0.0)),
                            mode=str(notes.get(MODE, "")),
-                           recomputed=tuple(recomputed_of(notes, segment.num_tokens)))
+                           recomputed=tuple(recomputed_of(notes, segment.num_tokens)),
+                           adapter_digest=str(notes.get(DIGEST, "")))
 
     def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
         """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in

@@ -132,8 +132,10 @@ def test_a_placed_cache_is_kept_and_a_heads_own_kv_is_computed_once(tmp_path, ti
         torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
         assert service.token_counts[("placement", "reused")] == placed + len(head) + len(ids) - 1
         assert again.segment.token_ids.tolist() == first.segment.token_ids.tolist()
-        assert (again.entry_key, again.source_key, again.adapter, again.mode, again.recomputed) == (
-            first.entry_key, first.source_key, first.adapter, first.mode, first.recomputed)
+        assert (again.entry_key, again.source_key, again.adapter, again.mode, again.recomputed,
+                again.adapter_digest) == (first.entry_key, first.source_key, first.adapter, first.mode,
+                                          first.recomputed, first.adapter_digest)
+        assert first.adapter_digest == adapter.digest  # a reader checks its prior against it
     heads = service.token_counts[("prompt_head", "computed")]
     other = service.projected_cache("t", text=other_text, mode="replace").segment.token_ids.tolist()
     service.prompt_cache("t", head + other[1:], text=other_text, mode="replace")  # the same head, another document
