@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
                                           "once, about 25 s, and pass it on)")
     parser.add_argument("--json", metavar="OUT.json", help="also write every number and the machine line here")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads of every piece (default 1: see bench/README.md)")
+                        help="torch intra-op threads of every piece (default 1: see bench/store.md)")
     args = parser.parse_args(argv)
     if args.quick and args.full:
         parser.error("--quick and --full contradict each other: --full runs the slow suffix benchmark in full")

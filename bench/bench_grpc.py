@@ -120,7 +120,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adapter", help="a trained adapter file (default: fit a ridge adapter on 2048 tokens)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of this process and of the server process (default 1: they "
-                             "share the machine's cores; see bench/README.md)")
+                             "share the machine's cores; see bench/store.md)")
     parser.add_argument("--shm-keep-s", type=float, default=None,
                         help="the server's --shm-keep-s (default: its default, 30): 0 makes every shm fetch gather "
                              "the KV into a new file; otherwise the timed fetches link the file the first one wrote")

@@ -169,7 +169,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--turns", type=int, help=f"turns (default {len(QUESTIONS)}; 4 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per answer (greedy)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: other processes share the cores; see bench/README.md)")
+                        help="torch intra-op threads (default 1: other processes share the cores; see bench/store.md)")
     args = parser.parse_args(argv)
     turns = args.turns or (4 if args.quick else len(QUESTIONS))
     if not 1 <= turns <= len(QUESTIONS):

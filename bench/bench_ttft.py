@@ -363,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                    "with --quick)")
     parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: fit a ridge adapter)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads, for both sides (default 1: see bench/README.md)")
+                        help="torch intra-op threads, for both sides (default 1: see bench/store.md)")
     args = parser.parse_args(argv)
     args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
     args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else FULL_ROUNDS)

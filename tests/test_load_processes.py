@@ -3,7 +3,7 @@ for 16 s against `kvbridge serve` in its own process (the tiny pair), restarted 
 the Redis tier (entries made before the restart are still there after it) and once without (they are gone: the
 clients' NOT_FOUND for them is intended). The runner checks every answer and, afterwards, the server from outside
 (Stats, /metrics with store.check(), its shared-memory folder, its log, Redis) and exits 0 only when all held; this
-test reads its JSON report. The full run (64 processes, 60 s) and its figures: bench/README.md.
+test reads its JSON report. The full run (64 processes, 60 s) and its figures: bench/serving.md.
 
 The runner loads the server for a given time, half before the restart and half after. What this test waits for is a
 condition: every operation answered and at least one call that met the restart. A run too short to see them (a
