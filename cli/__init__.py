@@ -30,6 +30,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvbridge.adapters.average import add_parsers as average_parsers
     from kvbridge.adapters.cli import add_parsers as adapters_parsers
     from kvbridge.eval.cli import add_parsers as eval_parsers
     from kvbridge.eval.prior_fit import add_parsers as prior_parsers
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_parsers(sub)
     server_parsers(sub)
     adapters_parsers(sub)
+    average_parsers(sub)
     # prefix_chars="+": this parser has no options of its own, so "--quick" or "--help" land in `rest` (with "-"
     # as a prefix, argparse refuses a REMAINDER that starts with an option, bpo-17050)
     p = sub.add_parser("bench", help="run every benchmark of a source checkout and print one table of ratios "
