@@ -90,6 +90,7 @@ class ChainConfig:
     #                          with any, every stage also reports dev fidelity on dev answer windows (answer_dev a file)
     answer_dev: int = 0  # dev answer windows per corpus file (held-out dev documents); 0: dev_per_corpus. The dev
     #                      fidelity of 24 windows moves by +-0.05 between checkpoints that score alike held out
+    keep: str = "best"  # each stage's checkpoint: "best" by its dev score (fidelity for answer stages), or "last"
     answer: AnswerConfig = AnswerConfig()
     lr: dict = field(default_factory=lambda: dict(DEFAULT_LR))
     teacher: TeacherConfig = TeacherConfig()
@@ -98,6 +99,8 @@ class ChainConfig:
     def __post_init__(self):
         if not self.stages:
             raise ValueError("no stages")
+        if self.keep not in ("best", "last"):
+            raise ValueError(f"keep is 'best' or 'last', got {self.keep!r}")
         for name, steps in self.stages:
             if name not in OBJECTIVES or steps < 1:
                 raise ValueError(f"bad stage {name}:{steps}")
@@ -376,7 +379,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                            max_iters=steps, batch_windows=config.batch_windows,
                            eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
                            exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0,
-                           select="fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
+                           select="last" if config.keep == "last" else
+                           "fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
         stage_cache, stage_idx = (answers, a_train_idx) if objective in ANSWER_OBJECTIVES else (cache, train_idx)
         out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
                     work / f"stage-{n}-{objective}{kind}", resume=True, progress=progress, answers=answer_probe)

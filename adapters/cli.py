@@ -80,6 +80,10 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                         "target's own answer) for stages 'answer' (teacher-forced KL over the answer) and 'onpolicy' "
                         "(KL over the student's own greedy answer, scored by the target's own prefill), which keep "
                         "the checkpoint of best dev fidelity; with any, every stage reports dev fidelity")
+    p.add_argument("--keep", choices=("best", "last"), default="best",
+                   help="chain: each stage's checkpoint: the best by its dev score (recovery; fidelity for "
+                        "answer stages), or the last step (docs/answers.md: a small dev set picks answer "
+                        "checkpoints by chance)")
     p.add_argument("--answer-dev", type=int, default=0, metavar="N",
                    help="chain: dev answer windows per file, from held-out dev documents, asked in a wording no "
                         "training window uses; their fidelity picks an answer stage's checkpoint (default: "
@@ -242,7 +246,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,
                          init=args.init or "", exact_tail=args.exact_tail, batch_windows=args.batch_windows,
-                         answer_windows=args.answer_windows, answer_dev=args.answer_dev,
+                         answer_windows=args.answer_windows, answer_dev=args.answer_dev, keep=args.keep,
                          answer=AnswerConfig(lengths=tuple(int(n) for n in args.answer_lengths.split(","))))
     preset = args.preset or ("production" if (args.source or args.target) else "small")
     main_rank = launch is None or launch.rank == 0

@@ -20,7 +20,8 @@ Objectives (`TrainerConfig.objective`):
              where the student's own answers leave the teacher's, not the teacher's path alone.
 
 The dev score that picks the best checkpoint (`select`): "recovery" (the recovery probe's, below) or "fidelity" (an
-answer probe's, answer_probe.py: the mean of ROUGE-L against the target's own answer and top-1 agreement over it).
+answer probe's, answer_probe.py: the mean of ROUGE-L against the target's own answer and top-1 agreement over it);
+"last" keeps the last step whatever the probes say (they still report).
 With an answer probe, every evaluation reports its measures whatever `select` is.
 
 `exact_tail` (kl, ce): in half the steps, the last k context tokens (k drawn from 1..round(exact_tail * C)) are not
@@ -72,7 +73,7 @@ from tqdm import tqdm
 
 OBJECTIVES = ("attention", "kl", "ce", "answer", "onpolicy")
 ANSWER_OBJECTIVES = ("answer", "onpolicy")  # trained on answer windows
-SELECT = ("recovery", "fidelity")
+SELECT = ("recovery", "fidelity", "last")
 QUERIES = ("continuation", "all")
 
 
@@ -247,7 +248,7 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
             row |= {"dev_fidelity": a["fidelity"], "dev_rougeL": a["rougeL"], "dev_top1": a["top1"],
                     "dev_greedy": a["greedy"], "dev_answer_kl": a["kl"]}
         row = from_main(row)  # rank 0's clock and dev scores
-        if scored:
+        if scored and config.select != "last":
             improved = row[metric] > state["best"]
         state["record"].append(row)
         if improved:

@@ -391,3 +391,28 @@ def test_select_fidelity_needs_an_answer_probe(pair, answers, ridge, tmp_path):
         train(_maps(ridge), ridge[0].start_kv, pair[1], answers, [0, 1], None, cfg, 0, tmp_path, progress=False)
     with pytest.raises(ValueError, match="select must be one of"):
         TrainerConfig(select="rouge")
+
+
+def test_select_last_keeps_the_last_step_while_the_probe_still_reports(pair, answers, ridge, tmp_path):
+    """`train-adapter --keep last` (select "last"): the maps the trainer leaves are the last step's, whatever the dev
+    probe scored; every evaluation still carries the probe's measures."""
+    from kvbridge.adapters.chain import ChainConfig
+
+    _, target = pair
+    start_kv = ridge[0].start_kv
+    cache = answers
+    n = len(cache)
+    probe = AnswerProbe(target, start_kv, cache, list(range(n - 2, n)), ANSWERS.max_answer_tokens)
+    cfg = TrainerConfig(objective="answer", select="last", max_iters=6, warmup_iters=0, batch_windows=2,
+                        eval_interval=2, lr=1e-1, min_lr=1e-2)
+    maps = _maps(ridge)
+    out = train(maps, start_kv, target, cache, list(range(n - 2)), None, cfg, 0, tmp_path / "run", progress=False,
+                answers=probe)
+    assert out["best_iter"] == out["iters"] == 6 and [r["iter"] for r in out["record"]] == [0, 2, 4, 6]
+    assert all("dev_fidelity" in r for r in out["record"])
+    last = {k[5:]: v for k, v in load_file(str(tmp_path / "run" / "last.safetensors")).items()
+            if k.startswith("maps.")}
+    assert all(torch.equal(v, last[k]) for k, v in maps.state_dict().items())
+    assert any(not torch.equal(v, _maps(ridge).state_dict()[k]) for k, v in maps.state_dict().items())  # it moved
+    with pytest.raises(ValueError, match="keep is 'best' or 'last'"):
+        ChainConfig(stages=(("answer", 2),), keep="first")
