@@ -94,7 +94,10 @@ def average(adapters: list[Adapter], weights: list[float] | None = None, names: 
 def cmd_average(args) -> int:
     paths = [Path(p) for p in args.adapters]
     adapters = [load_adapter(p) for p in paths]
-    weights = [float(x) for x in args.weights.split(",")] if args.weights else None
+    try:
+        weights = [float(x) for x in args.weights.split(",")] if args.weights else None
+    except ValueError:
+        raise ValueError(f"--weights takes comma-separated numbers, one per adapter, got {args.weights!r}") from None
     result = average(adapters, weights, [p.name for p in paths])
     if args.version:
         result.meta.version = args.version

@@ -90,3 +90,5 @@ def test_the_command_writes_an_adapter_that_records_its_inputs(tmp_path, tiny_so
     assert [i["file"] for i in soup.meta.training["average"]] == ["a.safetensors", "b.safetensors"]
     assert main(["adapter", "average", str(pa), str(tmp_path / "missing.safetensors"), "--out", str(out)]) == 2
     assert "no adapter file" in capsys.readouterr().err
+    assert main(["adapter", "average", str(pa), str(pb), "--weights", "1,x", "--out", str(out)]) == 2
+    assert "--weights takes comma-separated numbers" in capsys.readouterr().err
