@@ -12,6 +12,7 @@ result records its inputs (file name, digest, weight, each one's own training re
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -91,6 +92,36 @@ def average(adapters: list[Adapter], weights: list[float] | None = None, names: 
     return Adapter(meta=meta, **tensors)
 
 
+def runs(training: dict) -> list[dict]:
+    """The distinct training runs behind an adapter's `training` record, each once: the run itself, the runs of the
+    adapter it started from (`init`), and an average's inputs' (`average`), which often share them (an answer-tuned
+    adapter's `init` is the adapter it is averaged with)."""
+    out: list[dict] = []
+    seen: set[str] = set()
+
+    def walk(record: dict) -> None:
+        while record:
+            if "average" in record:
+                for item in record["average"]:
+                    walk(item.get("training") or {})
+                return
+            key = json.dumps(record, sort_keys=True)
+            if key in seen:
+                return
+            seen.add(key)
+            out.append(record)
+            record = (record.get("init") or {}).get("training") or {}
+
+    walk(training)
+    return out
+
+
+def from_scratch_seconds(training: dict) -> int:
+    """What an adapter took to make from nothing, by its record: every distinct run's wall time, with the teacher
+    caches it reused from an earlier run (their own time, `teacher_cache_reused_s`)."""
+    return sum(int(r["record"]["wall_s"]) + int(r["record"].get("teacher_cache_reused_s", 0)) for r in runs(training))
+
+
 def cmd_average(args) -> int:
     paths = [Path(p) for p in args.adapters]
     adapters = [load_adapter(p) for p in paths]
@@ -106,7 +137,9 @@ def cmd_average(args) -> int:
     result.meta.training["command"] = command
     out = save_adapter(result, args.out)
     parts = ", ".join(f"{i['file']} x {i['weight']:.3g}" for i in result.meta.training["average"])
-    print(f"wrote {out}: the average of {parts}; digest {load_adapter(out).digest[:16]}", file=sys.stdout)
+    made = from_scratch_seconds(result.meta.training) / 60
+    print(f"wrote {out}: the average of {parts}; digest {load_adapter(out).digest[:16]}; its runs took "
+          f"{made:.0f} minutes in all, by their records", file=sys.stdout)
     return 0
 
 

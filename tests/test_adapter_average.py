@@ -92,3 +92,21 @@ def test_the_command_writes_an_adapter_that_records_its_inputs(tmp_path, tiny_so
     assert "no adapter file" in capsys.readouterr().err
     assert main(["adapter", "average", str(pa), str(pb), "--weights", "1,x", "--out", str(out)]) == 2
     assert "--weights takes comma-separated numbers" in capsys.readouterr().err
+
+
+def test_an_averages_runs_are_counted_once_each():
+    """The time an adapter took from nothing, by its record: an answer-tuned adapter's --init chain is the adapter it
+    is averaged with, and that chain counts once."""
+    from kvbridge.adapters.average import from_scratch_seconds, runs
+
+    base = {"command": "train-adapter --stages kl:1000", "record": {"wall_s": 1505, "teacher_cache_reused_s": 2111}}
+    second = {"command": "train-adapter --init BASE", "record": {"wall_s": 607, "teacher_cache_reused_s": 2877},
+              "init": {"file": "BASE.safetensors", "training": base}}
+    answer = {"command": "train-adapter --init SHIPPED --stages answer:200", "record": {"wall_s": 1344},
+              "init": {"file": "SHIPPED.safetensors", "training": second}}
+    soup = {"average": [{"file": "SHIPPED.safetensors", "weight": 0.5, "training": second},
+                        {"file": "ANSWER.safetensors", "weight": 0.5, "training": answer}],
+            "command": "kvbridge adapter average SHIPPED.safetensors ANSWER.safetensors --out FILE"}
+    assert [r["command"] for r in runs(soup)] == [second["command"], base["command"], answer["command"]]
+    assert from_scratch_seconds(soup) == 1505 + 2111 + 607 + 2877 + 1344
+    assert from_scratch_seconds(second) == 1505 + 2111 + 607 + 2877 and from_scratch_seconds({}) == 0
