@@ -315,7 +315,8 @@ def print_result(r: TTFTResult, pair: str) -> None:
           f"blend with/without the prior {r.ratio_prior:.3f}; served {SERVED_MODE} warm same host {r.served_s:.3f} s "
           f"(by stream {r.served_stream_s:.3f} s; its first fetch, which computes it, {r.served_first_s:.2f} s) -> "
           f"ratio served/full {r.ratio_served:.3f} ({served_goal}); "
-          f"same first token {'yes' if r.same_first_token else 'no'}; Ingest {r.ingest_s:.1f} s, first fetch "
+          f"first token {'the same as' if r.same_first_token else 'other than'} full's (replace is approximate); "
+          f"Ingest {r.ingest_s:.1f} s, first fetch "
           f"{r.first_fetch_s:.2f} s (information); medians of {r.rounds} interleaved rounds", flush=True)
 
 
