@@ -133,7 +133,8 @@ def cmd_average(args) -> int:
     if args.version:
         result.meta.version = args.version
     command = " ".join(["kvbridge adapter average", *map(str, paths), *(["--weights", args.weights]
-                        if args.weights else []), "--out", str(args.out)])
+                        if args.weights else []), *(["--version", args.version] if args.version else []),
+                        "--out", str(args.out)])
     result.meta.training["command"] = command
     out = save_adapter(result, args.out)
     parts = ", ".join(f"{i['file']} x {i['weight']:.3g}" for i in result.meta.training["average"])

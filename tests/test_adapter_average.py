@@ -87,6 +87,7 @@ def test_the_command_writes_an_adapter_that_records_its_inputs(tmp_path, tiny_so
     assert soup.digest[:16] in capsys.readouterr().out
     torch.testing.assert_close(soup.wv, (load_adapter(pa).wv + load_adapter(pb).wv) / 2)
     assert soup.meta.version == "2" and soup.meta.training["command"].startswith("kvbridge adapter average")
+    assert "--version 2 --out" in soup.meta.training["command"]  # the record names every option that made it
     assert [i["file"] for i in soup.meta.training["average"]] == ["a.safetensors", "b.safetensors"]
     assert main(["adapter", "average", str(pa), str(tmp_path / "missing.safetensors"), "--out", str(out)]) == 2
     assert "no adapter file" in capsys.readouterr().err
