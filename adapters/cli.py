@@ -313,7 +313,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
         meta = dataclasses.replace(ridge_meta, corpus=corpus, training=training, metrics=metrics)
         save_fuser(maps, meta, out, dtype=dtype)
     else:
-        adapter = maps
+        # the file's figures are of the file's weights: evaluated after the maps are rounded to --save-dtype
+        adapter = maps.with_maps_dtype(dtype) if dtype != torch.float32 else maps
         if docs:
             result = evaluate_recovery(source, target, adapter, docs, seed=args.seed, progress=not args.quiet)
             for line in result.lines():
@@ -322,8 +323,6 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                         "eval_documents": result.documents}
         adapter = dataclasses.replace(adapter, meta=dataclasses.replace(adapter.meta, corpus=corpus,
                                                                        training=training, metrics=metrics))
-        if dtype != torch.float32:
-            adapter = adapter.with_maps_dtype(dtype)
         save_adapter(adapter, out)
     print(f"{args.trainer} written to {out} ({out.stat().st_size / 1e6:.1f} MB)")
     if args.trainer == "chain":

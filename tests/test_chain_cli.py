@@ -322,3 +322,27 @@ def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, 
     assert "has no context branch" in capsys.readouterr().err
     with pytest.raises(ValueError, match="context window is for projections"):
         ChainConfig(stages=(("ce", 3),), fuser_rank=8, context_window=2)
+
+
+def test_the_recorded_recovery_is_the_saved_files(corpus, tmp_path, tiny_source, tiny_target):
+    """The figures train-adapter writes into a file are those of the file as it loads (maps rounded to --save-dtype,
+    a context branch without its norm folded as saved), for a first run and for a fine-tune --init from it, not those
+    of the float32 adapter in memory before it was saved."""
+    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.train import read_corpus
+
+    first, tuned = tmp_path / "ctx.safetensors", tmp_path / "tuned.safetensors"
+    assert main(_args(corpus, tmp_path / "work", first, "--trainer", "chain", "--stages", "kl:3", "--token-rank", "8",
+                      "--context-window", "2", "--context-rank", "4", "--context-no-norm",
+                      "--save-dtype", "bfloat16")) == 0
+    assert main(_args(corpus, tmp_path / "work-b", tuned, "--trainer", "chain", "--init", str(first), "--stages",
+                      "kl:2", "--stage-lr", "kl=1e-2", "--save-dtype", "bfloat16")) == 0
+    texts, _ = read_corpus([corpus[1]])
+    docs = prepare_documents(texts, tiny_source, tiny_target, 192, 64, limit=4)
+    for path in (first, tuned):
+        meta = read_adapter_meta(path)
+        assert meta["format_version"] == 5 and meta["metrics"]["eval_documents"] == len(docs)
+        loaded = evaluate_recovery(tiny_source, tiny_target, load_adapter(path), docs, progress=False)
+        for condition in ("projected", "wrong"):
+            assert loaded.recovery[condition] == pytest.approx(meta["metrics"]["recovery"][condition], abs=1e-9)
+        assert loaded.nll == pytest.approx(meta["metrics"]["nll"], abs=1e-9)
