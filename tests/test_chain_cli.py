@@ -172,7 +172,12 @@ def test_chain_teacher_windows_take_the_commands_context_length(corpus, tmp_path
     assert "context_tokens" in capsys.readouterr().err
 
 
-def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
+def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys, tiny_source, tiny_target):
+    from kvbridge.adapters.evaluate import prepare_documents
+    from kvbridge.adapters.pairs import start_token_id
+    from kvbridge.adapters.recovery_probe import RecoveryProbe
+    from kvbridge.adapters.train import read_corpus
+
     out = tmp_path / "f.safetensors"
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "ce:3",
                       "--fuser-rank", "4")) == 0
@@ -181,6 +186,13 @@ def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys):
     maps, record = load_fuser(out)
     assert record["kind"] == "fuser" and record["rank"] == 4
     assert {"recovery_fused", "recovery_wrong_document", "own_minus_wrong"} <= set(record["metrics"])
+    # the recorded figures are the file's (bf16, folded), not those of the float32 maps it was trained as
+    docs = prepare_documents(read_corpus([corpus[1]])[0], tiny_source, tiny_target, 192, 64, limit=4)
+    probe = RecoveryProbe.from_documents(tiny_source, tiny_target, None, docs, start_token_id(tiny_target.tokenizer),
+                                         own=True)
+    again = probe.recovery(maps, seed=0, wrong=True)
+    assert again["recovery"] == pytest.approx(record["metrics"]["recovery_fused"][0], abs=1e-9)
+    assert again["wrong"] == pytest.approx(record["metrics"]["recovery_wrong_document"][0], abs=1e-9)
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "kl:3")) == 2
     assert "fuser trains on stage 'ce' only" in capsys.readouterr().err
 
