@@ -221,7 +221,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     from kvbridge.adapters.chain import DEFAULT_LR, ChainConfig, parse_stages, train_chain
     from kvbridge.adapters.distributed import process_group
     from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
-    from kvbridge.adapters.fuser import load_fuser, save_fuser
+    from kvbridge.adapters.fuser import as_saved, save_fuser
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.pairs import start_token_id
     from kvbridge.adapters.recovery_probe import RecoveryProbe
@@ -292,11 +292,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     out = Path(args.out) if args.out else kvbridge_home() / "adapters" / f"{pair}--{args.trainer}.safetensors"
     dtype = getattr(torch, args.save_dtype)
     if fuser:
-        ridge_meta = _ridge_meta(work)
+        maps = as_saved(maps, dtype)  # the file's figures are of the file's weights: folded, rounded to --save-dtype
         if docs:
-            # the file's figures are of the file's weights: the folded maps rounded to --save-dtype, read back
-            save_fuser(maps, dataclasses.replace(ridge_meta, corpus=corpus, training=training), out, dtype=dtype)
-            maps, _ = load_fuser(out)
             # start_kv None: a fuser keeps the start token's own KV
             probe = RecoveryProbe.from_documents(source, target, None, docs, start_token_id(target.tokenizer),
                                                  own=True)
@@ -313,7 +310,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                   f"{r['wrong']:.3f} [{r['wrong_interval'][0]:.3f}, {r['wrong_interval'][1]:.3f}]; own minus wrong "
                   f"{r['own_minus_wrong']:.3f} [{r['own_minus_wrong_interval'][0]:.3f}, "
                   f"{r['own_minus_wrong_interval'][1]:.3f}]")
-        meta = dataclasses.replace(ridge_meta, corpus=corpus, training=training, metrics=metrics)
+        meta = dataclasses.replace(_ridge_meta(work), corpus=corpus, training=training, metrics=metrics)
         save_fuser(maps, meta, out, dtype=dtype)
     else:
         # the file's figures are of the file's weights: evaluated after the maps are rounded to --save-dtype

@@ -158,7 +158,7 @@ def save_fuser(maps: FuserMaps, meta: AdapterMeta, path: str | Path, dtype: torc
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"fuser files end in .safetensors, got {path.name!r}")
-    tensors = {k: (v if k == "layer_map" else v.to(dtype)) for k, v in maps.folded().items()}
+    tensors = saved_tensors(maps, dtype)
     record = dataclasses.asdict(meta) | {"format_version": FUSER_FORMAT_VERSION, "kind": "fuser",
                                          "rank": maps.config.rank}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,16 +180,30 @@ def load_fuser(path: str | Path) -> tuple[FuserMaps, dict]:
     missing = [n for n in FUSER_TENSORS if n not in t]
     if missing:
         raise ValueError(f"{path.name} lacks tensors {missing}")
+    return _from_saved(t, int(record["rank"])), record
+
+
+def saved_tensors(maps: FuserMaps, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors a fuser file holds: the folded ones in `dtype` (the layer map stays int64)."""
+    return {k: (v if k == "layer_map" else v.to(dtype)) for k, v in maps.folded().items()}
+
+
+def as_saved(maps: FuserMaps, dtype: torch.dtype) -> FuserMaps:
+    """The fuser `save_fuser(maps, ..., dtype=dtype)` writes, as `load_fuser` reads it back (folded, rounded)."""
+    return _from_saved(saved_tensors(maps, dtype), maps.config.rank)
+
+
+def _from_saved(t: dict[str, torch.Tensor], rank: int) -> FuserMaps:
     f32 = {k: (v if k == "layer_map" else v.float()) for k, v in t.items()}
     mu = {m: torch.zeros(f32[f"a_{m}"].shape[:2]) for m in "kv"}  # folded into c
     maps = FuserMaps(f32["layer_map"], {m: f32[f"mix_{m}"] for m in "kv"}, mu, None,
                      {m: f32[f"sigma_{m}"] for m in "kv"}, f32["gate_k"].shape[1], f32["b_k"].shape[2],
-                     FuserConfig(rank=int(record["rank"])))
+                     FuserConfig(rank=rank))
     with torch.no_grad():
         for m in "kv":
             for n in ("a", "b", "c", "gate"):
                 getattr(maps, f"{n}_{m}").copy_(f32[f"{n}_{m}"])
-    return maps, record
+    return maps
 
 
 class Fuser:

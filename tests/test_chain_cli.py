@@ -46,6 +46,14 @@ def _args(corpus, work, out, *extra):
             "-q", *extra]
 
 
+def _eval_docs(corpus, source, target):
+    """The documents `_args`' --eval --eval-docs 4 scores (192 + 64 tokens, train-adapter's defaults)."""
+    from kvbridge.adapters.evaluate import prepare_documents
+    from kvbridge.adapters.train import read_corpus
+
+    return prepare_documents(read_corpus([corpus[1]])[0], source, target, 192, 64, limit=4)
+
+
 def test_stages_parse_and_bad_ones_are_named():
     assert parse_stages("attention:3, kl:5") == (("attention", 3), ("kl", 5))
     for bad in ("attention", "kl:0", "ridge:4", "kl:x"):
@@ -173,10 +181,8 @@ def test_chain_teacher_windows_take_the_commands_context_length(corpus, tmp_path
 
 
 def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys, tiny_source, tiny_target):
-    from kvbridge.adapters.evaluate import prepare_documents
     from kvbridge.adapters.pairs import start_token_id
     from kvbridge.adapters.recovery_probe import RecoveryProbe
-    from kvbridge.adapters.train import read_corpus
 
     out = tmp_path / "f.safetensors"
     assert main(_args(corpus, tmp_path / "work", out, "--trainer", "fuser", "--stages", "ce:3",
@@ -187,7 +193,7 @@ def test_fuser_command_writes_a_format_2_fuser(corpus, tmp_path, capsys, tiny_so
     assert record["kind"] == "fuser" and record["rank"] == 4
     assert {"recovery_fused", "recovery_wrong_document", "own_minus_wrong"} <= set(record["metrics"])
     # the recorded figures are the file's (bf16, folded), not those of the float32 maps it was trained as
-    docs = prepare_documents(read_corpus([corpus[1]])[0], tiny_source, tiny_target, 192, 64, limit=4)
+    docs = _eval_docs(corpus, tiny_source, tiny_target)
     probe = RecoveryProbe.from_documents(tiny_source, tiny_target, None, docs, start_token_id(tiny_target.tokenizer),
                                          own=True)
     again = probe.recovery(maps, seed=0, wrong=True)
@@ -340,8 +346,7 @@ def test_the_recorded_recovery_is_the_saved_files(corpus, tmp_path, tiny_source,
     """The figures train-adapter writes into a file are those of the file as it loads (maps rounded to --save-dtype,
     a context branch without its norm folded as saved), for a first run and for a fine-tune --init from it, not those
     of the float32 adapter in memory before it was saved."""
-    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
-    from kvbridge.adapters.train import read_corpus
+    from kvbridge.adapters.evaluate import evaluate_recovery
 
     first, tuned = tmp_path / "ctx.safetensors", tmp_path / "tuned.safetensors"
     assert main(_args(corpus, tmp_path / "work", first, "--trainer", "chain", "--stages", "kl:3", "--token-rank", "8",
@@ -349,8 +354,7 @@ def test_the_recorded_recovery_is_the_saved_files(corpus, tmp_path, tiny_source,
                       "--save-dtype", "bfloat16")) == 0
     assert main(_args(corpus, tmp_path / "work-b", tuned, "--trainer", "chain", "--init", str(first), "--stages",
                       "kl:2", "--stage-lr", "kl=1e-2", "--save-dtype", "bfloat16")) == 0
-    texts, _ = read_corpus([corpus[1]])
-    docs = prepare_documents(texts, tiny_source, tiny_target, 192, 64, limit=4)
+    docs = _eval_docs(corpus, tiny_source, tiny_target)
     for path in (first, tuned):
         meta = read_adapter_meta(path)
         assert meta["format_version"] == 5 and meta["metrics"]["eval_documents"] == len(docs)
