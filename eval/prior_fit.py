@@ -13,7 +13,8 @@ records that adapter's name and digest (`InductionPrior.stale_for`: what reads t
 projection says so).
 
 A step: one training window drawn by random.Random(0), read as recompute:0.1 (p 0.7) or replace; the loss is the
-mean NLL of its 31 continuation tokens with the prior on the projected keys, plus lam × ||theta - init||²; Adam at
+mean NLL of its 31 continuation tokens with the prior on the projected keys (`--objective answer`: of the target's own
+greedy answer to an instruction after the window, eval/prior_answers.py), plus lam × ||theta - init||²; Adam at
 lr 0.03. Every `dev_every` steps the dev NLL (summed over the dev windows, in both readings) is recorded, and a
 checkpoint written (theta and Adam's state): a run resumes from it exactly.
 
@@ -42,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 RECOMPUTE = 0.1  # recompute:0.1: the share of the context the target recomputes at its end
+OBJECTIVES = ("continuation", "answer")
 TOLERANCE = 2e-4  # relative, on a dev NLL: float reduction order differs across CPUs; 50 steps move it ~10x more
 
 
@@ -56,8 +58,13 @@ class Recipe:
     window_tokens: int = 560  # target tokens cut from a document per window (before `prepare`)
     min_context: int = 400
     dev_every: int = 50
+    # What the fit lowers: "continuation", the NLL of the 31 tokens after the context (the shipped prior's), or
+    # "answer", the NLL of the target's own greedy answer to an instruction after the context (prior_answers.py)
+    objective: str = "continuation"
 
     def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"the prior fit's objective is one of {', '.join(OBJECTIVES)}, not {self.objective!r}")
         if not 0 < self.dev < self.windows:
             raise ValueError(f"the prior fit needs 0 < dev ({self.dev}) < windows ({self.windows})")
         if self.steps < 1 or self.dev_every < 1 or self.lam < 0 or self.lr <= 0:
@@ -72,22 +79,25 @@ def initial_terms(target: LoadedModel) -> torch.Tensor:
 
 
 def continuation_nll(target: LoadedModel, kv: torch.Tensor, ids: torch.Tensor, cont: torch.Tensor,
-                     projected: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """Summed NLL of cont[1:] after the cache read with the prior `terms` on the keys where `projected`, every
-    layer through the prior's attention (so every head's terms get a gradient, as the shipped prior was fitted).
-    kv: [L, 2, H, T, D] rotated at positions 0..T-1 of ids [T]; cont: [N]; projected: [T] bool. The gradient reaches
-    terms (the prior's attention passes it on)."""
+                     projected: torch.Tensor, terms: torch.Tensor, scored_from: int = 1) -> torch.Tensor:
+    """Summed NLL of cont[scored_from:] after the cache read with the prior `terms` on the keys where `projected`,
+    every layer through the prior's attention (so every head's terms get a gradient, as the shipped prior was fitted).
+    kv: [L, 2, H, T, D] rotated at positions 0..T-1 of ids [T]; cont: [N]; projected: [T] bool; scored_from >= 1 (an
+    answer window's cont is its instruction and answer, and only the answer is scored). The gradient reaches terms
+    (the prior's attention passes it on)."""
     t = ids.numel()
     cache = kvcache.build_cache(kv[:, :, None].float())
     with InductionPrior(terms, every_layer=True).reading(target, ids, projected):
         logits = target.model(input_ids=cont[None], position_ids=torch.arange(t, t + cont.numel())[None],
                               cache=cache, use_cache=True).logits[0]
-    return F.cross_entropy(logits[:-1].float(), cont[1:], reduction="sum")
+    return F.cross_entropy(logits[scored_from - 1:-1].float(), cont[scored_from:], reduction="sum")
 
 
 def reading(window: dict, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kv, ids, cont, projected) of a built window read as `replace` or `recompute` (its recomputed tail in)."""
-    ids, kv, cont = window["ids"], window["kv"].float(), window["cont"]
+    """(kv, ids, cont, projected) of a built window read as `replace` or `recompute` (its recomputed tail in); an
+    answer window's cont is its instruction and answer (prior_answers.AnswerWindows)."""
+    ids, kv = window["ids"], window["kv"].float()
+    cont = torch.cat((window["prompt"], window["answer"])) if "answer" in window else window["cont"]
     t = ids.numel()
     projected = torch.zeros(t, dtype=torch.bool)
     if mode == "replace":
@@ -202,11 +212,22 @@ def draws(recipe: Recipe, steps: int) -> list[tuple[int, str]]:
     return out
 
 
+def window_nll(target: LoadedModel, window: dict, mode: str, terms: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(summed NLL, tokens scored) of a window read as `mode`: its continuation's tokens after the first, or an answer
+    window's answer tokens (0 for an empty answer)."""
+    if "answer" not in window:
+        return continuation_nll(target, *reading(window, mode), terms), window["cont"].numel() - 1
+    n = window["answer"].numel()
+    if n == 0:
+        return torch.zeros(()), 0
+    return continuation_nll(target, *reading(window, mode), terms, scored_from=window["prompt"].numel()), n
+
+
 def dev_nll(target: LoadedModel, windows: Windows, terms: torch.Tensor) -> list[float]:
     """Summed NLL over the dev windows, read as recompute:0.1 and as replace."""
     with torch.no_grad():
-        return [sum(float(continuation_nll(target, *reading(windows[i], mode), terms))
-                    for i in range(windows.recipe.dev)) for mode in ("recompute", "replace")]
+        return [sum(float(window_nll(target, windows[i], mode, terms)[0]) for i in range(windows.recipe.dev))
+                for mode in ("recompute", "replace")]
 
 
 def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until: int | None = None,
@@ -230,7 +251,8 @@ def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until
         log(f"step 0 dev NLL {trajectory['0']}")
     for step in range(start + 1, last + 1):
         index, mode = picks[step - 1]
-        loss = continuation_nll(target, *reading(windows[index], mode), theta) / 31
+        nll, scored = window_nll(target, windows[index], mode, theta)
+        loss = nll / max(scored, 1)
         reg = recipe.lam * ((theta - init) ** 2).sum()
         opt.zero_grad()
         (loss + reg).backward()
@@ -257,7 +279,7 @@ def _resume(path: Path, recipe: Recipe, theta, opt) -> tuple[int, dict]:
         return 0, {}
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-        if json.loads(meta["recipe"]) != asdict(recipe):
+        if Recipe(**json.loads(meta["recipe"])) != recipe:
             raise ValueError(f"{path} holds a run of another recipe ({meta['recipe']}): use another --work folder")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     step = int(meta["step"])
@@ -287,7 +309,17 @@ def compare(expected: list[float], got: list[float], tolerance: float) -> float:
 
 
 def _recipe(args: argparse.Namespace) -> Recipe:
-    return Recipe(preset=args.preset, windows=args.windows, dev=args.dev, steps=args.steps, lam=args.lam)
+    return Recipe(preset=args.preset, windows=args.windows, dev=args.dev, steps=args.steps, lam=args.lam,
+                  objective=args.objective)
+
+
+def _windows(recipe: Recipe, data: Path, work: Path, source: LoadedModel, target: LoadedModel, adapter: Path):
+    """The recipe's windows: projected ones, and for the answer objective their instructions and answers too."""
+    if recipe.objective == "answer":
+        from kvbridge.eval.prior_answers import AnswerWindows
+
+        return AnswerWindows(recipe, data, work / "windows", source, target, adapter)
+    return Windows(recipe, data, work / "windows", source, target, adapter)
 
 
 def adapter_record(path: Path) -> dict:
@@ -319,9 +351,10 @@ def cmd_prior_fit(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     source, target = load_pair(recipe.preset)
     work = Path(args.work)
-    windows = Windows(recipe, args.data, work / "windows", source, target, _adapter_file(args, source, target))
+    windows = _windows(recipe, args.data, work, source, target, _adapter_file(args, source, target))
     theta, trajectory = fit(recipe, target, windows, work)
     given = f" --adapter {windows.adapter_file.name}" if args.adapter else ""
+    given += f" --objective {recipe.objective}" if recipe.objective != Recipe.objective else ""
     command = (f"kvbridge prior fit --preset {recipe.preset} --data DATA{given} --windows {recipe.windows} "
                f"--dev {recipe.dev} --steps {recipe.steps} --lam {recipe.lam} --out {Path(args.out).name} (DATA: the "
                f"folder `kvbridge data build --out DATA` writes)")
@@ -356,7 +389,7 @@ def cmd_prior_check(args: argparse.Namespace) -> int:
     if isinstance(fitted, dict) and fitted.get("digest") and fitted["digest"] != using["digest"]:
         raise ValueError(f"{args.file} was fitted for adapter {fitted.get('name')} ({fitted['digest'][:16]}), not for "
                          f"{using['name']} ({using['digest'][:16]}): pass --adapter the file it was fitted with")
-    windows = Windows(recipe, args.data, work / "windows", source, target, adapter)
+    windows = _windows(recipe, args.data, work, source, target, adapter)
     theta, trajectory = fit(recipe, target, windows, work, until=until)
     worst = compare(meta["dev_nll"][str(until)], trajectory[str(until)], float(meta["tolerance"]))
     line = f"step {until}: dev NLL {trajectory[str(until)]}, recorded {meta['dev_nll'][str(until)]}, " \
@@ -388,6 +421,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--dev", type=int, default=Recipe.dev, help="dev windows (the first ones)")
     p.add_argument("--steps", type=int, default=Recipe.steps, help="Adam steps, one window each")
     p.add_argument("--lam", type=float, default=Recipe.lam, help="weight of the squared distance from the init")
+    p.add_argument("--objective", default=Recipe.objective, choices=OBJECTIVES,
+                   help="what the fit lowers: the NLL of the continuation after the context (default), or of the "
+                        "target's own greedy answer to an instruction after it (what users read)")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="the prior file to write")
     p.set_defaults(func=cmd_prior_fit)
     p = psub.add_parser("check", parents=[data], help="rerun a fitted prior's recipe up to a step and compare its "

@@ -1,6 +1,7 @@
 """`kvbridge prior fit` / `prior check` (kvbridge.eval.prior_fit): the fit resumes exactly, refuses another recipe's
 checkpoint, and the shipped prior of the small pair reproduces from its recorded recipe."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -209,3 +210,73 @@ def test_an_evaluation_says_when_its_prior_was_fitted_for_another_adapter(tmp_pa
     evaluate(options, source=tiny_source, target=tiny_target, config=config)
     meta = json.loads((tmp_path / "given" / "results.json").read_text())["meta"]["induction_prior"]
     assert meta["origin"] == "given.safetensors" and meta["stale"] is None
+
+
+def _answer_windows(tmp_path, tiny_source, tiny_target, tiny_adapter_file, recipe):
+    """AnswerWindows over three windows of the tiny target's own float32 KV (written as prior_fit.Windows writes its
+    projections, so the build only adds the answers)."""
+    from kvbridge.eval.prior_answers import AnswerWindows
+    from safetensors.torch import save_file
+
+    windows = AnswerWindows(recipe, tmp_path, tmp_path / "windows", tiny_source, tiny_target, tiny_adapter_file)
+    windows.max_new_tokens = 6
+    g = torch.Generator().manual_seed(1)
+    for i in range(recipe.windows):
+        ids = torch.cat((torch.tensor([1]), torch.randint(3, tiny_target.model.config.vocab_size, (40,), generator=g)))
+        kv = kvcache.extract(tiny_target.model, tiny_target.spec, ids).kv.float().contiguous()
+        save_file({"ids": ids, "cont": ids[:8].clone(), "kv": kv, "tail": kv[:, :, :, -4:].contiguous()},
+                  str(windows.path(i)), metadata={"id": f"doc:{i}/0"})
+    windows.build(set(range(recipe.windows)), log=lambda _: None)
+    return windows
+
+
+def test_answer_windows_hold_the_targets_own_answer_and_the_objective_scores_only_it(tmp_path, tiny_source,
+                                                                                      tiny_target, tiny_adapter_file):
+    from kvbridge.adapters.answer_windows import DEV_INSTRUCTION, INSTRUCTIONS
+    from kvbridge.eval.prior_fit import window_nll
+    from safetensors import safe_open
+
+    recipe = Recipe(preset="tiny", windows=3, dev=1, steps=4, dev_every=2, objective="answer")
+    windows = _answer_windows(tmp_path, tiny_source, tiny_target, tiny_adapter_file, recipe)
+    model = tiny_target.model
+    lengths = []
+    for i in range(recipe.windows):
+        w = windows[i]
+        with safe_open(str(windows.answer_path(i)), "pt") as f:
+            instruction = f.metadata()["instruction"]
+        if i < recipe.dev:
+            assert instruction == DEV_INSTRUCTION
+        else:
+            assert any(instruction == wording or "{term}" in wording and
+                       instruction.startswith(wording.split("{term}")[0]) for wording in INSTRUCTIONS)
+        assert w["prompt"].tolist() == tiny_target.tokenizer(instruction, add_special_tokens=False)["input_ids"]
+        # the answer is the target's own greedy choice at every step: a plain argmax over whole forwards, no cache
+        seq = torch.cat((w["ids"], w["prompt"]))
+        with torch.no_grad():
+            for token in w["answer"].tolist():
+                assert int(model(input_ids=seq[None]).logits[0, -1].argmax()) == token
+                seq = torch.cat((seq, torch.tensor([token])))
+            logits = model(input_ids=seq[None]).logits[0].float()
+        lengths.append(w["answer"].numel())
+        if not lengths[-1]:
+            continue
+        # the objective: the answer tokens' NLL after the instruction, over the own cache with every term 0 (the
+        # model's own attention), equals a plain forward's over the whole sequence; the instruction is not scored
+        q, t = w["prompt"].numel(), w["ids"].numel()
+        expected = torch.nn.functional.cross_entropy(logits[t + q - 1:-1], w["answer"], reduction="sum")
+        nll, scored = window_nll(tiny_target, w, "replace", torch.zeros_like(prior_fit.initial_terms(tiny_target)))
+        assert scored == lengths[-1]
+        assert float(nll) == pytest.approx(float(expected), rel=1e-4)
+    assert max(lengths) > 0 and max(lengths) <= windows.max_new_tokens
+
+    # a fit of the answer objective moves the prior and records the dev windows' answer NLL; a checkpoint of the
+    # continuation objective is another recipe
+    init = torch.ones_like(prior_fit.initial_terms(tiny_target))
+    theta, trajectory = fit(recipe, tiny_target, windows, tmp_path / "answer", log=lambda _: None, init=init)
+    assert sorted(trajectory, key=int) == ["0", "2", "4"] and trajectory["4"] != trajectory["0"]
+    assert (theta - init).abs().max() > 0
+    with pytest.raises(ValueError, match="another recipe"):
+        fit(Recipe(**{**dataclasses.asdict(recipe), "objective": "continuation"}), tiny_target, windows,
+            tmp_path / "answer", log=lambda _: None, init=init)
+    with pytest.raises(ValueError, match="objective is one of continuation, answer"):
+        Recipe(objective="summary")
