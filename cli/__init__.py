@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbridge.adapters.average import add_parsers as average_parsers
     from kvbridge.adapters.cli import add_parsers as adapters_parsers
     from kvbridge.eval.cli import add_parsers as eval_parsers
-    from kvbridge.eval.prior_fit import add_parsers as prior_parsers
+    from kvbridge.eval.prior_cli import add_parsers as prior_parsers
     from kvbridge.server.cli import add_parsers as server_parsers
     from kvbridge.transfer.cli import add_parsers as transfer_parsers
     from kvbridge.transfer.corpus import add_parsers as corpus_parsers

@@ -1,5 +1,6 @@
-"""`kvbridge prior fit` / `prior check` (kvbridge.eval.prior_fit): the fit resumes exactly, refuses another recipe's
-checkpoint, and the shipped prior of the small pair reproduces from its recorded recipe."""
+"""`kvbridge prior fit` / `prior check` (kvbridge.eval.prior_fit, prior_answers, prior_cli): the fit resumes exactly,
+refuses another recipe's checkpoint, and the shipped prior of the small pair reproduces from its recorded recipe; the
+answer objective's windows hold the target's own answers, and only those are scored."""
 
 import dataclasses
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbridge.eval import prior_fit
+from kvbridge.eval import prior_cli, prior_fit
 from kvbridge.eval.prior_fit import Recipe, compare, fit, recorded
 from kvbridge.transfer import corpus, kvcache
 from kvbridge.transfer.suffix.induction import InductionPrior
@@ -165,7 +166,7 @@ def test_the_windows_and_the_prior_are_of_one_adapter(tmp_path, tiny_source, tin
     args = argparse.Namespace(file=str(fitted), data=tmp_path, work=tmp_path / "check", until=None,
                               adapter=str(tiny_adapter_file))
     with pytest.raises(ValueError, match="was fitted for adapter other .* pass --adapter the file it was fitted with"):
-        prior_fit.cmd_prior_check(args)
+        prior_cli.cmd_prior_check(args)
     assert not (tmp_path / "check").exists()
 
 
