@@ -32,21 +32,21 @@ parser.add_argument("--out", type=Path, required=True, help="JSON: per document 
 args = parser.parse_args()
 
 import torch  # noqa: E402 - after the arguments: --help stays fast
-from kvbridge.adapters.answering import greedy, greedy_agreement, instruction_ids, rouge, stop_ids  # noqa: E402
+from kvbridge.adapters.answering import greedy_agreement, instruction_ids, rouge  # noqa: E402
 from kvbridge.adapters.scoring import bootstrap_mean  # noqa: E402
+from kvbridge.eval.prior_answers import own_answer  # noqa: E402
 from kvbridge.eval.records import read_records  # noqa: E402
 from kvbridge.eval.summaries import EvalConfig, prepare  # noqa: E402
 from kvbridge.transfer.presets import load_pair  # noqa: E402
-from kvbridge.transfer.suffix.reuse import prefill_after  # noqa: E402
 
 torch.set_num_threads(2)
 _, target = load_pair("small", source_weights=False)  # as eval rouge loads it
 config = EvalConfig(max_doc_tokens=args.max_doc_tokens)
-prompt, stop = instruction_ids(target, config.instruction), stop_ids(target)
+prompt = instruction_ids(target, config.instruction)
 
 
 def answer(ids: torch.Tensor) -> tuple[list[int], str]:
-    tokens, _ = greedy(target, prefill_after(target, None, ids), prompt, config.max_new_tokens, stop, one_line=True)
+    tokens = own_answer(target, ids, prompt, config.max_new_tokens).tolist()  # as `full` answers in eval rouge
     return tokens, target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
