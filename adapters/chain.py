@@ -52,8 +52,8 @@ from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 
-DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3, "onpolicy": 1e-3}
-DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25, "onpolicy": 25}
+DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3, "decision": 1e-3, "onpolicy": 1e-3}
+DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25, "decision": 25, "onpolicy": 25}
 
 
 def parse_stages(text: str) -> tuple[tuple[str, int], ...]:
@@ -86,6 +86,7 @@ class ChainConfig:
     batch_windows: int = 4
     init: str = ""  # a trained adapter of this pair to start from (no ridge fit); its token rank is the run's
     exact_tail: float = 0.0  # the kl/ce stages' exact tails (trainer.TrainerConfig.exact_tail)
+    decision_weight: float = 1.0  # the decision stages' hinge beside the answer KL (TrainerConfig.decision_weight)
     answer_windows: int = 0  # answer windows for the "answer" stages (answer_windows.py), from training documents;
     #                          with any, every stage also reports dev fidelity on dev answer windows (answer_dev a file)
     answer_dev: int = 0  # dev answer windows per corpus file (held-out dev documents); 0: dev_per_corpus. The dev
@@ -126,7 +127,10 @@ class ChainConfig:
         if isinstance(self.answer, dict):  # from a saved record's JSON
             object.__setattr__(self, "answer", AnswerConfig(**self.answer))
         if any(name in ANSWER_OBJECTIVES for name, _ in self.stages) and self.answer_windows < 1:
-            raise ValueError("an answer (or onpolicy) stage trains on answer windows: answer_windows must be >= 1")
+            raise ValueError("an answer (decision, onpolicy) stage trains on answer windows: answer_windows must "
+                             "be >= 1")
+        if not self.decision_weight > 0:
+            raise ValueError(f"decision_weight must be > 0, got {self.decision_weight}")
         if self.answer_windows < 0 or self.answer_dev < 0:
             raise ValueError(f"answer_windows and answer_dev must be >= 0, got {self.answer_windows}, "
                              f"{self.answer_dev}")
@@ -379,11 +383,14 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                            max_iters=steps, batch_windows=config.batch_windows,
                            eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
                            exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0,
+                           decision_weight=config.decision_weight,
                            select="last" if config.keep == "last" else
                            "fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
         stage_cache, stage_idx = (answers, a_train_idx) if objective in ANSWER_OBJECTIVES else (cache, train_idx)
+        weighted = f"-w{config.decision_weight:g}" if objective == "decision" and config.decision_weight != 1 else ""
         out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
-                    work / f"stage-{n}-{objective}{kind}", resume=True, progress=progress, answers=answer_probe)
+                    work / f"stage-{n}-{objective}{weighted}{kind}", resume=True, progress=progress,
+                    answers=answer_probe)
         best = next((r for r in out["record"] if r["iter"] == out["best_iter"]), {})
         dev_scores = {k: round(best[k], 4) for k in ("dev_recovery", "dev_fidelity", "dev_rougeL", "dev_top1",
                                                      "dev_greedy") if k in best}

@@ -77,9 +77,13 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                         "prefilled exactly after the projected rest, as selective recompute does (0: never)")
     p.add_argument("--answer-windows", type=int, default=0, metavar="N",
                    help="chain: N answer windows (a document of --answer-lengths tokens, an instruction after it, the "
-                        "target's own answer) for stages 'answer' (teacher-forced KL over the answer) and 'onpolicy' "
+                        "target's own answer) for stages 'answer' (teacher-forced KL over the answer), 'decision' "
+                        "(that KL and a hinge on the answer's greedy decisions) and 'onpolicy' "
                         "(KL over the student's own greedy answer, scored by the target's own prefill), which keep "
                         "the checkpoint of best dev fidelity; with any, every stage reports dev fidelity")
+    p.add_argument("--decision-weight", type=float, default=1.0, metavar="W",
+                   help="chain: a 'decision' stage's hinge on the answer's greedy decisions, W times beside its "
+                        "answer KL (default 1)")
     p.add_argument("--keep", choices=("best", "last"), default="best",
                    help="chain: each stage's checkpoint: the best by its dev score (recovery; fidelity for "
                         "answer stages), or the last step (docs/answers.md: a small dev set picks answer "
@@ -245,7 +249,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                          train_windows=args.train_windows, ridge_windows=args.ridge_windows,
                          dev_per_corpus=args.dev_per_corpus, layer_map="mix" if args.layer_map == "proportional"
                          else args.layer_map, k=args.k, lr=DEFAULT_LR | _stage_lr(args.stage_lr), seed=args.seed,
-                         init=args.init or "", exact_tail=args.exact_tail, batch_windows=args.batch_windows,
+                         init=args.init or "", exact_tail=args.exact_tail,
+                         decision_weight=args.decision_weight, batch_windows=args.batch_windows,
                          answer_windows=args.answer_windows, answer_dev=args.answer_dev, keep=args.keep,
                          answer=AnswerConfig(lengths=tuple(int(n) for n in args.answer_lengths.split(","))))
     preset = args.preset or ("production" if (args.source or args.target) else "small")

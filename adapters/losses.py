@@ -1,8 +1,8 @@
 """The trainer's objectives on a map's context cache (map_kv.py), each a differentiable loss of one batch of teacher
 windows (teacher.py): attention matching (layer-local, no backprop through the model), KL to the teacher's next-token
 distributions of the continuation, cross-entropy of the true continuation, KL to the teacher over its own answer
-after an instruction (answer windows, answer_windows.py; see trainer.py), and the same KL over the student's own
-greedy answer (on-policy)."""
+after an instruction (answer windows, answer_windows.py; see trainer.py), that KL with a hinge on the answer's greedy
+decisions (decision), and the same KL over the student's own greedy answer (on-policy)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,43 @@ def answer_loss(maps, start_kv, windows: list[dict], target: LoadedModel) -> tor
     for w in windows:
         logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
         total = total + topk_kl(logp, w["top_logp"], w["top_idx"])
+    return total / len(windows)
+
+
+DECISION_CAP = 1.0  # nats: the most margin the decision hinge asks of the student at one position
+DECISION_WEIGHT = 1.0  # the hinge beside the answer KL (both are nats a position)
+
+
+def decision_hinge(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: torch.Tensor,
+                   cap: float = DECISION_CAP) -> torch.Tensor:
+    """The greedy decisions of one teacher-forced answer that the student would not make as the teacher did. At
+    answer position i (of A) the margin m of the teacher's top token over the best other one, in log-probs: the
+    teacher's from its top-k (teacher [A, k] sorted, teacher_idx [A, k]), the student's over the whole vocabulary
+    (student [A, V]); the hinge max(0, min(m_teacher, cap) - m_student), weighted by the answer tokens a divergence
+    there would change (A - i), the weights summing to 1. 0 exactly where the student ranks every teacher token first
+    by at least the teacher's own margin (or cap): then its greedy answer is the teacher's. What the KL weighs by
+    probability mass, this weighs by what greedy decoding reads: the order of the top two, the first tokens most."""
+    if teacher.shape[-1] < 2:
+        raise ValueError("the decision hinge needs the teacher's top two tokens at each position")
+    top = teacher_idx[:, 0].to(student.device)
+    s_top = student.gather(-1, top[:, None])[:, 0]
+    s_other = student.scatter(-1, top[:, None], float("-inf")).amax(-1)
+    t = teacher.to(student.device)
+    want = (t[:, 0] - t[:, 1]).clamp(max=cap)
+    a = student.shape[0]
+    weight = torch.arange(a, 0, -1, dtype=student.dtype, device=student.device)
+    return (weight * (want - (s_top - s_other)).clamp(min=0)).sum() / weight.sum()
+
+
+def decision_loss(maps, start_kv, windows: list[dict], target: LoadedModel, weight: float = DECISION_WEIGHT
+                  ) -> torch.Tensor:
+    """The answer objective (answer_loss's KL at each answer position) plus `weight` times the decision hinge
+    (decision_hinge) over the same teacher-forced answer, averaged over windows: 0 exactly at the teacher."""
+    total = 0.0
+    for w in windows:
+        logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
+        total = total + topk_kl(logp, w["top_logp"], w["top_idx"]) + weight * decision_hinge(
+            logp, w["top_logp"], w["top_idx"])
     return total / len(windows)
 
 

@@ -14,6 +14,9 @@ Objectives (`TrainerConfig.objective`):
   answer     end to end on answer windows (answer_windows.py: a document of 256 to 2,048 tokens, an instruction
              after it and the target's own greedy answer): the document as a projected cache, the instruction and
              the answer prefilled by the frozen target, KL over the teacher's top-k at the answer positions.
+  decision   answer's KL plus a hinge on the answer's greedy decisions (losses.decision_hinge): at each answer
+             position the student must rank the teacher's token first by the teacher's own margin (at most 1 nat),
+             the positions weighted by the answer tokens after them: what greedy decoding reads, not the mass.
   onpolicy   on the same windows, on-policy distillation: the student (the target over the projected document)
              answers greedily, the teacher (the target over its own prefill of the document) scores that answer, KL
              over the teacher's top-k at the student's answer positions (losses.onpolicy_loss): what is trained is
@@ -63,7 +66,15 @@ from kvbridge.adapters.distributed import (
     world_size,
 )
 from kvbridge.adapters.fuser import FuserMaps
-from kvbridge.adapters.losses import AttentionGeometry, answer_loss, attention_loss, ce_loss, kl_loss, onpolicy_loss
+from kvbridge.adapters.losses import (
+    AttentionGeometry,
+    answer_loss,
+    attention_loss,
+    ce_loss,
+    decision_loss,
+    kl_loss,
+    onpolicy_loss,
+)
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
@@ -71,8 +82,8 @@ from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-OBJECTIVES = ("attention", "kl", "ce", "answer", "onpolicy")
-ANSWER_OBJECTIVES = ("answer", "onpolicy")  # trained on answer windows
+OBJECTIVES = ("attention", "kl", "ce", "answer", "decision", "onpolicy")
+ANSWER_OBJECTIVES = ("answer", "decision", "onpolicy")  # trained on answer windows
 SELECT = ("recovery", "fidelity", "last")
 QUERIES = ("continuation", "all")
 
@@ -94,6 +105,7 @@ class TrainerConfig:
     patience: int = 0  # > 0: stop after this many evaluations without a better dev recovery
     exact_tail: float = 0.0  # kl/ce: the largest share of the context prefilled exactly at its end (see above)
     select: str = "recovery"  # the dev score that picks the best checkpoint: see SELECT
+    decision_weight: float = 1.0  # decision: the hinge's weight beside the answer KL (losses.decision_loss)
     seed: int = 0
 
     def __post_init__(self):
@@ -115,9 +127,20 @@ class TrainerConfig:
             raise ValueError("grad_clip must be > 0; max_seconds, weight_decay and patience >= 0")
         if not 0 <= self.exact_tail < 1:
             raise ValueError(f"exact_tail must be in [0, 1), got {self.exact_tail}")
+        if not self.decision_weight > 0:
+            raise ValueError(f"decision_weight must be > 0, got {self.decision_weight}")
         if self.exact_tail and self.objective == "attention":
             raise ValueError("exact_tail is for the end-to-end objectives (kl, ce); attention matching scores "
                              "the target's own queries over the projected context, which have no exact tail")
+
+
+def _as_written(saved: dict) -> dict | None:
+    """A checkpoint's config as this version writes it (fields added since take their defaults); None if it is not
+    one this version reads."""
+    try:
+        return json.loads(json.dumps(asdict(TrainerConfig(**saved))))
+    except (TypeError, ValueError):
+        return None
 
 
 def exact_tail_tokens(config: TrainerConfig, it: int, context_tokens: int) -> int:
@@ -211,7 +234,7 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
              "config": asdict(config)}
     if resume and (out / "last.safetensors").exists():
         state = _load(out / "last.safetensors", maps, optimizer)
-        if state["config"] != json.loads(json.dumps(asdict(config))):
+        if _as_written(state["config"]) != json.loads(json.dumps(asdict(config))):
             raise ValueError(f"{out}/last.safetensors was written under another config; resume needs the same")
     check_same(maps.state_dict(), f"maps at the start of {out.name}")
     if is_main() and config.select == "fidelity" and answers is None:
@@ -301,6 +324,9 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
             loss = sum(p.sum() for p in maps.parameters() if p.requires_grad) * 0.0
         elif config.objective == "answer":
             loss = answer_loss(maps, start_kv, windows, target) * (len(windows) / len(batch))
+        elif config.objective == "decision":
+            loss = decision_loss(maps, start_kv, windows, target, config.decision_weight) * (
+                len(windows) / len(batch))
         elif config.objective == "onpolicy":
             loss = onpolicy_loss(maps, start_kv, windows, target, **onpolicy) * (len(windows) / len(batch))
         else:

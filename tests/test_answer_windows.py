@@ -1,6 +1,7 @@
 """Answer windows and the answer objectives on the tiny pair: what a window holds, the lean teacher cache (queries only
 where attention matching reads them) scoring like the full one, a planted answer-distillation optimum recovered
-(teacher-forced and on-policy), and the trainer keeping the checkpoint of best dev fidelity."""
+(teacher-forced, with the decision hinge, and on-policy), and the trainer keeping the checkpoint of best dev
+fidelity."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from kvbridge.adapters.losses import (
     answer_context,
     answer_loss,
     attention_loss,
+    decision_hinge,
+    decision_loss,
     kl_loss,
     onpolicy_loss,
     own_context,
@@ -347,6 +350,51 @@ def test_answer_distillation_recovers_a_planted_optimum(pair, answers, ridge, tm
     best = max(rows, key=lambda r: r["dev_fidelity"])
     assert out["best_iter"] == best["iter"] and out["best"] == best["dev_fidelity"]
     assert json.loads((tmp_path / "run" / "record.json").read_text())[-1]["dev_fidelity"] == rows[-1]["dev_fidelity"]
+
+
+def test_the_decision_hinge_scores_the_greedy_decisions_the_first_most():
+    """0 wherever the student ranks the teacher's token first by the teacher's own margin (capped at 1 nat), however
+    unlike the teacher's its distribution is otherwise; a swap of the top two costs the teacher's margin plus the
+    student's, weighted by the tokens after it (A - i, summing to 1)."""
+    teacher = torch.tensor([[-0.1, -2.5, -3.0], [-0.5, -0.9, -4.0], [-0.2, -3.0, -3.5]])  # margins 2.4, 0.4, 2.8
+    idx = torch.tensor([[3, 1, 0], [0, 2, 1], [1, 3, 2]])
+    student = torch.full((3, 5), -9.0)
+    student[0, 3], student[1, 0], student[2, 1] = -0.01, -0.3, -1.0  # margins 8.99, 8.7, 8.0 over the rest
+    assert float(decision_hinge(student, teacher, idx)) == 0.0
+    swapped = student.clone()
+    swapped[0, 1] = -0.005  # position 0: token 1 first, by 0.005
+    assert float(decision_hinge(swapped, teacher, idx)) == pytest.approx(3 / 6 * (1.0 + 0.005))
+    late = student.clone()
+    late[2, 0] = -1.2  # position 2: the teacher's token first by 0.2 only, where the teacher had 2.8 (capped: 1)
+    assert float(decision_hinge(late, teacher, idx)) == pytest.approx(1 / 6 * (1.0 - 0.2))
+    with pytest.raises(ValueError, match="top two"):
+        decision_hinge(student, teacher[:, :1], idx[:, :1])
+
+
+def test_decision_training_recovers_a_planted_optimum(pair, answers, ridge, tmp_path):
+    """The `decision` objective (answer KL + the hinge) is 0 at the planted maps and, from the ridge map, drives the
+    loss down and the student's greedy answers to the teacher's on the windows it trains on."""
+    _, target = pair
+    start_kv = ridge[0].start_kv
+    planted, cache = _planted(ridge, answers, target, tmp_path / "planted")
+    n = len(cache)
+    train_windows = [cache.load(i) for i in range(n - 4)]
+
+    def loss(m):
+        with torch.no_grad():
+            return float(decision_loss(m, start_kv, train_windows, target))
+
+    before, at_plant = loss(_maps(ridge)), loss(planted)
+    assert at_plant < 1e-4 < 0.05 < before
+    assert before > float(answer_loss(_maps(ridge), start_kv, train_windows, target))  # the hinge adds its part
+    cfg = TrainerConfig(objective="decision", select="last", max_iters=100, warmup_iters=5, batch_windows=4,
+                        eval_interval=25, lr=1e-1, min_lr=1e-3)
+    maps = _maps(ridge)
+    train(maps, start_kv, target, cache, list(range(n - 4)), None, cfg, 0, tmp_path / "run", progress=False,
+          answers=AnswerProbe(target, start_kv, cache, list(range(n - 4, n)), ANSWERS.max_answer_tokens))
+    seen = AnswerProbe(target, start_kv, cache, list(range(4)), ANSWERS.max_answer_tokens)
+    assert loss(maps) < 0.1 * before, (before, loss(maps))
+    assert seen.score(maps)["greedy"] > 0.9 > seen.score(_maps(ridge))["greedy"]
 
 
 def test_onpolicy_distillation_recovers_a_planted_optimum(pair, answers, ridge, tmp_path):

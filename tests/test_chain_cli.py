@@ -63,6 +63,11 @@ def test_stages_parse_and_bad_ones_are_named():
         ChainConfig(stages=(("kl", 3),), fuser_rank=8)
     with pytest.raises(ValueError, match="the teacher cache must keep them"):
         ChainConfig(stages=(("attention", 3),), teacher=TeacherConfig(queries=False))
+    assert parse_stages("decision:4") == (("decision", 4),)
+    with pytest.raises(ValueError, match="answer_windows must be >= 1"):
+        ChainConfig(stages=(("decision", 3),))
+    with pytest.raises(ValueError, match="decision_weight must be > 0"):
+        ChainConfig(stages=(("decision", 3),), answer_windows=4, decision_weight=0.0)
 
 
 def test_dev_windows_come_from_held_out_documents_only(corpus, tiny_target):

@@ -4,6 +4,7 @@ attention-matching and KL objectives; determinism, resume, and a planted attenti
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -166,6 +167,21 @@ def test_resume_matches_an_uninterrupted_run(pair, cache, ridge, tmp_path):
     assert rec["iters"] == rec_whole["iters"] == 6
     for n, p in whole.state_dict().items():
         assert torch.equal(p, resumed.state_dict()[n]), n
+    # a checkpoint written before a config field existed resumes under its default; another value is refused
+    from safetensors import safe_open
+
+    last = tmp_path / "part" / "last.safetensors"
+    with safe_open(str(last), "pt") as f:
+        state, tensors = json.loads(f.metadata()["state"]), {k: f.get_tensor(k) for k in f.keys()}
+    del state["config"]["decision_weight"]
+    save_file(tensors, str(last), metadata={"state": json.dumps(state)})
+    again = train(_maps(ridge), ridge[0].start_kv, target, cache, list(range(12)), None, cfg, TEACHER.context_tokens,
+                  tmp_path / "part", resume=True, progress=False)
+    assert again["iters"] == 6
+    with pytest.raises(ValueError, match="another config"):
+        train(_maps(ridge), ridge[0].start_kv, target, cache, list(range(12)), None,
+              dataclasses.replace(cfg, decision_weight=2.0), TEACHER.context_tokens, tmp_path / "part", resume=True,
+              progress=False)
 
 
 def test_attention_matching_recovers_a_planted_optimum(pair, cache, ridge, tmp_path):
@@ -285,8 +301,6 @@ def test_training_with_exact_tails_scores_dev_on_both(pair, cache, ridge, tmp_pa
 
 
 def test_a_teacher_cache_without_queries_serves_kl_and_refuses_attention(pair, cache, ridge, tmp_path):
-    import json
-
     source, target = pair
     rng = random.Random(1)
     windows = [Window(f"doc:{i}/0", f"doc:{i}", _text(rng)) for i in range(3)]
