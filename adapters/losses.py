@@ -155,13 +155,17 @@ def topk_kl(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: torch.Ten
     return ((t.exp() * (t - s)).sum(-1) + rest_t.exp() * (rest_t - rest_s)).mean()
 
 
-def answer_loss(maps, start_kv, windows: list[dict], target: LoadedModel) -> torch.Tensor:
+def answer_loss(maps, start_kv, windows: list[dict], target: LoadedModel, decision_weight: float = 0.0
+                ) -> torch.Tensor:
     """KL(teacher || student) over the teacher's top-k and the rest (topk_kl) at each window's answer positions,
-    averaged over positions, then windows (of any document lengths: one forward per window)."""
+    averaged over positions, plus decision_weight times the decision hinge (decision_hinge) over the same answer;
+    averaged over windows (of any document lengths: one forward per window)."""
     total = 0.0
     for w in windows:
         logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
         total = total + topk_kl(logp, w["top_logp"], w["top_idx"])
+        if decision_weight:
+            total = total + decision_weight * decision_hinge(logp, w["top_logp"], w["top_idx"])
     return total / len(windows)
 
 
@@ -182,7 +186,8 @@ def decision_hinge(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: to
         raise ValueError("the decision hinge needs the teacher's top two tokens at each position")
     top = teacher_idx[:, 0].to(student.device)
     s_top = student.gather(-1, top[:, None])[:, 0]
-    s_other = student.scatter(-1, top[:, None], float("-inf")).amax(-1)
+    best = student.topk(2, -1)  # the best other token: the student's first, or its second where the first is `top`
+    s_other = torch.where(best.indices[:, 0] == top, best.values[:, 1], best.values[:, 0])
     t = teacher.to(student.device)
     want = (t[:, 0] - t[:, 1]).clamp(max=cap)
     a = student.shape[0]
@@ -192,14 +197,8 @@ def decision_hinge(student: torch.Tensor, teacher: torch.Tensor, teacher_idx: to
 
 def decision_loss(maps, start_kv, windows: list[dict], target: LoadedModel, weight: float = DECISION_WEIGHT
                   ) -> torch.Tensor:
-    """The answer objective (answer_loss's KL at each answer position) plus `weight` times the decision hinge
-    (decision_hinge) over the same teacher-forced answer, averaged over windows: 0 exactly at the teacher."""
-    total = 0.0
-    for w in windows:
-        logp = answer_logits(maps, start_kv, w, target).float().log_softmax(-1)
-        total = total + topk_kl(logp, w["top_logp"], w["top_idx"]) + weight * decision_hinge(
-            logp, w["top_logp"], w["top_idx"])
-    return total / len(windows)
+    """The `decision` objective: answer_loss with `weight` times the decision hinge: 0 exactly at the teacher."""
+    return answer_loss(maps, start_kv, windows, target, weight)
 
 
 def own_context(target: LoadedModel, window: dict) -> KVSegment:

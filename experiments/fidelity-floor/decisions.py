@@ -36,12 +36,17 @@ args = parser.parse_args()
 if args.data is None and not args.table_only:
     parser.error("--data is required (but for --table-only)")
 
-import random  # noqa: E402
 import statistics  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402 - after the arguments: --help stays fast
 from kvbridge.adapters.answering import instruction_ids  # noqa: E402
-from kvbridge.adapters.scoring import bootstrap_mean, continuation_logits  # noqa: E402
+from kvbridge.adapters.scoring import (  # noqa: E402
+    bootstrap_draws,
+    bootstrap_mean,
+    continuation_logits,
+    interval95,
+)
 from kvbridge.eval.prior_answers import own_answer  # noqa: E402
 from kvbridge.eval.records import read_records  # noqa: E402
 from kvbridge.eval.run import start_local_server  # noqa: E402
@@ -111,15 +116,11 @@ def main() -> None:
                                     "cpu_capability": torch.backends.cpu.get_cpu_capability()}, indent=1))
 
 
-def pooled(per_doc: list[tuple[int, int]], rounds: int = 2000) -> tuple[float, float, float]:
+def pooled(per_doc: list[tuple[int, int]]) -> tuple[float, float, float]:
     """(flips / positions over all documents, and its 95% interval by resampling documents)."""
-    rate = sum(f for f, _ in per_doc) / max(sum(n for _, n in per_doc), 1)
-    rng, draws = random.Random(0), []
-    for _ in range(rounds):
-        pick = [per_doc[rng.randrange(len(per_doc))] for _ in per_doc]
-        draws.append(sum(f for f, _ in pick) / max(sum(n for _, n in pick), 1))
-    draws.sort()
-    return rate, draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
+    flips, n = (np.asarray(v, dtype=np.float64) for v in zip(*per_doc))
+    idx = bootstrap_draws(len(flips))
+    return (float(flips.sum() / n.sum()), *interval95(flips[idx].sum(-1) / n[idx].sum(-1)))
 
 
 def summarise(rows: list[dict], max_doc_tokens: int, adapter: str | None) -> dict:
