@@ -33,10 +33,11 @@ scheduler's load (the step that ran empty while the lookup was out, the next sch
 the server's segment during that empty step (map and checksum), the hop to the worker, what the load
 still waited for of that read, the writes into vLLM's blocks, then the forward, sampling and the way back.
 
-The engine runs with prefix caching on, as `vllm serve` deploys it; every request but the prefix hit has a salt of
-its own (`cache_salt`), so nothing else is reused across requests.
+The engine runs with prefix caching on and its model compiled, as `vllm serve` deploys it (`--eager`: not compiled,
+an engine up in seconds); every request but the prefix hit has a salt of its own (`cache_salt`), so nothing else is
+reused across requests.
 
-    .venv/bin/python bench/bench_vllm.py [--tokens 1024] [--rounds 3] [--dtype bfloat16|float32]
+    .venv/bin/python bench/bench_vllm.py [--tokens 1024] [--rounds 3] [--dtype bfloat16|float32] [--eager]
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                         help="vLLM's dtype (default: bfloat16 where the CPU multiplies it natively, else float32)")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+    parser.add_argument("--eager", action="store_true",
+                        help="run vLLM's model eagerly (default: compiled, as `vllm serve` runs it)")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or engine_dtype()
     missing = vllm_available()
@@ -182,7 +185,8 @@ def run(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     logging.getLogger("kvbridge.server").setLevel(logging.ERROR)  # an open loopback server warns; expected here
     source, target = load_pair(PRESET, device="cpu")
-    print(machine_line("full", f"vLLM engine in {args.dtype}, block size {args.block_size}, CPU backend"),
+    print(machine_line("full", f"vLLM engine in {args.dtype}, block size {args.block_size}, CPU backend, "
+                                       f"{'eager' if args.eager else 'compiled (as vllm serve runs it)'}"),
           flush=True)
     corpus = Path(data_path("pydoc_corpus_sample.txt")).read_text(encoding="utf-8")
     context = cut_text(target.tokenizer, corpus, args.tokens - 1)
@@ -206,7 +210,7 @@ def run(argv: list[str] | None = None) -> dict:
                 entry = client.ingest(text=context).entries[0]
             options = EngineOptions(model=str(prepare_gguf(target.name)), dtype=args.dtype,
                                     max_model_len=args.tokens + 512, block_size=args.block_size,
-                                    enable_prefix_caching=True,
+                                    enable_prefix_caching=True, enforce_eager=args.eager,
                                     kv_transfer_config=kv_transfer_config(address=running.address, timeout_s=600))
             t0 = time.perf_counter()
             with EngineProcess(options, Path(folder) / "engine.log") as engine:

@@ -24,7 +24,7 @@ def main() -> int:
         os.environ.update(env)
         kwargs = dict(model=options["model"], dtype=options["dtype"], max_model_len=options["max_model_len"],
                       block_size=options["block_size"], enable_prefix_caching=options["enable_prefix_caching"],
-                      enforce_eager=True, seed=0)
+                      enforce_eager=options.get("enforce_eager", True), seed=0)
         if options.get("kv_transfer_config"):
             kwargs["kv_transfer_config"] = options["kv_transfer_config"]
         llm = LLM(**kwargs)
