@@ -166,28 +166,39 @@ def phases(requests: list[list[timeline.Event]], names: list[str]) -> dict:
     return out
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                        help="vLLM's dtype (default: bfloat16 where the CPU multiplies it natively, else float32)")
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+
+
+def start(name: str, args: argparse.Namespace, engine: str):
+    """The vLLM benchmarks' start: args.dtype settled, the vLLM venv checked, the small pair loaded (this process's
+    kvbridge server runs it on 2 threads), the machine line printed with `engine` described. -> (source, target)."""
+    args.dtype = args.dtype or engine_dtype()
+    missing = vllm_available()
+    if missing:
+        raise SystemExit(f"{name}: {missing}")
+    torch.set_num_threads(2)
+    logging.getLogger("kvbridge.server").setLevel(logging.ERROR)  # an open loopback server warns; expected here
+    pair = load_pair(PRESET, device="cpu")
+    print(machine_line("full", engine), flush=True)
+    return pair
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1024, help="context tokens, start token included (default "
                                                                  "1024; a multiple of --block-size loads whole)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved own/warm rounds (default 3)")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                        help="vLLM's dtype (default: bfloat16 where the CPU multiplies it natively, else float32)")
-    parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+    add_engine_arguments(parser)
     parser.add_argument("--eager", action="store_true",
                         help="run vLLM's model eagerly (default: compiled, as `vllm serve` runs it)")
     args = parser.parse_args(argv)
-    args.dtype = args.dtype or engine_dtype()
-    missing = vllm_available()
-    if missing:
-        raise SystemExit(f"bench_vllm: {missing}")
-    torch.set_num_threads(2)
     started = time.perf_counter()
-    logging.getLogger("kvbridge.server").setLevel(logging.ERROR)  # an open loopback server warns; expected here
-    source, target = load_pair(PRESET, device="cpu")
-    print(machine_line("full", f"vLLM engine in {args.dtype}, block size {args.block_size}, CPU backend, "
-                                       f"{'eager' if args.eager else 'compiled (as vllm serve runs it)'}"),
-          flush=True)
+    source, target = start("bench_vllm", args, f"vLLM engine in {args.dtype or engine_dtype()}, block size "
+                           f"{args.block_size}, CPU backend, "
+                           f"{'eager' if args.eager else 'compiled (as vllm serve runs it)'}")
     corpus = Path(data_path("pydoc_corpus_sample.txt")).read_text(encoding="utf-8")
     context = cut_text(target.tokenizer, corpus, args.tokens - 1)
 
