@@ -185,3 +185,21 @@ def test_covered_knows_what_a_lookup_would_load_only_for_the_prompt_start_it_saw
     for n in range(3):  # least recently used dropped past the capacity
         covered.remember((RequestContext(key=str(n), text=None), "", "", 0), doc, 10)
     assert len(covered) == 2 and covered.loadable(key, doc + [1], 128, 0) is None
+
+
+def test_the_engine_options_reach_vllms_arguments_eager_unless_told():
+    """The driver builds LLM(...) from EngineOptions: eager by default (engines up in seconds for tests and
+    evaluations), compiled when asked (as `vllm serve` runs the model: bench_vllm.py), the connector when given."""
+    from dataclasses import asdict
+
+    from kvbridge.vllm.driver import llm_arguments
+    from kvbridge.vllm.engine import EngineOptions
+
+    quick = llm_arguments(asdict(EngineOptions(model="m")))
+    assert quick["enforce_eager"] is True and "kv_transfer_config" not in quick
+    assert quick["model"] == "m" and quick["seed"] == 0
+    config = kv_transfer_config(address="127.0.0.1:1")
+    deployed = llm_arguments(asdict(EngineOptions(model="m", enforce_eager=False, enable_prefix_caching=True,
+                                                  kv_transfer_config=config)))
+    assert deployed["enforce_eager"] is False and deployed["enable_prefix_caching"] is True
+    assert deployed["kv_transfer_config"] == config

@@ -22,12 +22,7 @@ def main() -> int:
 
         env = options.pop("env", {})
         os.environ.update(env)
-        kwargs = dict(model=options["model"], dtype=options["dtype"], max_model_len=options["max_model_len"],
-                      block_size=options["block_size"], enable_prefix_caching=options["enable_prefix_caching"],
-                      enforce_eager=options.get("enforce_eager", True), seed=0)
-        if options.get("kv_transfer_config"):
-            kwargs["kv_transfer_config"] = options["kv_transfer_config"]
-        llm = LLM(**kwargs)
+        llm = LLM(**llm_arguments(options))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises with the log
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}", "fatal": True}) + "\n")
         return 1
@@ -46,6 +41,16 @@ def main() -> int:
         timeline.event("done")
         replies.write(json.dumps(_reply(out, time.perf_counter() - t0, request)) + "\n")
     return 0
+
+
+def llm_arguments(options: dict) -> dict:
+    """vLLM's LLM(...) arguments for the engine's options (`engine.EngineOptions` as a dict)."""
+    kwargs = dict(model=options["model"], dtype=options["dtype"], max_model_len=options["max_model_len"],
+                  block_size=options["block_size"], enable_prefix_caching=options["enable_prefix_caching"],
+                  enforce_eager=options.get("enforce_eager", True), seed=0)
+    if options.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = options["kv_transfer_config"]
+    return kwargs
 
 
 def _request(request: dict):
