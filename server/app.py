@@ -324,35 +324,18 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
         except OSError as exc:
             log.warning("no same-host data plane (fetches stream): cannot make a folder in %s (%s)",
                         config.shm_dir, exc)
-    servicer = KVBridgeServicer(service, auth, metrics,
-                                uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
-                                watchdog=watchdog, segments=segments, buffers=GatherBuffers(),
-                                wire=WireCache(int(config.stream_keep_mb * (1 << 20)), config.stream_keep_s)
-                                if config.stream_keep_mb else None)
-    server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
-    health_servicer = health.HealthServicer()
-    server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-        bound = server.add_secure_port(config.listen, creds)
-    else:
-        bound = server.add_insecure_port(config.listen)
-    if bound == 0:
+    try:
+        bound, metrics_port, servicer, health_servicer = _bind_and_start(
+            config, service, auth, metrics, server, pools, watchdog, segments)
+    except BaseException:  # a port in use, a missing TLS key, ...: nothing of this server is left behind
+        server.stop(0)
+        watchdog.stop()
         if segments is not None:
             segments.close()
-        raise OSError(f"could not bind {config.listen}")
-    server.start()
-    watchdog.start()
-    if segments is not None:
-        segments.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = None
-    if config.metrics_listen:
-        m_host, m_port = split_address(config.metrics_listen, "metrics_listen")
-        metrics_port = metrics.serve_http(m_host, m_port)
+        for pool in pools.values():
+            pool.shutdown(wait=False)
+        metrics.close()
+        raise
     address = f"{host if ':' not in host else f'[{host}]'}:{bound}"
     log.info("serving kvbridge.v1 on %s (%s, %s)%s", address, "TLS" if config.tls_cert else "plaintext",
              "tokens" if tokens else "open", f"; metrics on :{metrics_port}/metrics" if metrics_port else "")
@@ -388,3 +371,36 @@ def serve(config: ServeConfig, ready_file: str | None = None) -> int:
     running.stop(config.grace_s)
     print("kvbridge server stopped", flush=True)
     return 0
+
+
+def _bind_and_start(config: ServeConfig, service, auth, metrics, server, pools, watchdog, segments):
+    """Register the services on `server`, bind it, start it and its helpers: (port, metrics port, servicer, health
+    servicer). Raises where the port cannot be bound (grpcio raises; 0 from an older one is raised here)."""
+    servicer = KVBridgeServicer(service, auth, metrics,
+                                uploads=StreamSlots(per_tenant=config.uploads_per_tenant, total=config.max_uploads),
+                                watchdog=watchdog, segments=segments, buffers=GatherBuffers(),
+                                wire=WireCache(int(config.stream_keep_mb * (1 << 20)), config.stream_keep_s)
+                                if config.stream_keep_mb else None)
+    server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
+    health_servicer = health.HealthServicer()
+    server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+        bound = server.add_secure_port(config.listen, creds)
+    else:
+        bound = server.add_insecure_port(config.listen)
+    if bound == 0:
+        raise OSError(f"could not bind {config.listen}")
+    server.start()
+    watchdog.start()
+    if segments is not None:
+        segments.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = None
+    if config.metrics_listen:
+        m_host, m_port = split_address(config.metrics_listen, "metrics_listen")
+        metrics_port = metrics.serve_http(m_host, m_port)
+    return bound, metrics_port, servicer, health_servicer

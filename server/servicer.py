@@ -258,6 +258,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
         with self.metrics.observe(method) as outcome:
             tenant = self._tenant(context)
             pending = lent = None  # a same-host segment, or a lent buffer, the fetch may gather its KV into
+            resent = False  # the messages of an earlier fetch of this KV go out again
             try:
                 out_dtype = wire_dtype(dtype, "dtype") if dtype else None
                 size = self.service.chunk_bytes(chunk_bytes)
@@ -269,7 +270,10 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 timeline.event("server_begin")
                 result = fetch(tenant, pending)
                 seg = result.segment
-                if lent is not None and lent.messages is not None:  # sent before: seg.kv is a meta tensor
+                # sent before: seg.kv is a meta tensor (a reuse whose entry went before its touch projected again:
+                # real KV, whatever messages the reuse found are not this fetch's)
+                resent = lent is not None and lent.messages is not None and seg.kv.is_meta
+                if resent:
                     kv = seg.kv
                 else:
                     kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
@@ -304,7 +308,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     return
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator
             sent = 0
-            before = lent.messages if lent is not None else None  # the messages of an earlier fetch of this KV
+            before = lent.messages if resent else None  # the messages of an earlier fetch of this KV
             if before is not None and len(before) != len(ranges):
                 raise AssertionError(f"{len(before)} kept messages for {len(ranges)} chunks")
             messages = []

@@ -11,6 +11,7 @@ at memory speed (CRC-32 would cost more than the copy it checks).
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -115,12 +116,19 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14: w
 def map_for_writing(fd: int, nbytes: int) -> mmap.mmap:
     """A shared map of the file's first nbytes with every page mapped writable now, in one call. MAP_POPULATE
     alone maps a shared file's pages read-only, and the first write to each 4 KiB page then faults (on a 94 MB
-    segment, 69 ms of copying instead of 24)."""
+    segment, 69 ms of copying instead of 24).
+    A file system short of room (a full /dev/shm; tmpfs lets `ftruncate` grow a file past its free space) raises
+    OSError(ENOSPC) here: a write to a page it could not give would kill the process with SIGBUS instead."""
     mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     try:
         mapped.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # before Linux 5.14: populated read-only, each page faults again on its first write
+    except OSError as exc:
         mapped.close()
+        if exc.errno != errno.EINVAL:  # EFAULT / ENOMEM: pages the file system cannot give
+            raise OSError(errno.ENOSPC, f"no room for {nbytes:,} bytes of shared memory ({exc.strerror})") from exc
+        # before Linux 5.14 (no such advice): reserve the pages first (ENOSPC now, not SIGBUS at a write); then
+        # populated read-only, each page faults again on its first write
+        os.posix_fallocate(fd, 0, nbytes)
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
     return mapped
 

@@ -92,3 +92,29 @@ def test_the_next_streamed_fetch_of_a_projection_sends_the_same_messages_until_t
         alice.fetch_projected(key=key, transport="stream")  # projected again: a new entry, the same key
         again = alice.fetch_projected(key=key, transport="stream")  # a new serial: gathered, not the old messages
         assert running.wire.hits == hits + 2 and torch.equal(again.segment.kv, first.segment.kv)
+
+
+def test_a_kept_fetch_whose_entry_goes_before_its_touch_sends_the_new_projection(running, monkeypatch):
+    """The race between the store's derived() and touch(): the entry expires (or is deleted) after the fetch found
+    kept messages for it; the fetch projects again and must send that KV, in the dtype asked for, not the kept
+    messages under a header of the new KV."""
+    from kvbridge.transfer.store import NotFound
+
+    with KVBridgeClient(running.address, token=ALICE) as alice:
+        key = alice.ingest(TEXT + " Readers never reorder the fields.").entries[0].key
+        for _ in range(3):  # projected, gathered and kept, sent from the cache
+            kept = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")
+        store = running.service.store
+        real_touch = store.touch
+        gone = []
+
+        def touch_after_the_entry_went(*args, **kwargs):
+            if not gone:
+                gone.append(args)
+                raise NotFound("expired between derived() and touch()")
+            return real_touch(*args, **kwargs)
+
+        monkeypatch.setattr(store, "touch", touch_after_the_entry_went)
+        fetched = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")
+        assert gone and fetched.segment.kv.dtype == torch.bfloat16
+        assert torch.equal(fetched.segment.kv, kept.segment.kv)
