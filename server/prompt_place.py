@@ -140,7 +140,10 @@ class Placing:
         if source_key is None:
             return None
         label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
-        return f"{PLACED}|{cache_label(label, chosen)}|{self.corrections.resolve(mode)}#{source_key}"
+        correction = self.corrections.resolve(mode)
+        # a correction's KV depends on the prior it was computed with (as the stored corrections' namespace says)
+        prior = self.corrections.prior_tag(target.lm) if correction.kind != "replace" else ""
+        return f"{PLACED}|{cache_label(label, chosen)}|{correction}{prior}#{source_key}"
 
     def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
                         out: KVOut | None) -> CacheResult | None:

@@ -150,3 +150,24 @@ def test_a_placed_cache_is_kept_and_a_heads_own_kv_is_computed_once(tmp_path, ti
     left = set(service.store.keys("t"))
     assert {k for k in kept if k in left} == {k for k, source in kept.items() if source != first.source_key}
     assert len([k for k in kept if k in left]) == 1
+
+
+def test_a_placed_correction_is_never_served_by_a_service_of_another_prior(tmp_path, tiny_source, tiny_target,
+                                                                           adapter):
+    """Replicas share placed caches through one store (Redis); one that corrects without the prior must not serve
+    the placed correction another computed with it (as the stored corrections' namespace already says). A placed
+    `replace` holds no correction: it is shared."""
+    from kvbridge.server.corrections import CorrectionLimits, Corrections
+
+    with_prior = _service(tiny_source, tiny_target, tmp_path / "a", adapter)
+    registry = AdapterRegistry(tmp_path / "b", tiny_source.spec, [tiny_target.spec])
+    registry.add("fitted", adapter, make_default=True)
+    without = KVBridgeService(tiny_source, [tiny_target], with_prior.store, registry,
+                              corrections=Corrections(CorrectionLimits(prior=False)))
+    ids = with_prior.projected_cache("t", text=TEXT, mode="replace").segment.token_ids.tolist()
+    prompt = [ids[0], 17, 23, 5, 42] + ids[1:] + [7]
+    for mode, shared in (("blend:0.2", False), ("replace", True)):
+        with_prior.prompt_cache("t", prompt, text=TEXT, mode=mode)
+        reused = without.token_counts[("placement", "reused")]
+        without.prompt_cache("t", prompt, text=TEXT, mode=mode)
+        assert (without.token_counts[("placement", "reused")] > reused) == shared, mode
