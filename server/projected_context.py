@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.server.client import KVBridgeClient, _check_model
+from kvbridge.transfer.align import start_token_id
 from kvbridge.transfer.segment import KVSegment
 
 __all__ = ["FetchRecord", "ProjectedContext"]
@@ -27,7 +28,8 @@ class ProjectedContext:
     projects a text's source KV into `target`'s space at the request's position.
 
     The server's projection starts with the target's start token (the adapter's convention); the generator has its
-    own at position 0, so the text's tokens are fetched one position earlier and the start token is dropped.
+    own at position 0, so the text's tokens are fetched one position earlier and the start token is dropped (a
+    text the server knows only as a detected segment of a longer one projects without it: fetched at its position).
     """
 
     def __init__(self, client: KVBridgeClient, target, adapter: str = "", dtype: str = "", mode: str = "replace"):
@@ -45,15 +47,24 @@ class ProjectedContext:
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         if offset < 1:
             raise ValueError("a projected part needs the generator's start token before it (offset >= 1)")
-        fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
-                                              offset=offset - 1, dtype=self.dtype, mode=self.mode)
-        _check_model(fetched.segment.model, self.target.spec.identity)
+        fetched = self._fetch(text, offset - 1)
+        lead = 1
+        if fetched.segment.num_tokens and int(fetched.segment.token_ids[0]) != start_token_id(self.target.tokenizer):
+            # a "segment" entry of an Ingest with DETECT_SEGMENTS (the text known only as a part of a longer one):
+            # its projection holds the text's tokens alone, so it is fetched at the text's own position
+            fetched, lead = self._fetch(text, offset), 0
         record = FetchRecord(token_ids=fetched.segment.token_ids.clone(),
                              first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
                              num_chunks=fetched.num_chunks)
-        self.calls += 1
         self.adapter_digest = fetched.adapter_digest
-        self.wire_bytes += fetched.wire_bytes
         self.first = self.first or record
         self.last = record
-        return fetched.segment.slice(1, fetched.segment.num_tokens)
+        return fetched.segment.slice(lead, fetched.segment.num_tokens)
+
+    def _fetch(self, text: str, offset: int):
+        fetched = self.client.fetch_projected(text=text, target_model=self.target.name, adapter=self.adapter,
+                                              offset=offset, dtype=self.dtype, mode=self.mode)
+        _check_model(fetched.segment.model, self.target.spec.identity)
+        self.calls += 1
+        self.wire_bytes += fetched.wire_bytes
+        return fetched

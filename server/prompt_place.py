@@ -41,6 +41,7 @@ ADAPTER = "adapter"  # and the adapter's "name@version"
 DIGEST = "adapter_digest"  # and its content digest (Adapter.digest: what a reader checks its prior against)
 PROBE = 8  # document tokens that must follow one another in the prompt for it to be placed there
 MAX_SKIP = 4  # leading document tokens the prompt may cut otherwise (merged with the text before it)
+NO_START = -1  # in the start token's place before a segment entry's document tokens (never a prompt's token)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ class Placing:
             raise ValueError(f"prompt: token id {bad[0]} is outside {spec.name!r}'s vocabulary of {spec.vocab_size}")
         if len(prompt) > target.max_positions:
             raise ValueError(f"prompt: {len(prompt)} tokens exceed {spec.name!r}'s {target.max_positions} positions")
-        document = self._document_ids(tenant, target, key, text)
+        key = key or self._cached_source_key(tenant, text)
+        lead = self._lead(tenant, key)  # 1: the stored projection begins with the start token; 0: a segment entry's
+        document = self._document_ids(tenant, target, key, text, lead)
         if document is not None and locate(prompt, document).as_stored:  # as stored: the warm fast path
             return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
         namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
@@ -105,10 +108,11 @@ class Placing:
                 return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
         seg = base.segment
-        where = locate(prompt, seg.token_ids.tolist())
+        lead = self._lead(tenant, base.source_key)
+        where = locate(prompt, [NO_START] * (1 - lead) + seg.token_ids.tolist())
         if where.as_stored:
             return base
-        first = 1 + where.skip  # the first served document token in the stored cache
+        first = lead + where.skip  # the first served document token in the stored cache
         served = seg.num_tokens - first
         if where.head + served > target.max_positions:
             raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
@@ -187,9 +191,21 @@ class Placing:
         self.store.put(head, tenant, kind="prefix", adapter=HEADS)
         return head
 
-    def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None) -> list[int] | None:
-        """The stored projection's target ids (start token, document) from the text, without fetching; None when the
-        server does not know the text."""
+    def _lead(self, tenant: str, source_key: str | None) -> int:
+        """1 when the projection of this source entry begins with the target's start token (a prefix entry), 0 when
+        it holds the document's tokens alone (a "segment" entry of an Ingest with DETECT_SEGMENTS)."""
+        if source_key is None:
+            return 1
+        try:
+            return 0 if self.store.info(source_key, tenant).kind == "segment" else 1
+        except NotFound:
+            return 1
+
+    def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None,
+                      lead: int = 1) -> list[int] | None:
+        """The stored projection's target ids (start token, document) from the text, without fetching (a segment
+        entry's, `lead` 0, with NO_START in the start token's place: `locate` then never serves it as stored);
+        None when the server does not know the text."""
         if text is None and key is not None:
             try:
                 text = self.store.info(key, tenant).text
@@ -204,7 +220,7 @@ class Placing:
             tokenizer = target.lm.tokenizer
             ids = (start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist())
             self.document_ids.put(digest, ids)
-        return list(ids)
+        return [ids[0] if lead else NO_START, *ids[1:]]
 
 
 class KeptIds:

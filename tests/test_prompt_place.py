@@ -171,3 +171,32 @@ def test_a_placed_correction_is_never_served_by_a_service_of_another_prior(tmp_p
         reused = without.token_counts[("placement", "reused")]
         without.prompt_cache("t", prompt, text=TEXT, mode=mode)
         assert (without.token_counts[("placement", "reused")] > reused) == shared, mode
+
+
+def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_source, tiny_target, adapter):
+    """A segment of an Ingest with DETECT_SEGMENTS is stored and projected without a start token (its document
+    tokens at positions 0..n-1); a prompt that begins with the start token and then that text gets the target's own
+    KV of the start token and the document at positions 1.., not the stored projection one place early."""
+    from kvbridge.transfer.align import start_token_id, tokenize
+    from kvbridge.transfer.data import data_path
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
+
+    text = " ".join(open(data_path("tiny_corpus.txt")).read().split()[:120])
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))  # cuts this text (random model)
+    _, *segments = service.ingest("t", text, detect_segments=True).entries
+    info = max((info for info, _ in segments), key=lambda i: i.num_tokens)
+    piece = service.store.info(info.key, "t").text
+    doc = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids.tolist()
+    stored = service.projected_cache("t", text=piece, require_cached=True).segment
+    assert stored.token_ids.tolist() == doc  # no start token before a segment's tokens
+    start = start_token_id(tiny_target.tokenizer)
+    for head in ([start], [start, 17, 23, 5]):
+        prompt = head + doc + [7]
+        seg = service.prompt_cache("t", prompt, text=piece).segment
+        assert seg.token_ids.tolist() == prompt[:-1]
+        assert torch.equal(seg.positions, torch.arange(len(prompt) - 1))
+        own = kvcache.extract(tiny_target.model, tiny_target.spec, torch.tensor(head))
+        torch.testing.assert_close(seg.kv[:, :, :, :len(head)], own.kv.to(seg.dtype), rtol=0, atol=0)
+        moved = service.projected_cache("t", text=piece, offset=len(head), require_cached=True).segment
+        torch.testing.assert_close(seg.kv[:, :, :, len(head):], moved.kv, rtol=1e-5, atol=1e-5)

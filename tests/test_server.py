@@ -244,3 +244,28 @@ def test_ingest_with_segment_detection_over_the_wire(server, alice):
     back = alice.fetch_source(key=segments[-1].key)
     assert int(back.segment.positions[0]) == segments[-1].start and back.text
     assert alice.fetch_source(text=back.text, require_cached=True).entry_key == segments[-1].key
+
+
+def test_projected_context_of_a_text_known_only_as_a_detected_segment(server, alice, tiny_target):
+    """A text the server holds only as a segment of a longer ingest projects without the start token: the context
+    source fetches it at its own position and keeps every one of its tokens (not the first dropped as a start
+    token, the rest one place early)."""
+    from kvbridge.server.projected_context import ProjectedContext
+    from kvbridge.transfer.align import tokenize
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
+
+    previous = server.service.detector
+    server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
+    try:
+        reply = alice.ingest(" ".join(served.text(i) for i in range(20, 24)), detect_segments=True)
+    finally:
+        server.service.detector = previous
+    segments = [e for e in reply.entries if e.kind == "segment" and e.start > 0]
+    assert segments, "the planted detector config should cut this text"
+    piece = alice.fetch_source(key=max(segments, key=lambda e: e.num_tokens).key).text
+    source = ProjectedContext(alice, tiny_target)
+    ids = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids
+    for offset in (1, 5):
+        seg = source.projected_segment(piece, offset)
+        assert torch.equal(seg.token_ids, ids)
+        assert torch.equal(seg.positions, torch.arange(offset, offset + ids.numel()))
