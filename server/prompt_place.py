@@ -65,6 +65,8 @@ def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, 
         return Located(head=1, skip=0, as_stored=True)
     for skip in range(min(max_skip, len(doc))):
         run = doc[skip:skip + probe]
+        if len(run) < n:  # a short document's last tokens: fewer than the run the error names (a "." would do)
+            break
         first = run[0]
         for h in range(len(prompt) - len(run) + 1):
             if prompt[h] == first and prompt[h:h + len(run)] == run:

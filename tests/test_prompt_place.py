@@ -30,6 +30,8 @@ def test_locate_finds_the_document_after_a_head_and_skips_a_cut_first_token():
     where = locate([1, 10, 11, 2, 10, 11, 12, 13, 14, 15, 16, 17, 3], cache)  # a partial run earlier is no match
     assert (where.head, where.skip) == (4, 0)
     assert locate([7, 10, 11, 12], [0, 10, 11, 12]).head == 1  # a document shorter than the probe: all of it
+    with pytest.raises(ValueError, match="does not hold the document"):  # never placed by its last token alone
+        locate([7, 8, 12, 9], [0, 10, 11, 12])
     with pytest.raises(ValueError, match="does not hold the document"):
         locate([1, 2, 3, 4, 5, 6, 7, 8, 9], cache)
     with pytest.raises(ValueError, match="no document tokens"):
