@@ -280,6 +280,17 @@ def test_ttl_expiry_with_an_injected_clock():
         st.put(seg(range(3)), "t", ttl_s=0)
 
 
+def test_get_prefix_serves_nothing_of_an_expired_entry():
+    clock = Clock()
+    st = store(clock=clock)
+    st.put(seg(range(40)), "t", ttl_s=5)
+    clock.now += 6  # no other call runs expiry first
+    with pytest.raises(NotFound):
+        st.get_prefix(torch.arange(40), "t", M, torch.float32, 32)
+    assert st.stats().expired_entries == 1 and device_blocks_used(st) == 0
+    ok(st)
+
+
 def test_tenants_never_see_each_other_even_for_identical_tokens():
     st = store()
     s = seg(range(40))

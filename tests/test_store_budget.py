@@ -89,6 +89,26 @@ def test_the_least_recently_used_layout_gives_up_room_whichever_asks():
     ok(st)
 
 
+def test_get_prefix_holds_its_blocks_while_promoting_loses_the_entry_they_belong_to():
+    """get_prefix promotes a CPU block; the room comes from the wide layout, whose evicted block overflows the CPU
+    tier and loses the entry's tail (no Redis), so the entry goes. The blocks get_prefix holds stay until it is
+    done: it returns their KV, then they go with the lost entry; no block is left held, check() == []."""
+    st = budget_store(capacity_blocks=5, cpu_blocks=2)
+    x = seg(range(48))
+    info = st.put(x, "t")  # 3 blocks
+    st.put(wide(range(1000, 1016)), "t")  # 1 wide block (2 M blocks' bytes): the device is full
+    st.put(wide(range(2000, 2016)), "t")  # X's blocks 2 and 3 go down to the CPU tier, which is full then
+    pool = pool_of(st, info)
+    hashes = st.registry.entries[info.key].hashes
+    assert [st.residency.tier_of(pool, h) for h in hashes] == ["device", "cpu", "cpu"]
+    got = st.get_prefix(torch.arange(48), "t", M, torch.float32, 32)  # blocks 1 and 2: block 2 comes up
+    assert torch.equal(got.kv, x.kv[:, :, :, :32])
+    assert info.key not in st.registry.entries and st.stats().lost_entries == 1, "block 3 was lost meanwhile"
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free == pool.num_blocks
+    assert st.lookup(torch.arange(48), "t", M, torch.float32).num_tokens == 0, "dropped with their entry"
+    ok(st)
+
+
 def test_mixed_layouts_fill_95_percent_of_the_bytes_before_the_first_eviction():
     rng = random.Random(1)
     st = budget_store(capacity_blocks=512, slab_blocks=8)

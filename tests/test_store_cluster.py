@@ -180,6 +180,30 @@ def test_an_acl_user_held_to_the_tiers_keys_works_from_one_node_and_a_wrong_pass
                 c.execute_command("ACL", "DELUSER", "kvtier")
 
 
+def test_error_replies_from_the_cluster_are_a_tier_failure_not_an_exception(cluster, url):
+    """Nodes at maxmemory (noeviction) answer every SET with OOM, on the packed path and on redis-py's pipeline that
+    sends the writes again: the tier reports them not stored and itself down (counted), and a store sharing entries
+    through it keeps serving its own, nothing left pending."""
+    for node in cluster.nodes:
+        with node.client() as c:
+            c.config_set("maxmemory-policy", "noeviction")
+            c.config_set("maxmemory", 1)
+    try:
+        tier = RedisTier(url, secret=TEST_SECRET)
+        blocks = {bytes([i]) * 16: torch.randn(LAYOUT.block_shape) for i in range(6)}
+        assert tier.put_many([(h, LAYOUT.key, b) for h, b in blocks.items()]) is False
+        assert tier.stats.available is False and "OutOfMemoryError" in tier.stats.last_error
+        store = _sharing(url)
+        a = _seg(0, 40)
+        key = store.put(a, "t").key  # its blocks and record, written through to the cluster: refused
+        assert torch.equal(store.get(key, "t").kv, a.kv)
+        assert store.stats().redis["errors"] >= 1 and store.residency.pending == {} and store.check() == []
+    finally:
+        for node in cluster.nodes:
+            with node.client() as c:
+                c.config_set("maxmemory", 0)
+
+
 # ------------------------------------------------------------------------------------------------ read-back checks
 
 

@@ -95,6 +95,78 @@ def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
     assert store.residency.pending == {} and store.check() == []
 
 
+def _refusing_writes(client: redis.Redis, how: str) -> None:
+    """Make the test's own Redis answer every write with an error reply: OOM (at maxmemory, noeviction) or READONLY
+    (a replica of a primary that is not there, as a demoted primary answers)."""
+    if how == "oom":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+    else:
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")
+
+
+def _taking_writes(client: redis.Redis, how: str) -> None:
+    if how == "oom":
+        client.config_set("maxmemory", 0)
+    else:
+        client.execute_command("REPLICAOF", "NO", "ONE")
+
+
+@pytest.mark.parametrize("how", ["oom", "readonly"])
+def test_a_redis_error_reply_is_a_tier_failure_and_loses_its_blocks_cleanly(redis_url, how):
+    """Redis answers writes with an error (OOM, READONLY): the put whose evictions were to go there still returns
+    (it committed), the tier counts the failure and is down until its next try, the blocks not written go as for
+    a connection lost (their entry is lost), nothing stays pending; a replica sharing entries through the same Redis
+    keeps serving its own; once Redis takes writes again, so does the tier."""
+    clock = {"now": 0.0}
+    store = PagedStore(StoreConfig(capacity_bytes=4 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
+                                   redis_secret=TEST_SECRET, device="cpu", redis_retry_s=5),
+                       clock=lambda: clock["now"])
+    sharing = _sharing_small(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    ka = store.put(_seg(0), "t").key  # A: 4 blocks, the device full
+    _refusing_writes(client, how)
+    try:
+        b = _seg(1000)
+        kb = store.put(b, "t").key  # A's blocks leave the device for Redis, whose answer is an error
+        stats = store.stats()
+        assert stats.redis["available"] is False and stats.redis["errors"] >= 1
+        assert ("OutOfMemoryError" if how == "oom" else "ReadOnlyError") in stats.redis["last_error"]
+        assert store.keys("t") == [kb] and stats.lost_entries == 1
+        with pytest.raises(NotFound):
+            store.get(ka, "t")  # a miss, not an error
+        assert store.residency.pending == {} and not store.residency.outbox and store.check() == []
+        assert torch.equal(store.get(kb, "t").kv, b.kv)  # local hits keep being served
+        c = _seg(2000, 40)
+        kc = sharing.put(c, "u", text="written through to a Redis that refuses it").key  # blocks and record
+        assert torch.equal(sharing.get(kc, "u").kv, c.kv) and sharing.stats().redis["errors"] >= 1
+        assert sharing.residency.pending == {} and not sharing.residency.outbox and sharing.check() == []
+    finally:
+        _taking_writes(client, how)
+    clock["now"] += 10  # past the retry interval
+    store.put(_seg(3000), "t")  # B goes down to Redis now
+    assert store.stats().redis["available"] is True and store.stats().redis["puts"] == 4
+    assert torch.equal(store.get(kb, "t").kv, b.kv)  # back from Redis
+    assert store.residency.pending == {} and store.check() == []
+
+
+def test_a_flush_that_raises_fails_no_caller_and_leaves_nothing_pending(redis_url):
+    """Whatever goes wrong sending queued writes (here an exception the tier does not expect) is logged and counted
+    as a tier failure: the writes count as failed, and the call that happened to send them gets its own result."""
+    store = _store(redis_url)
+    ka = store.put(_seg(0), "t").key
+
+    def broken(items):
+        raise RuntimeError("a bug in the sender")
+
+    store.redis.put_many = broken
+    b = _seg(1000)
+    kb = store.put(b, "t").key  # A's blocks leave the device; their put raises
+    assert store.keys("t") == [kb] and ka not in store.keys("t")
+    assert store.stats().redis["errors"] == 1 and "a bug in the sender" in store.stats().redis["last_error"]
+    assert store.residency.pending == {} and store.check() == []
+
+
 def _sharing(redis_url: str) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
                                   redis_secret=TEST_SECRET, device="cpu", share_entries=True))

@@ -7,6 +7,8 @@ a prefix. It uses the store's lock, registry, pools, residency, config and stats
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.segment import KVSegment
@@ -16,6 +18,8 @@ from kvbridge.transfer.store.kv_blocks import chain_root, content_key, hash_chai
 from kvbridge.transfer.store.registry import KINDS
 from kvbridge.transfer.store.residency import lowest
 from kvbridge.transfer.store.sharing import _sends_redis_writes
+
+_READS = itertools.count(1)  # get_prefix's claims on the blocks it reads: one key per read
 
 
 class PrefixLookup:
@@ -96,16 +100,28 @@ class PrefixLookup:
                              f"got {num_tokens}")
         ns = self._namespace(tenant, model, dtype, adapter)
         def locked(prefetched):
+            self._expire()
             pool = self._pool_of(ns)
             if pool is None:
                 raise NotFound(f"nothing stored for {ns.model} in {ns.dtype}")
             digest = ns.digest()
             hashes = hash_chain(token_ids[:num_tokens], bs, chain_root(digest, "prefix"), digest)
-            blocks = self._make_resident(pool, hashes, keep_ref=True, prefetched=prefetched)
+            # Claim the chain while it is read, as put does: promoting its missing blocks may lose entries (_lose),
+            # whose blocks must not be dropped while held here. Blocks of entries that went meanwhile are dropped
+            # once released, as their removal would have; blocks no entry used (another replica's, read from
+            # Redis) stay cached.
+            reader = f"get_prefix#{next(_READS)}"  # never an entry key (those are hex)
+            used = [h for h in hashes if h in self.registry.users]
+            self.registry.claim(reader, hashes)
             try:
-                kv = pool.gather(torch.tensor([b.block_id for b in blocks]), num_tokens)
+                blocks = self._make_resident(pool, hashes, keep_ref=True, prefetched=prefetched)
+                try:
+                    kv = pool.gather(torch.tensor([b.block_id for b in blocks]), num_tokens)
+                finally:
+                    pool.unref(blocks)
             finally:
-                pool.unref(blocks)
+                orphans = set(self.registry.release(reader, hashes))
+                self.residency.drop(pool, [h for h in used if h in orphans], drop_remote=False)
             self._stats.hits += 1
             self._stats.hit_tokens += num_tokens
             return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),

@@ -47,8 +47,9 @@ class ClusterCommands(Commands):
             raise ValueError(f"wait_timeout_ms {target.wait_timeout_ms} must be below the redis tier's socket "
                              f"timeout ({timeout_s * 1000:.0f} ms), or every WAIT would time out the connection")
         exc = redis.exceptions
+        # ResponseError: every error reply the retries still meet (TRYAGAIN, ASK; OOM, READONLY, NOPERM, ...)
         self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.RedisClusterException, exc.ClusterError,
-                       exc.TryAgainError, exc.AskError)
+                       exc.ResponseError)
         self._response_error = exc.ResponseError
         self.target = target
         self._timeout_s = timeout_s

@@ -31,7 +31,9 @@ Seal = Callable[[bytes, bytes, memoryview], bytes]  # (key, header, data) -> the
 
 class Commands:
     """What RedisTier asks of Redis. `client` is redis-py's client; `errors` the exceptions that mean Redis cannot
-    be reached or cannot serve now (the tier then degrades to misses and no-ops)."""
+    be reached or cannot serve now (the tier then degrades to misses and no-ops): a connection lost or timed out, or
+    an error reply (ResponseError: OOM at maxmemory under noeviction, READONLY from a demoted primary, NOPERM from an
+    ACL, ...)."""
 
     tagged = False  # entry keys in hash tags (a cluster)
     errors: tuple[type[BaseException], ...] = ()
@@ -167,8 +169,8 @@ class NodeCommands(Commands):
         import redis  # imported here: the store works without the package when no Redis tier is configured
 
         exc = redis.exceptions
-        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.AskError, exc.ClusterCrossSlotError,
-                       exc.ClusterDownError, exc.TryAgainError)
+        # ResponseError: every error reply (MOVED, ASK, CROSSSLOT from a cluster node; OOM, READONLY, NOPERM, ...)
+        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.ResponseError)
         self._response_error = exc.ResponseError
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            retry_on_timeout=False)

@@ -143,7 +143,8 @@ class Residency:
         """Bring every block of a chain onto the device (promoting from CPU / Redis). Returns the device blocks,
         each holding one extra ref (released here unless keep_ref). Raises NotFound if a block is gone, NeedRemote
         (before changing anything) when blocks must come from Redis and are not in `prefetched`.
-        `allocate(pool, n)` takes n blocks, demoting what it evicts."""
+        `allocate(pool, n)` takes n blocks, demoting what it evicts; it may lose entries, so the caller has the hashes
+        claimed in the registry (an entry's, or `EntryRegistry.claim`): a held block must never be dropped."""
         present, missing = [], []
         for i, h in enumerate(hashes):
             block = pool.lookup(h)
@@ -165,6 +166,7 @@ class Residency:
             pool.unref(present)
             raise
         blocks = [pool.lookup(h) for h in hashes]
+        assert None not in blocks, "a block held across promotion was dropped (its hashes were not claimed)"
         # present ones hold our ref; new ones hold the allocation ref: one extra ref each, as documented
         if not keep_ref:
             pool.unref(blocks)

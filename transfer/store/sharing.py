@@ -66,7 +66,9 @@ class RedisSharing:
 
     def _flush(self) -> None:
         """Send the queued Redis writes in order, without the store's lock (one sender at a time; a thread that
-        finds another sending leaves the queue to it). Blocks whose put fails are lost (their entries go)."""
+        finds another sending leaves the queue to it). Blocks whose put fails are lost (their entries go). Nothing
+        raises out of here: the writes may be other calls' (the tier turns Redis errors into failed writes; anything
+        else is logged and counted as a tier failure, and the writes it took count as failed too)."""
         residency = self.residency
         if residency.redis is None or self._lock._is_owned():
             return
@@ -79,39 +81,53 @@ class RedisSharing:
                         if not residency.outbox:
                             break
                         op, items = residency.outbox.popleft()
-                    if op == "delete":
-                        residency.redis.delete_many(items)
-                        continue
-                    if op == "entries":
-                        residency.redis.put_entries(items)
-                        continue
-                    if op == "forget":
-                        residency.redis.delete_entries(items)
-                        with self._lock:
-                            self._forgetting -= Counter(items)
-                        continue
-                    if op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
-                        found = residency.redis.refresh_many([h for h, _, _ in items])
-                        failed = items if found is None else [item for item, there in zip(items, found)
-                                                              if not there]
-                        if found is not None and residency.redis.put_many(failed):
-                            failed = []
-                    else:
-                        failed = [] if residency.redis.put_many(items) else items
+                    try:
+                        failed = self._send(op, items)
+                    except Exception as exc:  # not a Redis error (the tier handles those): still no caller's
+                        log.exception("redis tier: sending %d queued %r write(s) failed", len(items), op)
+                        residency.redis.failed(exc)
+                        failed = items if op in ("put", "keep") else []
                     with self._lock:
-                        for h, _, block in items:
-                            waiting = residency.pending.get(h)
-                            if waiting is not None and waiting[1] is block:
-                                del residency.pending[h]
-                        gone = {h for h, _, _ in failed}
-                        # (a block deleted meanwhile is no entry's now: not kept; its delete follows in the outbox)
-                        residency.in_redis.update(h for h, _, _ in items if h not in gone and h in self.registry.users)
-                        residency.in_redis.difference_update(gone)
-                        # blocks not back on a local tier (nor demoted again) are gone
-                        self._lose([h for h, key, _ in failed if h not in residency.pending
-                                    and residency.tier_of(self.pools.get(key), h) is None])
+                        self._sent(op, items, failed)
             finally:
                 self._sending.release()
+
+    def _send(self, op: str, items: list) -> list:
+        """One queued write, sent (no lock held); for puts and keeps, the (hash, layout key, block) items Redis does
+        not hold after it."""
+        redis = self.residency.redis
+        if op == "delete":
+            redis.delete_many(items)
+        elif op == "entries":
+            redis.put_entries(items)
+        elif op == "forget":
+            redis.delete_entries(items)
+        elif op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
+            found = redis.refresh_many([h for h, _, _ in items])
+            failed = items if found is None else [item for item, there in zip(items, found) if not there]
+            return [] if found is not None and redis.put_many(failed) else failed
+        else:
+            return [] if redis.put_many(items) else items
+        return []
+
+    def _sent(self, op: str, items: list, failed: list) -> None:
+        """The bookkeeping after a queued write went (sent or failed; under the store's lock)."""
+        residency = self.residency
+        if op == "forget":
+            self._forgetting -= Counter(items)
+        if op not in ("put", "keep"):
+            return
+        for h, _, block in items:
+            waiting = residency.pending.get(h)
+            if waiting is not None and waiting[1] is block:
+                del residency.pending[h]
+        gone = {h for h, _, _ in failed}
+        # (a block deleted meanwhile is no entry's now: not kept; its delete follows in the outbox)
+        residency.in_redis.update(h for h, _, _ in items if h not in gone and h in self.registry.users)
+        residency.in_redis.difference_update(gone)
+        # blocks not back on a local tier (nor demoted again) are gone
+        self._lose([h for h, key, _ in failed if h not in residency.pending
+                    and residency.tier_of(self.pools.get(key), h) is None])
 
     def _entry_for(self, key: str, tenant: str, prefetched: dict) -> Entry:
         """The tenant's entry of this key: local, else (entries shared through Redis) the record another replica

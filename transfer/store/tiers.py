@@ -124,8 +124,8 @@ class RedisStats:
 
 class RedisTier:
     """Blocks in Redis/Valkey under `kvbridge:2:blk:<hash>` with a TTL, on one server or a cluster (by the URL's scheme:
-    redis_url). When Redis is unreachable every call degrades to a miss / no-op, the tier reports itself down, and a
-    reconnect is tried every `retry_s` seconds.
+    redis_url). When Redis is unreachable, or answers with an error (OOM, READONLY, NOPERM, ...), every call degrades to
+    a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds.
 
     Every value is tagged with `secret` (at least 32 bytes, the same in every replica that shares the Redis) and
     checked when read (redis_auth). secret=None tags values under a public key, which catches corruption and values
@@ -193,7 +193,9 @@ class RedisTier:
         self.stats.available = True
         self.stats.down_since = None
 
-    def _failed(self, exc: Exception) -> None:
+    def failed(self, exc: Exception) -> None:
+        """A round trip that failed (Redis out of reach, or an error reply): counted, logged when the tier goes
+        down, and the tier down until its next try."""
         self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         if self.stats.available:
@@ -211,7 +213,7 @@ class RedisTier:
             sets = [(self._key(h), *block_parts(layout_key, block)) for h, layout_key, block in items]
             short = self._short(self._send_sets(sets))
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return False
         self._ok()
         self.stats.puts += len(items) - short
@@ -228,7 +230,7 @@ class RedisTier:
                 pipe.expire(self._key(block_hash), self.ttl_s)
             found = [bool(x) for x in pipe.execute()]
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return None
         self._ok()
         self.stats.refreshes += sum(found)
@@ -243,7 +245,7 @@ class RedisTier:
                 pipe.exists(self._key(block_hash))
             found = [bool(x) for x in pipe.execute()]
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return [False] * len(hashes)
         self._ok()
         return found
@@ -258,7 +260,7 @@ class RedisTier:
         try:
             blobs = self.commands.mget(keys)
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return {}
         self._ok()
         self.stats.gets += len(hashes)
@@ -293,7 +295,7 @@ class RedisTier:
         try:
             self.commands.client.delete(*[self._key(h) for h in hashes])
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return
         self._ok()
 
@@ -317,7 +319,7 @@ class RedisTier:
             pipe.execute()
             short = self._short(self.commands.confirm(written, self.ttl_s))
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return False
         self._ok()
         return not short
@@ -330,7 +332,7 @@ class RedisTier:
         try:
             blobs = self.commands.mget(redis_keys)
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return {}
         self._ok()
         found, rejected = {}, []
@@ -355,7 +357,7 @@ class RedisTier:
                 pipe.smembers(set_key)
             sets = pipe.execute()
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return []
         self._ok()
         found, rejected = set(), []
@@ -377,7 +379,7 @@ class RedisTier:
             self.commands.client.delete(*[name for k in keys for name in (self.commands.entry_key(k),
                                                                           self.commands.derived_key(k))])
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return
         self._ok()
 
@@ -386,7 +388,7 @@ class RedisTier:
         try:
             self.commands.ping()
         except self._errors as exc:
-            self._failed(exc)
+            self.failed(exc)
             return False
         self._ok()
         return True
