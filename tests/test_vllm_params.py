@@ -48,6 +48,34 @@ def test_request_params_round_trip_and_bad_ones_are_named():
             RequestContext.from_params({"kvbridge": {"text": "t", "mode": bad}})
 
 
+@pytest.mark.parametrize("fields, named", [
+    ({"key": ["x"]}, "key"), ({"key": 7}, "key"), ({"key": ""}, "key"), ({"text": {"t": 1}}, "text"),
+    ({"text": ""}, "text"), ({"key": "k", "adapter": ["a"]}, "adapter"), ({"key": "k", "adapter": 3}, "adapter"),
+    ({"key": "k", "server": ["s"]}, "server"), ({"key": "k", "server": ""}, "server"),
+    ({"key": "k", "recompute_tokens": True}, "recompute_tokens"), ({"key": "k", "recompute_tokens": 1.5},
+                                                                  "recompute_tokens")])
+def test_a_context_field_of_the_wrong_type_is_refused_by_name(fields, named):
+    """Every field is type-checked: a RequestContext is hashed on vLLM's scheduler thread (plans.Covered), where a
+    list kept in it raised TypeError and killed the engine core."""
+    with pytest.raises(ValueError, match=f"'{named}'"):
+        RequestContext.from_params({"kvbridge": fields})
+    with pytest.raises(ValueError, match=f"'{named}'"):
+        request_params(**{"key": None, **fields})  # the same checks for whoever builds the parameters
+
+
+def test_parameters_that_are_no_dict_are_refused_and_accepted_contexts_hash():
+    from kvbridge.vllm.params import SaveRequest
+
+    for bad in ("kvbridge", ["kvbridge"], 3):
+        with pytest.raises(ValueError, match="kv_transfer_params must be a dict"):
+            RequestContext.from_params(bad)
+        with pytest.raises(ValueError, match="kv_transfer_params must be a dict"):
+            SaveRequest.from_params(bad)
+    context = RequestContext.from_params(request_params(key="k", adapter="a@1", server="eu", recompute_tokens=0,
+                                                        mode="replace")["kv_transfer_params"])
+    assert hash((context, "salt", "replace", 0)) == hash((context, "salt", "replace", 0))
+
+
 def test_the_engine_config_reads_back(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-0123456789\n")
@@ -164,6 +192,31 @@ def test_the_save_tracker_hands_out_each_position_once_across_chunked_steps():
     assert second[0].token_ids == list(range(70))
     assert tracker.chunks(step(cached=[("a", 90, None)], scheduled={"a": 1})) == []  # decoding: nothing new
     assert tracker.finish("a") == {"saved_tokens": 70, "save_server": "default"} and tracker.finish("a") is None
+
+
+def test_the_saver_drops_the_partial_kv_of_a_request_that_finished_before_its_last_chunk():
+    """A saving request aborted mid-prompt: the worker's partial buffer ([L, 2, H, total, D], GBs for a long prompt)
+    goes when the request is reported finished, not only when its last chunk is read."""
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.layouts import write_cpu_vec
+    from kvbridge.vllm.saving import SaveChunk, Saver
+
+    saver = Saver(ConnectorConfig.from_extra({"kvbridge_address": "127.0.0.1:1"}), "unused", 32)
+    cache = torch.zeros(4, 2, 32, 16)  # [blocks, H_kv, block_size, 2 D], the CPU "vec" layout
+    key = torch.randn(32, 2, 8)  # [T, H_kv, D]
+    write_cpu_vec(cache, key, torch.randn(32, 2, 8), torch.arange(32, 64))  # into block 1
+    first = [SaveChunk("a", "default", [1, 2], 0, 32, 64), SaveChunk("b", "default", [3], 0, 32, 32)]
+    for index in range(2):
+        saver.save_layer(index, 2, SimpleNamespace(isa="vec"), cache, first[:1])
+    assert saver._kv["a"].shape == (2, 2, 2, 64, 8)  # [L, 2, H_kv, total, D]: the whole prompt's, from chunk one
+    assert torch.equal(saver._kv["a"][1, 0, :, :32], key.transpose(0, 1))
+    saver.save_layer(0, 2, SimpleNamespace(isa="vec"), cache, first[1:])
+    saver.step_done(first)  # "a" waits for its second chunk, "b" for its token ids: both kept
+    assert set(saver._kv) == {"a", "b"}
+    saver.forget({"a", "b", "never-saved"})  # aborted, both
+    assert saver._kv == {}
+    saver.close()
 
 
 def test_covered_knows_what_a_lookup_would_load_only_for_the_prompt_start_it_saw():

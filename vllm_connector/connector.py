@@ -1,8 +1,8 @@
 """KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
 cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~400
 lines: vLLM's connector interface is one class for both the scheduler's and the workers' side; the parts with logic
-of their own are beside it: params (requests, matching), plans (a request's state, what lookups received), handoff
-(where the KV is), loading (the workers' reads and writes), layouts, saving.)
+of their own are beside it: params (requests, matching), plans (a request's state, its KV's release, what lookups
+received), handoff (where the KV is), loading (the workers' reads and writes), layouts, saving.)
 
 Load it with
 
@@ -28,9 +28,9 @@ host, and the connector reports that many tokens as a synchronous load: the work
 forward, which computes the rest of the prompt in the same step (a sliding-window group's load is asynchronous instead,
 its own step: see `get_transfer_results`); `update_state_after_alloc` tells the workers, through `build_connector_meta`,
 where the KV is and the request's block ids; the server's segment is released when the request ends (an asynchronous
-load's once the workers report it, `update_connector_output`). Anything that goes wrong (no server, a refused token, an
-unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning for the request, and a normal
-prefill: a request never fails because of kvbridge.
+load's once the workers report it, `update_connector_output`). Anything that goes wrong (malformed kvbridge parameters,
+no server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
+for the request, and a normal prefill: a request never fails because of kvbridge.
 
 Worker side: `start_load_kv` maps the server's segment (path, mode, size, layout and checksum checked) or reads the
 staged file, and writes the KV into the paged buffers layer by layer through the attention backend's own cache
@@ -39,7 +39,9 @@ makes for the KV it computes, so the bytes land in the backend's layout whatever
 gone past its TTL, a bad checksum) is reported: a synchronous one's blocks by `get_block_ids_with_load_errors`
 (vLLM drops the step's output for the request and computes it from the first of them), an asynchronous one by
 `get_transfer_results` as a failed receive (vLLM computes the request from its first token); `kv_transfer_config`
-sets `kv_load_failure_policy="recompute"` for that (vLLM's default "fail" would fail the request instead).
+sets `kv_load_failure_policy="recompute"` for that (vLLM's default "fail" would fail the request instead). Either
+failure also reaches the scheduler side, with why, in the workers' metadata (`build_connector_worker_meta`): the
+request's answer then says 0 tokens loaded and the error.
 When a step runs empty while a lookup ends, its metadata names the KV for the workers to read and check ahead, while
 the scheduler schedules the request (`loading`: the load then only writes).
 The layouts (vLLM 0.32, one tensor per layer):
@@ -62,8 +64,10 @@ shared null block (id 0) at the first (N - W + 1) // block_size places of the re
 (`add_local_computed_blocks`) and real blocks after them (`allocate_external_computed_blocks`); the forward never
 reads the null ones (the CPU kernel skips blocks out of the window). `loading.write` writes the positions that have a
 real block and never block 0, and the connector still reports all N tokens loaded: vLLM would have dropped the others
-itself. More than one group (the hybrid manager on), another kind of group (MLA, Mamba) and tensor parallelism
-(heads split over workers): nothing loaded, one warning per request naming it.
+itself. More than one group (the hybrid manager on), another kind of group (MLA, Mamba), a KV cache in another dtype
+than the model's (--kv-cache-dtype fp8: quantized bytes) and tensor parallelism (heads split over workers): nothing
+loaded, one warning per request naming it. All but tensor parallelism are found at the start (`kv_cache_refusal`,
+warned then) and refuse saves as well.
 """
 
 from __future__ import annotations
@@ -81,14 +85,22 @@ import torch
 from kvbridge.transfer import timeline
 from kvbridge.vllm import handoff
 from kvbridge.vllm.loading import Load, Loads, Prefetch
-from kvbridge.vllm.params import PARAMS_KEY, ConnectorConfig, RequestContext, SaveRequest, match_prompt
-from kvbridge.vllm.plans import Covered, CoveredKey, Plan
+from kvbridge.vllm.params import (
+    PARAMS_KEY,
+    ConnectorConfig,
+    RequestContext,
+    SaveRequest,
+    cache_dtype_refusal,
+    match_prompt,
+)
+from kvbridge.vllm.plans import Covered, CoveredKey, Plan, Releases
 from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
@@ -109,6 +121,17 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     prefetch: list[Prefetch] = field(default_factory=list)  # for the workers to read ahead (loading.py)
     saves: list[SaveChunk] = field(default_factory=list)  # what the step's forward makes savable (saving.py)
+
+
+@dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """A worker's report after a step, for the scheduler side (`update_connector_output`)."""
+
+    failed_loads: dict[str, str] = field(default_factory=dict)  # request id -> why its load failed
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVBridgeWorkerMetadata)
+        return KVBridgeWorkerMetadata({**self.failed_loads, **other.failed_loads})
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -135,12 +158,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         or not isinstance(specs[0], (FullAttentionSpec, SlidingWindowSpec))):
             self.kv_cache_refusal = (f"the engine's KV cache is {named[0]}; the connector loads into full or "
                                      "sliding-window attention")
+        # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's. A
+        # quantized KV cache (--kv-cache-dtype fp8) would need vLLM's quantization: refused
+        self.wire_dtype = str(model.dtype).removeprefix("torch.")
+        self.kv_cache_refusal = self.kv_cache_refusal or cache_dtype_refusal(vllm_config.cache_config.cache_dtype,
+                                                                             self.wire_dtype)
+        if role == KVConnectorRole.SCHEDULER and self.kv_cache_refusal:
+            log.warning("kvbridge: the connector loads nothing into this engine (each request: 0 tokens): %s",
+                        self.kv_cache_refusal)
         # a failed load in a sliding-window group must be recomputed from the request's first token (the blocks
         # before a failed one are null blocks): only an asynchronous load can say so, as a failed receive
         self.sync_loads = len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec)
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's
-        self.wire_dtype = str(model.dtype).removeprefix("torch.")
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvbridge: kv_load_failure_policy is %r: a load that fails on a worker fails its request; "
                         "with \"recompute\" (kvbridge.vllm.engine.kv_transfer_config sets it) vLLM prefills it",
@@ -154,12 +183,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._covered = Covered()  # the caches lookups received: what vLLM's own prefix cache may hold (plans.py)
         self._clients: dict[str, Any] = {}
         self._clients_lock = threading.Lock()
-        self._fetchers = self._releaser = self._staging = None
+        self._fetchers = self._releases = self._staging = None
         if role == KVConnectorRole.SCHEDULER:
             self._fetchers = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="kvbridge-fetch")
-            # a finished request's KV given up off the scheduler's thread (a ReleaseSegment call costs it 0.6-1 ms
-            # on 2 cores, between the request's last step and its output)
-            self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-release")
+            self._releases = Releases(self._client)  # a plan's KV given up once (plans.py)
             handoff.sweep(self.config.staging_dir)  # what killed engines left
             self._staging = handoff.private_folder(self.config.staging_dir)
         self.saving = self._kv_transfer_config.is_kv_producer  # kv_producer / kv_both: requests may save their KV
@@ -167,7 +194,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._prefetched: set[str] = set()  # lookups whose KV the workers were told to read ahead
         # worker side
         self._loads = Loads(self.block_size)
-        self._saver = (Saver(self.config, model.model, self.block_size)
+        self._saver = (Saver(self.config, model.model, self.block_size, refused=self.kv_cache_refusal)
                        if self.saving and role == KVConnectorRole.WORKER else None)
 
     # ---------------------------------------------------------------------------------------- scheduler side
@@ -218,7 +245,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             if fetched is not None and fetched.shared is not None:
-                self._release(Plan(source=fetched.shared, loadable=0, server=context.server))
+                self._releases.now(Plan(source=fetched.shared, loadable=0, server=context.server))
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", request_id, reason)
             return Plan(source=None, loadable=0, error=reason)
@@ -251,35 +278,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 if req_id in self._saves:
                     return 0, False
                 try:
-                    save = SaveRequest.from_params(request.kv_transfer_params)
-                    if save is not None:
-                        if not self.saving:
-                            raise ValueError("the request asks to save its KV and the engine's kv_role "
-                                             f"{self._kv_transfer_config.kv_role!r} saves nothing (kv_producer or "
-                                             "kv_both save)")
-                        self._saves.add(req_id, save, list(request.prompt_token_ids or []))
-                        return 0, False
-                    context = RequestContext.from_params(request.kv_transfer_params)
-                except ValueError as exc:
-                    log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, exc)
-                    self._plans[req_id] = Plan(source=None, loadable=0, error=str(exc))
+                    return self._begin(request, num_computed_tokens)
+                except Exception as exc:  # noqa: BLE001 - a request's parameters never raise on the scheduler thread
+                    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                    log.warning("kvbridge: request %s: 0 tokens from kvbridge, vLLM prefills it: %s", req_id, reason,
+                                exc_info=not isinstance(exc, ValueError))  # a ValueError names what was wrong
+                    self._plans[req_id] = Plan(source=None, loadable=0, error=reason)
                     return 0, False
-                if context is None:
-                    return 0, False
-                prompt = list(request.prompt_token_ids or [])
-                covered = (context, request.cache_salt or "",
-                           context.mode if context.mode is not None else self.config.mode,
-                           context.recompute_tokens if context.recompute_tokens is not None
-                           else self.config.recompute_tokens)
-                if self.prefix_caching and num_computed_tokens:  # vLLM's own prefix cache may hold all it would load
-                    loadable = self._covered.loadable(covered, prompt, self.block_size, covered[3])
-                    if loadable is not None and num_computed_tokens >= loadable:
-                        self._plans[req_id] = Plan(source=None, loadable=loadable, prefix_cached=num_computed_tokens)
-                        return 0, False
-                timeline.event("lookup")
-                self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, prompt, request.cache_salt, context,
-                                                              covered)
-                return None, False
             if not lookup.done():
                 return None, False
             plan = self._plans[req_id] = lookup.result()  # _plan never raises
@@ -292,6 +297,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if tokens:
             timeline.event("matched")
         return tokens, tokens > 0 and not self.sync_loads
+
+    def _begin(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A request's first call: its parameters read (ValueError naming a malformed field), a save registered, or
+        its lookup started (None), unless vLLM's prefix cache already holds what it would load."""
+        req_id = request.request_id
+        save = SaveRequest.from_params(request.kv_transfer_params)
+        if save is not None:
+            if self.kv_cache_refusal or not self.saving:  # a KV cache the workers cannot read is refused too
+                raise ValueError(self.kv_cache_refusal or "the request asks to save its KV and the engine's kv_role "
+                                 f"{self._kv_transfer_config.kv_role!r} saves nothing (kv_producer or kv_both save)")
+            self._saves.add(req_id, save, list(request.prompt_token_ids or []))
+            return 0, False
+        context = RequestContext.from_params(request.kv_transfer_params)
+        if context is None:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        covered = (context, request.cache_salt or "", context.mode if context.mode is not None else self.config.mode,
+                   context.recompute_tokens if context.recompute_tokens is not None else self.config.recompute_tokens)
+        if self.prefix_caching and num_computed_tokens:  # vLLM's own prefix cache may hold all it would load
+            loadable = self._covered.loadable(covered, prompt, self.block_size, covered[3])
+            if loadable is not None and num_computed_tokens >= loadable:
+                self._plans[req_id] = Plan(source=None, loadable=loadable, prefix_cached=num_computed_tokens)
+                return 0, False
+        timeline.event("lookup")
+        self._lookups[req_id] = self._fetchers.submit(self._plan, req_id, prompt, request.cache_salt, context, covered)
+        return None, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         plan = self._plans.get(request.request_id)
@@ -337,42 +368,22 @@ class KVBridgeConnector(KVConnectorBase_V1):
             futures.wait(lookups, timeout=self.config.idle_wait_ms / 1e3, return_when=futures.FIRST_COMPLETED)
 
     def update_connector_output(self, connector_output) -> None:
-        """The workers' finished loads: the server's segments they read are released now."""
+        """The workers' failed loads (the request's answer says so; vLLM computes the tokens itself) and finished
+        ones (the server's segments they read are released now). A synchronous load's failure reaches vLLM as
+        invalid block ids, an asynchronous one's as a failed receive; both reach this side, with why, in the workers'
+        own metadata (`KVBridgeWorkerMetadata`)."""
+        meta = connector_output.kv_connector_worker_meta
+        failed = dict(meta.failed_loads) if isinstance(meta, KVBridgeWorkerMetadata) else {}
+        for req_id in connector_output.failed_recving or ():
+            failed.setdefault(req_id, "a failed receive")
+        for req_id, reason in failed.items():
+            if req_id in self._plans:
+                self._plans[req_id].load_failed(reason)
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
             plan = self._plans.get(req_id)
             if plan is not None and plan.handed:
-                self._release_soon(plan)
-
-    def _release(self, plan: Plan) -> None:
-        """Give up a plan's KV once: a staged file nobody loaded is removed (a loaded one the worker removed), the
-        server's segment is released (without waiting; the server removes it after its TTL otherwise)."""
-        if plan.source is None or plan.released:
-            return
-        plan.released = True
-        self._release_now(plan.source, plan)
-
-    def _release_now(self, source: handoff.KVSource, plan: Plan) -> None:
-        if isinstance(source, str):
-            if not plan.handed:
-                handoff.discard(source)
-            return
-        try:
-            self._client(plan.server).release_segment(source)
-        except Exception as exc:  # noqa: BLE001 - the server's sweeper removes the segment after its TTL
-            log.warning("kvbridge: releasing segment %s failed, the server removes it after %g s: %s",
-                        source.name, source.ttl_s, exc)
-
-    def _release_soon(self, plan: Plan) -> None:
-        """_release on the releaser's thread (the scheduler's thread goes on at once)."""
-        if plan.source is not None and not plan.released:
-            plan.released = True  # here, so that it is released once
-            self._releaser.submit(self._release_now, plan.source, plan)
-
-    def _release_lookup(self, lookup: Future) -> None:
-        """A lookup that ends after its request did: its KV is given up."""
-        if not lookup.cancelled():
-            self._release(lookup.result())
+                self._releases.soon(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         t0 = time.perf_counter()
@@ -382,7 +393,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._prefetched.discard(req_id)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:  # aborted while its lookup ran: what it fetches is given up when it is done
-            lookup.add_done_callback(self._release_lookup)
+            self._releases.after(lookup)
         plan = self._plans.pop(req_id, None)
         in_calls, longest = self._scheduler_s.pop(req_id, (0.0, 0.0))
         saved = self._saves.finish(req_id)
@@ -390,7 +401,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return False, {PARAMS_KEY: saved}
         if plan is None:
             return False, None
-        self._release_soon(plan)  # loaded, or never (vLLM computed the tokens itself)
+        self._releases.soon(plan)  # loaded, or never (vLLM computed the tokens itself)
         spent = time.perf_counter() - t0  # this call counts among the scheduler's, up to here
         in_calls, longest = in_calls + spent, max(longest, spent)
         transport = "" if plan.source is None else "stream" if isinstance(plan.source, str) else "shared_memory"
@@ -402,13 +413,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=False, cancel_futures=True)
-        for lookup in self._lookups.values():  # what lookups that end after this fetch
-            lookup.add_done_callback(self._release_lookup)
+        if self._releases is not None:
+            for lookup in self._lookups.values():  # what lookups that end after this fetch
+                self._releases.after(lookup)
+            for plan in self._plans.values():
+                self._releases.now(plan)
+            self._releases.close()
         self._lookups.clear()
-        for plan in self._plans.values():
-            self._release(plan)
-        if self._releaser is not None:
-            self._releaser.shutdown(wait=True)  # the releases of finished requests: each a call not waited for
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -466,6 +477,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """(None: nothing is saved, the requests whose loads this worker finished since the last call, failed ones
         too: get_transfer_results tells which failed)."""
         self._loads.forget(finished_req_ids)
+        if self._saver is not None:  # an aborted save's partial KV
+            self._saver.forget(finished_req_ids)
         loaded, self._loads.finished = self._loads.finished, set()
         return None, loaded or None
 
@@ -476,3 +489,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         failed, self._loads.failed = self._loads.failed, set()
         _, loaded = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
+        """The loads that failed since the last step and why, for the scheduler side (`update_connector_output`)."""
+        failed, self._loads.errors = self._loads.errors, {}
+        return KVBridgeWorkerMetadata(failed) if failed else None

@@ -73,13 +73,14 @@ def write(load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module], bloc
 
 class Loads:
     """A worker's loads: prefetches under way, and what the loads since the last report did (finished asynchronous
-    loads, failed ones, blocks of failed synchronous loads)."""
+    loads, failed ones, blocks of failed synchronous loads, why each failed)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.finished: set[str] = set()  # asynchronous loads done (failed or not)
         self.failed: set[str] = set()  # asynchronous loads that failed
         self.invalid_blocks: set[int] = set()  # blocks of failed synchronous loads, for vLLM to recompute
+        self.errors: dict[str, str] = {}  # why each load failed (synchronous or not), for the scheduler side
         self._prefetches: dict[str, tuple[Prefetch, Future]] = {}
         self._reader: ThreadPoolExecutor | None = None
 
@@ -120,6 +121,7 @@ class Loads:
             except Exception as exc:  # noqa: BLE001 - reported as failed: vLLM recomputes the tokens
                 log.warning("kvbridge: request %s: loading %d tokens failed, vLLM recomputes them: %s", load.req_id,
                             load.num_tokens, exc)
+                self.errors[load.req_id] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 if load.sync:  # every block the load covers: vLLM recomputes from the first
                     first, last = load.start // self.block_size, (load.start + load.num_tokens - 1) // self.block_size
                     self.invalid_blocks.update(load.block_ids[first:last + 1])

@@ -133,6 +133,17 @@ class ConnectorConfig:
                    idle_wait_ms=float(extra.get("kvbridge_idle_wait_ms", cls.idle_wait_ms)))
 
 
+def cache_dtype_refusal(cache_dtype: str, model_dtype: str) -> str:
+    """Why the connector can neither load into nor save from an engine whose KV cache is stored as `cache_dtype`
+    (vLLM's --kv-cache-dtype) for a model computing in `model_dtype` ("" when it can): the KV crosses the wire in the
+    model's dtype and the workers write and read it as it is, so a quantized cache (fp8: bytes with scales) would get
+    bf16 values truncated to bytes and hand out bytes for values."""
+    if cache_dtype in ("auto", model_dtype):
+        return ""
+    return (f"the engine's KV cache dtype is {cache_dtype!r} (--kv-cache-dtype) and its model computes in "
+            f"{model_dtype}: the connector loads and saves KV in the model's dtype only (leave --kv-cache-dtype auto)")
+
+
 @dataclass(frozen=True)
 class RequestContext:
     """One request's kvbridge context, from kv_transfer_params["kvbridge"]."""
@@ -146,31 +157,54 @@ class RequestContext:
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> RequestContext | None:
-        """None when the request has no kvbridge context; ValueError (a sentence) when it has a malformed one."""
-        if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
+        """None when the request has no kvbridge context; ValueError (a sentence naming the field) when it has a
+        malformed one. Every field's type is checked: the context is hashed on vLLM's scheduler thread
+        (`plans.Covered`), where a list kept in it would raise."""
+        if not _has_kvbridge(kv_transfer_params):
             return None
         p = kv_transfer_params[PARAMS_KEY]
         if not isinstance(p, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict, got {type(p).__name__}")
         unknown = set(p) - {"key", "text", "adapter", "server", "recompute_tokens", "mode", "save"}
         if unknown:
-            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] has unknown fields {sorted(unknown)}")
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] has unknown fields {sorted(unknown, key=repr)}")
         if "save" in p:  # a request of the save side (SaveRequest), not a load
             if set(p) != {"save"}:
                 raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['save'] goes alone (a request saves its KV "
-                                 f"or loads a context, not both); got also {sorted(set(p) - {'save'})}")
+                                 f"or loads a context, not both); got also {sorted(set(p) - {'save'}, key=repr)}")
             return None
         key, text = p.get("key"), p.get("text")
         if (key is None) == (text is None):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] needs exactly one of 'key' and 'text'")
+        for name in ("key", "text", "adapter", "server"):  # None: not given
+            if p.get(name) is not None:
+                _check_text(p[name], name, empty=name == "adapter")
+        adapter = "" if p.get("adapter") is None else p["adapter"]
+        server = "default" if p.get("server") is None else p["server"]
         recompute = p.get("recompute_tokens")
-        if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
-            raise ValueError(f"recompute_tokens must be an int >= 0, got {recompute!r}")
+        if recompute is not None and (not isinstance(recompute, int) or isinstance(recompute, bool) or recompute < 0):
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['recompute_tokens'] must be an int >= 0, got "
+                             f"{recompute!r:.80}")
         mode = p.get("mode")
         if mode is not None:
             _check_mode(mode, "mode")
-        return cls(key=key, text=text, adapter=p.get("adapter", ""), server=p.get("server", "default"),
-                   recompute_tokens=recompute, mode=mode)
+        return cls(key=key, text=text, adapter=adapter, server=server, recompute_tokens=recompute, mode=mode)
+
+
+def _has_kvbridge(kv_transfer_params: Any) -> bool:
+    """Whether a request's kv_transfer_params hold a kvbridge field; ValueError when they are no dict."""
+    if kv_transfer_params is None:
+        return False
+    if not isinstance(kv_transfer_params, dict):
+        raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_transfer_params).__name__}")
+    return PARAMS_KEY in kv_transfer_params
+
+
+def _check_text(value: Any, name: str, empty: bool = False) -> None:
+    """ValueError naming the field unless `value` is a string (and not "" unless `empty`)."""
+    if not isinstance(value, str) or not (value or empty):
+        raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}][{name!r}] must be a {'' if empty else 'non-empty '}"
+                         f"string, got {value!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -185,13 +219,13 @@ class SaveRequest:
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> SaveRequest | None:
         """None when the request asks for no save; ValueError (a sentence) when it asks with a malformed one."""
-        p = (kv_transfer_params or {}).get(PARAMS_KEY)
+        p = kv_transfer_params[PARAMS_KEY] if _has_kvbridge(kv_transfer_params) else None
         if not isinstance(p, dict) or "save" not in p:
             return None
         save = p["save"]
         if not isinstance(save, dict) or set(save) - {"server", "tokens"}:
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['save'] must be a dict with optional 'server' and "
-                             f"'tokens', got {save!r}")
+                             f"'tokens', got {save!r:.200}")
         tokens = save.get("tokens")
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(f"save tokens must be an int >= 1, got {tokens!r}")

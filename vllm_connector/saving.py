@@ -104,17 +104,22 @@ class SaveTracker:
 class Saver:
     """The worker's saves: KV read out of the paged buffers layer by layer, uploaded once complete."""
 
-    def __init__(self, config: ConnectorConfig, model_path: str, block_size: int):
+    def __init__(self, config: ConnectorConfig, model_path: str, block_size: int, refused: str = ""):
         self.config, self.model_path, self.block_size = config, model_path, block_size
-        self._kv: dict[str, torch.Tensor] = {}  # req_id -> [L, 2, H, T, D] being filled
+        # req_id -> [L, 2, H, T, D] being filled; dropped once uploaded, or when its request finishes (`forget`)
+        self._kv: dict[str, torch.Tensor] = {}
         self._uploads = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-save")
         self._clients: dict[str, Any] = {}
         self._models: dict[str, tuple[str, str]] = {}  # server -> (its name of this model, config hash)
         self._lock = threading.Lock()
-        self._refused = ""  # why this engine cannot save ("": it can), warned once
+        # why this engine cannot save ("": it can; `refused`: what the connector found at its start, e.g. a quantized
+        # KV cache), warned at each step that had saves
+        self._refused = refused
 
     def save_layer(self, index: int, num_layers: int, layer, kv_cache: torch.Tensor, chunks: list[SaveChunk]) -> None:
         """Read layer `index`'s positions of every chunk out of its paged buffer (kv_cache)."""
+        if self._refused:
+            return
         isa = getattr(layer, "isa", None)
         reader = layouts.READERS.get(isa) if kv_cache.device.type == "cpu" else None
         if reader is None:
@@ -146,6 +151,11 @@ class Saver:
             if chunk.token_ids is not None and chunk.req_id in self._kv:
                 kv = self._kv.pop(chunk.req_id)
                 self._uploads.submit(self._upload, chunk.req_id, chunk.server, kv, chunk.token_ids)
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Finished requests: the KV of a save they never completed (aborted before their last chunk) is dropped."""
+        for req_id in req_ids & self._kv.keys():
+            del self._kv[req_id]
 
     def _upload(self, req_id: str, server: str, kv: torch.Tensor, token_ids: list[int]) -> None:
         try:

@@ -1,0 +1,38 @@
+"""The connector's scheduler-side and worker-side methods called directly, as vLLM 0.32's scheduler and model runner
+call them, with no engine (tests/vllm_connector_checks.py, run once in the vLLM venv): malformed request parameters
+never raise on the scheduler's thread, a finished request's partial save is dropped, a quantized KV cache is refused
+by name, and a load that failed on a worker is reported as failed in the request's kvbridge answer.
+
+Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from kvbridge.vllm.engine import CPU_ENV, vllm_available, vllm_python
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(bool(vllm_available()), reason=vllm_available() or "vLLM venv present")]
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict[str, str]:
+    env = {**os.environ, **CPU_ENV}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([str(vllm_python()), str(Path(__file__).with_name("vllm_connector_checks.py"))],
+                         capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["malformed_parameters_never_reach_the_scheduler_thread",
+                                  "the_worker_drops_the_partial_save_of_a_finished_request",
+                                  "a_quantized_kv_cache_is_refused_by_name",
+                                  "a_load_that_failed_on_the_worker_is_reported_as_failed"])
+def test_connector_method(checks, name):
+    assert checks.get(name) == "ok", checks.get(name, f"no check {name}")

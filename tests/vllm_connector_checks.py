@@ -1,0 +1,218 @@
+"""The connector's methods called the way vLLM 0.32's scheduler and model runner call them, with no engine: run in the
+vLLM venv by tests/test_vllm_connector.py (`python vllm_connector_checks.py`), on a stand-in for the VllmConfig
+fields the connector reads and vLLM's own KVCacheConfig and KVConnectorOutput. Prints one JSON object, check name ->
+"ok" or the failure's traceback. No kvbridge server: every check stops before a fetch would reach one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from kvbridge.vllm import handoff
+from kvbridge.vllm.connector import KVBridgeConnector
+from kvbridge.vllm.layouts import write_cpu_vec
+from kvbridge.vllm.plans import Plan
+from kvbridge.vllm.saving import SaveChunk
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
+
+L, H, D, BLOCK = 2, 2, 8, 32
+STAGING = tempfile.mkdtemp(prefix="kvbridge-checks-")
+
+
+class Warnings(logging.Handler):
+    """The connector's log lines, kept."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        logging.getLogger("kvbridge.vllm").addHandler(self)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def connector(role: KVConnectorRole, cache_dtype: str = "auto", kv_role: str = "kv_both") -> KVBridgeConnector:
+    """A connector of a bfloat16 model (L layers, H KV heads x D) with one full-attention group of BLOCK-token blocks,
+    prefix caching on, and a server nothing listens at."""
+    transfer = SimpleNamespace(kv_connector_extra_config={"kvbridge_address": "127.0.0.1:1",
+                                                          "kvbridge_staging_dir": STAGING, "kvbridge_idle_wait_ms": 0},
+                               kv_load_failure_policy="recompute", kv_role=kv_role,
+                               is_kv_producer=kv_role in ("kv_producer", "kv_both"))
+    model = SimpleNamespace(get_num_layers=lambda parallel: L, get_num_kv_heads=lambda parallel: H,
+                            get_head_size=lambda: D, dtype=torch.bfloat16, model="no-model-folder")
+    config = SimpleNamespace(kv_transfer_config=transfer, model_config=model,
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(block_size=BLOCK, enable_prefix_caching=True,
+                                                          cache_dtype=cache_dtype))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D,
+                             dtype=torch.uint8 if cache_dtype.startswith("fp8") else torch.bfloat16)
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(L)], spec)]
+    return KVBridgeConnector(config, role, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+
+
+def request(req_id: str, params, prompt_len: int = 100) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=params, prompt_token_ids=list(range(prompt_len)),
+                           cache_salt="salt")
+
+
+def answer(sched: KVBridgeConnector, req, computed: int = 0) -> tuple[int | None, bool]:
+    """get_num_new_matched_tokens until the lookup (if any) has ended, as the scheduler asks again each step."""
+    for _ in range(500):
+        got = sched.get_num_new_matched_tokens(req, computed)
+        if got[0] is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("the lookup never ended")
+
+
+def finished(sched: KVBridgeConnector, req) -> dict:
+    _, params = sched.request_finished(req, [])
+    return params["kvbridge"]
+
+
+def check_malformed_parameters_never_reach_the_scheduler_thread():
+    """A malformed context on a request that vLLM's prefix cache partly covers (num_computed_tokens > 0, the path
+    that hashes the context): 0 tokens and a warning naming the field, never an exception."""
+    sched, warned = connector(KVConnectorRole.SCHEDULER), Warnings()
+    for i, params in enumerate(({"kvbridge": {"key": ["x"]}}, {"kvbridge": {"text": "t", "server": {"a": 1}}},
+                                {"kvbridge": {"key": "k", "adapter": ["a"]}}, "kvbridge", ["kvbridge"])):
+        req = request(f"bad{i}", params)
+        assert sched.get_num_new_matched_tokens(req, 64) == (0, False), params
+        error = finished(sched, req)["error"]
+        assert "must be" in error and error in warned.lines[-1], (error, warned.lines[-1:])
+    assert "'key'" in warned.lines[0] and "'server'" in warned.lines[1] and "'adapter'" in warned.lines[2]
+    # whatever else a request's parameters make fail on the way to its lookup: that request gets 0 tokens
+    def broken(*args):
+        raise RuntimeError("unexpected")
+
+    sched._covered.loadable = broken
+    req = request("odd", {"kvbridge": {"key": "k"}})
+    assert sched.get_num_new_matched_tokens(req, 64) == (0, False)
+    assert "unexpected" in finished(sched, req)["error"]
+    sched.shutdown()
+
+
+def check_the_worker_drops_the_partial_save_of_a_finished_request():
+    """get_finished (through get_transfer_results, as the model runner calls it) drops the saver's partial buffer
+    of a request that finished (aborted) before its last chunk."""
+    worker = connector(KVConnectorRole.WORKER)
+    cache = torch.zeros(8, H, BLOCK, 2 * D, dtype=torch.bfloat16)  # the CPU layout, [blocks, H_kv, block_size, 2 D]
+    chunk = SaveChunk("aborted", "default", [1, 2, 3], 0, 64, 96)
+    for index in range(L):
+        worker._saver.save_layer(index, L, SimpleNamespace(isa="vec"), cache, [chunk])
+    worker._saver.step_done([chunk])
+    assert set(worker._saver._kv) == {"aborted"}
+    worker.get_transfer_results({"aborted"})
+    assert worker._saver._kv == {}
+    worker.shutdown()
+
+
+def check_a_quantized_kv_cache_is_refused_by_name():
+    """--kv-cache-dtype fp8: the connector says so at its start and loads nothing (a request gets 0 tokens and the
+    reason; it would have cast bf16 KV into fp8 bytes); the workers save nothing."""
+    warned = Warnings()
+    sched = connector(KVConnectorRole.SCHEDULER, cache_dtype="fp8")
+    assert "fp8" in sched.kv_cache_refusal and any("fp8" in line for line in warned.lines)
+    req = request("r", {"kvbridge": {"key": "k"}})
+    assert answer(sched, req) == (0, False)
+    assert "fp8" in finished(sched, req)["error"]
+    req = request("save", {"kvbridge": {"save": {}}})  # a save is refused as well: its answer says so
+    assert answer(sched, req) == (0, False)
+    assert "fp8" in finished(sched, req)["error"]
+    sched.shutdown()
+    own = connector(KVConnectorRole.SCHEDULER, cache_dtype="bfloat16")  # the model's own dtype, named
+    assert own.kv_cache_refusal == ""
+    own.shutdown()
+    worker = connector(KVConnectorRole.WORKER, cache_dtype="fp8")
+    chunk = SaveChunk("s", "default", [1], 0, 32, 32, list(range(32)))
+    worker._saver.save_layer(0, L, SimpleNamespace(isa="vec"), torch.zeros(8, H, BLOCK, 2 * D, dtype=torch.uint8),
+                             [chunk])
+    worker._saver.step_done([chunk])
+    assert worker._saver._kv == {} and "fp8" in warned.lines[-1], warned.lines[-1:]
+    worker.shutdown()
+
+
+def loaded_plan(sched: KVBridgeConnector, req_id: str, source, sync: bool = True):
+    """A request whose lookup found 64 tokens: answered, allocated, handed to the workers in a step's metadata."""
+    sched.sync_loads = sync
+    sched._plans[req_id] = Plan(source=source, loadable=64, server="default")
+    req = request(req_id, {"kvbridge": {"key": "k"}})
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, not sync)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+    sched.update_state_after_alloc(req, blocks, 64)
+    return req
+
+
+def step_meta(sched: KVBridgeConnector):
+    return sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                      scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                                                      total_num_scheduled_tokens=64))
+
+
+class Layer:
+    """An attention layer as start_load_kv finds it: its paged buffer and the CPU backend's cache writer."""
+
+    def __init__(self):
+        self.kv_cache = torch.zeros(8, H, BLOCK, 2 * D, dtype=torch.bfloat16)  # [blocks, H_kv, block_size, 2 D]
+        self.impl = SimpleNamespace(do_kv_cache_update=lambda layer, key, value, cache, slots:
+                                    write_cpu_vec(cache, key, value, slots))
+
+
+def worker_step(worker: KVBridgeConnector, meta, layers: dict[str, Layer]) -> KVConnectorOutput:
+    """The model runner's step on the worker side (`_get_kv_connector_output`): loads, then what it reports."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    results = worker.get_transfer_results(set())
+    output = KVConnectorOutput(finished_recving=results.finished_recving, failed_recving=results.failed_recving,
+                               invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    return output
+
+
+def check_a_load_that_failed_on_the_worker_is_reported_as_failed():
+    """A synchronous load whose KV is gone when the worker reads it (vLLM recomputes its blocks) and an asynchronous
+    one (a failed receive): each request's kvbridge answer says 0 tokens loaded and why; a load that worked says
+    its tokens."""
+    sched, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
+    layers = {f"model.layers.{i}.self_attn.attn": Layer() for i in range(L)}
+    gone = str(Path(STAGING) / "gone.safetensors")
+    for req_id, sync in (("sync", True), ("async", False)):
+        req = loaded_plan(sched, req_id, gone, sync)
+        output = worker_step(worker, step_meta(sched), layers)
+        assert output.invalid_block_ids == ({1, 2} if sync else set())
+        assert output.failed_recving == (set() if sync else {"async"})
+        sched.update_connector_output(output)  # what vLLM's scheduler hands the scheduler side
+        got = finished(sched, req)
+        assert got["loaded_tokens"] == 0 and "gone.safetensors" in got["error"], got
+    kv = torch.randn(L, 2, H, 64, D, dtype=torch.bfloat16)  # [L, 2, H_kv, T, D]
+    req = loaded_plan(sched, "fine", str(handoff.stage(kv, handoff.private_folder(STAGING))))
+    output = worker_step(worker, step_meta(sched), layers)
+    assert not output.invalid_block_ids and all(layer.kv_cache[1:3].any() for layer in layers.values())
+    sched.update_connector_output(output)
+    got = finished(sched, req)
+    assert got["loaded_tokens"] == 64 and got["error"] == "", got
+    sched.shutdown()
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    results = {}
+    for name, check in [(n, f) for n, f in globals().items() if n.startswith("check_")]:
+        try:
+            check()
+            results[name.removeprefix("check_")] = "ok"
+        except Exception:  # noqa: BLE001 - reported per check
+            results[name.removeprefix("check_")] = traceback.format_exc()
+    shutil.rmtree(STAGING, ignore_errors=True)
+    print(json.dumps(results))
