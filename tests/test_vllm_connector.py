@@ -1,7 +1,8 @@
 """The connector's scheduler-side and worker-side methods called directly, as vLLM 0.32's scheduler and model runner
 call them, with no engine (tests/vllm_connector_checks.py, run once in the vLLM venv): malformed request parameters
 never raise on the scheduler's thread, a finished request's partial save is dropped, a quantized KV cache is refused
-by name, and a load that failed on a worker is reported as failed in the request's kvbridge answer.
+by name, a load that failed on a worker is reported as failed in the request's kvbridge answer, and a request that
+waited past its segment's TTL on the server fetches it again.
 
 Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
 """
@@ -33,6 +34,7 @@ def checks() -> dict[str, str]:
 @pytest.mark.parametrize("name", ["malformed_parameters_never_reach_the_scheduler_thread",
                                   "the_worker_drops_the_partial_save_of_a_finished_request",
                                   "a_quantized_kv_cache_is_refused_by_name",
-                                  "a_load_that_failed_on_the_worker_is_reported_as_failed"])
+                                  "a_load_that_failed_on_the_worker_is_reported_as_failed",
+                                  "a_segment_past_its_ttl_is_fetched_again_not_loaded"])
 def test_connector_method(checks, name):
     assert checks.get(name) == "ok", checks.get(name, f"no check {name}")

@@ -206,6 +206,24 @@ def check_a_load_that_failed_on_the_worker_is_reported_as_failed():
     worker.shutdown()
 
 
+def check_a_segment_past_its_ttl_is_fetched_again_not_loaded():
+    """A request that waited for blocks until the server's segment was (nearly) past its TTL: the connector looks it
+    up again (None: pending) instead of handing the workers a file the server has removed; a fresh one loads."""
+    from kvbridge.server.replies import SharedSegment
+
+    sched = connector(KVConnectorRole.SCHEDULER)
+    segment = SharedSegment(path=str(Path(STAGING) / "kvbridge-x" / "s.safetensors"), name="s", size=1, checksum="",
+                            shape=(L, 2, H, 64, D), dtype="bfloat16", ttl_s=30.0)
+    for req_id, age, want in (("fresh", 1.0, (64, False)), ("stale", 29.0, (None, False))):
+        sched._plans[req_id] = Plan(source=segment, loadable=64, server="default",
+                                    received_at=time.monotonic() - age)
+        req = request(req_id, {"kvbridge": {"key": "k"}})
+        assert sched.get_num_new_matched_tokens(req, 0) == want, (req_id, want)
+    assert req_id in sched._lookups and "stale" not in sched._plans  # looked up again (no server here: 0 tokens)
+    assert answer(sched, req) == (0, False)
+    sched.shutdown()
+
+
 if __name__ == "__main__":
     results = {}
     for name, check in [(n, f) for n, f in globals().items() if n.startswith("check_")]:

@@ -241,7 +241,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             source = (fetched.shared if fetched.shared is not None
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
-                        wire_bytes=fetched.wire_bytes, covered=covered,
+                        wire_bytes=fetched.wire_bytes, covered=covered, received_at=time.monotonic(),
                         cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             if fetched is not None and fetched.shared is not None:
@@ -293,6 +293,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._covered.remember(plan.covered, list(request.prompt_token_ids or []), plan.cache_tokens)
         if plan.source is None or plan.handed:  # failed, or loaded once already (after a preemption vLLM recomputes)
             return 0, False
+        if plan.expiring(time.monotonic()):  # waited for blocks past its segment's TTL on the server: fetched again
+            self._releases.soon(self._plans.pop(req_id))
+            return self._begin(request, num_computed_tokens)
         tokens = max(0, plan.loadable - num_computed_tokens)
         if tokens:
             timeline.event("matched")

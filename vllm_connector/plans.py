@@ -51,6 +51,12 @@ class Plan:
     cache_tokens: int = 0
     prefix_cached: int = 0  # the prompt's tokens vLLM's own prefix cache held when the lookup was skipped (Covered)
     covered: CoveredKey | None = None  # what Covered remembers the cache under
+    received_at: float = 0.0  # time.monotonic() when the server's answer came (its segment's TTL runs from then)
+
+    def expiring(self, now: float, margin_s: float = 2.0) -> bool:
+        """The server's segment is past (or within margin_s of) its TTL: a load now would find it gone."""
+        ttl_s = getattr(self.source, "ttl_s", None)  # a staged file (a path) is the connector's own: no TTL
+        return bool(ttl_s) and now - self.received_at > max(ttl_s - margin_s, ttl_s / 2)
 
     def load_failed(self, reason: str) -> None:
         """The workers could not write the KV (`update_connector_output`): nothing of it counts as loaded; vLLM
