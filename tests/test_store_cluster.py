@@ -155,6 +155,17 @@ def test_replicas_share_entries_through_the_cluster_whose_shards_all_hold_some(c
     assert first.stats().redis["unreplicated"] == 0 and first.stats().redis["errors"] == 0
 
 
+def test_an_entrys_deadline_travels_with_its_record_through_the_cluster(cluster, url):
+    """The write's confirmation (an EXPIRE, then WAIT) keeps the record's TTL at its entry's deadline, not the
+    tier's; a replica that adopts it expires it then."""
+    writer, reader = _sharing(url), _sharing(url)
+    key = writer.put(_seg(0, 32), "t", ttl_s=10).key
+    assert 0 < _client(cluster).pttl(writer.redis.commands.entry_key(key)) <= 10_000
+    reader.get(key, "t")
+    assert reader.info(key, "t").expires_at <= reader.clock() + 10
+    assert writer.stats().redis["unreplicated"] == 0 and writer.stats().redis["errors"] == 0
+
+
 def test_an_acl_user_held_to_the_tiers_keys_works_from_one_node_and_a_wrong_password_is_a_tier_down(cluster, url):
     for node in cluster.nodes:  # ACLs are per node
         with node.client() as c:

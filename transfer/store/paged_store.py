@@ -13,10 +13,11 @@ deleting an entry deletes what was derived from it.
 Where a block lives and how it moves between tiers: `residency`. How the pools of every layout share one device
 byte budget (which layout gives up room when another needs it): `budget`. What is stored, TTL, pins and links:
 `registry`. Entries shared with other replicas through Redis (the lock-free Redis round trips, adopting records):
-`sharing`. What callers may ask of it without changing it (info, usage, stats, `check`): `queries`. Finding the longest
-cached prefix of a token sequence (`lookup`, `get_prefix`): `prefix_lookup`. How entries leave it (delete, expiry,
-loss) and the listeners told: `removal`. The invariants `check` verifies: `checker`. One lock serialises every public
-method (the gRPC server calls in from many threads). This module: the store's state, and storing, reading, pinning and
+`sharing`; which records read back must not be adopted (removed or expired here): `stale_records`. What callers
+may ask of it without changing it (info, usage, stats, `check`): `queries`. Finding the longest cached prefix of a
+token sequence (`lookup`, `get_prefix`): `prefix_lookup`. How entries leave it (delete, expiry, loss) and the
+listeners told: `removal`. The invariants `check` verifies: `checker`. One lock serialises every public method (the
+gRPC server calls in from many threads). This module: the store's state, and storing, reading, pinning and
 refreshing entries.
 """
 
@@ -50,6 +51,7 @@ from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegis
 from kvbridge.transfer.store.removal import EntryRemoval
 from kvbridge.transfer.store.residency import Residency
 from kvbridge.transfer.store.sharing import RedisSharing
+from kvbridge.transfer.store.stale_records import StaleRecords
 from kvbridge.transfer.store.tiers import CpuTier, RedisTier
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         self._sending = threading.Lock()  # one thread sends the queued Redis writes at a time
         # keys whose "forget" is queued or being sent: their records may still be in Redis, never adopted back
         self._forgetting: Counter[str] = Counter()
+        self._stale = StaleRecords()  # records read from Redis that must not be adopted (a removal or expiry here)
 
     @property
     def cpu(self) -> CpuTier | None:
@@ -196,13 +199,14 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                     if pin and not existing.pinned:
                         pool.ref(blocks)
                         existing.pinned = True
+                    deadline_moved = expires_at is not None or existing.expires_at is not None
                     existing.expires_at = expires_at
                     existing.last_access = now
-                    if (text is not None and text != existing.text) or annotations:
+                    if (text is not None and text != existing.text) or annotations or deadline_moved:
                         if text is not None:
                             existing.text = text
                         existing.annotations.update(annotations or {})
-                        self._share(existing, pool, [])  # the record again, with what it knows now
+                        self._share(existing, pool, [])  # the record again, with what it knows now and its deadline
                     existing.generation += 1
                     self.registry.schedule(existing)
                     self._stats.puts += 1
@@ -332,10 +336,13 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                 self._pin_entry(entry, tenant, True, prefetched)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
+            deadline_moved = ttl is not None or entry.expires_at is not None
             entry.expires_at = now + ttl if ttl is not None else None
             entry.last_access = now
             if text is not None:
                 entry.text = text
+            if deadline_moved:
+                self._share(entry, self.pools[entry.layout.key], [])  # the record again, with its new deadline
             entry.generation += 1
             self.registry.schedule(entry)
             return self._info(entry, new_blocks=0)

@@ -37,10 +37,16 @@ class PrefixLookup:
         if self.config.share_entries and self.redis is not None:  # an entry another replica stored?
             with self._lock:
                 local = self.registry.get(key) is not None or key in self._forgetting  # being deleted: no record
-            records = {} if local else self.redis.get_entries([key])  # no lock held
-            if records:
-                with self._lock:
-                    self._adopt(records[key], tenant)
+                read = None if local else self._stale.begin_read()
+            if read is not None:
+                records = {}
+                try:
+                    records = self.redis.get_entries([key])  # no lock held
+                finally:
+                    with self._lock:
+                        if key in records:
+                            self._adopt(records[key], tenant, read)
+                        self._stale.end_read(read)
         with self._lock:
             self._expire()
             entry = self.registry.get(key)

@@ -14,15 +14,15 @@ Writes and replicas. A primary answers a write before its replicas have it (repl
 in that window and a replica is promoted, the write is gone though the tier was told OK. So with `wait_replicas` >= 1
 (the default, 1) a write the tier acknowledges was confirmed by that many replicas: `WAIT wait_replicas
 wait_timeout_ms` on the connection that sent it; for what redis-py sent (retries, entry records), `confirm`: on one
-connection to each primary the map names now, an EXPIRE of each key (is it there?) then WAIT. A replica's
-acknowledgment covers everything before it in its primary's replication stream, so a WAIT that counts enough replicas
-covers every write that primary answered, on whatever connection. Keys not found, a WAIT short of replicas (a shard
-whose replica is down, a primary promoted a moment ago that has none yet, or whose replica has just synced: a primary
-streams to it only once it next hears from it, up to a second later), a node out of reach, a slot being migrated (the
-EXPIRE meets ASK): the write is reported as not stored (`RedisStats.unreplicated`) and its value stays (it is
-correct; a failover may drop it). What is left: a confirmed write is lost only if its replica fails too before it is
-promoted. Deletes are not confirmed: a failover may bring back, until its TTL, a value deleted just before, one a
-replica wrote and signed.
+connection to each primary the map names now, a PEXPIRE of each key to the TTL it was written with (is it there?)
+then WAIT. A replica's acknowledgment covers everything before it in its primary's replication stream, so a WAIT that
+counts enough replicas covers every write that primary answered, on whatever connection. Keys not found, a WAIT short
+of replicas (a shard whose replica is down, a primary promoted a moment ago that has none yet, or whose replica has
+just synced: a primary streams to it only once it next hears from it, up to a second later), a node out of reach, a
+slot being migrated (the PEXPIRE meets ASK): the write is reported as not stored (`RedisStats.unreplicated`) and its
+value stays (it is correct; a failover may drop it). What is left: a confirmed write is lost only if its replica fails
+too before it is promoted. Deletes are not confirmed: a failover may bring back, until its TTL, a value deleted just
+before, one a replica wrote and signed.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class ClusterCommands(Commands):
             for key, head, data in sealing.sealed(again):
                 pipe.set(key, head + data, ex=ttl_s)
             pipe.execute()
-            unconfirmed += self.confirm([sealing.items[i][0] for i in again], ttl_s)
+            unconfirmed += self.confirm([(sealing.items[i][0], ttl_s * 1000) for i in again])
         return unconfirmed
 
     def _reply(self, conn):
@@ -155,17 +155,20 @@ class ClusterCommands(Commands):
             groups.setdefault(node.name, (node, []))[1].append(item)
         return list(groups.values()), orphans
 
-    def confirm(self, keys: list[bytes], ttl_s: int) -> list[bytes]:
-        """The keys whose writes are not confirmed by `wait_replicas` replicas (see the module docstring)."""
-        if not keys or not self.target.wait_replicas:
+    def confirm(self, written: list[tuple[bytes, int]]) -> list[bytes]:
+        """Of these written (key, its TTL in milliseconds), the keys whose writes are not confirmed by `wait_replicas`
+        replicas (see the module docstring)."""
+        if not written or not self.target.wait_replicas:
             return []
         client = self.client
-        groups, unconfirmed = self._by_primary(client, keys, lambda key: key)
-        for node, node_keys in groups:
-            try:  # one connection: the WAIT follows the EXPIREs, and counts replicas that acknowledged them
+        groups, orphans = self._by_primary(client, written, lambda item: item[0])
+        unconfirmed = [key for key, _ in orphans]
+        for node, items in groups:
+            node_keys = [key for key, _ in items]
+            try:  # one connection: the WAIT follows the PEXPIREs, and counts replicas that acknowledged them
                 pipe = client.get_redis_connection(node).pipeline(transaction=False)
-                for key in node_keys:
-                    pipe.expire(key, ttl_s)
+                for key, ttl_ms in items:
+                    pipe.pexpire(key, ttl_ms)
                 pipe.execute_command("WAIT", self.target.wait_replicas, self.target.wait_timeout_ms)
                 *found, replicas = pipe.execute(raise_on_error=False)
             except self.errors:

@@ -53,9 +53,9 @@ class Commands:
         confirm."""
         raise NotImplementedError
 
-    def confirm(self, keys: list[bytes], ttl_s: int) -> list[bytes]:
-        """After writes of these keys: those not confirmed to have reached as many replicas as the tier waits for
-        (none on one server: it has no replicas to wait for)."""
+    def confirm(self, written: list[tuple[bytes, int]]) -> list[bytes]:
+        """After writes of these (key, its TTL in milliseconds): the keys not confirmed to have reached as many
+        replicas as the tier waits for (none on one server: it has no replicas to wait for)."""
         return []
 
     def ping(self) -> None:

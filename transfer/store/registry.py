@@ -45,6 +45,9 @@ class Entry:
     annotations: dict = field(default_factory=dict)  # small JSON-able facts the caller keeps with it
     generation: int = 0  # 0 when stored; +1 on every later put or refresh of it (someone else stored it too)
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this object's, never another's: its KV's identity
+    # entries shared through Redis: the id of the last record of it written or adopted here that carries its deadline
+    # (None: none does); once it expires here, that record is not adopted back (stale_records)
+    record_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +181,15 @@ class EntryRegistry:
 RECORD_VERSION = 1
 
 
-def entry_record(entry: Entry) -> bytes:
+def entry_record(entry: Entry, record_id: str) -> bytes:
     """What other replicas need to serve an entry whose blocks they read from Redis: its namespace, kind, layout,
-    tokens, positions and text, and its source link (TTL and pins stay local). JSON."""
+    tokens, positions and text, its source link, this record's id (one per record written), and whether it expires
+    (then the record's TTL in Redis is the entry's: replicas that adopt it expire it then). Pins stay local. JSON."""
     positions = entry.positions
     t = entry.token_ids.numel()
     return json.dumps({
-        "v": RECORD_VERSION, "key": entry.key, "tenant": entry.namespace.tenant, "model_name": entry.model.name,
+        "v": RECORD_VERSION, "id": record_id, "expires": entry.expires_at is not None,
+        "key": entry.key, "tenant": entry.namespace.tenant, "model_name": entry.model.name,
         "config_hash": entry.model.config_hash, "dtype": entry.namespace.dtype, "adapter": entry.namespace.adapter,
         "kind": entry.kind, "num_layers": entry.layout.num_layers, "num_kv_heads": entry.layout.num_kv_heads,
         "head_dim": entry.layout.head_dim, "block_size": entry.layout.block_size,

@@ -56,7 +56,9 @@ class EntryRemoval:
         """Forget an entry; blocks no other entry uses are dropped from the local tiers, and from Redis too unless
         the entry was lost (then Redis has the data or not). With entries shared through Redis, only its partial
         tail block goes from Redis: its full blocks may be used by entries this store cannot see (another
-        replica's, or its own before a restart), and expire there after redis_ttl_s."""
+        replica's, or its own before a restart), and expire there after redis_ttl_s. Its record goes too when it was
+        deleted or lost (no record read before is adopted after); an expired entry's record leaves Redis at the same
+        deadline, and is not adopted back here meanwhile (stale_records)."""
         pool = self.pools.get(entry.layout.key)
         if entry.pinned and pool is not None:
             pool.unref([pool.lookup(h) for h in entry.hashes])
@@ -71,6 +73,9 @@ class EntryRemoval:
             # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
             self.residency.outbox.append(("forget", [entry.key]))
             self._forgetting[entry.key] += 1
+            self._stale.removed(entry.key)
+        if reason == "expired" and entry.record_id is not None:
+            self._stale.expired(entry.record_id, self.clock())
         for listener in self._listeners:
             listener(entry.key, entry.namespace.tenant, reason)
 

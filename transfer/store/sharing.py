@@ -1,8 +1,10 @@
 """Entries shared with other replicas through Redis, the part of PagedStore that talks to Redis without its lock:
 `_run` runs a public method's locked part and fetches, unlocked, the blocks and records it needs from Redis;
 `_flush` sends the queued Redis writes in order; `_entry_for`, `_adopt` and `_adopt_family` register entries another
-replica stored, from their records (checked: the key is recomputed from the contents); `_share` queues a new
-entry's record and blocks. A mixin of PagedStore (it uses the store's lock, registry, residency, budget and config).
+replica stored, from their records (checked: the key is recomputed from the contents; never a record stale here:
+stale_records); `_share` queues a new entry's record and blocks. A record's TTL in Redis is its entry's when the entry
+expires (set from the entry's deadline as it is sent), and a replica that adopts it expires it then. A mixin of
+PagedStore (it uses the store's lock, registry, residency, budget, config and clock).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import secrets
 from collections import Counter
 from collections.abc import Callable
 
@@ -45,7 +48,7 @@ class RedisSharing:
         """locked(prefetched) under the store's lock. When it needs blocks only Redis has (NeedRemote), they are
         fetched without the lock and it runs again with them; Redis writes it queued are sent after, also without
         the lock."""
-        prefetched: dict = {}
+        prefetched: dict = {}  # also ("entry", key) -> the record found, ("read", key) -> its read's stamp
         try:
             for _ in range(_REMOTE_ROUNDS):
                 try:
@@ -62,6 +65,11 @@ class RedisSharing:
                             prefetched[("entry", k)] = records.get(k)
             raise NotFound(f"blocks kept leaving the device while {_REMOTE_ROUNDS} Redis reads brought them back")
         finally:
+            reads = [stamp for slot, stamp in prefetched.items() if isinstance(slot, tuple) and slot[0] == "read"]
+            if reads:
+                with self._lock:
+                    for stamp in reads:
+                        self._stale.end_read(stamp)
             self._flush()
 
     def _flush(self) -> None:
@@ -98,8 +106,10 @@ class RedisSharing:
         redis = self.residency.redis
         if op == "delete":
             redis.delete_many(items)
-        elif op == "entries":
-            redis.put_entries(items)
+        elif op == "entries":  # each record lives in Redis until its entry's deadline, if it has one
+            now = self.clock()
+            redis.put_entries([(key, record, source_key, None if expires_at is None else expires_at - now)
+                               for key, record, source_key, expires_at in items])
         elif op == "forget":
             redis.delete_entries(items)
         elif op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
@@ -137,9 +147,11 @@ class RedisSharing:
                 and _ENTRY_KEY.fullmatch(key) and key not in self._forgetting:
             slot = ("entry", key)
             if slot not in prefetched:
+                if ("read", key) not in prefetched:  # (begun with the check above: no forget of it pending)
+                    prefetched[("read", key)] = self._stale.begin_read()
                 raise NeedRemote([], None, entries=[key])
             if prefetched[slot] is not None:
-                entry = self._adopt(prefetched[slot], tenant)
+                entry = self._adopt(prefetched[slot], tenant, prefetched[("read", key)])
         if entry is None or entry.namespace.tenant != tenant:
             raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
         return entry
@@ -155,21 +167,32 @@ class RedisSharing:
             seen.update(todo)
             with self._lock:
                 missing = [k for k in todo if self.registry.get(k) is None and k not in self._forgetting]
-            records = self.redis.get_entries(missing)
-            derived = self.redis.derived_entries(todo)
-            with self._lock:
-                for k, blob in records.items():
-                    if k not in self._forgetting:
-                        self._adopt(blob, tenant)
+                read = self._stale.begin_read()
+            try:
+                records = self.redis.get_entries(missing)
+                derived = self.redis.derived_entries(todo)
+                with self._lock:
+                    for found in records.values():
+                        self._adopt(found, tenant, read)
+            finally:
+                with self._lock:
+                    self._stale.end_read(read)
             todo = [d for d in derived if d not in seen and _ENTRY_KEY.fullmatch(d)]
 
-    def _adopt(self, blob: bytes, tenant: str) -> Entry | None:
-        """Register an entry another replica stored, from its record; its blocks come from Redis when read. None
-        when the record is another tenant's, or does not check out (its key is recomputed from its contents)."""
+    def _adopt(self, found: tuple[bytes, float | None], tenant: str, read: int) -> Entry | None:
+        """Register an entry another replica stored, from its record as get_entries found it (the record, the seconds
+        Redis keeps it still) in the read of stamp `read`; its blocks come from Redis when read. It expires with its
+        record when the record says it expires (else after default_ttl_s). None when the record is another tenant's,
+        does not check out (its key is recomputed from its contents), or is stale here (a forget of its key pending,
+        or: stale_records)."""
+        blob, left_s = found
         try:
             record = parse_record(blob)
             if record["tenant"] != tenant:
                 return None
+            record_id = record.get("id")
+            if record_id is not None and not isinstance(record_id, str):
+                raise ValueError("its id is not a string")
             model = ModelIdentity(record["model_name"], record["config_hash"])
             ns = Namespace(tenant=tenant, model=model.key, dtype=record["dtype"], adapter=record["adapter"])
             kind = record["kind"]
@@ -193,25 +216,35 @@ class RedisSharing:
         existing = self.registry.get(key)
         if existing is not None:
             return existing
+        now = self.clock()
+        if key in self._forgetting or self._stale.stale(key, record_id, read, now):
+            return None
         self.budget.pool_for(layout, create=True)
         hashes = self._chain(ns, kind, key, tokens)
         self.registry.claim(key, hashes)
-        now = self.clock()
-        ttl = self.config.default_ttl_s
+        if record.get("expires") is True and left_s is not None:  # the writer's deadline, on Redis's clock
+            expires_at = now + left_s
+        else:
+            ttl = self.config.default_ttl_s
+            expires_at, record_id = (now + ttl if ttl is not None else None), None
         entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=model, token_ids=tokens,
                       positions=positions, rotated=bool(record["rotated"]), hashes=hashes,
-                      expires_at=now + ttl if ttl is not None else None, pinned=False, last_access=now,
+                      expires_at=expires_at, pinned=False, last_access=now,
                       text=record.get("text"), source_key=record.get("source_key"),
-                      annotations=dict(record.get("annotations") or {}), generation=1)  # stored elsewhere
+                      annotations=dict(record.get("annotations") or {}), generation=1,  # stored elsewhere
+                      record_id=record_id)
         self.registry.add(entry)
         return entry
 
     def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]]) -> None:
-        """Entries shared through Redis: queue the entry's record and its new blocks (written through: replicas
-        read them there) for the sender."""
+        """Entries shared through Redis: queue the entry's record (a new one, with its deadline: again whenever that
+        changes) and its new blocks (written through: replicas read them there) for the sender."""
         if not (self.config.share_entries and self.redis is not None):
             return
         if new:
             data = read_to_cpu(pool, [i for _, i in new], [True] * len(new))
             self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
-        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry), entry.source_key)]))
+        record_id = secrets.token_hex(8)
+        entry.record_id = record_id if entry.expires_at is not None else None
+        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry, record_id), entry.source_key,
+                                                   entry.expires_at)]))

@@ -299,47 +299,55 @@ class RedisTier:
             return
         self._ok()
 
-    def put_entries(self, items: list[tuple[str, bytes, str | None]]) -> bool:
-        """SET with TTL for each (entry key, record, source entry key or None), and the key added to its source's
-        derived set. False when the tier is down or, on a cluster, when replicas did not confirm them all."""
+    def put_entries(self, items: list[tuple[str, bytes, str | None, float | None]]) -> bool:
+        """SET each (entry key, record, source entry key or None, seconds the record may live: None for the tier's
+        TTL, else that many, at most the tier's and at least a millisecond), and the key added to its source's derived
+        set (the tier's TTL). False when the tier is down or, on a cluster, when replicas did not confirm them all."""
         if not items or not self._usable():
             return False if items else True
+        tier_ms = self.ttl_s * 1000
         try:
             pipe = self.commands.client.pipeline(transaction=False)
             written = []
-            for key, record, source_key in items:
+            for key, record, source_key, ttl_s in items:
                 redis_key = self.commands.entry_key(key)
-                pipe.set(redis_key, self.auth.seal_record(redis_key, record), ex=self.ttl_s)
-                written.append(redis_key)
+                ms = tier_ms if ttl_s is None else max(1, min(tier_ms, int(ttl_s * 1000)))
+                pipe.set(redis_key, self.auth.seal_record(redis_key, record), px=ms)
+                written.append((redis_key, ms))
                 if source_key is not None:
                     set_key = self.commands.derived_key(source_key)
                     pipe.sadd(set_key, self.auth.seal_member(set_key, key))
                     pipe.expire(set_key, self.ttl_s)
-                    written.append(set_key)
+                    written.append((set_key, tier_ms))
             pipe.execute()
-            short = self._short(self.commands.confirm(written, self.ttl_s))
+            short = self._short(self.commands.confirm(written))
         except self._errors as exc:
             self.failed(exc)
             return False
         self._ok()
         return not short
 
-    def get_entries(self, keys: list[str]) -> dict[str, bytes]:
-        """The records found whose tags check out (a miss when the tier is down); the others are counted."""
+    def get_entries(self, keys: list[str]) -> dict[str, tuple[bytes, float | None]]:
+        """The records found whose tags check out, each with the seconds Redis keeps it still (None: no TTL); a miss
+        when the tier is down. The others are counted."""
         if not keys or not self._usable():
             return {}
         redis_keys = [self.commands.entry_key(k) for k in keys]
         try:
-            blobs = self.commands.mget(redis_keys)
+            pipe = self.commands.client.pipeline(transaction=False)
+            for redis_key in redis_keys:
+                pipe.get(redis_key)
+                pipe.pttl(redis_key)
+            replies = pipe.execute()
         except self._errors as exc:
             self.failed(exc)
             return {}
         self._ok()
         found, rejected = {}, []
-        for key, redis_key, blob in zip(keys, redis_keys, blobs):
-            if blob is not None:
+        for key, redis_key, blob, left_ms in zip(keys, redis_keys, replies[0::2], replies[1::2]):
+            if blob is not None and left_ms != -2:  # (-2: it expired between the two)
                 try:
-                    found[key] = self.auth.open_record(redis_key, blob)
+                    found[key] = (self.auth.open_record(redis_key, blob), None if left_ms < 0 else left_ms / 1000)
                 except ForgedValue as exc:
                     rejected.append((redis_key, str(exc)))
         if rejected:
