@@ -37,7 +37,8 @@ from kvbridge.server.config import is_loopback, split_address
 SERVICE = pb2.DESCRIPTOR.services_by_name["KVBridge"].full_name  # "kvbridge.v1.KVBridge": health-checked, retried
 DOWNLOADS = (("GetProjectedCache", pb2.GetProjectedCacheRequest), ("GetSourceCache", pb2.GetSourceCacheRequest))
 MAX_ATTEMPTS = 5  # gRPC's own ceiling on a retry policy's maxAttempts (it lowers larger values to 5)
-MAX_BACKOFF_S = 2.0  # the channel's retries wait at most this long between attempts
+MAX_BACKOFF_S = 2.0  # the channel's retries (and the client's) wait at most this long between attempts
+NOT_RETRIED = ("Delete",)  # a lost answer may hide its effect: tried again, it would say NOT_FOUND, or delete anew
 TRANSPORTS = ("stream", "shared_memory", "auto")
 
 
@@ -123,7 +124,8 @@ def service_config(retries: int, backoff_s: float) -> str:
         config["methodConfig"] = [{"name": [{"service": SERVICE}], "retryPolicy": {
             "maxAttempts": min(retries + 1, MAX_ATTEMPTS), "initialBackoff": f"{first:.3f}s",
             "maxBackoff": f"{max(first, MAX_BACKOFF_S):.3f}s", "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"]}}]
+            "retryableStatusCodes": ["UNAVAILABLE"]}},
+            {"name": [{"service": SERVICE, "method": m} for m in NOT_RETRIED]}]  # no retry policy: sent once
     return json.dumps(config)
 
 

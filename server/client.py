@@ -13,10 +13,11 @@ Same host: with transport="shared_memory" (or "auto" on a loopback address) a fe
 in a shared-memory file; the client maps it (no copy), checks its size and checksum, and tells the server it is
 done. When it cannot open the file (another host, another OS user) it tells the server to drop it and streams.
 
-Every call has a deadline (timeout_s); calls that fail with UNAVAILABLE are retried with exponential backoff (a
-stream only while none of its messages has arrived; to replicas, the channel's retry policy retries a call and the
-client fetches a stream cut later again, from another replica). Errors come back as KVBridgeError with the status
-code and the server's sentence.
+Every try of a call has a deadline (timeout_s); calls that fail with UNAVAILABLE are tried again, `retries` times at
+most, after a backoff from backoff_s doubling up to MAX_BACKOFF_S (a stream only while none of its messages has
+arrived; to replicas, the channel's retry policy retries a call and the client fetches a stream cut later again, from
+another replica); Delete, whose effect a lost answer may hide, is never tried again. Errors come back as
+KVBridgeError with the status code and the server's sentence.
 
     with KVBridgeClient("127.0.0.1:50051", token=...) as client:
         entry = client.ingest("some long document ...").entries[0]
@@ -34,8 +35,8 @@ from pathlib import Path
 import grpc
 import torch
 from kvbridge.proto import pb2
-from kvbridge.server.channel import Channels, Endpoint, parse_target, resolve_transport
-from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, dtype_name, int64_tensor, iter_chunks
+from kvbridge.server.channel import MAX_BACKOFF_S, NOT_RETRIED, Channels, Endpoint, parse_target, resolve_transport
+from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, dtype_name, int64_tensor, iter_chunks, plan_chunks
 from kvbridge.server.fetch_reply import FetchReply
 from kvbridge.server.replies import (
     Entry,
@@ -48,6 +49,7 @@ from kvbridge.server.replies import (
 )
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.tensor_blob import ST_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,8 @@ class KVBridgeClient:
         memory when every address is a loopback one)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"retries and backoff_s must be >= 0, got {retries} and {backoff_s}")
         self.target = parse_target(address)
         self.transport = resolve_transport(transport, self.target)
         self.address = self.target.uri
@@ -113,7 +115,7 @@ class KVBridgeClient:
     # ------------------------------------------------------------------------------------------ plumbing
 
     def _sleep(self, attempt: int) -> None:
-        time.sleep(self.backoff_s * (2 ** attempt))
+        time.sleep(min(self.backoff_s * (2 ** attempt), max(self.backoff_s, MAX_BACKOFF_S)))
 
     def _retried_by_channel(self, endpoint: Endpoint) -> bool:
         """Whether the channel's retry policy already retried a call that failed before its first answer (the
@@ -123,7 +125,7 @@ class KVBridgeClient:
     def _unary(self, method: str, request, timeout_s: float | None = None, endpoint: Endpoint | None = None):
         endpoint = endpoint or self._channels.main
         call = getattr(endpoint.stub, method)
-        tries = 1 if self._retried_by_channel(endpoint) else self.retries + 1
+        tries = 1 if self._retried_by_channel(endpoint) or method in NOT_RETRIED else self.retries + 1
         for attempt in range(tries):
             try:
                 return call(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
@@ -258,6 +260,15 @@ class KVBridgeClient:
         """put_source_kv from parts: kv [L, 2, H, T, D] of `model` ("": the server's source model; config_hash "":
         not checked, the server checks the shapes) at positions (None: 0..T-1)."""
         kv = kv.detach().cpu()
+        # what the stream's messages would refuse, refused here by name (an error raised while gRPC iterates the
+        # requests comes back as UNKNOWN "Exception iterating requests!")
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"kv must be [L, 2, H, T, D], got shape {tuple(kv.shape)}")
+        if kv.dtype not in ST_DTYPES:
+            raise ValueError(f"kv must be one of {sorted(map(dtype_name, ST_DTYPES))}, got {dtype_name(kv.dtype)}")
+        if kv.shape[3] != len(token_ids):
+            raise ValueError(f"kv holds {kv.shape[3]} tokens and token_ids {len(token_ids)}")
+        plan_chunks(kv.shape[0], kv.shape[3], 2 * kv.shape[2] * kv.shape[4] * kv.element_size(), chunk_bytes)
         header = pb2.KVHeader(model=pb2.ModelRef(name=model, config_hash=config_hash), dtype=dtype_name(kv.dtype),
                               num_layers=kv.shape[0], num_kv_heads=kv.shape[2], head_dim=kv.shape[4],
                               token_ids=[int(t) for t in token_ids],

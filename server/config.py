@@ -90,6 +90,7 @@ class ServeConfig:
     log_json: bool = False  # one JSON object per log line
 
     def __post_init__(self):
+        self._check_types()
         from kvbridge.transfer.presets import PRESETS
 
         if self.preset not in PRESETS:
@@ -128,6 +129,24 @@ class ServeConfig:
         from kvbridge.transfer.suffix.correction import Correction
 
         Correction.parse(self.correction, "correction")
+
+    def _check_types(self) -> None:
+        """Each value of the kind its field declares (a TOML file can give any): a float where a count goes (chunk_kb
+        1024.0) would fail every fetch later, a bool is no number."""
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str, os.PathLike),
+                 "list[int]": (list,)}
+        for f in dataclasses.fields(self):
+            declared = str(f.type).replace(" ", "").split("|")
+            value = getattr(self, f.name)
+            if value is None and "None" in declared:
+                continue
+            allowed = tuple(t for d in declared for t in kinds.get(d, (object,)))
+            wrong = not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+            if not wrong and f.type == "list[int] | None":
+                wrong = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            if wrong:
+                raise ValueError(f"{f.name} must be {' or '.join(declared)}, got {value!r} "
+                                 f"({type(value).__name__})")
 
     def _check_redis_secret(self) -> None:
         from kvbridge.transfer.store.redis_auth import read_secret_file

@@ -154,6 +154,9 @@ def test_config_reads_toml_then_flags_and_names_bad_fields(tmp_path):
     path.write_text('preset = "tiny"\nlisten = "127.0.0.1:7000"\nworkers = 3\nstore_capacity_mb = 64\n')
     config = ServeConfig.load(path, workers=5, listen=None)
     assert (config.preset, config.listen, config.workers, config.store_capacity_mb) == ("tiny", "127.0.0.1:7000", 5, 64)
+    path.write_text('preset = "tiny"\nchunk_kb = 1024.0\n')
+    with pytest.raises(ValueError, match="chunk_kb must be int"):
+        ServeConfig.load(path)
     path.write_text('preset = "tiny"\nlisen = "x"\n')
     with pytest.raises(ValueError, match=r"unknown keys \['lisen'\]"):
         ServeConfig.load(path)
@@ -163,7 +166,12 @@ def test_config_reads_toml_then_flags_and_names_bad_fields(tmp_path):
                             ({"listen": "10.0.0.5:50051"}, "not a loopback address"),
                             ({"preset": "huge"}, "preset must be one of"),
                             ({"correction_prior_file": "p.safetensors", "correction_prior": False},
-                             "correction_prior is off")]:
+                             "correction_prior is off"),
+                            # a value of another kind (any TOML value reaches here): a float count failed every fetch
+                            ({"chunk_kb": 1024.0}, r"chunk_kb must be int, got 1024.0 \(float\)"),
+                            ({"workers": True}, "workers must be int"), ({"block_size": 16.5}, "block_size must be"),
+                            ({"listen": 50051}, "listen must be str"), ({"selfcheck": "no"}, "selfcheck must be bool"),
+                            ({"detector_layers": [0, "1"]}, "detector_layers must be")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**fields)
     assert ServeConfig(listen="10.0.0.5:50051", token_file="tokens").listen == "10.0.0.5:50051"
