@@ -177,8 +177,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             tenant = self._tenant(context)
             watched = None
             try:
-                with self.uploads.hold(tenant), self.watchdog.watch(context.cancel) as watched:
-                    upload, kv = self._receive(method, request_iterator, watched)
+                with self.uploads.hold(tenant):
+                    with self.watchdog.watch(context.cancel) as watched:  # the stream's messages, not the store's work
+                        upload, kv = self._receive(method, request_iterator, watched)
                     info, start = self.service.put_source(tenant, upload, kv)
                 return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
             except Exception as exc:

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.request_limits import MAX_DETAILS_BYTES
@@ -277,4 +278,44 @@ def test_a_download_nobody_reads_is_cancelled_by_the_watchdog(tmp_path, tiny_sou
             assert len(lines) == 1 and "no chunk taken for 60 s, cancelled" in lines[0], lines
             _still_works(channel, ALICE)
     finally:
+        running.stop(1)
+
+
+def test_an_upload_being_stored_is_not_cancelled_as_idle(tmp_path, tiny_source, tiny_target, monkeypatch):
+    """The watchdog watches an upload's messages, not the store's work after the last one: an upload whose storing
+    takes past the idle limit (a slow Redis tier) is answered with its entry, never CANCELLED "nothing stored"
+    while it was in fact stored."""
+    from kvbridge.server.app import build_service, start_server
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.server.config import ServeConfig
+
+    config = ServeConfig(preset="tiny", listen="127.0.0.1:0", adapters=str(tmp_path), store_capacity_mb=16,
+                         store_device="cpu", selfcheck=False, stream_idle_s=60)
+    running = start_server(build_service(config, source=tiny_source, targets=[tiny_target]), config,
+                           tokens={ALICE: "alice"})
+    storing, stored = threading.Event(), threading.Event()
+    real = running.service.put_source
+
+    def slow_put_source(*args, **kwargs):
+        storing.set()
+        stored.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(running.service, "put_source", slow_put_source)
+    try:
+        spec = tiny_source.spec
+        kv = torch.randn(spec.num_layers, 2, spec.num_kv_heads, 40, spec.head_dim)
+        with KVBridgeClient(running.address, token=ALICE, retries=0) as client:
+            def upload():
+                done.entry = client.put_kv(kv, list(range(5, 45)), model=tiny_source.name)
+
+            done = threading.Thread(target=upload)
+            done.start()
+            assert storing.wait(30)
+            running.watchdog.sweep(time.monotonic() + 61)  # past the idle limit while it stores
+            stored.set()
+            done.join(30)
+            assert getattr(done, "entry", None) is not None and done.entry.num_tokens == 40
+    finally:
+        stored.set()
         running.stop(1)
