@@ -6,6 +6,8 @@ itself: tests/test_store.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from kvbridge.transfer.store import NotFound
@@ -97,6 +99,12 @@ def test_redis_blobs_are_safetensors_whose_every_byte_is_checked(dtype):
     assert torch.equal(decode_block(old)[1], block)
     with pytest.raises(ValueError, match="corrupt"):
         decode_block(old[:-1] + bytes([old[-1] ^ 1]))
+    # a header whose metadata is no object (the checksum covers the data only): refused, not a TypeError
+    head = json.dumps({"__metadata__": "layout sum64", "kv": {"dtype": "BF16" if dtype == torch.bfloat16 else "F32",
+                       "shape": list(block.shape), "data_offsets": [0, block.numel() * block.element_size()]}})
+    head += " " * (-len(head) % 8)
+    with pytest.raises(ValueError, match="__metadata__ is not an object of strings"):
+        decode_block(len(head).to_bytes(8, "little") + head.encode() + block.view(torch.uint8).numpy().tobytes())
 
 
 @pytest.mark.integration

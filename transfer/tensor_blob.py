@@ -42,6 +42,8 @@ def parse(blob, name: str) -> tuple[torch.dtype, tuple[int, ...], int, dict]:
         if not isinstance(meta, dict):
             raise ValueError("the header is not a JSON object")
         metadata = meta.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError("__metadata__ is not an object of strings")  # safetensors' own rule
         if set(meta) != {name}:
             raise ValueError(f"the blob must hold exactly one tensor {name!r}, got {sorted(meta)}")
         tensor = meta[name]
