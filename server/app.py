@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kvbridge.adapters.io import load_adapter
 from kvbridge.adapters.shipped import find_shipped
 from kvbridge.proto import pb2
@@ -291,6 +291,17 @@ def health_handler(servicer: health.HealthServicer, pool: futures.ThreadPoolExec
     return grpc.method_handlers_generic_handler(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, handlers)
 
 
+def reflection_handler(names, pool: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:
+    """Server reflection (grpc.reflection.v1alpha) on threads of its own: a reflection stream holds its thread as
+    long as the client keeps it open, and on the server's default pool a few idle ones (no token needed) would stop
+    health Watch calls from starting (a balanced client then never sees the replica SERVING) and refusals."""
+    info = reflection.ReflectionServicer(names).ServerReflectionInfo
+    handler = grpc.stream_stream_rpc_method_handler(
+        _on(pool, info), request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {"ServerReflectionInfo": handler})
+
+
 def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str, str] | None = None
                  ) -> RunningServer:
     """Bind and start (non-blocking). Tokens: given, or read from config.token_file, else an open server."""
@@ -307,11 +318,13 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]
     # Thread budgets: streams (whose length a client can stretch) never hold a thread that unary calls or health
-    # checks need. "other": reflection, health Watch, and refusals of calls without a valid token.
+    # checks need. "reflection": its streams, which anyone may open and hold (health and reflection need no token).
+    # "other": the start of a health Watch (it holds no thread after) and refusals of calls without a valid token.
     pools = {"health": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-health"),
              "unary": futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-unary"),
              "stream": futures.ThreadPoolExecutor(max_workers=config.stream_workers,
                                                   thread_name_prefix="kvbridge-stream"),
+             "reflection": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-reflection"),
              "other": futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-rpc")}
     server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth)], options=options)
     watchdog = IdleWatchdog(config.stream_idle_s)
@@ -385,7 +398,7 @@ def _bind_and_start(config: ServeConfig, service, auth, metrics, server, pools, 
     health_servicer = health.HealthServicer()
     server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    server.add_generic_rpc_handlers((reflection_handler(names, pools["reflection"]),))
     if config.tls_cert:
         creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
         bound = server.add_secure_port(config.listen, creds)

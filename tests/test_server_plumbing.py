@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -42,6 +43,41 @@ def test_health_and_reflection_answer(server):
 
         proto = descriptor_pb2.FileDescriptorProto.FromString(files.file_descriptor_response.file_descriptor_proto[0])
         assert proto.name == "kvbridge/v1/kvbridge.proto" and proto.package == "kvbridge.v1"
+
+
+def test_idle_reflection_streams_do_not_stop_health_watches_or_refusals(server):
+    """Reflection needs no token, and a stream holds its thread while the client keeps it open: six idle ones (more
+    than the threads it has, and than the server's default pool) leave health Watch (what a balanced client checks a
+    replica by) and the refusal of a call without a token answering (reflection itself waits for its threads)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    done, channels, calls = threading.Event(), [], []
+
+    def idle():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        done.wait(60)  # then nothing until the test ends
+
+    try:
+        for _ in range(6):  # each on a channel of its own
+            channels.append(grpc.insecure_channel(server.address))
+            calls.append(reflection_pb2_grpc.ServerReflectionStub(channels[-1]).ServerReflectionInfo(idle(),
+                                                                                                      timeout=60))
+        next(calls[0])  # the first answer: the streams hold the threads they got now (the others wait for one)
+        time.sleep(0.5)
+        with grpc.insecure_channel(server.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+            with pytest.raises(grpc.RpcError) as refused:
+                pb2_grpc.KVBridgeStub(channel).Stats(pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        done.set()
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
 
 
 def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
