@@ -122,6 +122,13 @@ def test_longrope_is_exact_below_its_original_window_and_refuses_positions_past_
                  lambda: lm.rope.shift_all(seg.keys[:, :, :10], seg.positions[:10], seg.positions[:10] + 250)):
         with pytest.raises(ValueError, match=r"phi3-longrope.*layer 0: longrope.*positions >= 256"):
             call()
+    # nor is KV made by a forward past 256: its keys below 256 carry the long factors too (a slice of it, a shared
+    # prefix block, would pass the check above and be un-rotated with the short tables)
+    longer = torch.randint(0, lm.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    for call in (lambda: kvcache.extract(lm.model, lm.spec, longer),
+                 lambda: kvcache.extract(lm.model, lm.spec, ids[:100], start_position=200)):
+        with pytest.raises(ValueError, match=r"phi3-longrope.*longrope RoPE rotates every key .* below 256 tokens"):
+            call()
 
 
 def test_dynamic_rope_refuses_positions_it_cannot_reproduce():

@@ -221,6 +221,7 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
     if start_position < 0:
         raise ValueError(f"start_position must be >= 0, got {start_position}")
     t, p = ids.numel(), 0
+    _check_rope_window(spec, start_position + t)
     positions = torch.arange(start_position, start_position + t, dtype=torch.int64)
     if prefix is not None:
         p = prefix.num_tokens
@@ -244,6 +245,19 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
         return from_cache(cache, spec, ids, positions)  # a layer moved out of the buffer, or kept fewer tokens
     return KVSegment(kv=kv, token_ids=ids.to(torch.int64).cpu(), positions=positions, model=spec.identity,
                      rotated=True)
+
+
+def _check_rope_window(spec: ModelSpec, end: int) -> None:
+    """A forward over positions 0..end-1 of a model whose RoPE tables depend on the call's longest position (longrope,
+    dynamic NTK) rotates every key, those below the switch too, with the tables of that length: such KV could never
+    be un-rotated or moved exactly (ModelRope refuses only positions past the switch). ValueError naming it."""
+    for layer in spec.layers:
+        rope = layer.rope
+        if rope is not None and rope.position_dependent and end > rope.original_max_positions:
+            raise ValueError(f"{spec.name!r}: {rope.rope_type} RoPE rotates every key of a call reaching position "
+                             f"{end - 1} with other tables than a shorter call's (they switch past "
+                             f"{rope.original_max_positions} positions), so its KV cannot be moved or re-rotated "
+                             f"exactly: keep documents and their placement below {rope.original_max_positions} tokens")
 
 
 def from_cache(cache, spec: ModelSpec, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
