@@ -269,6 +269,11 @@ class KVBridgeClient:
         if kv.shape[3] != len(token_ids):
             raise ValueError(f"kv holds {kv.shape[3]} tokens and token_ids {len(token_ids)}")
         plan_chunks(kv.shape[0], kv.shape[3], 2 * kv.shape[2] * kv.shape[4] * kv.element_size(), chunk_bytes)
+        if not model:  # the server's source model, as it names it (the upload names its model)
+            sources = [m.name for m in self.list_models() if "source" in m.role.split(",")]
+            if not sources:
+                raise ValueError("model: the server serves no source model; name the model whose KV this is")
+            model = sources[0]
         header = pb2.KVHeader(model=pb2.ModelRef(name=model, config_hash=config_hash), dtype=dtype_name(kv.dtype),
                               num_layers=kv.shape[0], num_kv_heads=kv.shape[2], head_dim=kv.shape[4],
                               token_ids=[int(t) for t in token_ids],

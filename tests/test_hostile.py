@@ -307,7 +307,7 @@ def test_an_upload_being_stored_is_not_cancelled_as_idle(tmp_path, tiny_source, 
         kv = torch.randn(spec.num_layers, 2, spec.num_kv_heads, 40, spec.head_dim)
         with KVBridgeClient(running.address, token=ALICE, retries=0) as client:
             def upload():
-                done.entry = client.put_kv(kv, list(range(5, 45)), model=tiny_source.name)
+                done.entry = client.put_kv(kv, list(range(5, 45)))  # model "": the server's source model
 
             done = threading.Thread(target=upload)
             done.start()
