@@ -189,13 +189,19 @@ class RunningServer:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop taking calls; in-flight calls and streams get grace_s to finish; shared-memory segments go."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
-        self.watchdog.stop()
-        if self.segments is not None:
-            self.segments.close()
-        for pool in self.pools.values():
-            pool.shutdown(wait=False)
-        self.metrics.close()
+        _shut(self.server, grace_s, self.watchdog, self.segments, self.pools, self.metrics)
+
+
+def _shut(server: grpc.Server, grace_s: float, watchdog: IdleWatchdog, segments: SegmentRegistry | None,
+          pools: dict[str, futures.ThreadPoolExecutor], metrics: Metrics) -> None:
+    """Stop the server (in-flight calls get grace_s) and everything it started: nothing of it is left behind."""
+    server.stop(grace_s).wait()
+    watchdog.stop()
+    if segments is not None:
+        segments.close()
+    for pool in pools.values():
+        pool.shutdown(wait=False)
+    metrics.close()
 
 
 class _Undecodable:
@@ -341,13 +347,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
         bound, metrics_port, servicer, health_servicer = _bind_and_start(
             config, service, auth, metrics, server, pools, watchdog, segments)
     except BaseException:  # a port in use, a missing TLS key, ...: nothing of this server is left behind
-        server.stop(0)
-        watchdog.stop()
-        if segments is not None:
-            segments.close()
-        for pool in pools.values():
-            pool.shutdown(wait=False)
-        metrics.close()
+        _shut(server, 0, watchdog, segments, pools, metrics)
         raise
     address = f"{host if ':' not in host else f'[{host}]'}:{bound}"
     log.info("serving kvbridge.v1 on %s (%s, %s)%s", address, "TLS" if config.tls_cert else "plaintext",
