@@ -66,6 +66,18 @@ def test_config_hash_is_stable_and_sensitive():
     assert len(config_hash(a)) == 64
 
 
+def test_config_hash_tells_a_quantized_load_from_the_full_precision_one():
+    """A bitsandbytes / GPTQ load of a checkpoint computes other KV than its bf16 load: two identities."""
+    plain = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    quantized = Qwen2Config.from_dict(plain.to_dict())
+    quantized.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4"}
+    other = Qwen2Config.from_dict(quantized.to_dict())
+    other.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    assert len({config_hash(plain), config_hash(quantized), config_hash(other)}) == 3
+    assert config_hash(quantized) == config_hash(Qwen2Config.from_dict(quantized.to_dict()))
+
+
 def test_describe_mentions_every_layer():
     lines = zoo.build("gemma3").spec.describe()
     assert "4 layers" in lines[0]

@@ -19,10 +19,12 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 # Config fields that change with how a checkpoint was saved or loaded, not with what the model computes.
+# `quantization_config` is not one of them: a 4-bit load of a checkpoint computes other KV than its bf16 load, and
+# replicas sharing a Redis tier must not serve one's cache for the other.
 _VOLATILE_CONFIG_KEYS = frozenset(
     {"_name_or_path", "_model_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation",
      "_attn_implementation_autoset", "_commit_hash", "use_cache", "output_attentions", "output_hidden_states",
-     "return_dict", "architectures", "_experts_implementation", "quantization_config"}
+     "return_dict", "architectures", "_experts_implementation"}
 )
 
 
