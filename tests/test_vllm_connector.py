@@ -1,8 +1,11 @@
 """The connector's scheduler-side and worker-side methods called directly, as vLLM 0.32's scheduler and model runner
 call them, with no engine (tests/vllm_connector_checks.py, run once in the vLLM venv): malformed request parameters
 never raise on the scheduler's thread, a finished request's partial save is dropped, a quantized KV cache is refused
-by name, a load that failed on a worker is reported as failed in the request's kvbridge answer, and a request that
-waited past its segment's TTL on the server fetches it again.
+by name, a load that failed on a worker is reported as failed in the request's kvbridge answer, a request that
+waited past its segment's TTL on the server fetches it again, an abort under async scheduling keeps the server's
+segment until the worker read it and takes a failed load's blocks out of vLLM's prefix cache, an empty step under
+async scheduling waits only when nothing runs, a save's answer says its upload is queued and the workers count
+uploads, and tensor parallelism is refused at construction.
 
 Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
 """
@@ -35,6 +38,11 @@ def checks() -> dict[str, str]:
                                   "the_worker_drops_the_partial_save_of_a_finished_request",
                                   "a_quantized_kv_cache_is_refused_by_name",
                                   "a_load_that_failed_on_the_worker_is_reported_as_failed",
-                                  "a_segment_past_its_ttl_is_fetched_again_not_loaded"])
+                                  "a_segment_past_its_ttl_is_fetched_again_not_loaded",
+                                  "an_abort_under_async_scheduling_keeps_the_segment_until_the_worker_read_it",
+                                  "a_failed_load_of_a_finished_request_leaves_the_prefix_cache",
+                                  "an_empty_step_under_async_scheduling_waits_only_when_nothing_runs",
+                                  "a_save_answer_says_queued_and_the_workers_count_uploads",
+                                  "tensor_parallelism_is_refused_at_construction"])
 def test_connector_method(checks, name):
     assert checks.get(name) == "ok", checks.get(name, f"no check {name}")

@@ -2,7 +2,8 @@
 kvbridge's projected cache, the request convention it reads (`params`), the shared-memory hand-off between its
 scheduler and worker sides (`handoff`), and an engine in vLLM's own venv driven over a pipe (`engine`, `driver`).
 
-Only `connector` and `driver` import vLLM; they run in the vLLM venv (`KVBRIDGE_VLLM=1 ./setup.sh`).
+Only `connector` (with `engine_config` and `stats`) and `driver` import vLLM; they run in the vLLM venv
+(`KVBRIDGE_VLLM=1 ./setup.sh`).
 """
 
 from kvbridge.transfer.exports import lazy_exports

@@ -1,8 +1,9 @@
 """KVBridgeConnector: vLLM's v1 KV connector (`KVConnectorBase_V1`) that starts a request from kvbridge's projected
 cache, so the vLLM-served target skips the prefill of a context that another model family read. (One class of ~400
 lines: vLLM's connector interface is one class for both the scheduler's and the workers' side; the parts with logic
-of their own are beside it: params (requests, matching), plans (a request's state, its KV's release, what lookups
-received), handoff (where the KV is), loading (the workers' reads and writes), layouts, saving.)
+of their own are beside it: params (requests, matching), engine_config (what it reads of the engine, refusals), plans
+(a request's state, its KV's release, what lookups received), handoff (where the KV is), loading (the workers' reads
+and writes), layouts, saving, stats.)
 
 Load it with
 
@@ -21,16 +22,20 @@ meanwhile it schedules other requests); a fetch thread gets the projected cache 
 with the prompt's token ids: the server places the document where the prompt has it, after the target's own KV of the
 tokens before it; bounded by `kvbridge_timeout_s`), matches its token ids against the prompt (`params.match_prompt`:
 whole blocks, never the last token). A step that schedules nothing while lookups run waits for the first to end, up to
-`kvbridge_idle_wait_ms` (vLLM would otherwise step an empty batch each millisecond). A same-host server puts the KV in a
-shared-memory segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy);
-a streamed fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the KV is on this
+`kvbridge_idle_wait_ms` (vLLM would otherwise step an empty batch each millisecond); with asynchronous scheduling
+only when the step before scheduled nothing either (a step scheduled while the previous one runs may be empty with
+that one's output still to come: waiting would hold it back). A same-host server puts the KV in a shared-memory
+segment of its own, which the fetch thread only checks it can open (the worker reads it, no second copy); a streamed
+fetch's KV is staged in a private shared-memory file (`handoff`). Once the lookup is done the KV is on this
 host, and the connector reports that many tokens as a synchronous load: the workers write them before the step's
 forward, which computes the rest of the prompt in the same step (a sliding-window group's load is asynchronous instead,
 its own step: see `get_transfer_results`); `update_state_after_alloc` tells the workers, through `build_connector_meta`,
-where the KV is and the request's block ids; the server's segment is released when the request ends (an asynchronous
-load's once the workers report it, `update_connector_output`). Anything that goes wrong (malformed kvbridge parameters,
-no server, a refused token, an unknown key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning
-for the request, and a normal prefill: a request never fails because of kvbridge.
+where the KV is and the request's block ids; the server's segment is released once the workers report the load done
+(`update_connector_output`): an asynchronous load's when it ends, a synchronous one's after its request ended (vLLM
+keeps the request's blocks until then: `plans.Holds`, as an abort under asynchronous scheduling may come before the
+worker ran the load). Anything that goes wrong (malformed kvbridge parameters, no server, a refused token, an unknown
+key, other tokens, another model's shapes, a timeout) gives 0 tokens, one warning for the request, and a normal
+prefill: a request never fails because of kvbridge.
 
 Worker side: `start_load_kv` maps the server's segment (path, mode, size, layout and checksum checked) or reads the
 staged file, and writes the KV into the paged buffers layer by layer through the attention backend's own cache
@@ -44,30 +49,10 @@ failure also reaches the scheduler side, with why, in the workers' metadata (`bu
 request's answer then says 0 tokens loaded and the error.
 When a step runs empty while a lookup ends, its metadata names the KV for the workers to read and check ahead, while
 the scheduler schedules the request (`loading`: the load then only writes).
-The layouts (vLLM 0.32, one tensor per layer):
-  CPU_ATTN   [num_blocks, H_kv, block_size, 2·D]; per (block, head) a [2·block_size, D] view split in halves.
-             ISA "vec"/"vec16" (float32, or bfloat16 without AMX): K half stored transposed [D, block_size], V half
-             plain [block_size, D]. ISA "amx" (bfloat16 on a CPU with AMX tiles, block_size % 32 == 0 — these
-             machines): K half as [block_size/16, D/2, 16, 2] (16-token groups, pairs of head dims), V half as
-             [D/16, block_size/2, 16, 2] (16-dim groups, pairs of tokens). Both written out in `layouts` and pinned
-             by tests/test_vllm_layout.py against `ops.cpu_attn_reshape_and_cache` (D 64 and 128, block sizes 32
-             and 128, float32 and bfloat16).
-  FLASH_ATTN (CUDA) logical [num_blocks, H_kv, block_size, 2·D] (K = [..., :D], V = [..., D:]), physically
-             NHD (`kv_cache.transpose(1, 2)` is [num_blocks, block_size, H_kv, 2·D]); written by
-             `reshape_and_cache_flash`. Not run here (no GPU).
-KV cache groups: the connector loads into an engine with one group, full attention or sliding window. vLLM 0.32
-gives a model whose every layer has the same window (Phi-3: 2047) one `SlidingWindowSpec` group, its block size the
-group's own (`Attention.get_kv_cache_spec`; --block-size here); a model that mixes windowed and global layers gets
-one `FullAttentionSpec` group, since vLLM turns its hybrid manager off for a connector without `SupportsHMA`
-(`VllmConfig`, `unify_hybrid_kv_cache_specs`). For N tokens loaded into a window W, `SlidingWindowManager` puts the
-shared null block (id 0) at the first (N - W + 1) // block_size places of the request's block table
-(`add_local_computed_blocks`) and real blocks after them (`allocate_external_computed_blocks`); the forward never
-reads the null ones (the CPU kernel skips blocks out of the window). `loading.write` writes the positions that have a
-real block and never block 0, and the connector still reports all N tokens loaded: vLLM would have dropped the others
-itself. More than one group (the hybrid manager on), another kind of group (MLA, Mamba), a KV cache in another dtype
-than the model's (--kv-cache-dtype fp8: quantized bytes) and tensor parallelism (heads split over workers): nothing
-loaded, one warning per request naming it. All but tensor parallelism are found at the start (`kv_cache_refusal`,
-warned then) and refuse saves as well.
+The layouts the backends' writers put the bytes in (CPU_ATTN's vec and amx, FLASH_ATTN's NHD) are written out in
+`layouts` and pinned by tests/test_vllm_layout.py.
+KV cache groups, and what is refused (more than one group, MLA or Mamba, a quantized KV cache, tensor or pipeline
+parallelism): `engine_config`.
 """
 
 from __future__ import annotations
@@ -84,17 +69,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvbridge.transfer import timeline
 from kvbridge.vllm import handoff
+from kvbridge.vllm.engine_config import EngineConfig
 from kvbridge.vllm.loading import Load, Loads, Prefetch
 from kvbridge.vllm.params import (
     PARAMS_KEY,
     ConnectorConfig,
     RequestContext,
     SaveRequest,
-    cache_dtype_refusal,
     match_prompt,
 )
-from kvbridge.vllm.plans import Covered, CoveredKey, Plan, Releases
+from kvbridge.vllm.plans import Covered, CoveredKey, Holds, Plan, Releases
 from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
+from kvbridge.vllm.stats import KVBridgeStats, build
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -103,7 +89,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,37 +124,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = ConnectorConfig.from_extra(extra)
-        model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
-        self.shape = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
-        self.tensor_parallel = parallel.tensor_parallel_size
-        # one KV cache group (one block table for every layer: what the loads' block ids are), of full or sliding-window
-        # attention; its block size is the group's own (vLLM may pick a sliding-window group's apart from --block-size)
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        specs = [group.kv_cache_spec for group in groups]
-        self.block_size = specs[0].block_size if len(specs) == 1 else vllm_config.cache_config.block_size
-        named = [type(spec).__name__ + (f" (sliding window {spec.sliding_window})"
-                                        if getattr(spec, "sliding_window", None) else "") for spec in specs]
-        self.kv_cache_refusal = ""  # why the connector cannot load into this engine's KV cache ("": it can)
-        if len(specs) > 1:
-            self.kv_cache_refusal = (f"the engine has {len(specs)} KV cache groups ({', '.join(named)}: hybrid "
-                                     "attention with vLLM's hybrid KV cache manager on); the connector loads into one")
-        elif specs and (isinstance(specs[0], MLAAttentionSpec)
-                        or not isinstance(specs[0], (FullAttentionSpec, SlidingWindowSpec))):
-            self.kv_cache_refusal = (f"the engine's KV cache is {named[0]}; the connector loads into full or "
-                                     "sliding-window attention")
-        # KV crosses the wire in the engine's dtype (bf16: half of float32's bytes); the cast is the server's. A
-        # quantized KV cache (--kv-cache-dtype fp8) would need vLLM's quantization: refused
-        self.wire_dtype = str(model.dtype).removeprefix("torch.")
-        self.kv_cache_refusal = self.kv_cache_refusal or cache_dtype_refusal(vllm_config.cache_config.cache_dtype,
-                                                                             self.wire_dtype)
+        engine = EngineConfig.read(vllm_config, kv_cache_config)  # ValueError: tensor or pipeline parallelism
+        self.shape, self.block_size, self.wire_dtype = engine.shape, engine.block_size, engine.wire_dtype
+        self.kv_cache_refusal = engine.refusal  # why the connector cannot load into this engine's KV cache ("": it can)
+        self.sync_loads, self.prefix_caching = engine.sync_loads, engine.prefix_caching
+        self.async_scheduling = engine.async_scheduling
+        self._empty_before = True  # the previous schedule had no tokens (none yet: nothing runs; `_idle`)
         if role == KVConnectorRole.SCHEDULER and self.kv_cache_refusal:
             log.warning("kvbridge: the connector loads nothing into this engine (each request: 0 tokens): %s",
                         self.kv_cache_refusal)
-        # a failed load in a sliding-window group must be recomputed from the request's first token (the blocks
-        # before a failed one are null blocks): only an asynchronous load can say so, as a failed receive
-        self.sync_loads = len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec)
-        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvbridge: kv_load_failure_policy is %r: a load that fails on a worker fails its request; "
                         "with \"recompute\" (kvbridge.vllm.engine.kv_transfer_config sets it) vLLM prefills it",
@@ -183,10 +146,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._covered = Covered()  # the caches lookups received: what vLLM's own prefix cache may hold (plans.py)
         self._clients: dict[str, Any] = {}
         self._clients_lock = threading.Lock()
-        self._fetchers = self._releases = self._staging = None
+        self._fetchers = self._releases = self._staging = self._holds = None
         if role == KVConnectorRole.SCHEDULER:
             self._fetchers = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="kvbridge-fetch")
             self._releases = Releases(self._client)  # a plan's KV given up once (plans.py)
+            self._holds = Holds(self._releases, self._evict)  # finished before the workers reported their loads
             handoff.sweep(self.config.staging_dir)  # what killed engines left
             self._staging = handoff.private_folder(self.config.staging_dir)
         self.saving = self._kv_transfer_config.is_kv_producer  # kv_producer / kv_both: requests may save their KV
@@ -194,8 +158,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._prefetched: set[str] = set()  # lookups whose KV the workers were told to read ahead
         # worker side
         self._loads = Loads(self.block_size)
-        self._saver = (Saver(self.config, model.model, self.block_size, refused=self.kv_cache_refusal)
-                       if self.saving and role == KVConnectorRole.WORKER else None)
+        self._saver = (Saver(self.config, vllm_config.model_config.model, self.block_size,
+                             refused=self.kv_cache_refusal) if self.saving and role == KVConnectorRole.WORKER else None)
 
     # ---------------------------------------------------------------------------------------- scheduler side
 
@@ -211,8 +175,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
         a failed plan (one warning) on any error. A same-host server's segment is left for the worker to read."""
         fetched = None
         try:
-            if self.tensor_parallel != 1:
-                raise ValueError(f"tensor parallelism {self.tensor_parallel} is not supported (heads are not split)")
             if self.kv_cache_refusal:
                 raise ValueError(self.kv_cache_refusal)
             if self.prefix_caching and not cache_salt:
@@ -333,9 +295,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         t0 = time.perf_counter()
         start = plan.loadable - num_external_tokens
-        plan.loaded = num_external_tokens
-        self._pending[request.request_id] = Load(request.request_id, plan.source, list(blocks.get_block_ids()[0]),
-                                                 start, num_external_tokens, sync=self.sync_loads)
+        block_ids = list(blocks.get_block_ids()[0])
+        plan.loaded, plan.load_start = num_external_tokens, start
+        plan.load_blocks = block_ids[start // self.block_size:]  # what it writes, and the step's own after them
+        self._pending[request.request_id] = Load(request.request_id, plan.source, block_ids, start,
+                                                 num_external_tokens, sync=self.sync_loads)
         self._timed(request.request_id, time.perf_counter() - t0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -345,8 +309,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if not load.sync:
                 self._loading.add(load.req_id)
         self._pending.clear()
-        if (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads and not meta.saves
-                and not self._loading):
+        empty_before, self._empty_before = self._empty_before, scheduler_output.total_num_scheduled_tokens == 0
+        if (self._empty_before and not meta.loads and not meta.saves and not self._loading
+                and (empty_before or not self.async_scheduling)):  # else the step before may still run: no wait
             self._idle(list(self._lookups.values()))
             meta.prefetch = self._prefetch()
         return meta
@@ -365,8 +330,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def _idle(self, lookups: list[Future]) -> None:
         """A step with nothing to compute while lookups run: wait for the first to end, up to idle_wait_ms. Nothing
-        is delayed by it (the step is empty; no worker load is in flight); it spares the cores an empty step each
-        millisecond would take from a same-host kvbridge server."""
+        is delayed by it (the step is empty; no worker load is in flight; with asynchronous scheduling the step
+        before, which may still run, was empty too); it spares the cores an empty step each millisecond would take
+        from a same-host kvbridge server."""
         if lookups and self.config.idle_wait_ms > 0:
             futures.wait(lookups, timeout=self.config.idle_wait_ms / 1e3, return_when=futures.FIRST_COMPLETED)
 
@@ -374,7 +340,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """The workers' failed loads (the request's answer says so; vLLM computes the tokens itself) and finished
         ones (the server's segments they read are released now). A synchronous load's failure reaches vLLM as
         invalid block ids, an asynchronous one's as a failed receive; both reach this side, with why, in the workers'
-        own metadata (`KVBridgeWorkerMetadata`)."""
+        own metadata (`KVBridgeWorkerMetadata`). A finished request's failed load leaves vLLM's prefix cache
+        (`plans.Holds`)."""
         meta = connector_output.kv_connector_worker_meta
         failed = dict(meta.failed_loads) if isinstance(meta, KVBridgeWorkerMetadata) else {}
         for req_id in connector_output.failed_recving or ():
@@ -382,15 +349,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
         for req_id, reason in failed.items():
             if req_id in self._plans:
                 self._plans[req_id].load_failed(reason)
+            self._holds.failed(req_id, reason)
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
+            if self._holds.done(req_id):
+                continue
             plan = self._plans.get(req_id)
             if plan is not None and plan.handed:
                 self._releases.soon(plan)
 
+    def _evict(self, block_ids: set[int]) -> None:
+        """Take blocks out of vLLM's prefix cache (the scheduler binds its KVCacheManager: `bind_kv_cache_manager`)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None and self.prefix_caching:
+            manager.evict_blocks(block_ids)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(True: vLLM keeps the blocks until the workers name the request in finished_recving, for a request whose
+        load went to them, `plans.Holds`; the request's kvbridge answer)."""
         t0 = time.perf_counter()
         req_id = request.request_id
+        loading = req_id in self._loading
         self._loading.discard(req_id)
         read_ahead = req_id in self._prefetched
         self._prefetched.discard(req_id)
@@ -400,15 +379,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
         plan = self._plans.pop(req_id, None)
         in_calls, longest = self._scheduler_s.pop(req_id, (0.0, 0.0))
         saved = self._saves.finish(req_id)
-        if saved is not None:
-            return False, {PARAMS_KEY: saved}
+        if saved is not None:  # the upload ends after the answer: saved_tokens went to it (saving.py)
+            return False, {PARAMS_KEY: {**saved, "save_state": "queued" if saved["saved_tokens"] else "incomplete"}}
         if plan is None:
             return False, None
-        self._releases.soon(plan)  # loaded, or never (vLLM computed the tokens itself)
+        held = plan.handed and (self.sync_loads or loading)
+        if held:  # the workers may not have run the load yet (an abort under asynchronous scheduling)
+            self._holds.hold(req_id, plan, block_ids, self.block_size, self.sync_loads)
+        else:
+            self._releases.soon(plan)  # loaded and reported, or never (vLLM computed the tokens itself)
         spent = time.perf_counter() - t0  # this call counts among the scheduler's, up to here
         in_calls, longest = in_calls + spent, max(longest, spent)
         transport = "" if plan.source is None else "stream" if isinstance(plan.source, str) else "shared_memory"
-        return False, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
+        return held, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
                                   "wire_bytes": plan.wire_bytes, "transport": transport, "scheduler_s": in_calls,
                                   "scheduler_max_s": longest, "prefix_cached": plan.prefix_cached,
                                   "read_ahead": read_ahead}}
@@ -421,6 +404,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._releases.after(lookup)
             for plan in self._plans.values():
                 self._releases.now(plan)
+            self._holds.release_all()
             self._releases.close()
         self._lookups.clear()
         for client in self._clients.values():
@@ -478,12 +462,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: nothing is saved, the requests whose loads this worker finished since the last call, failed ones
-        too: get_transfer_results tells which failed)."""
+        too: get_transfer_results tells which failed; a synchronous load's once its request has finished)."""
         self._loads.forget(finished_req_ids)
         if self._saver is not None:  # an aborted save's partial KV
             self._saver.forget(finished_req_ids)
-        loaded, self._loads.finished = self._loads.finished, set()
-        return None, loaded or None
+        return None, self._loads.report(finished_req_ids) or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished loads, and among them the failed ones: vLLM computes those requests from their first token
@@ -492,6 +475,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         failed, self._loads.failed = self._loads.failed, set()
         _, loaded = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        """What this worker's save uploads did since the last step (`stats`), for vLLM's stat logger."""
+        counts = self._saver.counts() if self._saver is not None else {}
+        return build(counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return build(data)
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
         """The loads that failed since the last step and why, for the scheduler side (`update_connector_output`)."""

@@ -73,11 +73,14 @@ def write(load: Load, kv: torch.Tensor, layers: dict[int, torch.nn.Module], bloc
 
 class Loads:
     """A worker's loads: prefetches under way, and what the loads since the last report did (finished asynchronous
-    loads, failed ones, blocks of failed synchronous loads, why each failed)."""
+    loads, failed ones, blocks of failed synchronous loads, why each failed), and the synchronous loads run whose
+    request has not finished yet (`report`)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.finished: set[str] = set()  # asynchronous loads done (failed or not)
+        # requests whose synchronous load ran (failed or not): reported finished once the request is (`report`)
+        self.ran_sync: set[str] = set()
         self.failed: set[str] = set()  # asynchronous loads that failed
         self.invalid_blocks: set[int] = set()  # blocks of failed synchronous loads, for vLLM to recompute
         self.errors: dict[str, str] = {}  # why each load failed (synchronous or not), for the scheduler side
@@ -127,8 +130,20 @@ class Loads:
                     self.invalid_blocks.update(load.block_ids[first:last + 1])
                 else:
                     self.failed.add(load.req_id)
-            if not load.sync:
+            if load.sync:
+                self.ran_sync.add(load.req_id)
+            else:
                 self.finished.add(load.req_id)  # done, failed or not
+
+    def report(self, finished_req_ids: set[str]) -> set[str]:
+        """The loads to name in finished_recving now: asynchronous ones done since the last report, and synchronous
+        ones whose request has finished (`finished_req_ids`: vLLM's finished requests, named in a step after the one
+        that carried their load). The scheduler side held each of those (its blocks and its KV, `plans.Holds`) until
+        this report."""
+        done = self.ran_sync & finished_req_ids
+        self.ran_sync -= done
+        reported, self.finished = self.finished | done, set()
+        return reported
 
     def forget(self, req_ids: set[str]) -> None:
         """Finished requests: a prefetch they never loaded is dropped."""

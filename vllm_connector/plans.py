@@ -1,7 +1,7 @@
 """The connector's scheduler-side state of a request (`Plan`), the giving up of its KV once the request is done with
-it (`Releases`), and what it remembers across requests (`Covered`): the projected caches its lookups received, so
-that a request whose prompt vLLM's own prefix cache already covers as far as the server's cache could load it starts
-at once, without asking the server.
+it (`Releases`; `Holds` for a request that finished before the workers reported its load), and what it remembers
+across requests (`Covered`): the projected caches its lookups received, so that a request whose prompt vLLM's own
+prefix cache already covers as far as the server's cache could load it starts at once, without asking the server.
 
 With prefix caching on, the blocks a load writes are hashed like computed ones, under the request's `cache_salt`
 (required then; `engine.cache_salt`). The next request with the same salt, context and prompt start finds them in
@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.vllm import handoff
@@ -46,6 +46,9 @@ class Plan:
     fetch_s: float = 0.0  # a fetch thread's wait for the server (GetProjectedCache, to the assembled tensor)
     wire_bytes: int = 0  # KV bytes received from the server (0 through shared memory)
     handed: bool = False  # the load went to the workers (they remove a staged file)
+    load_start: int = 0  # the first prompt position the load writes (vLLM's prefix cache held those before it)
+    load_blocks: list[int] = field(default_factory=list)  # the request's blocks from load_start's, at allocation
+    load_error: str = ""  # why the workers' load failed ("": it did not, or has not run yet)
     released: bool = False  # the KV's source is given up (a staged file removed, the server's segment released)
     # the server's whole cache matched the prompt's first cache_tokens tokens (0: it did not, nothing to remember)
     cache_tokens: int = 0
@@ -62,6 +65,7 @@ class Plan:
         """The workers could not write the KV (`update_connector_output`): nothing of it counts as loaded; vLLM
         computed those tokens itself (or, with kv_load_failure_policy "fail", failed the request)."""
         self.loaded = 0
+        self.load_error = reason
         self.error = f"the workers' load of the KV failed: {reason}"
 
 
@@ -107,6 +111,70 @@ class Releases:
         except Exception as exc:  # noqa: BLE001 - the server's sweeper removes the segment after its TTL
             log.warning("kvbridge: releasing segment %s failed, the server removes it after %g s: %s",
                         plan.source.name, plan.source.ttl_s, exc)
+
+
+@dataclass
+class Held:
+    """A finished request whose load the workers have not reported yet (`Holds`)."""
+
+    plan: Plan
+    # the blocks its synchronous load wrote and every one after them (computed on top of them): evicted from vLLM's
+    # prefix cache if the load failed. [] for an asynchronous load: vLLM caches those blocks only once loaded
+    written: list[int]
+
+
+class Holds:
+    """Finished requests whose loads the workers may not have run yet. With asynchronous scheduling (vLLM 0.32's
+    `EngineCore.step_with_batch_queue`) vLLM takes an abort while the step that carries a request's load is queued
+    or running: released then, the server's segment could be gone when the worker maps it. So `request_finished`
+    answers True for a request whose load went to the workers (vLLM keeps its blocks), the workers name it in
+    finished_recving once its load has run and its finish reached them (`loading.Loads.report`), and only then is
+    its segment released (`done`).
+
+    A held request whose load failed has the blocks it wrote, and those after them, evicted from vLLM's prefix cache
+    (`evict`: `KVCacheManager.evict_blocks`): vLLM caches a synchronous load's blocks when it allocates them, and with
+    kv_load_failure_policy "recompute" it evicts nothing, counting on the request to compute them again; a finished
+    request never does, and a later request with the same salt and prompt would read the garbage. (Conservative: a
+    request that did compute them again before finishing loses them from the prefix cache too.) Scheduler thread
+    only."""
+
+    def __init__(self, releases: Releases, evict: Callable[[set[int]], None]):
+        self._releases = releases
+        self._evict = evict
+        self._held: dict[str, Held] = {}
+
+    def hold(self, req_id: str, plan: Plan, block_ids: list[int], block_size: int, sync: bool) -> None:
+        """A finished request whose load went to the workers; `block_ids`: its blocks as vLLM hands them to
+        request_finished (those of its computed tokens: fewer than it wrote when vLLM cut them after a failed load)."""
+        first = plan.load_start // block_size
+        written = list(dict.fromkeys(plan.load_blocks + block_ids[first:])) if sync else []
+        self._held[req_id] = Held(plan, written)
+        if plan.load_error:  # reported failed while it ran
+            self.failed(req_id, plan.load_error)
+
+    def failed(self, req_id: str, reason: str) -> None:
+        """The workers report the held request's load failed: its blocks leave vLLM's prefix cache now."""
+        held = self._held.get(req_id)
+        if held is None:
+            return
+        held.plan.load_failed(reason)
+        if held.written:
+            self._evict(set(held.written))
+            held.written = []
+
+    def done(self, req_id: str) -> bool:
+        """The workers report the request's load finished (vLLM frees its blocks next): its KV given up. False: the
+        request is not held."""
+        held = self._held.pop(req_id, None)
+        if held is not None:
+            self._releases.soon(held.plan)
+        return held is not None
+
+    def release_all(self) -> None:
+        """At shutdown: every held request's KV given up now."""
+        for held in self._held.values():
+            self._releases.now(held.plan)
+        self._held.clear()
 
 
 def digest(ids: list[int]) -> bytes:

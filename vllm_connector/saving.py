@@ -10,8 +10,16 @@ Worker side (`Saver`): after each layer's attention (`save_kv_layer`) the step's
 buffer (`layouts.READERS`, the CPU backend's layout inverted; pinned against vLLM's writer) into a CPU tensor
 [L, 2, H_kv, T, D]; after the request's last step (`wait_for_save`) a thread uploads it. The engine's model is named
 by the server's model with the same config hash (`kvbridge.transfer.spec.config_hash` of the model folder's config,
-the hash kvbridge identifies models by); the server checks name, hash, shapes and dtype as for any upload. A failed
-upload is logged; the request itself never fails. Keys are uploaded as vLLM caches them (rotated).
+the hash kvbridge identifies models by); the server checks name, hash, shapes and dtype as for any upload. Keys are
+uploaded as vLLM caches them (rotated).
+
+The upload ends after the request's answer (vLLM hands it out when the request finishes, and the upload of a
+one-token request has barely started then): the answer's `saved_tokens` counts the tokens whose KV went to the upload
+and says nothing of the upload itself, so it comes with `"save_state": "queued"` ("incomplete": the request ended
+before all its tokens were computed, nothing is uploaded). Whether an upload stored: a failed one logs a warning
+naming the request and why; the workers count stored and failed uploads (`Saver.counts`, vLLM's KV connector stats:
+`stats`); a client asks the server (`KVBridgeClient.lookup(token_ids=...)` finds the entry once stored). The request
+itself never fails.
 
 No vLLM import at module level.
 """
@@ -95,7 +103,8 @@ class SaveTracker:
         return out
 
     def finish(self, req_id: str) -> dict[str, Any] | None:
-        """The request's save, as its answer tells it; None for a request that saved nothing."""
+        """The request's save, as its answer tells it (`saved_tokens`: handed to the upload, 0 if not all were);
+        None for a request that saved nothing."""
         s = self._saving.pop(req_id, None)
         return None if s is None else {"saved_tokens": s.saved if s.saved == s.total else 0,
                                        "save_server": s.request.server}
@@ -112,6 +121,8 @@ class Saver:
         self._clients: dict[str, Any] = {}
         self._models: dict[str, tuple[str, str]] = {}  # server -> (its name of this model, config hash)
         self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}  # stats.COUNTERS since the last `counts()`, under _counts_lock
+        self._counts_lock = threading.Lock()  # the upload thread adds, the model runner's thread takes
         # why this engine cannot save ("": it can; `refused`: what the connector found at its start, e.g. a quantized
         # KV cache), warned at each step that had saves
         self._refused = refused
@@ -145,7 +156,9 @@ class Saver:
             for chunk in chunks:
                 self._kv.pop(chunk.req_id, None)
             if chunks:
+                refused = len({c.req_id for c in chunks if c.token_ids is not None})  # their last chunk: not saved
                 log.warning("kvbridge: %d request(s) not saved: %s", len({c.req_id for c in chunks}), self._refused)
+                self._count(saves_failed=refused)
             return
         for chunk in chunks:
             if chunk.token_ids is not None and chunk.req_id in self._kv:
@@ -163,8 +176,21 @@ class Saver:
             name, config_hash = self._model(server, client, kv)
             entry = client.put_kv(kv, token_ids, model=name, config_hash=config_hash)
             log.info("kvbridge: request %s: saved %d tokens as %s", req_id, len(token_ids), entry.key[:16])
+            self._count(saves_stored=1, saved_tokens_stored=len(token_ids))
         except Exception as exc:  # noqa: BLE001 - a save that fails never fails the request
             log.warning("kvbridge: request %s: saving %d tokens failed: %s", req_id, len(token_ids), exc)
+            self._count(saves_failed=1)
+
+    def _count(self, **counts: int) -> None:
+        with self._counts_lock:
+            for name, n in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + n
+
+    def counts(self) -> dict[str, int]:
+        """What the uploads did since the last call (stored, their tokens, failed: `stats.COUNTERS`)."""
+        with self._counts_lock:
+            counts, self._counts = self._counts, {}
+        return counts
 
     def _client(self, name: str):
         with self._lock:
