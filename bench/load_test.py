@@ -316,8 +316,8 @@ def run(args) -> dict:
             import redis as redis_py
             from kvbridge.transfer.store.redis_commands import BLOCK_PREFIX, ENTRY_PREFIX
 
-            # no entry record or derived set may be left; full blocks stay until their TTL (a Delete cannot see
-            # which entries elsewhere share them), partial tails go with their entry
+            # no entry record or derived set may be left; blocks (full and partial tails) stay until their TTL (a
+            # Delete cannot see which entries elsewhere share them)
             r = redis_py.Redis.from_url(redis.url)
             kinds = Counter(k.rsplit(b":", 1)[0].decode() for k in r.scan_iter(count=1000))
             report["redis_blocks_after_run"] = kinds.pop(BLOCK_PREFIX.decode().rstrip(":"), 0)

@@ -210,6 +210,25 @@ def test_without_a_lower_tier_evicted_entries_are_lost_cleanly():
     ok(st)
 
 
+def test_a_put_does_not_evict_the_cpu_copies_of_the_blocks_it_writes_itself():
+    """A put whose first blocks sit in the CPU tier (another entry's, demoted) writes them onto the device from its
+    segment; the room it makes there must not push those very copies out of the CPU tier first (with no tier below,
+    the entry that uses them would be lost for nothing)."""
+    st = store(blocks=4, cpu_blocks=2)
+    x_seg = seg(range(32))
+    x = st.put(x_seg, "t")  # 2 blocks
+    st.put(seg(range(1000, 1064)), "t")  # 4 blocks: X's 2 go down to the CPU tier, filling it
+    assert all(h in st.cpu for h in st.registry.entries[x.key].hashes)
+    z_seg = seg(range(48))
+    z_seg.kv[:, :, :, :32] = x_seg.kv  # X's tokens first, with X's KV: X's two blocks and one more
+    z = st.put(z_seg, "t")  # 3 blocks to allocate: 3 of Y's go down to the CPU tier, which has room for 2
+    assert z.new_blocks == 3
+    assert torch.equal(st.get(x.key, "t").kv, x_seg.kv), "X's blocks are on the device now"
+    assert torch.equal(st.get(z.key, "t").kv, z_seg.kv)
+    assert st.stats().lost_entries == 1  # Y only: one of its blocks had nowhere to go
+    ok(st)
+
+
 def test_pinned_entries_are_never_evicted():
     st = store(blocks=6)
     pinned = st.put(seg(range(48)), "t", pin=True)

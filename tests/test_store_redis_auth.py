@@ -217,7 +217,7 @@ def test_a_truncated_or_reshaped_block_is_a_miss_never_an_error(redis_url):
         assert not client.exists(block_key), "deleted: a replica's write puts it back"
         assert reader.check() == []
         client.set(block_key, original)
-        client.set(b"kvbridge:2:entry:" + key.encode(), record)  # the reader took it: the entry was lost with Redis up
+        client.set(b"kvbridge:2:entry:" + key.encode(), record)  # the reader deleted it: Redis answered, block gone
     assert torch.equal(_replica(redis_url).get(key, "t").kv, seg.kv)
 
 

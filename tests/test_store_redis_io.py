@@ -51,8 +51,8 @@ def test_no_redis_call_is_made_under_the_store_lock(redis_url):
     assert torch.equal(store.get(kb, "t").kv, b.kv)  # B back, A down again: already in Redis (refresh_many)
     store.pin(ka, "t")
     store.refresh(kb, "t", pin=False)
-    assert store.delete(ka, "t") == 1 and store.delete(kb, "t") == 1
-    assert {name for name, _ in calls} == {"put_many", "refresh_many", "get_many", "exists_many", "delete_many"}
+    assert store.delete(ka, "t") == 1 and store.delete(kb, "t") == 1  # (Redis blocks are left to their TTL)
+    assert {name for name, _ in calls} == {"put_many", "refresh_many", "get_many", "exists_many"}
     assert [c for c in calls if c[1]] == []  # not one of them with the lock held
     assert store.check() == [] and store.residency.pending == {} and not store.residency.outbox
 
@@ -113,11 +113,12 @@ def _taking_writes(client: redis.Redis, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["oom", "readonly"])
-def test_a_redis_error_reply_is_a_tier_failure_and_loses_its_blocks_cleanly(redis_url, how):
+def test_a_redis_error_reply_fails_its_write_and_loses_its_blocks_cleanly(redis_url, how):
     """Redis answers writes with an error (OOM, READONLY): the put whose evictions were to go there still returns
-    (it committed), the tier counts the failure and is down until its next try, the blocks not written go as for
-    a connection lost (their entry is lost), nothing stays pending; a replica sharing entries through the same Redis
-    keeps serving its own; once Redis takes writes again, so does the tier."""
+    (it committed), the tier counts the failure and stays up (that write failed, not the connection: reads go on,
+    tests/test_store_redis_refusals.py), the blocks not written go as for a connection lost (their entry is lost),
+    nothing stays pending; a replica sharing entries through the same Redis keeps serving its own; once Redis takes
+    writes again, so does the tier."""
     clock = {"now": 0.0}
     store = PagedStore(StoreConfig(capacity_bytes=4 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
                                    redis_secret=TEST_SECRET, device="cpu", redis_retry_s=5),
@@ -130,7 +131,7 @@ def test_a_redis_error_reply_is_a_tier_failure_and_loses_its_blocks_cleanly(redi
         b = _seg(1000)
         kb = store.put(b, "t").key  # A's blocks leave the device for Redis, whose answer is an error
         stats = store.stats()
-        assert stats.redis["available"] is False and stats.redis["errors"] >= 1
+        assert stats.redis["available"] is True and stats.redis["errors"] >= 1
         assert ("OutOfMemoryError" if how == "oom" else "ReadOnlyError") in stats.redis["last_error"]
         assert store.keys("t") == [kb] and stats.lost_entries == 1
         with pytest.raises(NotFound):
@@ -143,8 +144,7 @@ def test_a_redis_error_reply_is_a_tier_failure_and_loses_its_blocks_cleanly(redi
         assert sharing.residency.pending == {} and not sharing.residency.outbox and sharing.check() == []
     finally:
         _taking_writes(client, how)
-    clock["now"] += 10  # past the retry interval
-    store.put(_seg(3000), "t")  # B goes down to Redis now
+    store.put(_seg(3000), "t")  # B goes down to Redis now (no retry interval to wait for: the tier stayed up)
     assert store.stats().redis["available"] is True and store.stats().redis["puts"] == 4
     assert torch.equal(store.get(kb, "t").kv, b.kv)  # back from Redis
     assert store.residency.pending == {} and store.check() == []

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from kvbridge.transfer.store import NotFound
-from test_store import Clock, M, ok, seg, store
+from test_store import Clock, M, device_blocks_used, ok, seg, store
 
 
 @pytest.mark.integration
@@ -28,12 +28,16 @@ def test_demotion_to_cpu_and_redis_and_promotion_back_bit_exact(redis_url):
     assert torch.equal(st.get(a.key, "t").kv, a_seg.kv)
     assert torch.equal(st.get(b.key, "t").kv, b_seg.kv)
     ok(st)
-    # deleting removes the blocks from Redis too
+    # deleting leaves the blocks in Redis to their TTL: another replica's entries of the same tokens may use them
     st.delete(a.key, "t")
     st.delete(b.key, "t")
     import redis
 
-    assert redis.Redis.from_url(redis_url).keys("kvbridge:2:blk:*") == []
+    client = redis.Redis.from_url(redis_url)
+    left = client.keys("kvbridge:2:blk:*")
+    assert left and all(0 < client.ttl(k) <= 3600 for k in left)
+    assert st.keys("t") == [] and st.cpu.bytes_used == 0 and device_blocks_used(st) == 0
+    ok(st)
 
 
 @pytest.mark.integration
@@ -122,3 +126,26 @@ def test_corrupt_redis_block_is_a_miss(redis_url):
     with pytest.raises(NotFound):
         st.get(a.key, "t")
     assert st.stats().redis["corrupt"] >= 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["delete", "expiry"])
+def test_removing_an_entry_keeps_the_redis_blocks_another_replica_serves(redis_url, how):
+    """Without shared entries, blocks in Redis are still content-addressed: another replica's entry of the same tokens
+    may live on those very blocks (demoted there). A delete or expiry here must not take them from under it."""
+    other = store(blocks=4, redis_url=redis_url)
+    a_seg = seg(range(64))
+    key = other.put(a_seg, "t").key
+    other.put(seg(range(100, 164)), "t")  # A's 4 blocks leave the other replica's device for Redis
+    clock = Clock()
+    mine = store(blocks=8, redis_url=redis_url, clock=clock)
+    assert mine.put(a_seg, "t", ttl_s=10).key == key  # the same tokens here: the same block hashes
+    if how == "delete":
+        assert mine.delete(key, "t") == 1
+    else:
+        clock.now += 10
+        mine.purge_expired()
+    assert mine.keys("t") == []
+    assert torch.equal(other.get(key, "t").kv, a_seg.kv), "the other replica still serves A from Redis"
+    ok(mine)
+    ok(other)

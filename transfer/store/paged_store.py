@@ -83,6 +83,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         self._sending = threading.Lock()  # one thread sends the queued Redis writes at a time
         # keys whose "forget" is queued or being sent: their records may still be in Redis, never adopted back
         self._forgetting: Counter[str] = Counter()
+        self._owed: dict[str, float] = {}  # key -> when the write of its entry's record failed (sharing._resend_owed)
         self._stale = StaleRecords()  # records read from Redis that must not be adopted (a removal or expiry here)
 
     @property
@@ -193,6 +194,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                 try:
                     blocks = self._make_resident(pool, existing.hashes, keep_ref=False, prefetched=prefetched)
                 except NotFound:
+                    self._record_lost(existing, prefetched)
                     self._remove_entry(existing, "lost")
                 else:
                     pool.touch(blocks)
@@ -219,19 +221,24 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             present = [pool.lookup(h) for h in hashes]
             held = [b for b in present if b is not None]
             pool.ref(held)
+            missing = [i for i, b in enumerate(present) if b is None]
+            # CPU-tier copies of the blocks written below leave it first (they will be on the device: one local copy
+            # only), so that the room allocation makes there cannot push them out, losing the entries that use them
+            # for nothing; put back if the blocks cannot be had
+            moved = {i: item for i in missing if self.cpu is not None and (item := self.cpu.pop(hashes[i]))}
             try:
-                missing = [i for i, b in enumerate(present) if b is None]
                 new_blocks = self._allocate(pool, len(missing))
-            except CapacityError:
+            except CapacityError:  # raised before any eviction: the CPU tier has the room they left
+                for i, (key_of_layout, block) in moved.items():
+                    evicted = self.cpu.put(hashes[i], key_of_layout, block)
+                    assert not evicted, "restoring popped blocks cannot overflow the CPU tier"
                 pool.unref(held)
-                self.residency.drop(pool, self.registry.release(key, hashes), drop_remote=False)
+                self.residency.drop(pool, self.registry.release(key, hashes))
                 raise
             # the new blocks, straight from the segment: kv [L, 2, H, T, D] -> pool [n, L, 2, H, bs, D]
             if missing:
                 pool.write_segment([b.block_id for b in new_blocks], segment.kv, missing)
             for i, block in zip(missing, new_blocks):
-                if self.cpu is not None:
-                    self.cpu.pop(hashes[i])  # now on the device: one local copy only
                 pool.set_hash(block, hashes[i])
                 present[i] = block
             # (A source lost to the evictions above keeps its link here: links outlive their source, so a Delete of
@@ -264,6 +271,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             except NotFound:
                 self._stats.misses += 1
                 self._stats.lost_entries += 1
+                self._record_lost(entry, prefetched)
                 self._remove_entry(entry, "lost")
                 raise NotFound(f"no entry {key!r}") from None
             try:

@@ -127,7 +127,7 @@ class PrefixLookup:
                     pool.unref(blocks)
             finally:
                 orphans = set(self.registry.release(reader, hashes))
-                self.residency.drop(pool, [h for h in used if h in orphans], drop_remote=False)
+                self.residency.drop(pool, [h for h in used if h in orphans])
             self._stats.hits += 1
             self._stats.hit_tokens += num_tokens
             return KVSegment(kv=kv, token_ids=token_ids[:num_tokens].clone(),

@@ -114,8 +114,11 @@ class RedisAuth:
 
     # ------------------------------------------------------------------------------------------------- records
 
+    def record_tag(self, redis_key: bytes, record: bytes) -> bytes:
+        return self._tag("record", redis_key, record)
+
     def seal_record(self, redis_key: bytes, record: bytes) -> bytes:
-        return self._tag("record", redis_key, record) + b" " + record
+        return self.record_tag(redis_key, record) + b" " + record
 
     def open_record(self, redis_key: bytes, value: bytes) -> bytes:
         """The record in a value seal_record made for redis_key under this secret; ForgedValue for anything else."""

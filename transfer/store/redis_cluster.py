@@ -47,9 +47,12 @@ class ClusterCommands(Commands):
             raise ValueError(f"wait_timeout_ms {target.wait_timeout_ms} must be below the redis tier's socket "
                              f"timeout ({timeout_s * 1000:.0f} ms), or every WAIT would time out the connection")
         exc = redis.exceptions
-        # ResponseError: every error reply the retries still meet (TRYAGAIN, ASK; OOM, READONLY, NOPERM, ...)
-        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.RedisClusterException, exc.ClusterError,
-                       exc.ResponseError)
+        # ClusterError: CLUSTERDOWN and the like (the cluster cannot serve now)
+        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.RedisClusterException, exc.ClusterError)
+        # every other redis-py error: error replies the retries still meet (TRYAGAIN, ASK; OOM, READONLY, NOPERM, ...)
+        self.refusals = (exc.RedisError,)
+        # what send_sets, confirm and the slot lookup handle themselves (a group sent again, a key not confirmed)
+        self._handled = self.errors + (exc.ResponseError,)
         self._response_error = exc.ResponseError
         self.target = target
         self._timeout_s = timeout_s
@@ -98,14 +101,14 @@ class ClusterCommands(Commands):
                 pool = client.get_redis_connection(node).connection_pool
                 try:
                     conn = pool.get_connection()  # (released by the pool itself when it cannot connect)
-                except self.errors:
+                except self._handled:
                     again += group
                     continue
                 sent.append((pool, conn, group))
                 try:
                     conn.send_packed_command(packed_sets(sealing.sealed(group), ttl_s,
                                                          (wait, self.target.wait_timeout_ms) if wait else None))
-                except self.errors:
+                except self._handled:
                     sent.pop()
                     conn.disconnect()
                     pool.release(conn)
@@ -118,7 +121,7 @@ class ClusterCommands(Commands):
                 again += [i for i, done in zip(group, ok) if not done]
                 if wait and not (isinstance(replicas, int) and replicas >= wait):
                     unconfirmed += [sealing.items[i][0] for i, done in zip(group, ok) if done]
-        except self.errors:  # a connection lost while reading: its group and those not read yet go again
+        except self._handled:  # a connection lost while reading: its group and those not read yet go again
             again += [i for _, _, group in sent for i in group]
         except BaseException:
             sealing.stop()
@@ -149,7 +152,7 @@ class ClusterCommands(Commands):
         for item in items:
             try:
                 node = client.get_node_from_key(key_of(item))
-            except self.errors:
+            except self._handled:
                 orphans.append(item)
                 continue
             groups.setdefault(node.name, (node, []))[1].append(item)
@@ -171,7 +174,7 @@ class ClusterCommands(Commands):
                     pipe.pexpire(key, ttl_ms)
                 pipe.execute_command("WAIT", self.target.wait_replicas, self.target.wait_timeout_ms)
                 *found, replicas = pipe.execute(raise_on_error=False)
-            except self.errors:
+            except self._handled:
                 unconfirmed += node_keys
                 continue
             if isinstance(replicas, Exception) or replicas < self.target.wait_replicas:

@@ -31,12 +31,15 @@ Seal = Callable[[bytes, bytes, memoryview], bytes]  # (key, header, data) -> the
 
 class Commands:
     """What RedisTier asks of Redis. `client` is redis-py's client; `errors` the exceptions that mean Redis cannot
-    be reached or cannot serve now (the tier then degrades to misses and no-ops): a connection lost or timed out, or
-    an error reply (ResponseError: OOM at maxmemory under noeviction, READONLY from a demoted primary, NOPERM from an
-    ACL, ...)."""
+    be reached now (a connection lost or timed out, a cluster down: the tier then reports itself down and degrades
+    to misses and no-ops until its next try); `refusals` those that fail one command only (any other redis-py error:
+    an error reply such as OOM at maxmemory under noeviction, READONLY from a demoted primary, NOPERM from an ACL;
+    a reply redis-py cannot parse; an argument it cannot send): that operation fails, the tier stays up. Caught in
+    that order: `errors` first."""
 
     tagged = False  # entry keys in hash tags (a cluster)
     errors: tuple[type[BaseException], ...] = ()
+    refusals: tuple[type[BaseException], ...] = ()
     client = None
 
     def entry_key(self, key: str) -> bytes:
@@ -169,8 +172,10 @@ class NodeCommands(Commands):
         import redis  # imported here: the store works without the package when no Redis tier is configured
 
         exc = redis.exceptions
-        # ResponseError: every error reply (MOVED, ASK, CROSSSLOT from a cluster node; OOM, READONLY, NOPERM, ...)
-        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError, exc.ResponseError)
+        self.errors = (exc.ConnectionError, exc.TimeoutError, OSError)
+        # RedisError: every other redis-py error, error replies among them (MOVED, ASK, CROSSSLOT from a cluster node;
+        # OOM, READONLY, NOPERM, ...)
+        self.refusals = (exc.RedisError,)
         self._response_error = exc.ResponseError
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            retry_on_timeout=False)

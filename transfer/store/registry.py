@@ -45,9 +45,13 @@ class Entry:
     annotations: dict = field(default_factory=dict)  # small JSON-able facts the caller keeps with it
     generation: int = 0  # 0 when stored; +1 on every later put or refresh of it (someone else stored it too)
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this object's, never another's: its KV's identity
-    # entries shared through Redis: the id of the last record of it written or adopted here that carries its deadline
-    # (None: none does); once it expires here, that record is not adopted back (stale_records)
-    record_id: str | None = None
+    # entries shared through Redis: the ids of its records Redis may hold that this replica must not adopt back once
+    # the entry expires here (stale_records): the record adopted (if it carries a deadline) or last written here, and
+    # those queued since; a write that fails drops its id (Redis holds the one before), one that succeeds the older
+    record_ids: list[str] = field(default_factory=list)
+    # the tag of its record as Redis held it when last written or read here: a replica that finds the entry's blocks
+    # gone from Redis deletes that very record only (redis_records.delete_record_if); None: none known
+    record_tag: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

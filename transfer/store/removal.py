@@ -2,7 +2,8 @@
 
 `delete` takes an entry and, transitively, what derives from it; `_expire` (which the public methods that read or
 change entries run first) the entries past their TTL; `_lose` the entries using a block that left the last tier. Each
-goes through `_remove_entry`, which drops the blocks no other entry uses and tells the listeners (`add_listener`) why.
+goes through `_remove_entry`, which drops the blocks no other entry uses from the local tiers (never from Redis, which
+other replicas' entries may read them from) and tells the listeners (`add_listener`) why.
 It uses the store's lock, registry, pools, residency, config and stats.
 """
 
@@ -28,8 +29,8 @@ class EntryRemoval:
     @_sends_redis_writes
     def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
         """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
-        every block only they used, from every tier (entries shared through Redis: see _remove_entry). Returns
-        how many entries went: 0 if there was nothing.
+        every block only they used from the local tiers (in Redis, blocks expire by their TTL; entries shared through
+        Redis: their records go: see _remove_entry). Returns how many entries went: 0 if there was nothing.
         if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
         one's own put without taking an entry someone else stored or used since)."""
         if if_generation is None and isinstance(key, str) and _ENTRY_KEY.fullmatch(key):
@@ -53,29 +54,27 @@ class EntryRemoval:
             return removed
 
     def _remove_entry(self, entry: Entry, reason: str) -> None:
-        """Forget an entry; blocks no other entry uses are dropped from the local tiers, and from Redis too unless
-        the entry was lost (then Redis has the data or not). With entries shared through Redis, only its partial
-        tail block goes from Redis: its full blocks may be used by entries this store cannot see (another
-        replica's, or its own before a restart), and expire there after redis_ttl_s. Its record goes too when it was
-        deleted or lost (no record read before is adopted after); an expired entry's record leaves Redis at the same
-        deadline, and is not adopted back here meanwhile (stale_records)."""
+        """Forget an entry; blocks no other entry uses are dropped from the local tiers, never from Redis: blocks
+        there are content-addressed, so any replica's entry of the same tokens may live on them (demoted there, or
+        named by a shared record; another replica's, or this server's own before a restart), and no replica can see
+        which; they expire after redis_ttl_s (each write or demotion of them restarts that).
+        Entries shared through Redis: a deleted entry's record goes too, for every replica (no record read before is
+        adopted after: stale_records). An expired entry's record leaves Redis at the same deadline, and is not adopted
+        back here meanwhile. A lost entry's record is not forgotten here: the record key is every replica's that
+        stores these tokens, and a delete of it could take the record a writer publishes again meanwhile (a refresh, a
+        put of the same tokens). Only a read that Redis answered without the entry's blocks deletes a record, and that
+        very one (compared by its tag: sharing._record_lost, before this); a read that failed deletes nothing."""
         pool = self.pools.get(entry.layout.key)
         if entry.pinned and pool is not None:
             pool.unref([pool.lookup(h) for h in entry.hashes])
-        orphans = self.registry.discard(entry)
-        if self.config.share_entries and self.redis is not None and reason != "lost":
-            tail = entry.hashes[-1] if entry.token_ids.numel() % entry.layout.block_size else None
-            self.residency.drop(pool, [h for h in orphans if h != tail], drop_remote=False)
-            orphans = [h for h in orphans if h == tail]
-        self.residency.drop(pool, orphans, drop_remote=reason != "lost")
-        if self.config.share_entries and self.redis is not None and (
-                reason == "deleted" or (reason == "lost" and self.redis.stats.available)):
-            # other replicas find it no more: deleted, or lost with Redis up (its blocks there are gone or corrupt)
+        self.residency.drop(pool, self.registry.discard(entry))
+        if self.config.share_entries and self.redis is not None and reason == "deleted":
             self.residency.outbox.append(("forget", [entry.key]))
             self._forgetting[entry.key] += 1
             self._stale.removed(entry.key)
-        if reason == "expired" and entry.record_id is not None:
-            self._stale.expired(entry.record_id, self.clock())
+        if reason == "expired":
+            for record_id in entry.record_ids:
+                self._stale.expired(record_id, self.clock())
         for listener in self._listeners:
             listener(entry.key, entry.namespace.tenant, reason)
 

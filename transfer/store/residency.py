@@ -6,12 +6,12 @@ to take it is lost (the caller then drops the entries that use it). Reads promot
 Only blocks some entry uses (`registry.users`) are ever moved. No locking: the store's lock covers every call.
 
 No Redis round trip happens here: the store's lock covers every call, and Redis I/O must not run under it.
-Writes go to `outbox` (in order: puts of demoted blocks, deletes) and the store sends them after releasing its
-lock; until a put is sent its blocks sit in `pending` and count as in Redis. A demoted block whose bytes Redis held
-when last seen (`in_redis`: sent there, or read from there) is not sent again: a "keep" restarts its TTL, and only
-the blocks Redis no longer has go with it (from `pending`, like a put). Reads that need Redis raise
-`NeedRemote` naming the blocks; the store fetches them without its lock and calls again with them `prefetched`
-(a hash mapped to None: Redis does not have it).
+Writes go to `outbox` (in order) and the store sends them after releasing its lock; until a put is sent its blocks
+sit in `pending` and count as in Redis. A demoted block whose bytes Redis held when last seen (`in_redis`: sent there,
+or read from there) is not sent again: a "keep" restarts its TTL, and only the blocks Redis no longer has go with it
+(from `pending`, like a put). Nothing here deletes a block from Redis: other replicas' entries may use it there (blocks
+are content-addressed); it expires by its TTL. Reads that need Redis raise `NeedRemote` naming the blocks; the store
+fetches them without its lock and calls again with them `prefetched` (a hash mapped to None: Redis does not have it).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Residency:
         self.redis = redis
         self.evictions = evictions  # the store's counters: blocks pushed down from each tier
         # oldest first: ("put", [(hash, layout_key, block)]), ("keep", [(hash, layout_key, block)]),
-        # ("delete", [hash]), ("entries", [(key, record)]), ("forget", [key])
+        # ("entries", [sharing.RecordWrite]), ("forget", [key])
         self.outbox: deque = deque()
         self.pending: dict[BlockHash, tuple[str, torch.Tensor]] = {}  # demoted blocks not yet sent to Redis
         # blocks some entry uses whose bytes Redis had when last seen (a put of them sent, a keep answered, a read
@@ -89,9 +89,9 @@ class Residency:
             return "cpu"
         return None
 
-    def drop(self, pool: BlockPool | None, orphans: list[BlockHash], drop_remote: bool) -> None:
-        """Drop blocks no entry uses from the local tiers, and from Redis too when drop_remote (deletes and expiry:
-        the data must be gone; not for losses, where Redis has it or not)."""
+    def drop(self, pool: BlockPool | None, orphans: list[BlockHash]) -> None:
+        """Drop blocks no entry uses from the local tiers. Not from Redis: another replica's entries may use them
+        there (blocks are content-addressed); they expire by their TTL. (A put of them already queued still goes.)"""
         for h in orphans:
             self.in_redis.discard(h)
             block = pool.lookup(h) if pool is not None else None
@@ -99,10 +99,6 @@ class Residency:
                 pool.drop(block)
             if self.cpu is not None:
                 self.cpu.pop(h)
-        if orphans and drop_remote and self.redis is not None:
-            for h in orphans:
-                self.pending.pop(h, None)
-            self.outbox.append(("delete", list(orphans)))
 
     def demote(self, pool: BlockPool, evicted: list[tuple[BlockHash, int]]) -> list[BlockHash]:
         """Move evicted device blocks down a tier; returns the hashes of the blocks that left the last tier."""

@@ -3,8 +3,19 @@
 `_flush` sends the queued Redis writes in order; `_entry_for`, `_adopt` and `_adopt_family` register entries another
 replica stored, from their records (checked: the key is recomputed from the contents; never a record stale here:
 stale_records); `_share` queues a new entry's record and blocks. A record's TTL in Redis is its entry's when the entry
-expires (set from the entry's deadline as it is sent), and a replica that adopts it expires it then. A mixin of
-PagedStore (it uses the store's lock, registry, residency, budget, config and clock).
+expires (set from the entry's deadline as it is sent), and a replica that adopts it expires it then.
+
+A record is written only once Redis holds every block it names, and never outlives them (redis_records): the TTL of
+each restarts first (those it reuses from older entries too); when Redis no longer has some, they go again from this
+replica's tiers, then the record (`_records_sent`). A record write that fails leaves Redis the record of the key it
+held before, with its deadline: the entry owes Redis its record, made again from the entry as it is then and sent once
+the tier's retry interval has passed (`_resend_owed`); the failed one is never sent again (its deadline may be stale
+by then).
+
+A replica that finds an entry's blocks gone from Redis (Redis answered: absent, or corrupt and deleted) takes a miss and
+deletes that very record (by its tag: `_record_lost`), not any record of the key: one a writer publishes again has
+another tag, and its blocks are back before it. A read that failed deletes nothing (the blocks may be there). A mixin
+of PagedStore (it uses the store's lock, registry, residency, budget, config and clock).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import re
 import secrets
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from kvbridge.transfer.errors import NotFound
@@ -28,6 +40,22 @@ log = logging.getLogger("kvbridge.transfer.store.paged_store")  # the store's on
 
 _ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
 _REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
+
+
+@dataclass(slots=True)
+class RecordWrite:
+    """An entry's record queued for Redis (`_share`), with what its send and the bookkeeping after it need."""
+
+    key: str  # the entry's key
+    record: bytes  # registry.entry_record
+    record_id: str  # the id in it
+    source_key: str | None  # the entry it derives from: the key joins that one's derived set
+    expires_at: float | None  # the entry's deadline as queued (the store's clock): the record's TTL is set from it
+    hashes: list[BlockHash]  # the blocks it names: their TTL restarts with it
+    layout_key: str  # their pool's
+    serial: int  # the entry's: the outcome is booked to that very entry only
+    tag: bytes  # its tag in Redis (redis_records.record_tag)
+    again: bool = False  # queued again after the blocks Redis lacked were sent: not a third time (then owed)
 
 
 def _sends_redis_writes(method):
@@ -48,7 +76,9 @@ class RedisSharing:
         """locked(prefetched) under the store's lock. When it needs blocks only Redis has (NeedRemote), they are
         fetched without the lock and it runs again with them; Redis writes it queued are sent after, also without
         the lock."""
-        prefetched: dict = {}  # also ("entry", key) -> the record found, ("read", key) -> its read's stamp
+        # also ("entry", key) -> the record found, ("read", key) -> its read's stamp, ("unread", hash) -> True: a
+        # block the read of which Redis did not answer
+        prefetched: dict = {}
         try:
             for _ in range(_REMOTE_ROUNDS):
                 try:
@@ -57,8 +87,11 @@ class RedisSharing:
                 except NeedRemote as need:  # no lock held here
                     if need.hashes:
                         got = self.redis.get_many(need.hashes, need.layout)  # each block must fit it
+                        unanswered = not getattr(got, "answered", True)
                         for h in need.hashes:
                             prefetched[h] = got.get(h)
+                            if unanswered:  # (may be there all the same: _record_lost)
+                                prefetched[("unread", h)] = True
                     if need.entries:
                         records = self.redis.get_entries(need.entries)
                         for k in need.entries:
@@ -80,6 +113,9 @@ class RedisSharing:
         residency = self.residency
         if residency.redis is None or self._lock._is_owned():
             return
+        if self._owed:
+            with self._lock:
+                self._resend_owed()
         while residency.outbox:
             if not self._sending.acquire(blocking=False):
                 return
@@ -90,43 +126,47 @@ class RedisSharing:
                             break
                         op, items = residency.outbox.popleft()
                     try:
-                        failed = self._send(op, items)
+                        outcome = self._send(op, items)
                     except Exception as exc:  # not a Redis error (the tier handles those): still no caller's
                         log.exception("redis tier: sending %d queued %r write(s) failed", len(items), op)
                         residency.redis.failed(exc)
-                        failed = items if op in ("put", "keep") else []
+                        outcome = items if op in ("put", "keep") else None
                     with self._lock:
-                        self._sent(op, items, failed)
+                        self._sent(op, items, outcome)
             finally:
                 self._sending.release()
 
-    def _send(self, op: str, items: list) -> list:
-        """One queued write, sent (no lock held); for puts and keeps, the (hash, layout key, block) items Redis does
-        not hold after it."""
+    def _send(self, op: str, items: list):
+        """One queued write, sent (no lock held). Puts and keeps: the (hash, layout key, block) items Redis does not
+        hold after it; entries: RedisTier.put_entries's answer (None: not written)."""
         redis = self.residency.redis
-        if op == "delete":
-            redis.delete_many(items)
-        elif op == "entries":  # each record lives in Redis until its entry's deadline, if it has one
+        if op == "entries":  # each record lives in Redis until its entry's deadline, if it has one
             now = self.clock()
-            redis.put_entries([(key, record, source_key, None if expires_at is None else expires_at - now)
-                               for key, record, source_key, expires_at in items])
-        elif op == "forget":
+            return redis.put_entries([(w.key, w.record, w.source_key,
+                                       None if w.expires_at is None else w.expires_at - now, w.hashes) for w in items])
+        if op == "forget":
             redis.delete_entries(items)
+        elif op == "lost":
+            for key, tag in items:
+                redis.delete_record_if(key, tag)
         elif op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
             found = redis.refresh_many([h for h, _, _ in items])
             failed = items if found is None else [item for item, there in zip(items, found) if not there]
             return [] if found is not None and redis.put_many(failed) else failed
         else:
             return [] if redis.put_many(items) else items
-        return []
+        return None
 
-    def _sent(self, op: str, items: list, failed: list) -> None:
-        """The bookkeeping after a queued write went (sent or failed; under the store's lock)."""
+    def _sent(self, op: str, items: list, outcome) -> None:
+        """The bookkeeping after a queued write went (sent or failed; under the store's lock); outcome: _send's."""
         residency = self.residency
         if op == "forget":
             self._forgetting -= Counter(items)
+        if op == "entries":
+            self._records_sent(items, outcome)
         if op not in ("put", "keep"):
             return
+        failed = outcome
         for h, _, block in items:
             waiting = residency.pending.get(h)
             if waiting is not None and waiting[1] is block:
@@ -138,6 +178,64 @@ class RedisSharing:
         # blocks not back on a local tier (nor demoted again) are gone
         self._lose([h for h, key, _ in failed if h not in residency.pending
                     and residency.tier_of(self.pools.get(key), h) is None])
+
+    def _records_sent(self, items: list[RecordWrite], missing: dict[str, list[BlockHash]] | None) -> None:
+        """After records were sent (under the store's lock). Not written (missing None): Redis holds the record of
+        the key it held before, so the entry owes it its record (`_resend_owed`). Written: Redis holds none older of
+        it; an entry that left meanwhile (expired) is not adopted back from it here. Not written because Redis no
+        longer had some of its blocks (`missing`, by entry key): those go again from the device or the CPU tier (unless
+        a put of them is queued already), then the record, made again (once; then it is owed). When a block is on no
+        tier here, the record is not written: its entries find the block gone when they read it."""
+        now = self.clock()
+        for w in items:
+            entry = self.registry.get(w.key)
+            current = entry is not None and entry.serial == w.serial
+            if missing is None or w.key in missing:  # not written
+                if current and w.record_id in entry.record_ids:
+                    entry.record_ids.remove(w.record_id)
+                if current and (missing is None or w.again):
+                    self._owed[w.key] = now
+                elif current:
+                    self._send_again(entry, missing[w.key])
+                continue
+            if current and w.record_id in entry.record_ids:
+                del entry.record_ids[:entry.record_ids.index(w.record_id)]
+                entry.record_tag = w.tag
+            elif not current and w.expires_at is not None:
+                self._stale.expired(w.record_id, now)
+
+    def _send_again(self, entry: Entry, hashes: list[BlockHash]) -> None:
+        """Queue the blocks of `entry` Redis no longer has (from the local tiers, unless already queued), then its
+        record again; nothing when a block is on no tier here."""
+        pool, cpu, pending = self.pools[entry.layout.key], self.cpu, self.residency.pending
+        on_device, copies = [], []
+        for h in hashes:
+            block = pool.lookup(h)
+            if block is not None:
+                on_device.append((h, block.block_id))
+            elif cpu is not None and (held := cpu.copy_of(h)) is not None:
+                copies.append((h, *held))
+            elif h not in pending:
+                return
+        data = read_to_cpu(pool, [i for _, i in on_device], [True] * len(on_device)) if on_device else []
+        copies += [(h, pool.layout.key, block) for (h, _), block in zip(on_device, data)]
+        if copies:
+            self.residency.outbox.append(("put", copies))
+        self._share(entry, pool, [], again=True)
+
+    def _resend_owed(self) -> None:
+        """Queue again, made from their entries as they are now, the records whose writes failed (`_records_sent`)
+        once the tier's retry interval has passed since (under the store's lock)."""
+        redis = self.residency.redis
+        if not redis.usable():
+            return
+        now = self.clock()
+        for key, since in list(self._owed.items()):
+            if now >= since + redis.retry_s:
+                del self._owed[key]
+                entry = self.registry.get(key)
+                if entry is not None:
+                    self._share(entry, self.pools[entry.layout.key], [])
 
     def _entry_for(self, key: str, tenant: str, prefetched: dict) -> Entry:
         """The tenant's entry of this key: local, else (entries shared through Redis) the record another replica
@@ -185,7 +283,7 @@ class RedisSharing:
         record when the record says it expires (else after default_ttl_s). None when the record is another tenant's,
         does not check out (its key is recomputed from its contents), or is stale here (a forget of its key pending,
         or: stale_records)."""
-        blob, left_s = found
+        blob, left_s, tag = found
         try:
             record = parse_record(blob)
             if record["tenant"] != tenant:
@@ -223,28 +321,44 @@ class RedisSharing:
         hashes = self._chain(ns, kind, key, tokens)
         self.registry.claim(key, hashes)
         if record.get("expires") is True and left_s is not None:  # the writer's deadline, on Redis's clock
-            expires_at = now + left_s
-        else:
+            expires_at, record_ids = now + left_s, [record_id] if record_id is not None else []
+        else:  # a record without a deadline: another record of the key, adopted after it expires here, is no stale one
             ttl = self.config.default_ttl_s
-            expires_at, record_id = (now + ttl if ttl is not None else None), None
+            expires_at, record_ids = (now + ttl if ttl is not None else None), []
         entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=model, token_ids=tokens,
                       positions=positions, rotated=bool(record["rotated"]), hashes=hashes,
                       expires_at=expires_at, pinned=False, last_access=now,
                       text=record.get("text"), source_key=record.get("source_key"),
                       annotations=dict(record.get("annotations") or {}), generation=1,  # stored elsewhere
-                      record_id=record_id)
+                      record_ids=record_ids, record_tag=tag)
         self.registry.add(entry)
         return entry
 
-    def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]]) -> None:
+    def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]], again: bool = False) -> None:
         """Entries shared through Redis: queue the entry's record (a new one, with its deadline: again whenever that
-        changes) and its new blocks (written through: replicas read them there) for the sender."""
+        changes; the TTL of every block it names restarts with it) and its new blocks (written through: replicas
+        read them there) for the sender."""
         if not (self.config.share_entries and self.redis is not None):
             return
         if new:
             data = read_to_cpu(pool, [i for _, i in new], [True] * len(new))
             self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
         record_id = secrets.token_hex(8)
-        entry.record_id = record_id if entry.expires_at is not None else None
-        self.residency.outbox.append(("entries", [(entry.key, entry_record(entry, record_id), entry.source_key,
-                                                   entry.expires_at)]))
+        record = entry_record(entry, record_id)
+        entry.record_ids.append(record_id)
+        self._owed.pop(entry.key, None)  # this one supersedes a record whose write failed
+        self.residency.outbox.append(("entries", [RecordWrite(
+            key=entry.key, record=record, record_id=record_id, source_key=entry.source_key,
+            expires_at=entry.expires_at, hashes=list(entry.hashes), layout_key=entry.layout.key,
+            serial=entry.serial, tag=self.redis.record_tag(entry.key, record), again=again)]))
+
+    def _record_lost(self, entry: Entry, prefetched: dict) -> None:
+        """`entry` was just found lost on a read (under the store's lock, before its removal). Entries shared through
+        Redis: when Redis answered that its blocks are not there, delete the record of it this replica last wrote or
+        read, if Redis still holds that very one (another, published since, stays); after a read that failed, or with
+        no record known, nothing."""
+        if not (self.config.share_entries and self.redis is not None) or entry.record_tag is None:
+            return
+        if any(("unread", h) in prefetched for h in entry.hashes):
+            return
+        self.residency.outbox.append(("lost", [(entry.key, entry.record_tag)]))

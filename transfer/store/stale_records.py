@@ -2,14 +2,16 @@
 state, covered by its lock (no locking here).
 
 Records are read without the store's lock, and adopted under it later. Two kinds come back stale:
-- a record of a key this replica removed (deleted, or lost with Redis up: its "forget" queued) after the read began:
-  it may be the removed entry's, even once the forget was sent. Each read takes the count of removals so far as it
+- a record of a key this replica deleted (its "forget" queued) after the read began: it may be the deleted entry's,
+  even once the forget was sent. Each read takes the count of removals so far as it
   begins (`begin_read`, under the lock, with the check that no forget of the key is pending); a removal stamps its
   key with the next count; a record whose key was stamped after its read began is refused. Stamps are kept only while
   a read older than them is under way (`end_read` drops the rest): none at all while no read is.
 - a record whose entry expired here (by its id: each record written gets one). The record leaves Redis at that
   deadline (its TTL there is set from ours as it is sent), but a clock other than Redis's may pass it first; it is
-  refused for EXPIRED_GRACE_S after. Another record of the key (stored again, by any replica) is a new id.
+  refused for EXPIRED_GRACE_S after. Another record of the key (stored again, by any replica) is a new id. The ids an
+  expired entry marks are every one Redis may still hold (Entry.record_ids: a refresh whose record write failed
+  leaves the one before, with its older deadline).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class StaleRecords:
             del self._removed[key]
 
     def removed(self, key: str) -> None:
-        """A shared entry of this key was removed here and its record's forget queued."""
+        """A shared entry of this key was deleted here and its record's forget queued."""
         self._removals += 1
         if self._reads:  # else no read can have begun before it
             self._removed.pop(key, None)

@@ -8,7 +8,8 @@ under the replicas' secret, over the value and its Redis key). What is read back
 out, then its checksum, then its layout, dtype and shape against the layout its entry's record states; anything else
 is a miss, counted in `RedisStats.rejected` by kind (block, record, derived) and logged once per read; a rejected block
 is deleted (a replica's write puts it back). The same checks hold on one server and on a cluster. With a Redis tier
-below, the CPU tier takes each copy's sum64 as it writes it (`block_sums`), for the put that may follow.
+below, the CPU tier takes each copy's sum64 as it writes it (`block_sums`), for the put that may follow. The entry
+records of shared entries, in the same Redis: redis_records.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from kvbridge.transfer.store.block_blob import (
 )
 from kvbridge.transfer.store.block_pool import PoolLayout
 from kvbridge.transfer.store.kv_blocks import BlockHash
-from kvbridge.transfer.store.redis_auth import ForgedValue, RedisAuth
+from kvbridge.transfer.store.redis_auth import RedisAuth
 from kvbridge.transfer.store.redis_cluster import ClusterCommands
 from kvbridge.transfer.store.redis_commands import BLOCK_PREFIX, Commands, NodeCommands
+from kvbridge.transfer.store.redis_records import RedisRecords
 from kvbridge.transfer.store.redis_url import check_redis_url, is_cluster_url, parse_cluster_url, shown_url
 
-__all__ = ["CpuTier", "RedisTier", "RedisStats",  # and, from block_blob, what callers import from here:
+__all__ = ["CpuTier", "RedisTier", "RedisStats", "BlockReads",  # and, from block_blob, what callers import from here:
            "BlockSums", "block_sums", "block_parts", "encode_block", "decode_block"]
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,11 @@ class CpuTier:
         self.bytes_used += nbytes
         return evicted
 
+    def copy_of(self, block_hash: BlockHash) -> tuple[str, torch.Tensor] | None:
+        """(layout key, the tier's copy) of a block held here, left in place and in its LRU place (read it, never
+        write into it)."""
+        return self._blocks.get(block_hash)
+
     def pop(self, block_hash: BlockHash) -> tuple[str, torch.Tensor] | None:
         item = self._blocks.pop(block_hash, None)
         if item is not None:
@@ -122,10 +129,28 @@ class RedisStats:
         return {**vars(self), "rejected": dict(self.rejected)}
 
 
-class RedisTier:
+def _error_text(exc: Exception) -> str:
+    """An error in a line of printable text (redis-py's may quote a command's arguments: block bytes), cut short."""
+    text = "".join(c if c.isprintable() else "?" for c in f"{type(exc).__name__}: {exc}")
+    return text if len(text) <= 240 else text[:240] + "..."
+
+
+class BlockReads(dict):
+    """RedisTier.get_many's answer: the blocks served, by hash. `answered` is False when Redis gave no answer (the tier
+    down, or the read failed): a block missing from it may still be there. When True, the blocks missing from it are
+    not there to serve (absent, or rejected and deleted)."""
+
+    def __init__(self, found=(), answered: bool = True):
+        super().__init__(found)
+        self.answered = answered
+
+
+class RedisTier(RedisRecords):
     """Blocks in Redis/Valkey under `kvbridge:2:blk:<hash>` with a TTL, on one server or a cluster (by the URL's scheme:
-    redis_url). When Redis is unreachable, or answers with an error (OOM, READONLY, NOPERM, ...), every call degrades to
-    a miss / no-op, the tier reports itself down, and a reconnect is tried every `retry_s` seconds.
+    redis_url). When Redis is unreachable, every call degrades to a miss / no-op, the tier reports itself down, and a
+    reconnect is tried every `retry_s` seconds. Any other redis-py error (an error reply: OOM, READONLY, NOPERM, ...;
+    a reply it cannot parse; an argument it cannot send) fails that one call only, never raised: a write is not
+    stored, a read is a miss (counted in `errors`, logged); the tier stays up, so reads go on while writes are refused.
 
     Every value is tagged with `secret` (at least 32 bytes, the same in every replica that shares the Redis) and
     checked when read (redis_auth). secret=None tags values under a public key, which catches corruption and values
@@ -146,6 +171,7 @@ class RedisTier:
         self.commands: Commands = (ClusterCommands(parse_cluster_url(url), timeout_s) if is_cluster_url(url)
                                    else NodeCommands(url, timeout_s))
         self._errors = self.commands.errors
+        self._refusals = self.commands.refusals
         self.stats = RedisStats()
         self._next_try = 0.0
         self._falling_short = False  # the last write's replicas fell short (logged once until they confirm again)
@@ -194,15 +220,26 @@ class RedisTier:
         self.stats.down_since = None
 
     def failed(self, exc: Exception) -> None:
-        """A round trip that failed (Redis out of reach, or an error reply): counted, logged when the tier goes
-        down, and the tier down until its next try."""
+        """A round trip that failed (Redis out of reach): counted, logged when the tier goes down, and the tier down
+        until its next try."""
         self.stats.errors += 1
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        self.stats.last_error = _error_text(exc)
         if self.stats.available:
             log.warning("redis tier %s is down (%s); serving from local tiers", self.shown_url, self.stats.last_error)
             self.stats.down_since = self.clock()
         self.stats.available = False
         self._next_try = self.clock() + self.retry_s
+
+    def refused(self, exc: Exception) -> None:
+        """A command that failed without the connection (an error reply, a reply or an argument redis-py could not
+        handle): counted and logged (once while the same error repeats); that call's write is not stored, its read a
+        miss, and the tier stays up."""
+        self.stats.errors += 1
+        text = _error_text(exc)
+        if text != self.stats.last_error:
+            log.warning("redis tier %s: a command failed (%s); that call only: a write not stored, a read a miss",
+                        self.shown_url, text)
+        self.stats.last_error = text
 
     def put_many(self, items: list[tuple[BlockHash, str, torch.Tensor]]) -> bool:
         """SET with TTL for each (hash, layout_key, block). False when the tier is down (nothing stored) or, on a
@@ -214,6 +251,9 @@ class RedisTier:
             short = self._short(self._send_sets(sets))
         except self._errors as exc:
             self.failed(exc)
+            return False
+        except self._refusals as exc:
+            self.refused(exc)
             return False
         self._ok()
         self.stats.puts += len(items) - short
@@ -232,6 +272,9 @@ class RedisTier:
         except self._errors as exc:
             self.failed(exc)
             return None
+        except self._refusals as exc:
+            self.refused(exc)
+            return None
         self._ok()
         self.stats.refreshes += sum(found)
         return found
@@ -247,24 +290,33 @@ class RedisTier:
         except self._errors as exc:
             self.failed(exc)
             return [False] * len(hashes)
+        except self._refusals as exc:
+            self.refused(exc)
+            return [False] * len(hashes)
         self._ok()
         return found
 
-    def get_many(self, hashes: list[BlockHash], layout: PoolLayout | str) -> dict[BlockHash, torch.Tensor]:
+    def get_many(self, hashes: list[BlockHash], layout: PoolLayout | str) -> BlockReads:
         """The blocks found whose tag, checksum, layout key, dtype and shape ([L, 2, H_kv, block_size, D] of
         `layout`) check out: views of the received bytes (read them, never write into them). The others are misses,
-        counted and deleted. A bare layout key (a caller without the layout, e.g. a benchmark) checks the key only."""
-        if not hashes or not self._usable():
-            return {}
+        counted and deleted. A bare layout key (a caller without the layout, e.g. a benchmark) checks the key only.
+        Nothing (answered False) when the tier is down or the read fails."""
+        if not hashes:
+            return BlockReads()
+        if not self._usable():
+            return BlockReads(answered=False)
         keys = [self._key(h) for h in hashes]
         try:
             blobs = self.commands.mget(keys)
         except self._errors as exc:
             self.failed(exc)
-            return {}
+            return BlockReads(answered=False)
+        except self._refusals as exc:
+            self.refused(exc)
+            return BlockReads(answered=False)
         self._ok()
         self.stats.gets += len(hashes)
-        found: dict[BlockHash, torch.Tensor] = {}
+        found = BlockReads()
         rejected, bad = [], []
         there = [(h, key, blob) for h, key, blob in zip(hashes, keys, blobs) if blob is not None]
         checked = self.commands.both_ways(lambda key, blob: self._checked(key, blob, layout),
@@ -297,97 +349,8 @@ class RedisTier:
         except self._errors as exc:
             self.failed(exc)
             return
-        self._ok()
-
-    def put_entries(self, items: list[tuple[str, bytes, str | None, float | None]]) -> bool:
-        """SET each (entry key, record, source entry key or None, seconds the record may live: None for the tier's
-        TTL, else that many, at most the tier's and at least a millisecond), and the key added to its source's derived
-        set (the tier's TTL). False when the tier is down or, on a cluster, when replicas did not confirm them all."""
-        if not items or not self._usable():
-            return False if items else True
-        tier_ms = self.ttl_s * 1000
-        try:
-            pipe = self.commands.client.pipeline(transaction=False)
-            written = []
-            for key, record, source_key, ttl_s in items:
-                redis_key = self.commands.entry_key(key)
-                ms = tier_ms if ttl_s is None else max(1, min(tier_ms, int(ttl_s * 1000)))
-                pipe.set(redis_key, self.auth.seal_record(redis_key, record), px=ms)
-                written.append((redis_key, ms))
-                if source_key is not None:
-                    set_key = self.commands.derived_key(source_key)
-                    pipe.sadd(set_key, self.auth.seal_member(set_key, key))
-                    pipe.expire(set_key, self.ttl_s)
-                    written.append((set_key, tier_ms))
-            pipe.execute()
-            short = self._short(self.commands.confirm(written))
-        except self._errors as exc:
-            self.failed(exc)
-            return False
-        self._ok()
-        return not short
-
-    def get_entries(self, keys: list[str]) -> dict[str, tuple[bytes, float | None]]:
-        """The records found whose tags check out, each with the seconds Redis keeps it still (None: no TTL); a miss
-        when the tier is down. The others are counted."""
-        if not keys or not self._usable():
-            return {}
-        redis_keys = [self.commands.entry_key(k) for k in keys]
-        try:
-            pipe = self.commands.client.pipeline(transaction=False)
-            for redis_key in redis_keys:
-                pipe.get(redis_key)
-                pipe.pttl(redis_key)
-            replies = pipe.execute()
-        except self._errors as exc:
-            self.failed(exc)
-            return {}
-        self._ok()
-        found, rejected = {}, []
-        for key, redis_key, blob, left_ms in zip(keys, redis_keys, replies[0::2], replies[1::2]):
-            if blob is not None and left_ms != -2:  # (-2: it expired between the two)
-                try:
-                    found[key] = (self.auth.open_record(redis_key, blob), None if left_ms < 0 else left_ms / 1000)
-                except ForgedValue as exc:
-                    rejected.append((redis_key, str(exc)))
-        if rejected:
-            self._rejected("record", rejected)
-        return found
-
-    def derived_entries(self, keys: list[str]) -> list[str]:
-        """The keys of the entries recorded as derived from these, whose tags check out (none when the tier is down)."""
-        if not keys or not self._usable():
-            return []
-        set_keys = [self.commands.derived_key(k) for k in keys]
-        try:
-            pipe = self.commands.client.pipeline(transaction=False)
-            for set_key in set_keys:
-                pipe.smembers(set_key)
-            sets = pipe.execute()
-        except self._errors as exc:
-            self.failed(exc)
-            return []
-        self._ok()
-        found, rejected = set(), []
-        for set_key, members in zip(set_keys, sets):
-            for member in members:
-                try:
-                    found.add(self.auth.open_member(set_key, member))
-                except (ForgedValue, UnicodeDecodeError) as exc:
-                    rejected.append((set_key, str(exc)))
-        if rejected:
-            self._rejected("derived", rejected)
-        return sorted(found)
-
-    def delete_entries(self, keys: list[str]) -> None:
-        """The records of these entries, and their derived sets."""
-        if not keys or not self._usable():
-            return
-        try:
-            self.commands.client.delete(*[name for k in keys for name in (self.commands.entry_key(k),
-                                                                          self.commands.derived_key(k))])
-        except self._errors as exc:
-            self.failed(exc)
+        except self._refusals as exc:
+            self.refused(exc)
             return
         self._ok()
 
@@ -397,6 +360,9 @@ class RedisTier:
             self.commands.ping()
         except self._errors as exc:
             self.failed(exc)
+            return False
+        except self._refusals as exc:
+            self.refused(exc)
             return False
         self._ok()
         return True
