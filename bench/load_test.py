@@ -124,6 +124,7 @@ def run(args) -> dict:
     shm_root = Path(tempfile.mkdtemp(prefix="kvload-", dir="/dev/shm"))  # the server's segment folders go here
     tenants = [f"load{t}" for t in range(args.tenants)]
     (work / "tokens").write_text("".join(f"{t} {token_of(t)}\n" for t in [*tenants, "witness"]))
+    (work / "tokens").chmod(0o600)  # the server refuses a token file other users can read
     (work / "adapters").mkdir()
     redis = RedisProcess(work / "redis") if redis_on else None
     sizes = PRESETS[args.preset]

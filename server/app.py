@@ -155,6 +155,7 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
                     [t.name for t in targets], folder)
     limits = ServiceLimits(chunk_bytes=config.chunk_kb * 1024,
                            max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536),
+                           max_message_bytes=config.max_message_bytes,
                            max_projections=config.max_projections)
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 

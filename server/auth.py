@@ -1,15 +1,16 @@
 """Bearer tokens to tenants: a token file, and a gRPC interceptor that refuses calls without a valid token.
 
-Token file: one `tenant token` pair per line; blank lines and lines starting with # are ignored. Tenants are
-names (letters, digits, . _ -); tokens are at least 16 characters. Without a token file every caller is the one
-tenant OPEN_TENANT (the server then listens on loopback only). Health and reflection stay open: probes and
-grpcurl-style tools need them, and they reveal no cache.
+Token file: one `tenant token` pair per line; blank lines and lines starting with # are ignored; a file other users
+may read is refused (mode 600, or 640). Tenants are names (letters, digits, . _ -); tokens are at least 16
+characters. Without a token file every caller is the one tenant OPEN_TENANT (the server then listens on loopback
+only). Health and reflection stay open: probes and grpcurl-style tools need them, and they reveal no cache.
 """
 
 from __future__ import annotations
 
 import hmac
 import re
+import stat
 from pathlib import Path
 
 import grpc
@@ -22,10 +23,27 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerRefl
 
 
 def read_token_file(path: str | Path) -> dict[str, str]:
-    """token -> tenant. Raises ValueError naming the line that is wrong."""
-    path = Path(path)
+    """token -> tenant. Raises ValueError naming the file when it does not exist, is not a regular file or can be
+    read or written by users other than its owner and group (mode bits for others set: `chmod 600`, or 640 for a
+    group of its own; the same rule as the Redis secret file's), and naming the line that is wrong."""
+    path = Path(path).expanduser()
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"token file {path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"token file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"token file {path} is not a regular file")
+    if info.st_mode & 0o007:
+        raise ValueError(f"token file {path} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}): "
+                         f"chmod 600 {path} (or 640 for a group of its own)")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"token file {path} cannot be read: {exc.strerror}") from None
     tokens: dict[str, str] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue

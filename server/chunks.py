@@ -4,6 +4,11 @@ each side), and put back together with every range checked. Nothing is ever unpi
 
 Chunk plan: when whole layers fit in `chunk_bytes`, a chunk is as many whole layers as fit (all tokens);
 otherwise it is one layer and as many tokens as fit. Chunks go layer-major, tokens within a layer in order.
+
+Message limits: a fetch's messages fit the smaller of the server's limit and the one its client declares in the
+metadata MAX_MESSAGE_METADATA (the Python client sends its max_message_mb); a client that declares none is taken to
+receive gRPC's default, GRPC_DEFAULT_MESSAGE. The first message also carries the header (every token id, the text),
+so its chunk may be cut smaller (`cut_first`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,47 @@ from kvbridge.transfer import tensor_blob
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit, large enough to stream fast
 MIN_CHUNK_BYTES = 4096
+CHUNK_FRAMING = 512  # bytes a chunk's message holds besides its KV at most: safetensors header, ranges, field tags
+GRPC_DEFAULT_MESSAGE = 4 << 20  # what a gRPC client receives unless set otherwise: a client that declares nothing
+MAX_MESSAGE_METADATA = "kvbridge-max-message-bytes"  # metadata: the largest message the client receives (bytes)
 
 
 class ChunkError(ValueError):
     """A chunk that does not fit its header or the chunks before it (the message names which and why)."""
+
+
+class MessageTooLarge(ValueError):
+    """A reply that cannot be cut into messages the server may send and the client receives (the message names the
+    sizes and both limits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageLimit:
+    """The largest message of one fetch's reply: the smaller of what the server sends and what its client receives."""
+
+    server: int  # the server's limit (--max-message-mb)
+    client: int | None  # what the client declared (its max_message_mb); None: declared nothing
+
+    @property
+    def bytes(self) -> int:
+        return min(self.server, GRPC_DEFAULT_MESSAGE if self.client is None else self.client)
+
+    def __str__(self) -> str:
+        client = (f"the client receives at most {self.client}: its max_message_mb" if self.client is not None else
+                  f"the client declared no limit (metadata {MAX_MESSAGE_METADATA}), so gRPC's default of "
+                  f"{GRPC_DEFAULT_MESSAGE} is assumed")
+        return f"{self.bytes} bytes (the server sends at most {self.server}: its --max-message-mb; {client})"
+
+
+def declared_limit(metadata) -> int | None:
+    """The largest message a call's client says it receives (MAX_MESSAGE_METADATA), None when it says nothing;
+    ValueError naming the metadata for a value that is not a positive integer."""
+    value = next((v for k, v in metadata or () if k == MAX_MESSAGE_METADATA), None)
+    if value is None:
+        return None
+    if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 19 and int(value) > 0):
+        raise ValueError(f"metadata {MAX_MESSAGE_METADATA} must be a positive number of bytes, got {value!r}")
+    return int(value)
 
 
 def int64_tensor(values) -> torch.Tensor:
@@ -61,6 +103,27 @@ def plan_chunks(num_layers: int, num_tokens: int, bytes_per_layer_token: int, ch
     per = _even(num_tokens, chunk_bytes // bytes_per_layer_token)  # one layer, tokens spread evenly
     return [ChunkRange(layer, layer + 1, t0, min(t0 + per, num_tokens))
             for layer in range(num_layers) for t0 in range(0, num_tokens, per)]
+
+
+def cut_first(r: ChunkRange, bytes_per_layer_token: int, budget: int) -> list[ChunkRange]:
+    """Range r (a plan's, so whole layers of all tokens, or one layer) as ranges covering it exactly once, the first
+    of at most `budget` bytes of tensor data (the chunk that rides with the header), the others no larger than r;
+    at most three."""
+    if budget < bytes_per_layer_token:
+        raise ValueError(f"a budget of {budget} bytes holds no token of one layer ({bytes_per_layer_token} bytes)")
+    layers, tokens = r.layer_end - r.layer_start, r.token_end - r.token_start
+    per_layer = bytes_per_layer_token * tokens
+    if layers * per_layer <= budget:
+        return [r]
+    if budget >= per_layer:  # whole layers
+        cut = r.layer_start + budget // per_layer
+        return [ChunkRange(r.layer_start, cut, r.token_start, r.token_end),
+                ChunkRange(cut, r.layer_end, r.token_start, r.token_end)]
+    # the first layer's first tokens, its other tokens, the layers after it
+    cut = r.token_start + budget // bytes_per_layer_token
+    first = r.layer_start + 1
+    return [ChunkRange(r.layer_start, first, r.token_start, cut), ChunkRange(r.layer_start, first, cut, r.token_end),
+            *([ChunkRange(first, r.layer_end, r.token_start, r.token_end)] if layers > 1 else [])]
 
 
 def _even(total: int, most: int) -> int:

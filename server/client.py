@@ -36,7 +36,14 @@ import grpc
 import torch
 from kvbridge.proto import pb2
 from kvbridge.server.channel import MAX_BACKOFF_S, NOT_RETRIED, Channels, Endpoint, parse_target, resolve_transport
-from kvbridge.server.chunks import DEFAULT_CHUNK_BYTES, dtype_name, int64_tensor, iter_chunks, plan_chunks
+from kvbridge.server.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_METADATA,
+    dtype_name,
+    int64_tensor,
+    iter_chunks,
+    plan_chunks,
+)
 from kvbridge.server.fetch_reply import FetchReply
 from kvbridge.server.replies import (
     Entry,
@@ -66,14 +73,23 @@ class KVBridgeClient:
     def __init__(self, address: str | Sequence[str], token: str | None = None,
                  tls_root_cert: bytes | str | Path | None = None, tls: bool | None = None, timeout_s: float = 60.0,
                  retries: int = 4, backoff_s: float = 0.1, max_message_mb: float = 8,
-                 tls_server_name: str | None = None, transport: str = "stream"):
+                 tls_server_name: str | None = None, transport: str = "stream", max_fetch_gb: float = 16):
         """address: "host:port" (or "unix:PATH") of one server; replicas as "ip:port,ip:port", a list of them, or
         "dns:///name:port" (server/channel.py).
         tls_root_cert: PEM of the CA (or self-signed cert) to trust; tls=True with none uses the system roots.
         transport: how fetches ask for KV by default: "stream", "shared_memory" (same host), or "auto" (shared
-        memory when every address is a loopback one)."""
+        memory when every address is a loopback one).
+        max_message_mb: the largest message sent or received; every call tells the server (metadata
+        MAX_MESSAGE_METADATA), which cuts a fetch's KV into messages that fit it.
+        max_fetch_gb: the most a fetched cache may take in this process; a reply whose header announces more is
+        refused (RESOURCE_EXHAUSTED, the stream cancelled) before anything is allocated."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not max_message_mb > 0:
+            raise ValueError(f"max_message_mb must be > 0, got {max_message_mb}")
+        if not max_fetch_gb > 0:
+            raise ValueError(f"max_fetch_gb must be > 0, got {max_fetch_gb}")
+        self.max_fetch_bytes = int(max_fetch_gb * (1 << 30))
         if retries < 0 or backoff_s < 0:
             raise ValueError(f"retries and backoff_s must be >= 0, got {retries} and {backoff_s}")
         self.target = parse_target(address)
@@ -89,7 +105,8 @@ class KVBridgeClient:
         creds = (grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))
                  if tls or tls_root_cert is not None else None)
         self._channels = Channels(self.target, options, creds, retries, backoff_s)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        declared = ((MAX_MESSAGE_METADATA, str(limit)),)  # the server's fetches send no larger message
+        self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + declared
         self._releases: set[grpc.Future] = set()  # ReleaseSegment calls on their way (see _release_later)
         self._kept: dict[str, tuple[Endpoint, float]] = {}  # keep_shared segment name -> (its replica, expiry)
         self._releases_lock = threading.Lock()  # guards both (fetch threads and releases run at once)
@@ -212,7 +229,7 @@ class KVBridgeClient:
         cannot read."""
         for attempt in range(self.retries + 1):
             endpoint = endpoints[attempt % len(endpoints)]
-            reply = FetchReply(method)
+            reply = FetchReply(method, max_bytes=self.max_fetch_bytes)
             try:
                 reply.read(endpoint.downloads[method](request, timeout=timeout_s or self.timeout_s,
                                                       metadata=self._metadata))

@@ -72,7 +72,12 @@ def cache_label(label: str, adapter: Adapter) -> str:
     """The adapter's part of a stored projection's namespace: its label ("name@version", what clients are told) and
     its content digest, so a retrained adapter saved under the same name and version never finds the old one's KV
     in the store, nor, through the entry keys they are tagged with, in the wire cache or kept shared-memory files."""
-    return f"{label}~{adapter.digest[:32]}"
+    return digest_label(label, adapter.digest)
+
+
+def digest_label(label: str, digest: str) -> str:
+    """`cache_label` of the adapter with this label and content digest."""
+    return f"{label}~{digest[:32]}"
 
 
 class Projecting:
@@ -116,10 +121,13 @@ class Projecting:
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         correction = self.corrections.resolve(mode)
-        if correction.kind == "replace":
-            return self._projection(tenant, key, text, target_model, adapter, offset, require_cached, out)
         target = self.model(target_model, "target")
-        label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
+        # resolved once: a default changed meanwhile (LoadAdapter make_default) must not make the projection the
+        # correction is computed from another adapter's than the label it is stored and served under
+        resolved = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
+        if correction.kind == "replace":
+            return self._projection(tenant, key, text, target, resolved, offset, require_cached, out)
+        label, chosen = resolved
         # the stored correction's namespace is "<tag>#<source key>"; a prior other than the target's shipped one in it
         tag = f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
         source_key = key or self._cached_source_key(tenant, text)
@@ -127,8 +135,8 @@ class Projecting:
             if source_key else None
         if warm is None:
             if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
-                self._projection(tenant, key, text, target_model, adapter, offset, require_cached, None)
-            base = self._projection(tenant, key, text, target_model, adapter, 0, require_cached, None)
+                self._projection(tenant, key, text, target, resolved, offset, require_cached, None)
+            base = self._projection(tenant, key, text, target, resolved, 0, require_cached, None)
             source_key = base.source_key  # known now even for a text ingested by this call
             warm = self._replica_correction(tenant, base, tag, target)
         if warm is None:
@@ -164,12 +172,13 @@ class Projecting:
         except NotFound:  # evicted or deleted in between: compute it here
             return None
 
-    def _projection(self, tenant: str, key: str | None, text: str | None, target_model: str, adapter: str,
-                    offset: int, require_cached: bool, out: KVOut | None) -> CacheResult:
-        """`projected_cache` in mode replace: the projection as the adapter makes it."""
-        target = self.model(target_model, "target")
+    def _projection(self, tenant: str, key: str | None, text: str | None, target: ServedModel,
+                    resolved: tuple[str, Adapter], offset: int, require_cached: bool, out: KVOut | None
+                    ) -> CacheResult:
+        """`projected_cache` in mode replace: the projection as the adapter makes it (`resolved`: (label, adapter)
+        as the registry resolved the request's adapter, once per fetch)."""
         source = self.models[self.source_name]
-        label, chosen = self.adapters.resolve(adapter, source.lm.spec, target.lm.spec, tenant)
+        label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
         warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out) \

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from kvbridge.server.corrections import MODE, RECOMPUTED, recomputed_of
-from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, cache_label
+from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, digest_label
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -129,7 +129,9 @@ class Placing:
         shift = where.head - first
         placed = replace(base, segment=KVSegment.concat(parts),
                          recomputed=tuple(p + shift for p in base.recomputed if p >= first))
-        namespace = self._placed_namespace(tenant, target, base.source_key, None, adapter, mode)
+        # the namespace of the adapter that made `base` (a default changed since, LoadAdapter make_default, must not
+        # file this placement under another adapter's name)
+        namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode)
         self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
                        source_key=base.source_key,
                        annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
@@ -146,10 +148,14 @@ class Placing:
         if source_key is None:
             return None
         label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
+        return self._namespace(target, source_key, label, chosen.digest, mode)
+
+    def _namespace(self, target: ServedModel, source_key: str, label: str, digest: str, mode: str) -> str:
+        """A placed cache's store namespace: its source entry, the adapter (label and digest: `digest_label`) and
+        the correction, with the prior a correction's KV was computed with (as the stored corrections' say)."""
         correction = self.corrections.resolve(mode)
-        # a correction's KV depends on the prior it was computed with (as the stored corrections' namespace says)
         prior = self.corrections.prior_tag(target.lm) if correction.kind != "replace" else ""
-        return f"{PLACED}|{cache_label(label, chosen)}|{correction}{prior}#{source_key}"
+        return f"{PLACED}|{digest_label(label, digest)}|{correction}{prior}#{source_key}"
 
     def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
                         out: KVOut | None) -> CacheResult | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from kvbridge.server.adapter_registry import AdapterRegistry
+from kvbridge.server.chunks import CHUNK_FRAMING, MIN_CHUNK_BYTES, MessageLimit, MessageTooLarge
 from kvbridge.server.corrections import Corrections
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
@@ -46,12 +47,13 @@ class ServiceLimits:
     max_upload_bytes: int = 1 << 30  # largest source KV one PutSourceKV may describe
     chunk_bytes: int = 1 << 20  # default streamed chunk size
     max_chunk_bytes: int = 3 << 20  # a client may ask for bigger chunks up to this (gRPC's default limit is 4 MiB)
+    max_message_bytes: int = 4 << 20  # the largest message the server sends (its gRPC limit, --max-message-mb)
     text_memo_chars: int = 16_000_000  # longest text kept with its entry (aligned again when fetched by key)
     max_projections: int = 2  # projections running at once; more wait their turn
 
     def __post_init__(self):
-        for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "text_memo_chars",
-                     "max_projections"):
+        for name in ("max_text_chars", "max_upload_bytes", "chunk_bytes", "max_chunk_bytes", "max_message_bytes",
+                     "text_memo_chars", "max_projections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServiceLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_chunk_bytes:
@@ -371,11 +373,24 @@ class KVBridgeService(Placing, Projecting):
                         "device": str(served.lm.device)})
         return out
 
-    def chunk_bytes(self, requested: int) -> int:
+    def message_limit(self, declared: int | None) -> MessageLimit:
+        """The largest message of a fetch whose client declared it receives `declared` bytes (None: nothing)."""
+        return MessageLimit(server=self.limits.max_message_bytes, client=declared)
+
+    def chunk_bytes(self, requested: int, limit: MessageLimit | None = None) -> int:
+        """The KV bytes of a fetch's chunks: the request's (0: the server's default; capped by max_chunk_bytes), no
+        more than a message of `limit` holds; MessageTooLarge naming both limits when it holds no chunk at all."""
         if requested < 0:
             raise ValueError(f"chunk_bytes must be >= 0, got {requested}")
-        if requested == 0:
-            return self.limits.chunk_bytes
-        return min(max(requested, 4096), self.limits.max_chunk_bytes)
+        size = self.limits.chunk_bytes if requested == 0 else min(max(requested, MIN_CHUNK_BYTES),
+                                                                   self.limits.max_chunk_bytes)
+        if limit is None:
+            return size
+        room = limit.bytes - CHUNK_FRAMING
+        if room < MIN_CHUNK_BYTES:
+            raise MessageTooLarge(f"no chunk fits in the message limit of {limit}: the smallest chunk is "
+                                  f"{MIN_CHUNK_BYTES} bytes of KV and up to {CHUNK_FRAMING} of framing; raise the "
+                                  "client's max_message_mb")
+        return min(size, room)
 
 

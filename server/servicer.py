@@ -12,10 +12,13 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.admission import IdleWatchdog, StreamSlots, TooManyStreams
 from kvbridge.server.auth import Authenticator
-from kvbridge.server.chunk_wire import chunk_message
+from kvbridge.server.chunk_wire import chunk_message, first_messages, fit_header
 from kvbridge.server.chunks import (
+    CHUNK_FRAMING,
     ChunkAssembler,
     ChunkError,
+    MessageTooLarge,
+    declared_limit,
     dtype_name,
     encode_parts,
     int64_tensor,
@@ -48,7 +51,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"over quota: {exc}"
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the store is full: {exc}"
-    if isinstance(exc, TooManyStreams):
+    if isinstance(exc, (TooManyStreams, MessageTooLarge)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
@@ -262,7 +265,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             resent = False  # the messages of an earlier fetch of this KV go out again
             try:
                 out_dtype = wire_dtype(dtype, "dtype") if dtype else None
-                size = self.service.chunk_bytes(chunk_bytes)
+                limit = self.service.message_limit(declared_limit(context.invocation_metadata()))
+                size = self.service.chunk_bytes(chunk_bytes, limit)  # chunks the client receives
                 if transport == pb2.SHARED_MEMORY and self.segments is not None and is_local_peer(context.peer()):
                     pending = self.segments.reserve(tenant, out_dtype)
                 else:  # streamed: gathered into a reused buffer (lent until the last chunk), or sent as before
@@ -279,7 +283,11 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 else:
                     kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
                 n_layers, _, h, t, d = kv.shape
-                ranges = plan_chunks(n_layers, t, 2 * h * d * kv.element_size(), size)
+                per_token = 2 * h * d * kv.element_size()  # one token of one layer
+                if per_token + CHUNK_FRAMING > limit.bytes:
+                    raise MessageTooLarge(f"one token of one layer of this KV is {per_token} bytes: no chunk of it "
+                                          f"fits in the message limit of {limit}")
+                ranges = plan_chunks(n_layers, t, per_token, size)
                 header = pb2.CacheHeader(
                     model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
                     dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
@@ -290,6 +298,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     exact_coverage=result.exact_coverage, mode=result.mode,
                     recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
                     adapter_digest=result.adapter_digest)
+                fit_header(header, limit, per_token)  # a first message holds it (without the text if need be)
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)
@@ -312,35 +321,36 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             before = lent.messages if resent else None  # the messages of an earlier fetch of this KV
             if before is not None and len(before) != len(ranges):
                 raise AssertionError(f"{len(before)} kept messages for {len(ranges)} chunks")
-            messages = []
+            messages = []  # this fetch's chunks as planned (kept for the next fetch of this KV), without the header
             with self.watchdog.watch(context.cancel) as watched:  # a client that stops reading is cut off
                 try:
-                    first = pb2.CacheChunk(header=header).SerializeToString()
-                    for r in ranges:
+                    for i, r in enumerate(ranges):
                         if not context.is_active():
                             break
                         if before is not None:
-                            message = before[sent]
+                            message = before[i]
                         else:
                             head, data = encode_parts(kv, r)
                             message = chunk_message(r, head, data)
                             messages.append(message)
-                        self.metrics.bytes_streamed.labels(method, "out").inc(len(message))
-                        yield first + message if sent == 0 else message
-                        sent += 1
-                        watched.touch()
+                        # the first chunk rides with the header: cut when both exceed the limit (num_chunks says so)
+                        for part in first_messages(header, message, r, per_token, limit) if i == 0 else (message,):
+                            self.metrics.bytes_streamed.labels(method, "out").inc(len(part))
+                            yield part
+                            sent += 1
+                            watched.touch()
                 except GeneratorExit:  # grpc closes the generator of a call that ended (cancelled, client gone)
                     pass
                 finally:
                     if lent is not None:
                         lent.discard()
-            if sent == len(ranges):
+            if sent == header.num_chunks:
                 outcome["code"] = "OK"
                 if lent is not None:
                     lent.keep(messages)
             else:
                 log.info("%s: %s after %d of %d chunks", method, f"no chunk taken for {self.watchdog.idle_s:g} s, "
-                         "cancelled" if watched.expired else "client left", sent, len(ranges))
+                         "cancelled" if watched.expired else "client left", sent, header.num_chunks)
 
 
     def _publish(self, method: str, pending, kv: torch.Tensor) -> pb2.SharedSegment | None:

@@ -27,6 +27,7 @@ def tiny_replica_args(folder: Path, tiny_adapter_file: Path, redis_url: str, tok
     adapters.mkdir(exist_ok=True)
     shutil.copy(tiny_adapter_file, adapters / "tiny-pair.safetensors")
     (folder / "tokens").write_text(tokens)
+    (folder / "tokens").chmod(0o600)  # a token file others can read is refused
     return ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
             "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(folder / "tokens"),
             "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(folder))]

@@ -29,6 +29,7 @@ def serve(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("hostile")
     (home / "tokens").write_text(f"mallory {MALLORY}\nalice {ALICE}\n")
+    (home / "tokens").chmod(0o600)  # a token file others can read is refused
     proc = ServeProcess(home / "serve", [
         "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
         "--adapters", str(home / "adapters"), "--no-selfcheck", "--token-file", str(home / "tokens"),

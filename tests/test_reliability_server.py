@@ -38,6 +38,7 @@ def test_server_killed_mid_stream_then_back_on_its_port(tmp_path, tiny_source, t
     from serveproc import ServeProcess
 
     (tmp_path / "tokens").write_text(f"crash {CRASH_TOKEN}\n")
+    (tmp_path / "tokens").chmod(0o600)  # a token file others can read is refused
     adapters = tmp_path / "adapters"
     serve = ServeProcess(tmp_path / "serve", [
         "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",

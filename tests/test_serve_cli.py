@@ -48,6 +48,7 @@ def test_serve_tiny_with_tokens_fits_an_adapter_serves_and_stops_cleanly(tmp_pat
     from kvbridge.server.client import KVBridgeClient, KVBridgeError
 
     (tmp_path / "tokens").write_text(f"# tenant token\nci {TOKEN}\n")
+    (tmp_path / "tokens").chmod(0o600)  # a token file others can read is refused
     proc, ready = _serve(tmp_path, "--preset", "tiny", "--fit-adapter", "--token-file", str(tmp_path / "tokens"),
                          "--log-json", "--metrics-listen", "127.0.0.1:0", env={"KVBRIDGE_HOME": str(tmp_path)})
     try:

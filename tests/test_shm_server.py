@@ -42,6 +42,7 @@ def serve(tmp_path_factory, tiny_adapter_file):
         pytest.skip("no /dev/shm on this machine")
     home = tmp_path_factory.mktemp("shm")
     (home / "tokens").write_text(f"alice {ALICE}\nbob {BOB}\n")
+    (home / "tokens").chmod(0o600)  # a token file others can read is refused
     (home / "adapters").mkdir()
     shutil.copy(tiny_adapter_file, home / "adapters" / "tiny-pair.safetensors")
     root = Path(tempfile.mkdtemp(prefix="kvb-test-", dir="/dev/shm"))
