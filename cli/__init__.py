@@ -65,9 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (ValueError, FileNotFoundError, RuntimeError, OSError, *_server_errors())):
+            raise
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _server_errors() -> tuple[type, ...]:
+    """KVBridgeError (a server's reply: unreachable, refused, failed), where the command imported the client: a
+    message, not a traceback (importing it here would load gRPC for every command)."""
+    replies = sys.modules.get("kvbridge.server.replies")
+    return (replies.KVBridgeError,) if replies is not None else ()
 
 
 if __name__ == "__main__":

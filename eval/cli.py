@@ -25,9 +25,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated (default {DEFAULT_MODES})")
     p.add_argument("--fuser", metavar="FILE", help="a trained fuser (train-adapter --trainer fuser) for mode 'fuser'")
     p.add_argument("--limit", type=int, help="evaluate only the first N records")
-    p.add_argument("--exclude", metavar="FILE.jsonl", help="skip records whose id is in this file")
-    p.add_argument("--out", default="eval-out", metavar="DIR", help="where results.json, table.md and the plot go")
-    p.add_argument("--server", metavar="HOST:PORT", help="use a running kvbridge server (default: serve in-process)")
+    p.add_argument("--exclude", metavar="FILE.jsonl",
+                   help="skip records whose id is in this file (records, or lines of an id alone: {\"id\": ...})")
+    p.add_argument("--out", default="eval-out", metavar="DIR",
+                   help="where results.json, table.md and the plot go: a new or empty folder (see --force)")
+    p.add_argument("--force", action="store_true", help="write the report into an --out folder that holds files, "
+                                                        "over the report there")
+    p.add_argument("--server", metavar="HOST:PORT",
+                   help="use a running kvbridge server (default: serve in-process); it projects with its own default "
+                        "adapter and corrects served modes with its own prior (no --adapter, --fit-adapter, or, "
+                        "with a served mode, --prior or --no-induction-prior)")
     p.add_argument("--token", help="bearer token for --server")
     p.add_argument("--max-doc-tokens", type=int, default=EvalConfig.max_doc_tokens,
                    help="cut documents to this many target tokens")
@@ -57,7 +64,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval_rouge)
 
-    p = esub.add_parser("compare", help="paired differences between two eval rouge runs on their shared documents")
+    p = esub.add_parser("compare", help="paired differences between two eval rouge runs on their shared documents "
+                                        "(runs of the same settings: data file, document and continuation length, "
+                                        "summary length, instruction)")
     p.add_argument("a", metavar="RUN_A", help="a results.json, or the --out folder of an eval rouge run")
     p.add_argument("b", metavar="RUN_B")
     p.add_argument("--pairs", required=True, metavar="MODE_A=MODE_B,...",
@@ -89,7 +98,7 @@ def cmd_eval_rouge(args: argparse.Namespace) -> int:
                          fit_adapter=args.fit_adapter, fuser=args.fuser, limit=args.limit, exclude=args.exclude,
                          out=args.out, server=args.server, token=args.token, seed=args.seed, bootstrap=args.bootstrap,
                          progress=not args.no_progress, engine=args.engine, vllm_dtype=args.vllm_dtype or "",
-                         prior=args.prior)
+                         prior=args.prior, force=args.force)
     result = evaluate(options, config=config)
     print(result["paths"]["markdown"].read_text())
     for name, path in result["paths"].items():
@@ -105,6 +114,8 @@ def _unescape(text: str) -> str:
 def cmd_eval_compare(args: argparse.Namespace) -> int:
     from kvbridge.eval.compare import compare, markdown, parse_pairs, read_run
 
+    if args.bootstrap < 1:
+        raise ValueError(f"--bootstrap must be >= 1 (resamples for the 95% intervals), got {args.bootstrap}")
     a, b = read_run(args.a), read_run(args.b)
     print(markdown(compare(a, b, parse_pairs(args.pairs), args.bootstrap, args.seed), a, b))
     return 0

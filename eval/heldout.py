@@ -141,7 +141,8 @@ def add_parser(esub) -> None:
                    help="keep documents of at least this many target tokens (1,024 + the 32-token continuation)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="whose target tokenizer counts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="the records to write (a new file; see --force)")
+    p.add_argument("--force", action="store_true", help="write over an existing --out file")
     p.set_defaults(func=cmd_eval_heldout)
 
 
@@ -150,6 +151,8 @@ def cmd_eval_heldout(args: argparse.Namespace) -> int:
 
     if not (args.man or args.corpus or args.summaries):
         raise ValueError("give --man N, --corpus FILE... or --summaries FILE (or several)")
+    if Path(args.out).exists() and not args.force:
+        raise ValueError(f"--out {args.out} exists: choose another file, or pass --force to write over it")
     tokenizer = load_pair(args.preset, device="cpu", source_weights=False)[1].tokenizer
     records = []
     if args.man:

@@ -45,6 +45,8 @@ def cmd_prior_fit(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
     recipe = _recipe(args)
+    if Path(args.out).exists() and not args.force:
+        raise ValueError(f"--out {args.out} exists: choose another file, or pass --force to write over it")
     source, target = load_pair(recipe.preset)
     work = Path(args.work)
     windows = _windows(recipe, args.data, work, source, target, _adapter_file(args, source, target))
@@ -86,7 +88,7 @@ def cmd_prior_check(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.file} was fitted for adapter {fitted.get('name')} ({fitted['digest'][:16]}), not for "
                          f"{using['name']} ({using['digest'][:16]}): pass --adapter the file it was fitted with")
     windows = _windows(recipe, args.data, work, source, target, adapter)
-    theta, trajectory = fit(recipe, target, windows, work, until=until)
+    theta, trajectory = fit(recipe, target, windows, None, until=until)  # recomputed: no fit's checkpoint read
     worst = compare(meta["dev_nll"][str(until)], trajectory[str(until)], float(meta["tolerance"]))
     line = f"step {until}: dev NLL {trajectory[str(until)]}, recorded {meta['dev_nll'][str(until)]}, " \
            f"relative difference {worst:.1e} (tolerance {meta['tolerance']:.0e})"
@@ -106,7 +108,8 @@ def add_parsers(sub) -> None:
     data.add_argument("--data", required=True, type=Path, metavar="DIR",
                       help="folder of pydoc_corpus.txt and kernel_docs_corpus.txt (`kvbridge data build --out DIR`)")
     data.add_argument("--work", type=Path, default=Path("prior-work"), metavar="DIR",
-                      help="the built windows and the checkpoint; a run resumes from it (default prior-work)")
+                      help="the built windows and the fit's checkpoint; a fit resumes from it, a check reads only "
+                           "the windows (default prior-work)")
     data.add_argument("--adapter", metavar="FILE",
                       help="the adapter whose projections the prior reads (default: the one that ships for the pair); "
                            "the prior file records its digest")
@@ -120,7 +123,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--objective", default=Recipe.objective, choices=OBJECTIVES,
                    help="what the fit lowers: the NLL of the continuation after the context (default), or of the "
                         "target's own greedy answer to an instruction after it (what users read)")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="the prior file to write")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="the prior file to write (a new file; "
+                                                                            "see --force)")
+    p.add_argument("--force", action="store_true", help="write over an existing --out file")
     p.set_defaults(func=cmd_prior_fit)
     p = psub.add_parser("check", parents=[data], help="rerun a fitted prior's recipe up to a step and compare its "
                         "dev NLL with the file's record")

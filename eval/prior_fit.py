@@ -18,9 +18,10 @@ greedy answer to an instruction after the window, eval/prior_answers.py), plus l
 lr 0.03. Every `dev_every` steps the dev NLL (summed over the dev windows, in both readings) is recorded, and a
 checkpoint written (theta and Adam's state): a run resumes from it exactly.
 
-`--check FILE --until N` reruns the recipe recorded in FILE up to step N, building only the windows those steps
-read, and compares its dev NLL there with FILE's record (relative tolerance FILE records): the shipped prior's
-reproduction test.
+`kvbridge prior check FILE --until N` reruns the recipe recorded in FILE up to step N, building only the windows
+those steps read (or reading those --work holds), and compares its dev NLL there with FILE's record (relative
+tolerance FILE records): the shipped prior's reproduction test. It computes every step itself: a fit's checkpoint in
+--work is neither read nor written.
 """
 
 from __future__ import annotations
@@ -229,11 +230,12 @@ def dev_nll(target: LoadedModel, windows: Windows, terms: torch.Tensor) -> list[
                 for mode in ("recompute", "replace")]
 
 
-def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until: int | None = None,
+def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path | None, until: int | None = None,
         log=print, init: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, list[float]]]:
     """(theta [4, L, H_q], the dev NLL at step 0 and every dev_every steps), from `init` ([4, L, H_q]; default
     `initial_terms`: a head whose four terms are 0 reads as the model does and gets no gradient). Resumes from
-    work/checkpoint.safetensors when it holds this recipe's run."""
+    work/checkpoint.safetensors when it holds this recipe's run, and writes it at every dev mark; work None: every
+    step computed here, no checkpoint read or written (`prior check`: a reproduction reruns the recipe)."""
     last = min(until or recipe.steps, recipe.steps)
     picks = draws(recipe, last)
     windows.build(set(range(recipe.dev)) | {i for i, _ in picks}, log)
@@ -242,9 +244,10 @@ def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until
     init = initial_terms(target) if init is None else init.float()
     theta = torch.nn.Parameter(init.clone())
     opt = torch.optim.Adam([theta], lr=recipe.lr)
-    Path(work).mkdir(parents=True, exist_ok=True)
-    checkpoint = Path(work) / "checkpoint.safetensors"
-    start, trajectory = _resume(checkpoint, recipe, theta, opt)
+    checkpoint = Path(work) / "checkpoint.safetensors" if work is not None else None
+    if checkpoint is not None:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    start, trajectory = _resume(checkpoint, recipe, theta, opt) if checkpoint is not None else (0, {})
     if start == 0:
         trajectory["0"] = dev_nll(target, windows, init)
         log(f"step 0 dev NLL {trajectory['0']}")
@@ -259,7 +262,8 @@ def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path, until
         if step % recipe.dev_every == 0 or step == recipe.steps:
             trajectory[str(step)] = dev_nll(target, windows, theta.detach())
             log(f"step {step} loss {float(loss.detach()):.3f} dev NLL {trajectory[str(step)]}")
-            _save_checkpoint(checkpoint, recipe, step, theta, opt, trajectory)
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, recipe, step, theta, opt, trajectory)
     return theta.detach().clone(), trajectory
 
 

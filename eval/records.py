@@ -21,12 +21,13 @@ class Record:
 
 def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Record]:
     """Records of a JSONL file with string fields id, document and summary; those whose id is in the `exclude`
-    file are left out. An exact repeat of a record is dropped; a different record under an id already seen gets
-    the id `ID#2` (`#3`, ...) and a warning (pydoc_summaries.jsonl has two unittest.mock pages)."""
+    file (`read_ids`: records, or lines of an id alone) are left out. An exact repeat of a record is dropped; a
+    different record under an id already seen gets the id `ID#2` (`#3`, ...) and a warning (pydoc_summaries.jsonl
+    has two unittest.mock pages)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    skip = {r.id for r in read_records(exclude)} if exclude else set()
+    skip = read_ids(exclude) if exclude else set()
     records, seen, copies = [], set(), {}
     for n, obj in jsonl_rows(path):
         if not isinstance(obj, dict):
@@ -51,3 +52,17 @@ def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Re
     if not records:
         raise ValueError(f"{path} holds no records" + (f" outside {exclude}" if skip else ""))
     return records
+
+
+def read_ids(path: str | Path) -> set[str]:
+    """The ids of a JSONL file of objects with a string field id (records, or `{"id": ...}` lines alone)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"exclude file {path} does not exist")
+    ids = set()
+    for n, obj in jsonl_rows(path):
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not obj["id"].strip():
+            raise ValueError(f"{path}:{n}: field 'id' must be a non-empty string (an --exclude file holds JSON "
+                             "objects with an id)")
+        ids.add(obj["id"])
+    return ids

@@ -9,6 +9,7 @@ KV bytes. Written as Markdown, JSON and a plot of quality against the recompute 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import textwrap
 from dataclasses import asdict
@@ -89,9 +90,9 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
                 flops_n = statistics.mean(_system_flops(cost, name, r, uses) for r in results)
                 entry["system_flops"][str(uses)] = {"flops": flops_n, "vs_full": flops_n / full_flops}
         table[name] = entry
-    for r, doc_scores in zip(results, zip(*(scores[name] for name in modes))):
-        for name, s in zip(modes, doc_scores):
-            r.modes[name].rouge = s
+    for i, r in enumerate(referenced):  # the documents without a reference keep rouge None
+        for name in modes:
+            r.modes[name].rouge = scores[name][i]
     out = {"documents": len(results), "nll_documents": len(scored), "nll_tokens": nll_tokens, "modes": table}
     if cost is not None:
         tokens = round(statistics.mean(r.doc_tokens + 1 for r in results))
@@ -202,8 +203,32 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     return path
 
 
-def write_report(out: Path, summary: dict, results: list[DocumentResult], meta: dict) -> dict[str, Path]:
-    """results.json (meta, per-mode summary, per-document rows), table.md and quality_vs_recompute.png in `out`."""
+def check_out(out: Path, force: bool = False) -> None:
+    """ValueError, before a run, where its report could not be written to the folder `out` or would write over
+    files there: `out` a file, a folder that holds files (unless `force`), a parent that is a file or that this
+    user cannot write to."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder: the report is a folder of results.json, table.md and "
+                         "a plot")
+    if out.is_dir():
+        held = sorted(p.name for p in out.iterdir())
+        if held and not force:
+            raise ValueError(f"--out {out} holds files ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                             "choose another folder, or pass --force to write the report over them")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, so the folder cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable by this user")
+
+
+def write_report(out: Path, summary: dict, results: list[DocumentResult], meta: dict, force: bool = False
+                 ) -> dict[str, Path]:
+    """results.json (meta, per-mode summary, per-document rows), table.md and quality_vs_recompute.png in `out`,
+    a folder that holds no files yet (`force`: write over what it holds). A run that stopped early has
+    meta["partial"] (what stopped it, how many documents it got through): the table says so first."""
+    check_out(out, force)
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"id": r.id, "reference": r.reference, "doc_tokens": r.doc_tokens, "fetch_s": r.fetch_s,
              "exact_coverage": r.exact_coverage, "source_tokens": r.source_tokens,
@@ -221,6 +246,10 @@ def write_report(out: Path, summary: dict, results: list[DocumentResult], meta: 
     stale = (meta.get("induction_prior") or {}).get("stale")
     warning = (f"\n\nThe modes that read the induction prior read one made for another adapter: {stale}."
                if stale else "")
+    partial = meta.get("partial")
+    if partial:
+        head = (f"PARTIAL RUN: stopped at document {partial['failed_document']} ({partial['error']}) after "
+                f"{partial['documents_done']} of {partial['documents_planned']} documents.\n\n" + head)
     paths["markdown"].write_text(head + warning + "\n\n" + table + "\n")
     plot(summary, paths["plot"], head)
     return paths

@@ -147,6 +147,21 @@ class DocumentResult:
     source_tokens: int | None = None  # tokens the source read for the projected modes (None: none projected)
 
 
+def run_documents(run, docs: list[PreparedDoc], desc: str, progress: bool = True
+                  ) -> tuple[list[DocumentResult], tuple[str, BaseException] | None]:
+    """`run` (an evaluator's) over `docs` in order, with a progress bar, until one raises (or the user interrupts):
+    (the results of the documents before it, (its id, the exception) or None when every one finished)."""
+    from tqdm import tqdm
+
+    results = []
+    for doc in tqdm(docs, desc=desc, disable=not progress):
+        try:
+            results.append(run(doc))
+        except (Exception, KeyboardInterrupt) as exc:
+            return results, (doc.record.id, exc)
+    return results, None
+
+
 class ProjectedSource:
     """Where projected documents come from: a KVBridgeClient (ingest once, then fetch the projection by key)."""
 
@@ -222,7 +237,7 @@ class SummaryEvaluator:
             else:
                 context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected,
                                                                            fetch_s, wire, prior)
-                if mode.kind in NEEDS_PROJECTION:
+                if mode.kind in NEEDS_PROJECTION:  # each of them counts the cold fetch in its base seconds
                     warm_s = base_s - fetch_s + result.warm_fetch_s
             if prior is not None and mode.kind in BLEND_RULES:  # blend's selection pass made the first m layers exact
                 prior = prior.from_layer(BlendConfig(fraction=mode.fraction, rule=BLEND_RULES[mode.kind]).exact_layers)
@@ -267,10 +282,11 @@ class SummaryEvaluator:
         if mode.kind == "rounded":  # full's KV through a narrower dtype and back
             rounded = own.kv.to(getattr(torch, mode.correction)).to(own.kv.dtype)
             return replace(own, kv=rounded), own_s, [(d + 1, 0)], 0, None
-        if mode.kind == "exact":  # analysis: full's own KV in layers a..b-1, projected elsewhere, no prior
+        if mode.kind == "exact":  # analysis: full's own KV in layers a..b-1, projected elsewhere, no prior; it
+            # fetches the projection and prefills the document: both in its seconds, as fuse's
             kv = projected.slice(0, d + 1).kv.clone()
             kv[mode.layers:mode.upto] = own.kv[mode.layers:mode.upto].to(kv)
-            return replace(projected.slice(0, d + 1), kv=kv), own_s, [(d + 1, 0)], wire, None
+            return replace(projected.slice(0, d + 1), kv=kv), fetch_s + own_s, [(d + 1, 0)], wire, None
         if mode.kind == "none":
             seg, s = self._own(doc.target_ids[:1])
             return seg, s, [(1, 0)], 0, None

@@ -151,14 +151,14 @@ class VLLMEvaluator:
 
 def run_vllm(target: LoadedModel, address: str, modes: list[Mode], config: EvalConfig, docs: list[PreparedDoc],
              client, log_path: Path, dtype: str = "", token: str = "", progress: bool = True, engine=None
-             ) -> tuple[list[DocumentResult], dict]:
+             ) -> tuple[list[DocumentResult], dict, tuple[str, BaseException] | None]:
     """Evaluate `docs` through a vLLM engine for `target` whose connector reaches the server at `address`: `engine`
     (a running EngineProcess whose "default" server is that one), else one started here and stopped after;
-    (results, engine meta)."""
+    (results, engine meta, the document that stopped the run and why, or None: summaries.run_documents)."""
     from contextlib import nullcontext
 
+    from kvbridge.eval.summaries import run_documents
     from kvbridge.vllm.engine import EngineProcess
-    from tqdm import tqdm
 
     t0 = time.perf_counter()
     if engine is None:
@@ -169,8 +169,7 @@ def run_vllm(target: LoadedModel, address: str, modes: list[Mode], config: EvalC
     started = time.perf_counter() - t0
     with running as engine:
         evaluator = VLLMEvaluator(engine, client, target, modes, config)
-        results = [evaluator.run(doc) for doc in tqdm(docs, desc=f"{len(modes)} modes per document (vLLM)",
-                                                       disable=not progress)]
+        results, failure = run_documents(evaluator.run, docs, f"{len(modes)} modes per document (vLLM)", progress)
     meta = {"engine": "vllm", "dtype": options.dtype, "block_size": options.block_size,
             "engine_start_s": round(started, 1), "engine_log": str(engine.log_path)}
-    return results, meta
+    return results, meta, failure

@@ -364,7 +364,7 @@ def test_two_runs_give_the_same_numbers(identity_run, tiny_target, tmp_path):
     from kvbridge.eval.compare import Run, markdown
 
     lean = Run(b.path, {i: {**row, "modes": {m: v for m, v in row["modes"].items() if m != "none"}}
-                        for i, row in b.documents.items()})
+                        for i, row in b.documents.items()}, b.meta)
     fidelity_only = compare(a, lean, [("replace", "replace")], samples=100)
     entry = fidelity_only["pairs"]["replace vs replace"]
     assert entry["recovery_diff"] is None and entry["worse_on"] is None

@@ -85,7 +85,7 @@ def test_the_command_writes_into_a_folder_that_does_not_exist_yet(tmp_path, caps
                                   for _ in range(300)))
     out = tmp_path / "data" / "sub" / "long.jsonl"
     args = argparse.Namespace(man=None, corpus=[str(corpus)], summaries=None, min_tokens=100, preset="tiny", seed=0,
-                              out=str(out))
+                              out=str(out), force=False)
     assert cmd_eval_heldout(args) == 0
     records = read_records(out)
     assert records and f"{len(records)} documents of >= 100 target tokens -> {out}" in capsys.readouterr().out

@@ -3,6 +3,7 @@ refuses another recipe's checkpoint, and the shipped prior of the small pair rep
 answer objective's windows hold the target's own answers, and only those are scored."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,57 @@ def test_answer_windows_hold_the_targets_own_answer_and_the_objective_scores_onl
             tmp_path / "answer", log=lambda _: None, init=init)
     with pytest.raises(ValueError, match="objective is one of continuation, answer"):
         Recipe(objective="summary")
+
+
+def test_prior_check_recomputes_where_the_fit_left_its_checkpoint(tmp_path, tiny_target, tiny_adapter_file,
+                                                                   monkeypatch):
+    """`prior check` reruns the recipe: a checkpoint in --work at or past --until (the fit's, in the default
+    prior-work both share) is neither read nor written. A file whose record only that checkpoint repeats fails; the
+    true record passes."""
+    import argparse
+    import dataclasses
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    recipe = Recipe(preset="tiny", windows=6, dev=2, steps=6, dev_every=2)
+    work = tmp_path / "prior-work"
+    _, trajectory = fit(recipe, tiny_target, OwnWindows(recipe, tiny_target), work, log=lambda _: None)
+    checkpoint = work / "checkpoint.safetensors"
+    bogus = {step: [1.5 * v for v in nll] for step, nll in trajectory.items()}
+    with safe_open(str(checkpoint), "pt") as f:  # the checkpoint records what the file claims
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(checkpoint), metadata={**meta, "trajectory": json.dumps(bogus)})
+    before = checkpoint.read_bytes()
+    monkeypatch.setattr(prior_cli, "_windows", lambda recipe, data, work, source, target, adapter:
+                        OwnWindows(recipe, target))
+    target = {"name": tiny_target.name, "config_hash": tiny_target.spec.identity.config_hash}
+    for record, passes in ((bogus, False), (trajectory, True)):
+        prior = tmp_path / "prior.safetensors"
+        InductionPrior(prior_fit.initial_terms(tiny_target)).save(prior, {
+            "target": target, "adapter": prior_fit.adapter_record(tiny_adapter_file),
+            "recipe": dataclasses.asdict(recipe), "dev_nll": record, "tolerance": 1e-4})
+        args = argparse.Namespace(file=str(prior), data=tmp_path, work=work, until=4, adapter=str(tiny_adapter_file))
+        if passes:
+            assert prior_cli.cmd_prior_check(args) == 0
+        else:
+            with pytest.raises(ValueError, match="differs from the recorded"):
+                prior_cli.cmd_prior_check(args)
+        assert checkpoint.read_bytes() == before
+
+
+def test_prior_fit_keeps_an_existing_out_unless_forced(tmp_path, capsys, monkeypatch):
+    from kvbridge.cli import main
+    from kvbridge.transfer import presets
+
+    def loading(*args, **kwargs):
+        raise RuntimeError("models loading")
+
+    monkeypatch.setattr(presets, "load_pair", loading)
+    out = tmp_path / "prior.safetensors"
+    out.write_bytes(b"mine")
+    command = ["prior", "fit", "--preset", "tiny", "--data", str(tmp_path), "--out", str(out)]
+    assert main(command) == 2
+    assert f"--out {out} exists" in capsys.readouterr().err and out.read_bytes() == b"mine"
+    assert main([*command, "--force"]) == 2
+    assert "models loading" in capsys.readouterr().err  # past the refusal

@@ -19,7 +19,7 @@ map() {  # NAME ARGS...
   .venv/bin/python experiments/context-map/train.py --work "$WORK/w3000" --out "$WORK/$name" "$@"
   .venv/bin/python experiments/context-map/eval.py --work "$WORK/w3000" --maps "$WORK/$name" -- \
     --data data/pydoc_summaries.jsonl --exclude "$WORK.exclude.jsonl" --limit 100 --max-doc-tokens 256 \
-    --modes full,none,replace/noprior --out "$WORK/eval-$name"
+    --modes full,none,replace/noprior --out "$WORK/eval-$name" --force
   .venv/bin/kvbridge eval compare "$WORK/eval-w3000" "$WORK/eval-$name" --pairs replace/noprior
 }
 map ctx-w4r64 --window 4 --rank 64 --steps 1000          # the token and the 3 before it (stopped at step 375 in docs)

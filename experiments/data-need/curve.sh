@@ -29,5 +29,5 @@ run 300 500
 run 3000 1000
 for n in 1000 100 300 3000; do
   .venv/bin/kvbridge eval rouge --data data/pydoc_summaries.jsonl --exclude "$WORK.exclude.jsonl" --limit 100 \
-    --max-doc-tokens 256 --modes full,replace/noprior --adapter "$WORK/w$n.safetensors" --out "$WORK/eval-w$n"
+    --max-doc-tokens 256 --modes full,replace/noprior --adapter "$WORK/w$n.safetensors" --out "$WORK/eval-w$n" --force
 done

@@ -23,7 +23,7 @@ runs=()
 i=0
 for wording in "$@"; do
   .venv/bin/kvbridge eval rouge --data "$WORK/pages-100-159.jsonl" --max-doc-tokens 256 --modes full \
-      --instruction "$wording" --out "$WORK/w$i" --no-progress > "$WORK/w$i.log" 2>&1
+      --instruction "$wording" --out "$WORK/w$i" --force --no-progress > "$WORK/w$i.log" 2>&1
   runs+=("$WORK/w$i")
   i=$((i + 1))
 done

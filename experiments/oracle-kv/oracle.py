@@ -133,7 +133,7 @@ def main() -> None:
             "adapter": "shipped (the adapter folder's default)", "modes": list(results[0].modes),
             "config": asdict(config), "induction_prior": None, "std_ratio_median": spread,
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    write_report(Path(args.out), summary, results, meta)
+    write_report(Path(args.out), summary, results, meta, force=True)  # a rerun writes over its own output
     for name, row in summary["modes"].items():
         print(f"{name:16s} recovery {row['nll_recovery']['value']:.3f} [{row['nll_recovery']['low']:.3f}, "
               f"{row['nll_recovery']['high']:.3f}]  fidelity {row['fidelity_rougeL']['mean']:.3f} "
