@@ -234,6 +234,7 @@ def run(argv: list[str] | None = None) -> dict:
                           f"{with_pipeline.answers[turn]!r}", flush=True)
             manager_stats = manager.stats()
             observations = manager.scorer.observations
+            manager.close()  # its segments and its store listener
         finally:
             client.close()
             running.stop(grace_s=1)

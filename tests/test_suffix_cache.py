@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import PagedStore, StoreConfig
 from kvbridge.transfer.suffix.cache_manager import ManagerConfig, SuffixCacheManager
 from kvbridge.transfer.suffix.reuse import deviation, place, recompute_first
@@ -42,8 +43,8 @@ def test_sessions_never_see_each_others_segments(setup):
     seg = _segment(lm, "You are a careful assistant who answers briefly.")
     offer = manager.offer("a", seg, torch.tensor([], dtype=torch.int64), role="system")
     assert offer.decision == "keep" and offer.key is not None
-    assert manager.find("b", seg.token_ids) is None
-    found = manager.find("a", seg.token_ids)
+    assert manager.find("b", seg.token_ids, seg.model, seg.dtype) is None
+    found = manager.find("a", seg.token_ids, seg.model, seg.dtype)
     assert found is not None and torch.equal(found.segment.kv, seg.kv) and found.prefix_hash == ""
     # the same tokens offered by b: its own entry, its own key
     assert manager.offer("b", seg, torch.tensor([], dtype=torch.int64)).key != offer.key
@@ -59,7 +60,7 @@ def test_scores_route_segments_by_the_thresholds(setup):
         offer = manager.offer("s", seg, none)
         assert offer.decision == decision, score
         if decision == "skip":
-            assert offer.key is None and manager.find("s", seg.token_ids) is None
+            assert offer.key is None and manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
         else:
             info = store.info(offer.key, manager._namespace("s"))
             assert info.expires_at == (None if ttl is None else clock.now + ttl)
@@ -69,7 +70,7 @@ def test_scores_route_segments_by_the_thresholds(setup):
     for _ in range(7):
         clock.now += 299
         manager.begin_turn("s", "Every record holds a name and a value, and more.")
-    assert manager.find("s", seg.token_ids) is None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
 
 
 def test_session_ttl_flushes_with_an_injected_clock(setup):
@@ -78,11 +79,11 @@ def test_session_ttl_flushes_with_an_injected_clock(setup):
     seg = _segment(lm, "The configuration file is read once at start-up.")
     manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
     clock.now = 299
-    assert manager.find("s", seg.token_ids) is not None  # and the find keeps the session alive
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is not None  # and the find keeps the session alive
     clock.now = 598
-    assert manager.find("s", seg.token_ids) is not None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is not None
     clock.now = 898
-    assert manager.find("s", seg.token_ids) is None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
     assert store.keys(manager._namespace("s")) == [] and store.check() == []
 
 
@@ -95,10 +96,10 @@ def test_a_change_of_topic_drops_the_temperature_and_flushes(setup):
     manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
     same = manager.begin_turn("s", "And how do I close the socket connection to the server?")
     assert same.cosine >= 0.3 and same.temperature == 0.8 and same.flushed == 0
-    assert manager.find("s", seg.token_ids) is not None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is not None
     other = manager.begin_turn("s", "Give me a recipe for banana bread with walnuts.")
     assert other.cosine < 0.3 and other.temperature == 0.3 and other.flushed == 1
-    assert manager.find("s", seg.token_ids) is None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
     warmer = manager.begin_turn("s", "Is this banana bread recipe good with walnuts?")
     assert warmer.temperature == pytest.approx(0.55)
 
@@ -128,7 +129,7 @@ def test_the_manager_feeds_hits_and_unused_expiries_to_its_scorer(setup):
     unused = _segment(lm, "A turn nobody will ask for again.", start=30)
     manager.offer("s", used, none, role="system")
     manager.offer("s", unused, used.token_ids, role="turn")
-    manager.find("s", used.token_ids)
+    manager.find("s", used.token_ids, used.model, used.dtype)
     clock.now = 150
     manager.begin_turn("s", "next")
     assert seen == [("system", True), ("turn", False)]
@@ -210,7 +211,7 @@ def test_store_evictions_teach_the_online_scorer_until_the_keep_route_fires(tiny
     decisions, turns = [], []
     for turn in range(80):
         decisions.append(manager.offer("s", system, none, role="system").decision)
-        assert manager.find("s", system.token_ids) is not None
+        assert manager.find("s", system.token_ids, system.model, system.dtype) is not None
         words = " ".join(f"w{turn}x{i}" for i in range(6))
         turns.append(manager.offer("s", _segment(lm, f"Turn {turn}: {words}.", start=system.num_tokens),
                                    system.token_ids, role="turn").decision)
@@ -222,3 +223,51 @@ def test_store_evictions_teach_the_online_scorer_until_the_keep_route_fires(tiny
     manager.stats()  # drains the last evictions
     assert scorer.observations == 80 + lost  # every hit and every eviction reached the scorer
     assert store.check() == []
+
+
+# ------------------------------------------------------------------------------------------------ bounds
+
+
+def test_a_sessions_state_stays_bounded(setup):
+    from kvbridge.transfer.suffix.cache_manager import HISTORY_TURNS, OFFERED_LIMIT
+
+    lm, store, _ = setup
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.1))  # scores below the cache threshold: none stored
+    for turn in range(3 * HISTORY_TURNS):
+        info = manager.begin_turn("s", f"How do I read the file number {turn} with the json module?")
+        assert info.flushed == 0
+    assert len(manager._sessions["s"].turns) == HISTORY_TURNS  # the TF-IDF compares with the last turns only
+    seg = _segment(lm, "Every record holds a name and a value.")
+    none = torch.tensor([], dtype=torch.int64)
+    for i in range(OFFERED_LIMIT + 50):
+        manager.offer("s", KVSegment(kv=seg.kv, token_ids=seg.token_ids + i, positions=seg.positions,
+                                     model=seg.model, rotated=True), none)
+    assert len(manager._sessions["s"].offered) == OFFERED_LIMIT
+
+
+def test_a_part_the_store_cannot_hold_is_not_cached(tiny_target):
+    lm = tiny_target
+    store = PagedStore(StoreConfig(capacity_bytes=lm.spec.kv_bytes_per_token * 16 * 2, device="cpu"))
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.9))
+    seg = _segment(lm, "A long system prompt about many things. " * 10)
+    offer = manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
+    assert offer.decision == "full" and offer.key is None
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
+    assert manager.stats()["not_stored"] == 1 and store.check() == []
+
+
+def test_close_drops_the_managers_segments_and_its_store_listener(setup):
+    lm, store, _ = setup
+    before = len(store._listeners)
+    seg = _segment(lm, "You are a careful assistant who answers briefly.")
+    with SuffixCacheManager(store, scorer=FixedScorer(0.9)) as manager:
+        assert len(store._listeners) == before + 1
+        manager.offer("s", seg, torch.tensor([], dtype=torch.int64))
+        assert store.keys(manager._namespace("s")) != []
+    assert len(store._listeners) == before and store.keys(manager._namespace("s")) == []
+    manager.close()  # twice: nothing more to do
+    with pytest.raises(ValueError, match="closed"):
+        manager.find("s", seg.token_ids, seg.model, seg.dtype)
+    for _ in range(20):  # managers made and closed over one store leave nothing behind
+        SuffixCacheManager(store).close()
+    assert len(store._listeners) == before

@@ -221,7 +221,7 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
     if start_position < 0:
         raise ValueError(f"start_position must be >= 0, got {start_position}")
     t, p = ids.numel(), 0
-    _check_rope_window(spec, start_position + t)
+    check_rope_window(spec, start_position + t)
     positions = torch.arange(start_position, start_position + t, dtype=torch.int64)
     if prefix is not None:
         p = prefix.num_tokens
@@ -247,17 +247,25 @@ def extract(model: nn.Module, spec: ModelSpec, token_ids, start_position: int = 
                      rotated=True)
 
 
-def _check_rope_window(spec: ModelSpec, end: int) -> None:
+def check_rope_window(spec: ModelSpec, end: int, generating: bool = False) -> None:
     """A forward over positions 0..end-1 of a model whose RoPE tables depend on the call's longest position (longrope,
     dynamic NTK) rotates every key, those below the switch too, with the tables of that length: such KV could never
-    be un-rotated or moved exactly (ModelRope refuses only positions past the switch). ValueError naming it."""
+    be un-rotated or moved exactly (ModelRope refuses only positions past the switch). ValueError naming it.
+    generating: the positions a generation over cached KV reaches (its forwards past the switch would rotate the new
+    keys with other tables than the cached ones)."""
     for layer in spec.layers:
         rope = layer.rope
-        if rope is not None and rope.position_dependent and end > rope.original_max_positions:
-            raise ValueError(f"{spec.name!r}: {rope.rope_type} RoPE rotates every key of a call reaching position "
-                             f"{end - 1} with other tables than a shorter call's (they switch past "
-                             f"{rope.original_max_positions} positions), so its KV cannot be moved or re-rotated "
-                             f"exactly: keep documents and their placement below {rope.original_max_positions} tokens")
+        if rope is None or not rope.position_dependent or end <= rope.original_max_positions:
+            continue
+        n = rope.original_max_positions
+        if generating:
+            raise ValueError(f"{spec.name!r}: {rope.rope_type} RoPE switches tables past {n} positions, and "
+                             f"generating up to position {end - 1} would rotate the new keys with other tables than "
+                             f"the cached ones: keep the context, the new tokens and max_new_tokens below {n} tokens")
+        raise ValueError(f"{spec.name!r}: {rope.rope_type} RoPE rotates every key of a call reaching position "
+                         f"{end - 1} with other tables than a shorter call's (they switch past {n} positions), so "
+                         f"its KV cannot be moved or re-rotated exactly: keep documents and their placement below "
+                         f"{n} tokens")
 
 
 def from_cache(cache, spec: ModelSpec, token_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -359,10 +367,16 @@ def generate(model: nn.Module, spec: ModelSpec, segment: KVSegment, new_ids, **g
     """Continue from a cached segment plus at least one new token; returns only the generated ids ([N]).
 
     new_ids: [N_new] tokens after the segment (the model prefills these). generate_kwargs go to `model.generate`
-    (max_new_tokens, do_sample, ...); greedy decoding unless told otherwise.
+    (max_new_tokens, do_sample, ...); greedy decoding unless told otherwise. A model whose RoPE tables switch past a
+    length (longrope, dynamic NTK) is refused a generation reaching past it (check_rope_window), before any forward.
     """
     new = _as_ids(new_ids, "new_ids (the uncached tokens after the segment; generate needs at least one)",
                   spec.vocab_size)
+    prompt = segment.num_tokens + new.numel()
+    budget = generate_kwargs.get("max_new_tokens", model.generation_config.max_new_tokens)
+    if budget is None:  # transformers' max_length counts the prompt
+        budget = generate_kwargs.get("max_length", model.generation_config.max_length) - prompt
+    check_rope_window(spec, prompt + max(int(budget), 0), generating=True)
     cache = to_cache(segment, model, spec)
     device = _model_device(model)
     input_ids = torch.cat((segment.token_ids, new))[None].to(device)

@@ -26,6 +26,12 @@ class EntryRemoval:
         with self._lock:
             self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        """Stop calling a listener `add_listener` gave (nothing if it is not one)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     @_sends_redis_writes
     def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
         """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and

@@ -9,6 +9,7 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "kvbridge.transfer.suffix.value_score": ["OnlineValueScorer", "FixedScorer", "ValueScorer", "SegmentFeatures"],
     "kvbridge.transfer.suffix.reuse": [
         "place", "prefill_after", "recompute_first", "recompute_selected", "recompute_most_deviating"],
-    "kvbridge.transfer.suffix.generator": ["SuffixReuseGenerator", "Part", "RequestMetrics", "ContextSource"],
+    "kvbridge.transfer.suffix.generator": [
+        "SuffixReuseGenerator", "Part", "RequestMetrics", "ContextSource", "model_lock"],
     "kvbridge.transfer.suffix.blend": ["BlendConfig", "blend"],
 })
