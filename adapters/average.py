@@ -3,10 +3,12 @@
 added to the likelihood and less of what it moved elsewhere (docs/answers.md).
 
 Averaging is meaningful only between adapters of one pair and one shape whose fixed parts are the same: the integer
-tensors (the layer map, the context branch's lags) and what an adapter folds into its maps from the data it was
-fitted on (the context branch's input mean `ctx_mu`: a fine-tune from `--init` keeps it) must be equal, or the
-average is refused by name. Every floating tensor is averaged in float32 and saved in the first file's dtype. The
-result records its inputs (file name, digest, weight, each one's own training record) in `training.average`.
+tensors (the layer map, the context branch's lags) and what an adapter fits to the data and keeps fixed while its
+maps train (the token table `tok_table` and the source basis `src_basis`, the bases the maps read; the context
+branch's input mean `ctx_mu`: a fine-tune from `--init` keeps all three) must be equal, or the average is refused
+by the tensor's name: maps that read other bases are in other coordinates, and their average is none of them.
+Every floating tensor is averaged in float32 and saved in the first file's dtype. The result records its inputs
+(file name, digest, weight, each one's own training record) in `training.average`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 from kvbridge.adapters.io import OPTIONAL, TENSORS, load_adapter, save_adapter
 from kvbridge.adapters.weights import Adapter
 
-# tensors an average must find equal in every input: not weights (indices, lags), or statistics of the data an
-# adapter was fitted on, folded into its maps (a different one makes the folded tensors incomparable)
-FIXED = ("layer_map", "ctx_lags", "ctx_mu")
+# tensors an average must find equal in every input: not weights (indices, lags), the bases the maps read (fitted to
+# the data and kept fixed by training), or statistics of the data folded into the maps (a different one makes the
+# maps incomparable)
+FIXED = ("layer_map", "ctx_lags", "ctx_mu", "tok_table", "src_basis")
 
 
 def _weights(n: int, weights: list[float] | None) -> list[float]:

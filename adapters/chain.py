@@ -12,15 +12,16 @@ fine-tune the shipped adapter with exact tails (`exact_tail`: trainer.py) for se
 
 Everything lands under one work folder (teacher/, ridge/ or init/, stage-N-OBJECTIVE/), so a rerun of the same command
 resumes where it stopped: finished teacher windows are skipped, the ridge fit is read back, a stage continues
-from its last checkpoint. Stages are given in optimiser steps, so a run is a function of the command and the seed,
-not of how busy the machine was.
+from its last checkpoint. Each of them records what it was made from (work_folder.py: the corpus files' sha256, the
+options that shape it, the adapter it started from), and a rerun that asks for anything else is refused by the
+option's name before any teacher window is computed, not served the old results. Stages are given in optimiser
+steps, so a run is a function of the command and the seed, not of how busy the machine was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,14 +31,23 @@ import torch
 from kvbridge.adapters.adapter import Adapter
 from kvbridge.adapters.answer_probe import AnswerProbe
 from kvbridge.adapters.answer_windows import AnswerCache, AnswerConfig, answer_windows
+from kvbridge.adapters.chain_start import (
+    RIDGE,
+    context_config,
+    init_start,
+    load_init,
+    read_start,
+    ridge_start,
+    start_inputs,
+)
 from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.distributed import build_teacher_cache, is_main, world_size
 from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
-from kvbridge.adapters.io import load_adapter, save_adapter
+from kvbridge.adapters.layer_map import LAYER_MAPS
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
-from kvbridge.adapters.residual import CapacityConfig, ResidualMaps, adapter_stats, fit_ridge
+from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import (
     TeacherCache,
     TeacherConfig,
@@ -47,10 +57,17 @@ from kvbridge.adapters.teacher import (
     makes_window,
     split_documents,
 )
-from kvbridge.adapters.trainer import ANSWER_OBJECTIVES, OBJECTIVES, TrainerConfig, batch_indices, train
+from kvbridge.adapters.trainer import (
+    ANSWER_OBJECTIVES,
+    OBJECTIVES,
+    TrainerConfig,
+    batch_indices,
+    check_resume,
+    train,
+)
+from kvbridge.adapters.work_folder import corpus_digest, read_checkpoint
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
-from safetensors.torch import load_file, save_file
 
 DEFAULT_LR = {"attention": 3e-3, "kl": 3e-3, "ce": 3e-3, "answer": 1e-3, "decision": 1e-3, "onpolicy": 1e-3}
 DEFAULT_EVAL_INTERVAL = {"attention": 40, "kl": 25, "ce": 20, "answer": 25, "decision": 25, "onpolicy": 25}
@@ -136,6 +153,36 @@ class ChainConfig:
                              f"{self.answer_dev}")
         if self.train_windows < self.ridge_windows or self.ridge_windows < 1 or self.dev_per_corpus < 1:
             raise ValueError("need train_windows >= ridge_windows >= 1 and dev_per_corpus >= 1")
+        if self.batch_windows < 1:
+            raise ValueError(f"--batch-windows must be >= 1, got {self.batch_windows}")
+        if not 0 <= self.exact_tail < 1:
+            raise ValueError(f"--exact-tail must be in [0, 1), got {self.exact_tail}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if self.layer_map not in LAYER_MAPS:
+            raise ValueError(f"--layer-map must be one of {LAYER_MAPS}, got {self.layer_map!r}")
+        if self.fuser_rank < 0:
+            raise ValueError(f"--fuser-rank must be >= 0, got {self.fuser_rank}")
+        for name, lr in self.lr.items():
+            if name not in OBJECTIVES:
+                raise ValueError(f"--stage-lr names {name!r}, not a stage: the stages are {', '.join(OBJECTIVES)}")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+                raise ValueError(f"--stage-lr {name}={lr}: a learning rate must be a finite number > 0")
+        self.stage_configs()  # names a stage the trainer would refuse, before any work
+
+    def stage_configs(self) -> list[TrainerConfig]:
+        """Each stage's trainer config: its rate from `lr` (a tenth of it at the end of the cosine), its seed the
+        run's plus its index, exact tails for kl and ce, the checkpoint kept by `keep` and its objective."""
+        out = []
+        for n, (objective, steps) in enumerate(self.stages):
+            lr = self.lr.get(objective, DEFAULT_LR[objective])
+            out.append(TrainerConfig(
+                objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1), max_iters=steps,
+                batch_windows=self.batch_windows, eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=self.seed + n,
+                exact_tail=self.exact_tail if objective in ("kl", "ce") else 0.0,
+                decision_weight=self.decision_weight,
+                select="last" if self.keep == "last" else "fidelity" if objective in ANSWER_OBJECTIVES else "recovery"))
+        return out
 
 
 def corpus_name(path: str | Path) -> str:
@@ -237,70 +284,39 @@ def select_answer_windows(files: list[str | Path], target_tokenizer, config: Cha
 
 def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: ChainConfig, progress: bool
            ) -> tuple[Adapter, RidgeStats, float]:
-    folder = work / "ridge"
-    if (folder / "ridge.safetensors").exists():
-        info = json.loads((folder / "fit.json").read_text())
-        stats = RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors")))
-        adapter = load_adapter(folder / "ridge.safetensors")
-        if (adapter.token_rank, adapter.source_rank) != (config.token_rank, config.source_rank):
-            raise ValueError(f"{folder} holds a ridge fit with token features of rank {adapter.token_rank} and a "
-                             f"source basis of rank {adapter.source_rank}, this run asks for {config.token_rank} and "
-                             f"{config.source_rank}: use another work folder (its teacher/ can be reused)")
-        return adapter, stats, info["seconds"]
-    t0 = time.perf_counter()
-    adapter, stats = fit_ridge(cache, train_idx[:config.ridge_windows], dev_idx, target, config.layer_map, config.k,
-                               progress=progress, token_rank=config.token_rank, source_rank=config.source_rank)
-    seconds = time.perf_counter() - t0
-    if is_main():
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(stats.state_dict(), str(folder / "stats.safetensors"))
-        save_adapter(adapter, folder / "ridge.safetensors")
-        (folder / "fit.json").write_text(json.dumps({"seconds": seconds}))
-    return adapter, stats, seconds
+    """The work folder's ridge fit, read back when complete, else fitted on the first `ridge_windows` of train_idx and
+    written, for a caller that holds a teacher cache of its own (experiments/context-map) and so records no inputs:
+    train_chain's own fit is chain_start.ridge_start's, checked against its inputs."""
+    saved = read_checkpoint(work / RIDGE[0], RIDGE[1], RIDGE[2])
+    return ridge_start(work, saved, None, cache, train_idx, dev_idx, target, config, progress)
 
 
-def context_config(config: ChainConfig) -> ContextConfig:
-    """The context branch a command asks for (--context-window, --context-rank, --context-no-norm)."""
-    return ContextConfig(window=config.context_window, rank=config.context_rank, norm=config.context_norm)
+def stage_context(config: ChainConfig, init: Adapter | None) -> ContextConfig | None:
+    """The context branch the stages train: the --init adapter's (it goes on training), else the command's, else
+    none."""
+    if config.fuser_rank:
+        return None
+    if init is not None and init.ctx_lags is not None:
+        return ContextConfig.of(init)
+    return context_config(config) if config.context_window else None
 
 
-def _init(work: Path, cache: TeacherCache, train_idx, source: LoadedModel, target: LoadedModel,
-          config: ChainConfig, progress: bool) -> tuple[Adapter, RidgeStats, float]:
-    """The trained adapter `config.init` (float32) and the whitening statistics of the ridge windows through it."""
-    adapter = load_adapter(config.init)
-    adapter.check_models(source.spec, target.spec)
-    if adapter.ctx_lags is not None and config.context_window and (
-            ContextConfig.of(adapter) != context_config(config)):
-        raise ValueError(f"{config.init} has a context branch of {len(adapter.ctx_lags)} tokens, rank "
-                         f"{adapter.ctx_a.shape[-1]}, {'with' if adapter.context_norm else 'without'} its norm; the "
-                         f"command asks for {config.context_window}, rank {config.context_rank}, "
-                         f"{'with' if config.context_norm else 'without'} (leave out --context-window to keep the "
-                         "adapter's)")
-    if adapter.ctx_lags is not None and config.fuser_rank:
-        raise ValueError(f"{config.init} has a context branch (adapter format {adapter.meta.format_version}): a "
-                         "fuser starts from the linear maps of formats 1-3 only")
-    if adapter.ctx_lags is None and config.context_window:
-        raise ValueError(f"{config.init} has no context branch: --context-window trains one from a ridge fit, "
-                         "not from --init")
-    adapter = adapter.with_maps_dtype(torch.float32)
-    adapter = dataclasses.replace(adapter, start_kv=None if adapter.start_kv is None else adapter.start_kv.float())
-    folder = work / "init"
-    record = {"adapter": str(Path(config.init).resolve()), "windows": config.ridge_windows,
-              "sha256": hashlib.sha256(Path(config.init).read_bytes()).hexdigest()}
-    if (folder / "stats.safetensors").exists():
-        info = json.loads((folder / "init.json").read_text())
-        if {k: info.get(k) for k in record} != record:
-            raise ValueError(f"{folder} holds the statistics of {info.get('adapter')} over {info.get('windows')} "
-                             f"windows, not of {config.init}: use another work folder (its teacher/ can be reused)")
-        return adapter, RidgeStats.from_state_dict(load_file(str(folder / "stats.safetensors"))), info["seconds"]
-    t0 = time.perf_counter()
-    stats = adapter_stats(adapter, cache, train_idx[:config.ridge_windows], target, progress)
-    seconds = time.perf_counter() - t0
-    if is_main():
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(stats.state_dict(), str(folder / "stats.safetensors"))
-        (folder / "init.json").write_text(json.dumps(record | {"seconds": seconds}))
-    return adapter, stats, seconds
+def stage_plan(config: ChainConfig, start: dict, context: ContextConfig | None
+               ) -> list[tuple[TrainerConfig, str, dict]]:
+    """Each stage's trainer config, folder name and inputs (work_folder.py: the starting point's, the windows it reads
+    and the stages before it), in order."""
+    kind = f"-context{context.window}r{context.rank}{'' if context.norm else '-nonorm'}" if context else ""
+    base = {"start": start, "train_windows": config.train_windows, "dev_per_corpus": config.dev_per_corpus,
+            "fuser_rank": config.fuser_rank, "context": None if context is None else dataclasses.asdict(context),
+            "answer_windows": config.answer_windows, "answer_dev": config.answer_dev,
+            "answer": dataclasses.asdict(config.answer) if config.answer_windows else None}
+    plan = []
+    for n, tc in enumerate(config.stage_configs()):
+        objective = tc.objective
+        weighted = f"-w{config.decision_weight:g}" if objective == "decision" and config.decision_weight != 1 else ""
+        before = [[c.objective, c.max_iters, c.lr] for c, _, _ in plan]
+        plan.append((tc, f"stage-{n}-{objective}{weighted}{kind}", base | {"before": before}))
+    return plan
 
 
 def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path], config: ChainConfig,
@@ -308,17 +324,33 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
     """Run (or resume) the recipe; returns the trained adapter (chain: folded, format 1) or fuser, and a record of
     what ran: windows, seconds per phase, each stage's steps, best step and dev recovery. Under torchrun: collective
     (distributed.py: the teacher cache and the statistics split by rank, rank 0 writes), the record also says how many
-    ranks ran and how many teacher windows each computed."""
+    ranks ran and how many teacher windows each computed.
+
+    Before any teacher window is computed: the --init adapter is checked against the models, and every checkpoint
+    the work folder holds against what this run asks (work_folder.py): one made for other options, another corpus or
+    another starting point is refused by name."""
     work = Path(work)
     began = time.perf_counter()
+    if world_size() > config.batch_windows:  # (trainer.train's refusal, before the work rather than after it)
+        raise ValueError(f"{world_size()} ranks share each step's {config.batch_windows} windows: every rank needs at "
+                         "least one (raise the batch, --batch-windows, or start fewer processes)")
+    init = load_init(config, source, target) if config.init else None
     dev, train_w = select_windows(files, target.tokenizer, config)
     t0 = time.perf_counter()
     valid = valid_windows(config, train_w, target.tokenizer)
     read = windows_read(config, valid)
     needed = valid if read is None else [w for i, w in enumerate(valid) if i in read]
+    corpus = corpus_digest(files)
+    start = start_inputs(config, corpus, dev, valid[:config.ridge_windows])
+    context = stage_context(config, init)
+    plan = stage_plan(config, start, context)
+    saved_start = read_start(work, config, start)
+    for tc, name, inputs in plan:
+        check_resume(work / name, tc, inputs)
     cache, made = build_teacher_cache(work / "teacher", source, target, dev + needed, config.teacher,
                                       start_token_id(target.tokenizer), progress=progress,
-                                      kv_ids=kv_windows(config, dev, valid))
+                                      kv_ids=kv_windows(config, dev, valid),
+                                      corpus={"files": corpus, "doc_chars": config.doc_chars})
     teacher_s = time.perf_counter() - t0
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]  # a window too short after re-tokenising is skipped
@@ -334,7 +366,8 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         a_read = answer_windows_read(config, len(a_train))
         answers, _ = build_teacher_cache(work / "answers", source, target, a_dev + [
             w for i, w in enumerate(a_train) if a_read is None or i in a_read], config.answer,
-            start_token_id(target.tokenizer), progress=progress, cache_class=AnswerCache)
+            start_token_id(target.tokenizer), progress=progress, cache_class=AnswerCache,
+            corpus={"files": corpus, "doc_chars": config.doc_chars})
         answer_s = time.perf_counter() - t0
         a_pos = {e["id"]: i for i, e in enumerate(answers.entries)}
         a_dev_idx = [a_pos[w.id] for w in a_dev if w.id in a_pos]  # an empty answer makes no window
@@ -344,24 +377,20 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
         a_train_idx = [a_pos[w.id] if w.id in a_pos else None if w.id in a_empty else -1 for w in a_train]
         if any(a_train_idx[i] == -1 for i in (range(len(a_train)) if a_read is None else a_read)):
             raise RuntimeError(f"{work / 'answers'} lacks answer windows the run draws")
-    if config.init:
-        ridge, stats, ridge_s = _init(work, cache, train_idx, source, target, config, progress)
+    if init is not None:
+        ridge, stats, ridge_s = init_start(work, saved_start, start, init, cache, train_idx, target, config, progress)
     else:
-        ridge, stats, ridge_s = _ridge(work, cache, train_idx, dev_idx, target, config, progress)
+        ridge, stats, ridge_s = ridge_start(work, saved_start, start, cache, train_idx, dev_idx, target, config,
+                                            progress)
     torch.manual_seed(config.seed)
-    context = None
     if config.fuser_rank:
         maps = FuserMaps.from_ridge(ridge, stats, FuserConfig(rank=config.fuser_rank))
-    elif config.init and ridge.ctx_lags is not None:  # the branch goes on training from where it ended
-        context = ContextConfig.of(ridge)
+    elif context is not None:
         maps = ContextMaps(ridge, stats, context)
-        maps.unfold(ridge)
-    elif config.context_window:
-        context = context_config(config)
-        maps = ContextMaps(ridge, stats, context)
+        if init is not None and init.ctx_lags is not None:  # the branch goes on training from where it ended
+            maps.unfold(ridge)
     else:
         maps = ResidualMaps(ridge, stats, CapacityConfig())
-    kind = (f"-context{context.window}r{context.rank}{'' if context.norm else '-nonorm'}" if context else "")
     probe = (RecoveryProbe.from_cache(target, ridge.start_kv, cache, dev_idx, config.teacher.context_tokens)
              if is_main() else None)  # rank 0 scores the dev windows
     answer_probe = (AnswerProbe(target, ridge.start_kv, answers, a_dev_idx, config.answer.max_answer_tokens)
@@ -377,25 +406,16 @@ def train_chain(source: LoadedModel, target: LoadedModel, files: list[str | Path
                    "answer_cache_s": round(answer_s)}
     if world_size() > 1:
         record["ranks"] = {"world_size": world_size(), "teacher_windows_made": made}
-    for n, (objective, steps) in enumerate(config.stages):
-        lr = config.lr.get(objective, DEFAULT_LR[objective])
-        tc = TrainerConfig(objective=objective, lr=lr, min_lr=lr / 10, warmup_iters=min(10, steps - 1),
-                           max_iters=steps, batch_windows=config.batch_windows,
-                           eval_interval=DEFAULT_EVAL_INTERVAL[objective], seed=config.seed + n,
-                           exact_tail=config.exact_tail if objective in ("kl", "ce") else 0.0,
-                           decision_weight=config.decision_weight,
-                           select="last" if config.keep == "last" else
-                           "fidelity" if objective in ANSWER_OBJECTIVES else "recovery")
+    for tc, name, inputs in plan:
+        objective = tc.objective
         stage_cache, stage_idx = (answers, a_train_idx) if objective in ANSWER_OBJECTIVES else (cache, train_idx)
-        weighted = f"-w{config.decision_weight:g}" if objective == "decision" and config.decision_weight != 1 else ""
         out = train(maps, ridge.start_kv, target, stage_cache, stage_idx, probe, tc, config.teacher.context_tokens,
-                    work / f"stage-{n}-{objective}{weighted}{kind}", resume=True, progress=progress,
-                    answers=answer_probe)
+                    work / name, resume=True, progress=progress, answers=answer_probe, inputs=inputs)
         best = next((r for r in out["record"] if r["iter"] == out["best_iter"]), {})
         dev_scores = {k: round(best[k], 4) for k in ("dev_recovery", "dev_fidelity", "dev_rougeL", "dev_top1",
                                                      "dev_greedy") if k in best}
         record["stages"].append({"objective": objective, "steps": out["iters"], "best_step": out["best_iter"],
-                                 "select": tc.select, **dev_scores, "lr": lr,
+                                 "select": tc.select, **dev_scores, "lr": tc.lr,
                                  "seconds": round(out["elapsed_s"]),
                                  "tokens_per_s": round(out["iters"] * out["tokens_per_step"] / out["elapsed_s"])})
     record["wall_s"] = round(time.perf_counter() - began)

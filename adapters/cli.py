@@ -12,8 +12,10 @@ step's batch are split by rank, the statistics and gradients summed; the result 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,13 +43,16 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     p.add_argument("--corpus", nargs="+", metavar="FILE",
                    help="fitting corpus: .txt or .jsonl ('text' field) files (default: the packaged "
                         "pydoc_corpus_sample.txt, 400 KB of Python documentation)")
-    p.add_argument("--out", help="adapter file (.safetensors); default KVBRIDGE_HOME/adapters/<pair>-<layer map>")
+    p.add_argument("--out", help="adapter file (.safetensors); default KVBRIDGE_HOME/adapters/<pair>--<layer map or "
+                                 "trainer>.safetensors (a model given by a path or a repo id is named there by its "
+                                 "last part and a short hash of the whole)")
     p.add_argument("--trainer", choices=["ridge", "chain", "fuser"], default="ridge",
                    help="ridge: closed form (+ --refine-steps); chain: teacher cache, ridge, trained stages; "
                         "fuser: a learned fuser over the target's own prefill")
     p.add_argument("--stages", default=None,
                    help="chain/fuser: OBJECTIVE:STEPS,... (default attention:300,kl:600; fuser: ce:600)")
-    p.add_argument("--stage-lr", default="", help="chain/fuser: OBJECTIVE=LR,... (default 3e-3 each)")
+    p.add_argument("--stage-lr", default="", help="chain/fuser: OBJECTIVE=LR,... (default 3e-3 each; 1e-3 for the "
+                                                  "answer stages); an OBJECTIVE that is no stage is refused")
     p.add_argument("--train-windows", type=int, default=1400, help="chain/fuser: training windows in the cache")
     p.add_argument("--ridge-windows", type=int, default=200, help="chain/fuser: of them, for the ridge fit")
     p.add_argument("--dev-per-corpus", type=int, default=12, help="chain/fuser: held-out dev windows per file")
@@ -94,10 +99,12 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                         "--dev-per-corpus; 50 a file makes the choice steadier, at ~0.4 s a window every probe)")
     p.add_argument("--answer-lengths", default="256,512,1024,2048",
                    help="chain: document tokens an answer window may hold, drawn per window")
-    p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun resumes); "
-                                  "default KVBRIDGE_HOME/train/<pair>")
+    p.add_argument("--work", help="chain/fuser: folder of the teacher cache and checkpoints (a rerun of the same "
+                                  "command resumes; one that asks other options, another corpus or another --init is "
+                                  "refused by name); default KVBRIDGE_HOME/train/<pair>")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="dtype of the written maps (a shipped adapter is bfloat16)")
+                   help="dtype of the written maps, every trainer (a shipped adapter is bfloat16); the recorded "
+                        "recovery is that of the written maps")
     p.add_argument("--layer-map", default="proportional", choices=LAYER_MAPS)
     p.add_argument("--k", type=int, default=3, help="source layers mixed per target layer with --layer-map mix")
     p.add_argument("--max-tokens", type=int, default=16_384, help="target tokens of corpus to read (train + held-out)")
@@ -106,7 +113,8 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
                    help="end-to-end refinement steps through the frozen target after the ridge fit (0: none)")
     p.add_argument("--refine-lr", type=float, default=1e-5, help="Adam learning rate of the refinement")
     p.add_argument("--refine-docs", type=int, default=64, help="corpus pieces the refinement samples from")
-    p.add_argument("--stats", help="file to keep accumulated statistics in; a rerun resumes from it")
+    p.add_argument("--stats", help="ridge: file to keep the accumulated statistics in, written when they are all in "
+                                   "and at most every 10 minutes before; a rerun resumes from it")
     p.add_argument("--eval", metavar="FILE", help="held-out documents (.jsonl with 'document' or 'text'); default: "
                                                   "the packaged pydoc_heldout.jsonl")
     p.add_argument("--eval-docs", type=int, default=20, help="documents for the recovery figure (0: skip it)")
@@ -125,16 +133,72 @@ def build_parser(prog: str = "train-adapter") -> argparse.ArgumentParser:
     return p
 
 
+def model_component(name: str) -> str:
+    """A model's name as one component of a default path: the name itself when it is one ("tiny-qwen2"), else its
+    last part and a short hash of the whole, so that no two models share one ("/models/Qwen2-7B" and "Qwen/Qwen2-7B"
+    -> "Qwen2-7B-" and two different 8-digit hashes)."""
+    if re.fullmatch(r"[\w+-][\w.+-]*", name):
+        return name
+    parts = [p for p in re.split(r"[\\/]+", name) if p not in ("", ".", "..")]
+    base = re.sub(r"[^\w.+-]", "_", parts[-1] if parts else "").lstrip(".") or "model"
+    return f"{base}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def default_out(home: Path, source: str, target: str, kind: str) -> Path:
+    """--out's default: home/adapters/<source>--<target>--<kind>.safetensors, one file name whatever the models'."""
+    return home / "adapters" / f"{model_component(source)}--{model_component(target)}--{kind}.safetensors"
+
+
+def default_work(home: Path, source: str, target: str) -> Path:
+    """--work's default: home/train/<source>--<target>, one folder name whatever the models'."""
+    return home / "train" / f"{model_component(source)}--{model_component(target)}"
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse, by the option's name, what is wrong before any model loads (chain.ChainConfig names the rest of the
+    chain's options when it is made, still before any model loads)."""
+    if args.out and Path(args.out).suffix != ".safetensors":
+        raise ValueError(f"--out {args.out}: adapter files end in .safetensors")
+    if args.k < 1:
+        raise ValueError(f"--k must be >= 1, got {args.k}")
+    if args.eval_docs < 0 or args.eval_docs == 1:
+        raise ValueError(f"--eval-docs {args.eval_docs}: the recovery figure needs 2 documents or more (0 skips it)")
+    if args.init and not Path(args.init).is_file():
+        raise FileNotFoundError(f"--init {args.init}: no such adapter file")
+    if args.trainer == "fuser" and args.fuser_rank < 1:
+        raise ValueError(f"--fuser-rank must be >= 1 for --trainer fuser, got {args.fuser_rank}")
+
+
+def eval_documents(args: argparse.Namespace, source, target) -> list:
+    """The held-out documents of the recovery figure (--eval, --eval-docs), prepared before any training: fewer than
+    two long enough for --context-tokens + --continuation-tokens are refused then, not after the training."""
+    if not args.eval_docs:
+        return []
+    from kvbridge.adapters.evaluate import prepare_documents
+    from kvbridge.adapters.train import read_corpus
+
+    path = args.eval or str(data_path("pydoc_heldout.jsonl"))
+    texts, _ = read_corpus([path])
+    docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
+                             limit=args.eval_docs)
+    if len(docs) < 2:
+        raise ValueError(f"--eval-docs {args.eval_docs}: {path} holds {len(docs)} document(s) of at least "
+                         f"{args.context_tokens} + {args.continuation_tokens} target tokens (--context-tokens, "
+                         "--continuation-tokens); the recovery figure needs 2 or more (--eval-docs 0 skips it)")
+    return docs
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from kvbridge.adapters.distributed import Launch
-    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.evaluate import evaluate_recovery
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.refine import refine_adapter
     from kvbridge.adapters.train import TrainConfig, read_corpus, train_adapter
     from kvbridge.transfer.models import kvbridge_home
     from kvbridge.transfer.presets import load_pair
 
+    check_options(args)
     torch.manual_seed(args.seed)
     launch = Launch.from_env()
     if args.trainer != "ridge":
@@ -148,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=args.device)
     print(f"{source.name} -> {target.name} on {target.device} ({time.perf_counter() - t0:.1f} s to load)", flush=True)
+    docs = eval_documents(args, source, target)
     corpus = args.corpus or [str(data_path("pydoc_corpus_sample.txt"))]
     t0 = time.perf_counter()
     adapter, report = train_adapter(source, target, corpus, config, stats_path=args.stats, progress=not args.quiet)
@@ -156,11 +221,6 @@ def run(args: argparse.Namespace) -> int:
           f"tokens, layer map {args.layer_map}, {fit_s:.1f} s")
     print(report.table())
     result_json: dict = {"layers": report.layers, "fit_seconds": fit_s, "layer_map": args.layer_map}
-    docs = []
-    if args.eval_docs:
-        texts, _ = read_corpus([args.eval or str(data_path("pydoc_heldout.jsonl"))])
-        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
-                                 limit=args.eval_docs)
     if args.refine_steps:
         t0 = time.perf_counter()
         before = None
@@ -177,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - t0:.1f} s)")
         result_json["refine"] = {"steps": args.refine_steps, "kl_first": losses[0], "kl_last": losses[-1],
                                  "recovery_before": before.recovery["projected"] if before else None}
+    if args.save_dtype != "float32":  # the file's figures are of the file's maps: rounded before they are evaluated
+        adapter = adapter.with_maps_dtype(getattr(torch, args.save_dtype))
     if docs:
         t0 = time.perf_counter()
         result = evaluate_recovery(source, target, adapter, docs, seed=args.seed, progress=not args.quiet)
@@ -191,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
                                    "documents": result.documents, "scored_tokens": result.scored_tokens}
     adapter.meta.metrics["heldout_mean"] = {key: sum(r[key] for r in report.layers) / len(report.layers)
                                             for key in ("r2_k", "cos_k", "r2_v", "cos_v")}
-    out = Path(args.out) if args.out else (kvbridge_home() / "adapters" /
-                                           f"{source.name}--{target.name}--{args.layer_map}.safetensors")
+    out = Path(args.out) if args.out else default_out(kvbridge_home(), source.name, target.name, args.layer_map)
     save_adapter(adapter, out)
     print(f"adapter written to {out}")
     _prior_hint(preset, out)
@@ -202,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stage_lr(text: str) -> dict:
+    """"kl=1e-2,attention=3e-3" -> {"kl": 0.01, "attention": 0.003} (names and values: chain.ChainConfig checks)."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
@@ -216,7 +278,6 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     """--trainer chain|fuser: adapters.chain.train_chain, then the held-out recovery on --eval documents. launch
     (distributed.Launch): torchrun's; every rank trains, rank 0 evaluates and writes."""
     import dataclasses
-    import hashlib
     import platform
     import shlex
 
@@ -224,13 +285,12 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     from kvbridge.adapters.answer_windows import AnswerConfig
     from kvbridge.adapters.chain import DEFAULT_LR, ChainConfig, parse_stages, train_chain
     from kvbridge.adapters.distributed import process_group
-    from kvbridge.adapters.evaluate import evaluate_recovery, prepare_documents
+    from kvbridge.adapters.evaluate import evaluate_recovery
     from kvbridge.adapters.fuser import as_saved, save_fuser
     from kvbridge.adapters.io import save_adapter
     from kvbridge.adapters.pairs import start_token_id
     from kvbridge.adapters.recovery_probe import RecoveryProbe
     from kvbridge.adapters.teacher import TeacherConfig
-    from kvbridge.adapters.train import read_corpus
     from kvbridge.transfer.models import kvbridge_home
     from kvbridge.transfer.presets import load_pair
 
@@ -258,8 +318,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     device = args.device if launch is None else launch.device(args.device)
     with process_group(launch, device):
         source, target = load_pair(preset, args.source, args.target, dtype=args.dtype, device=device)
-        pair = f"{source.name}--{target.name}"
-        work = Path(args.work) if args.work else kvbridge_home() / "train" / pair
+        docs = eval_documents(args, source, target)  # (every rank: each refuses too few before any work)
+        work = Path(args.work) if args.work else default_work(kvbridge_home(), source.name, target.name)
         if main_rank:
             ranks = f", {launch.world_size} ranks" if launch else ""
             print(f"{source.name} -> {target.name}: {args.trainer}, stages {stages}, work folder {work}{ranks}",
@@ -278,7 +338,8 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
               "windows": record["teacher_windows"], "heldout_fraction": config.heldout_fraction,
               "documents": f"runs of ~{config.doc_chars} characters of consecutive paragraphs; held out when "
                            f"blake2b(id) < {config.heldout_fraction} (dev windows come from those only)"}
-    training = {"command": "train-adapter " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
+    argv = args.argv if hasattr(args, "argv") else sys.argv[1:]  # (main's; a Namespace made elsewhere: the process's)
+    training = {"command": "train-adapter " + shlex.join(argv),
                 "trainer": args.trainer, "record": record, "machine": f"{platform.machine()}, "
                 f"{torch.get_num_threads()} torch threads", "seed": args.seed}
     if args.init:  # what this run started from, so the chain of commands reproduces it from scratch
@@ -289,12 +350,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
                             "sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest(),
                             "training": init_meta.get("training", {}), "metrics": init_meta.get("metrics", {})}
     metrics: dict = {}
-    docs = []
-    if args.eval_docs:
-        texts, _ = read_corpus([args.eval or str(data_path("pydoc_heldout.jsonl"))])
-        docs = prepare_documents(texts, source, target, args.context_tokens, args.continuation_tokens,
-                                 limit=args.eval_docs)
-    out = Path(args.out) if args.out else kvbridge_home() / "adapters" / f"{pair}--{args.trainer}.safetensors"
+    out = Path(args.out) if args.out else default_out(kvbridge_home(), source.name, target.name, args.trainer)
     dtype = getattr(torch, args.save_dtype)
     if fuser:
         maps = as_saved(maps, dtype)  # the file's figures are of the file's weights: folded, rounded to --save-dtype
@@ -354,7 +410,9 @@ def add_parsers(sub) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "train-adapter") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(prog).parse_args(argv)
+    args.argv = argv  # the command the adapter records (training.command)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(args)

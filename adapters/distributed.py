@@ -196,21 +196,22 @@ def check_same(tensors: dict[str, torch.Tensor | None], what: str) -> None:
 
 def build_teacher_cache(root: str | Path, source: LoadedModel, target: LoadedModel, windows: list[Window],
                         config: TeacherConfig, start_token: int, progress: bool = True,
-                        cache_class: type[TeacherCache] = TeacherCache, kv_ids: set[str] | None = None
-                        ) -> tuple[TeacherCache, list[int]]:
+                        cache_class: type[TeacherCache] = TeacherCache, kv_ids: set[str] | None = None,
+                        corpus: dict | None = None) -> tuple[TeacherCache, list[int]]:
     """`TeacherCache.build` split over the ranks: each computes its strided share of the missing windows into the
     shared folder, then rank 0 merges the index parts (the windows listed in `windows` order, as one process lists
     them). Returns the cache, every window listed, on every rank, and the windows each rank computed. cache_class:
     the kind of windows (answer_windows.AnswerCache: its config is an AnswerConfig); kv_ids: the windows that keep the
-    target's own KV (TeacherCache.build)."""
+    target's own KV, corpus: what the windows were cut from (TeacherCache.build)."""
     if world_size() == 1:
         cache = cache_class(root)
-        return cache, [cache.build(source, target, windows, config, start_token, progress, kv_ids=kv_ids)["windows"]]
+        return cache, [cache.build(source, target, windows, config, start_token, progress, kv_ids=kv_ids,
+                                   corpus=corpus)["windows"]]
     if is_main():
         cache_class(root).merge_parts()  # the parts an interrupted sharded build left
     barrier()
     made = cache_class(root).build(source, target, windows, config, start_token, progress,
-                                    part=(rank(), world_size()), kv_ids=kv_ids)["windows"]
+                                    part=(rank(), world_size()), kv_ids=kv_ids, corpus=corpus)["windows"]
     counts = torch.zeros(world_size(), dtype=torch.int64)
     counts[rank()] = made
     dist.all_reduce(counts)

@@ -13,6 +13,7 @@ from kvbridge.adapters.weights import (
     CONTEXT_FORMAT_VERSION,
     FORMAT_VERSION,
     LINEAR_CONTEXT_FORMAT_VERSION,
+    META_FIELDS,
     READ_VERSIONS,
     TOKENS_FORMAT_VERSION,
     Adapter,
@@ -68,14 +69,25 @@ def load_adapter(path: str | Path, device: torch.device | str = "cpu") -> Adapte
         raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
     if "kvbridge_adapter" not in header:
         raise ValueError(f"{path} is a safetensors file but not a kvbridge adapter (no kvbridge_adapter metadata)")
-    data = json.loads(header["kvbridge_adapter"])
+    try:
+        data = json.loads(header["kvbridge_adapter"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: its kvbridge_adapter metadata is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: its kvbridge_adapter metadata is not a JSON object")
     if data.get("format_version") not in READ_VERSIONS or data.get("kind", "projection") != "projection":
         raise ValueError(f"{path}: adapter format version {data.get('format_version')} kind {data.get('kind')!r}, "
                          f"this kvbridge reads projection adapters of versions {READ_VERSIONS}")
+    absent = [name for name in META_FIELDS if name not in data]
+    if absent:
+        raise ValueError(f"{path}: adapter metadata field {absent[0]!r} missing (an adapter records {META_FIELDS})")
     fields = {f.name for f in dataclasses.fields(AdapterMeta)}
     meta = AdapterMeta(**{k: v for k, v in data.items() if k in fields})
     missing = [n for n in TENSORS if n not in tensors]
     if missing:
         raise ValueError(f"{path}: adapter tensors missing: {missing}")
-    adapter = Adapter(meta=meta, **{n: tensors[n] for n in TENSORS}, **{n: tensors.get(n) for n in OPTIONAL})
+    try:
+        adapter = Adapter(meta=meta, **{n: tensors[n] for n in TENSORS}, **{n: tensors.get(n) for n in OPTIONAL})
+    except ValueError as exc:  # a shape, dtype or metadata field that is not an adapter's: named with the file
+        raise ValueError(f"{path}: {exc}") from None
     return adapter.to(device)

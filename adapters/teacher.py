@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 from kvbridge.adapters.adapter import has_text_source, model_record
 from kvbridge.adapters.pairs import flatten_heads, pair_text
+from kvbridge.adapters.work_folder import differences
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.attention import switched_attention
 from kvbridge.transfer.models import LoadedModel
@@ -45,6 +47,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+log = logging.getLogger(__name__)
 
 CAPTURE = "kvbridge_capture"
 CACHE_VERSION = 1
@@ -251,7 +255,7 @@ class TeacherCache:
 
     def build(self, source: LoadedModel, target: LoadedModel, windows: list[Window], config,
               start_token: int, progress: bool = True, part: tuple[int, int] = (0, 1),
-              kv_ids: set[str] | None = None) -> dict:
+              kv_ids: set[str] | None = None, corpus: dict | None = None) -> dict:
         """Teacher data of every window; returns {windows: made, computed: tried, seconds, per_window_s}. A cache
         that keeps the queries serves a run that does not need them (its new windows keep them too). A window that
         makes none (too short; an answer window answered with nothing) is listed under "empty" and not tried again;
@@ -263,7 +267,11 @@ class TeacherCache:
         part (p, n): only the p-th of n strided shares of the windows not cached yet (one rank's under torchrun),
         listed in the index part `index.part-p.json` until `merge_parts` folds the parts into index.json; the n
         processes may build their parts of one folder at once, after leftover parts were merged. (0, 1): every
-        missing window, listed in index.json (leftover parts merged first)."""
+        missing window, listed in index.json (leftover parts merged first).
+
+        corpus: what the windows' texts were cut from (chain.py: {"files": {file name: sha256}, "doc_chars": n}),
+        recorded in the index: a folder of windows cut from other files, or from a file that has changed since, is
+        refused by the file's name (an index of an older kvbridge records none: it is taken as it is, logged)."""
         p, n = part
         if not 0 <= p < n:
             raise ValueError(f"part must be (p, n) with 0 <= p < n, got {part}")
@@ -278,14 +286,24 @@ class TeacherCache:
         header = {"version": CACHE_VERSION, "config": asdict(config), "source": source.spec.identity.key,
                   "target": target.spec.identity.key, "start_token": start_token,
                   "source_record": model_record(source.spec)} | self.wordings()
+        if saved is not None and corpus is not None and "corpus" not in saved:
+            log.warning("%s records no corpus (an older kvbridge made it): its windows are taken as cut from %s",
+                        self.root, ", ".join(corpus.get("files", {})))
+        elif saved is not None and corpus is None:  # a caller that names no corpus keeps the folder's record
+            corpus = saved.get("corpus")
+        if corpus is not None:
+            header["corpus"] = corpus
         if saved is not None:
-            if {k: saved.get(k) for k in header} != header:
+            if {k: saved.get(k, corpus if k == "corpus" else None) for k in header} != header:
                 differ = [f"{k}: {saved['config'].get(k)!r} there, {v!r} here" for k, v in header["config"].items()
                           if saved["config"].get(k) != v]
-                differ += [k for k in header if k != "config" and saved.get(k) != header[k]]
-                raise ValueError(f"{self.root} holds teacher data of another configuration or model pair "
-                                 f"({'; '.join(differ)}); use "
-                                 "another folder")
+                differ += [k for k in header if k not in ("config", "corpus") and saved.get(k) != header[k]]
+                old = saved.get("corpus", corpus)
+                if old != corpus:  # (both records: a folder without one took this run's)
+                    differ += differences({"corpus": old["files"]}, {"corpus": corpus["files"]})
+                    differ += ["doc_chars"] if old.get("doc_chars") != corpus.get("doc_chars") else []
+                raise ValueError(f"{self.root} holds teacher data of another configuration or model pair, or another "
+                                 f"corpus ({'; '.join(differ)}); use another --work or remove {self.root}")
         position = {e["id"]: i for i, e in enumerate(self.entries)}
 
         empty = set(self.empty)
@@ -346,6 +364,8 @@ class TeacherCache:
         for path in parts:
             data = json.loads(path.read_text())
             header = header or self._header(data)
+            if "corpus" not in header and "corpus" in data:  # an index of an older kvbridge (build: logged)
+                header = header | {"corpus": data["corpus"]}
             if self._header(data) != header:
                 raise ValueError(f"{path} lists teacher windows of another configuration or model pair than "
                                  f"{self.index_path}; remove it and the folder's unlisted files")

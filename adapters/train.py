@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from kvbridge.adapters.adapter import Adapter, AdapterMeta, map_tokens, model_re
 from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, solve_layer
 from kvbridge.adapters.layer_map import LAYER_MAPS, build_layer_map
 from kvbridge.adapters.pairs import kv_pairs, pair_text, start_kv, start_token_id
+from kvbridge.adapters.work_folder import write_tensors
 from kvbridge.transfer.data import jsonl_rows
 from kvbridge.transfer.models import LoadedModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.layer_map not in LAYER_MAPS:
             raise ValueError(f"layer_map must be one of {LAYER_MAPS}, got {self.layer_map!r}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.window_tokens < 8:
             raise ValueError(f"window_tokens must be >= 8, got {self.window_tokens}")
         if self.max_tokens < 2 * self.window_tokens:
@@ -115,10 +119,15 @@ def _stats_key(config: TrainConfig, corpus_sha: str, source: LoadedModel, target
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+STATS_EVERY_S = 600.0  # --stats: the statistics (~1.8 GB for the production pair) written at most this often
+
+
 def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[str | Path], config: TrainConfig,
-                  stats_path: str | Path | None = None, progress: bool = True) -> tuple[Adapter, TrainReport]:
-    """Fit an adapter in closed form. With stats_path, accumulated statistics are saved after every window and
-    a rerun with the same models, corpus and config resumes from them."""
+                  stats_path: str | Path | None = None, progress: bool = True, save_every_s: float = STATS_EVERY_S,
+                  clock=time.monotonic) -> tuple[Adapter, TrainReport]:
+    """Fit an adapter in closed form. With stats_path, the accumulated statistics are written (atomically) when every
+    window is in, and before that at most every save_every_s seconds of `clock`; a rerun with the same models,
+    corpus and config resumes from them."""
     texts, corpus_sha = read_corpus(corpus_files)
     windows = corpus_windows(texts, target.tokenizer, config.window_tokens, config.max_tokens, config.seed)
     n_heldout = max(1, round(len(windows) * config.heldout_fraction))
@@ -150,18 +159,24 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
         held_pairs.append(pairs)
         if done == 0:
             heldout.add(*pairs)
+
+    def save(windows_done: int) -> None:
+        state = {f"train.{k}": v for k, v in train.state_dict().items()}
+        state |= {f"heldout.{k}": v for k, v in heldout.state_dict().items()}
+        state["windows_done"] = torch.tensor(windows_done)
+        state["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
+        write_tensors(Path(stats_path), state)
+
+    saved_at = clock()
     for i, text in enumerate(tqdm(train_windows, desc="fitting windows", disable=not progress)):
         if i < done:
             continue
         train.add(*kv_pairs(source, target, pair_text(text, source.tokenizer, target.tokenizer)))
-        if stats_path is not None:
-            state = {f"train.{k}": v for k, v in train.state_dict().items()}
-            state |= {f"heldout.{k}": v for k, v in heldout.state_dict().items()}
-            state["windows_done"] = torch.tensor(i + 1)
-            state["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
-            tmp = Path(stats_path).with_name(Path(stats_path).name + ".tmp")
-            save_file(state, str(tmp))
-            tmp.replace(stats_path)
+        if stats_path is not None and i + 1 < len(train_windows) and clock() - saved_at >= save_every_s:
+            save(i + 1)
+            saved_at = clock()
+    if stats_path is not None and done < len(train_windows):
+        save(len(train_windows))
 
     fits = {m: [solve_layer(train, heldout, m, j, config.lambdas, config.mix_step) for j in range(len(groups))]
             for m in "kv"}

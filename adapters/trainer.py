@@ -78,6 +78,7 @@ from kvbridge.adapters.losses import (
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
+from kvbridge.adapters.work_folder import check_inputs
 from kvbridge.transfer.models import LoadedModel
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -143,6 +144,41 @@ def _as_written(saved: dict) -> dict | None:
         return None
 
 
+# the train-adapter option behind a config field (chain.ChainConfig.stage_configs), named when a resume is refused
+OPTION_OF = {"max_iters": " (--stages)", "warmup_iters": " (--stages)", "lr": " (--stage-lr)",
+             "min_lr": " (--stage-lr)", "batch_windows": " (--batch-windows)", "exact_tail": " (--exact-tail)",
+             "select": " (--keep)", "decision_weight": " (--decision-weight)", "seed": " (--seed)"}
+
+
+def _state(path: Path) -> dict:
+    """A checkpoint's state (its metadata), read without its tensors."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["state"])
+
+
+def check_resume(out_dir: str | Path, config: TrainerConfig, inputs: dict | None = None,
+                 state: dict | None = None) -> None:
+    """Raise ValueError, naming what differs, when out_dir holds a checkpoint (last.safetensors, or its `state` when
+    given) written under another config or, with `inputs` (work_folder.py: what the stage starts from and reads),
+    for other inputs. Nothing to resume: nothing to check."""
+    out = Path(out_dir)
+    path = out / "last.safetensors"
+    if state is None:
+        if not path.exists():
+            return
+        state = _state(path)
+    wanted = json.loads(json.dumps(asdict(config)))
+    saved = _as_written(state["config"])
+    if saved != wanted:
+        differ = ", ".join(f"{k}{OPTION_OF.get(k, '')} {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items()
+                           if saved.get(k) != v) if saved is not None else "not a config this version reads"
+        raise ValueError(f"{path} was written under another config ({differ}); resume needs the same: use another "
+                         f"--work or remove {out}")
+    if inputs is not None:
+        check_inputs(state.get("inputs"), inputs, out.parent, out, f"stage {config.objective}")
+
+
 def exact_tail_tokens(config: TrainerConfig, it: int, context_tokens: int) -> int:
     """Exact context tokens at step `it` (a function of the seed and `it`, so a resumed run draws the same): 0 in
     half the steps, else uniform in 1..round(exact_tail * context_tokens)."""
@@ -188,9 +224,7 @@ def _save(path: Path, maps: ResidualMaps, optimizer, state: dict) -> None:
 
 
 def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        state = json.loads(f.metadata()["state"])
+    state = _state(path)
     tensors = load_file(str(path))
     maps.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("maps.")})
     if optimizer is not None:
@@ -205,14 +239,15 @@ def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
 def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache: TeacherCache,
           train_idx: list[int | None], dev: RecoveryProbe | None, config: TrainerConfig, context_tokens: int,
           out_dir: str | Path, resume: bool = False, progress: bool = True, until: int | None = None,
-          answers: AnswerProbe | None = None, teacher=None) -> dict:
+          answers: AnswerProbe | None = None, teacher=None, inputs: dict | None = None) -> dict:
     """Train `maps` in place; the best (by the dev score `config.select`, else the last) weights are loaded back at
     the end. `cache` holds the objective's windows (answer windows for "answer" and "onpolicy"); `answers` scores dev
     fidelity; `teacher` (onpolicy; tests): a window -> the teacher's cache of its document, else the target's own.
     Writes out_dir/{last,best}.safetensors and record.json (each row: the mean and every step's training loss since
     the last one); returns the record. `until`: leave after the checkpoint at that iteration, as an interrupted run
     would (for testing resume). Under torchrun: collective; `dev` and `answers` are read on rank 0 only (the others may
-    pass None)."""
+    pass None). `inputs`: what the stage starts from and reads (chain.py's; work_folder.py), recorded in its
+    checkpoints: a resume for other inputs is refused by name."""
     if world_size() > config.batch_windows:
         raise ValueError(f"{world_size()} ranks share each step's {config.batch_windows} windows: every rank needs at "
                          "least one (raise the batch, --batch-windows, or start fewer processes)")
@@ -231,11 +266,12 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
                          "built without them (TeacherConfig.queries)")
     optimizer = torch.optim.AdamW(maps.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=config.weight_decay)
     state = {"iter": 0, "best": -math.inf, "best_iter": -1, "elapsed_s": 0.0, "stale": 0, "record": [],
-             "config": asdict(config)}
+             "config": asdict(config)} | ({} if inputs is None else {"inputs": inputs})
     if resume and (out / "last.safetensors").exists():
+        check_resume(out, config, inputs, _state(out / "last.safetensors"))
         state = _load(out / "last.safetensors", maps, optimizer)
-        if _as_written(state["config"]) != json.loads(json.dumps(asdict(config))):
-            raise ValueError(f"{out}/last.safetensors was written under another config; resume needs the same")
+        if inputs is not None:
+            state["inputs"] = inputs  # (a checkpoint of an older kvbridge records none)
     check_same(maps.state_dict(), f"maps at the start of {out.name}")
     if is_main() and config.select == "fidelity" and answers is None:
         raise ValueError("select 'fidelity' chooses checkpoints on an answer probe; none was given")

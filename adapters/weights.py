@@ -50,6 +50,30 @@ class AdapterMeta:
     training: dict = field(default_factory=dict)  # how it was made: commands, stages, wall time, machine
 
 
+MODEL_FIELDS = {"name": str, "config_hash": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
+                "rope": list}  # a model's record in the metadata (model_record), each field's type
+META_FIELDS = ("source", "target", "layer_map", "start_token")  # AdapterMeta's fields without a default
+
+
+def check_meta(meta: AdapterMeta) -> None:
+    """Raise ValueError naming the field when the metadata is not what an adapter's reads assume: a record of each
+    model (MODEL_FIELDS, sizes >= 1), a layer map's name, a start token id or None."""
+    for side in ("source", "target"):
+        record = getattr(meta, side)
+        if not isinstance(record, dict):
+            raise ValueError(f"adapter metadata field {side!r} must be a record of the {side} model (name, "
+                             f"config_hash, num_layers, num_kv_heads, head_dim, rope), got {type(record).__name__}")
+        for key, kind in MODEL_FIELDS.items():
+            value = record.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
+                raise ValueError(f"adapter metadata field '{side}.{key}' must be "
+                                 f"{'a positive integer' if kind is int else 'a ' + kind.__name__}, got {value!r}")
+    if not isinstance(meta.layer_map, str):
+        raise ValueError(f"adapter metadata field 'layer_map' must be a layer map's name, got {meta.layer_map!r}")
+    if meta.start_token is not None and (not isinstance(meta.start_token, int) or isinstance(meta.start_token, bool)):
+        raise ValueError(f"adapter metadata field 'start_token' must be a token id or null, got {meta.start_token!r}")
+
+
 def model_record(spec: ModelSpec) -> dict:
     return {"name": spec.name, "config_hash": spec.identity.config_hash, "num_layers": spec.num_layers,
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rope": rope_record(spec)}
@@ -84,6 +108,8 @@ class Adapter:
     _digest: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        check_meta(self.meta)
+        self._check_dtypes()
         s, t = self.meta.source, self.meta.target
         d_s = s["num_kv_heads"] * s["head_dim"]
         d_t = t["num_kv_heads"] * t["head_dim"]
@@ -121,6 +147,15 @@ class Adapter:
         if self.start_kv is not None and tuple(self.start_kv.shape) != (lt, 2, t["num_kv_heads"], t["head_dim"]):
             raise ValueError(f"adapter start_kv has shape {tuple(self.start_kv.shape)}, expected "
                              f"{(lt, 2, t['num_kv_heads'], t['head_dim'])}")
+
+    def _check_dtypes(self) -> None:
+        """The layer map holds integers, every map and the start KV floats (the context's lags: _check_context)."""
+        if self.layer_map.dtype != torch.int64:
+            raise ValueError(f"adapter layer_map must hold integers (int64), got {self.layer_map.dtype}")
+        for name in (*self.MAPS, "start_kv", "tok_table"):
+            t = getattr(self, name)
+            if t is not None and not t.dtype.is_floating_point:
+                raise ValueError(f"adapter tensor {name} must be floating point, got {t.dtype}")
 
     def _check_context(self, lt: int, d_in: int, d_t: int) -> None:
         ctx = [getattr(self, n) for n in CONTEXT]
