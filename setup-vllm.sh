@@ -8,7 +8,19 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 VENV=${KVBRIDGE_VLLM_VENV:-.venv-vllm}
 started=$(date +%s)
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+ME=setup-vllm.sh
+# written "installing" first and "ready" last: kvbridge.vllm.engine.vllm_available uses only a ready venv
+MARKER="$VENV/kvbridge-vllm-setup"
+. ./setup-venv.sh  # venv_problem, make_venv
+problem=$(venv_problem "$VENV")
+state=$(cat "$MARKER" 2>/dev/null || true)
+if [ -z "$problem" ] && [ "$state" = installing ]; then
+    problem="its last setup did not finish"
+elif [ -z "$problem" ] && [ "$state" = ready ] && ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    problem="vllm no longer imports"
+fi
+make_venv "$VENV" "$problem"
+echo installing > "$MARKER"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 
@@ -28,4 +40,5 @@ fi
 "${PIP[@]}" install "grpcio>=1.85.1" "grpcio-health-checking>=1.85" "protobuf>=7.35" "safetensors>=0.4"
 "${PIP[@]}" install --no-deps -e .
 "$VENV/bin/python" -c "import vllm, kvbridge.vllm.connector; print('setup-vllm.sh: vllm', vllm.__version__)"
+echo ready > "$MARKER"
 echo "setup-vllm.sh: $VENV ready in $(( $(date +%s) - started )) s"

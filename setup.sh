@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+ME=setup.sh
+. ./setup-venv.sh  # venv_problem, make_venv
+make_venv .venv "$(venv_problem .venv)"
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 

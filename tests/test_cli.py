@@ -58,7 +58,8 @@ def test_selfcheck_small_preset(capsys):
     assert main(["selfcheck", "--preset", "small", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "inject    576-token context (> sliding window 512)" in out
-    assert out.strip().endswith("selfcheck: 16 passed, 0 failed")
+    assert out.strip().endswith("selfcheck: 18 passed, 0 failed")
+    assert out.count(" reference ") == 2 and "FAIL" not in out
 
 
 @pytest.mark.slow

@@ -231,3 +231,63 @@ def test_real_build_from_the_debian_packages_gives_the_recorded_hashes(tmp_path)
                     f"with the shared data and record the new hashes")
     paths = corpus.build(tmp_path, corpus.PYTHON_DOC, corpus.KERNEL_DOC)
     assert {name: corpus.sha256_of(path) for name, path in paths.items()} == record["sha256"]
+
+
+def small_argv(out, small_tree, *more: str) -> list[str]:
+    return ["data", "build", "--out", str(out), "--python-doc", str(small_tree[0]), "--kernel-doc", str(small_tree[1]),
+            *more]
+
+
+def test_check_compares_and_never_replaces(tmp_path, small_tree, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / corpus.PYDOC_CORPUS).write_text("the real corpus\n")
+    assert run_command(small_argv(out, small_tree, "--check")) == 1
+    assert (out / corpus.PYDOC_CORPUS).read_text() == "the real corpus\n"
+    assert sorted(p.name for p in out.iterdir()) == [corpus.PYDOC_CORPUS]  # nothing written
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(corpus.PYDOC_CORPUS))
+    assert "DIFFERS from the recorded" in line and corpus.sha256_of(out / corpus.PYDOC_CORPUS) in line
+
+
+def test_build_refuses_to_replace_a_different_file_unless_forced(tmp_path, small_tree):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / corpus.KERNEL_CORPUS).write_text("the real corpus\n")
+    theirs = corpus.sha256_of(out / corpus.KERNEL_CORPUS)
+    with pytest.raises(FileExistsError, match=f"{out / corpus.KERNEL_CORPUS}.*{theirs}.*--force"):
+        run_command(small_argv(out, small_tree))
+    assert (out / corpus.KERNEL_CORPUS).read_text() == "the real corpus\n"
+    assert sorted(p.name for p in out.iterdir()) == [corpus.KERNEL_CORPUS]  # all or nothing
+    assert run_command(small_argv(out, small_tree, "--force")) == 0
+    assert (out / corpus.KERNEL_CORPUS).read_text() != "the real corpus\n"
+    assert run_command(small_argv(out, small_tree)) == 0  # the same bytes again: nothing to refuse
+
+
+def test_an_empty_build_is_refused_by_name(tmp_path, small_tree):
+    wrong = tmp_path / "html"  # --python-doc given the HTML folder: no .rst.txt sources in it
+    (wrong / "library").mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"{corpus.SUMMARIES}: no document.*{wrong}"):
+        corpus.build(tmp_path / "out", wrong, small_tree[1])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_page_that_is_not_utf8_is_named_and_nothing_is_written(tmp_path, small_tree):
+    page = small_tree[0] / "library" / "abc.rst.txt"
+    page.write_bytes(page.read_bytes() + b"caf\xe9\n")
+    with pytest.raises(ValueError, match=f"{page} is not UTF-8"):
+        corpus.build(tmp_path / "out", *small_tree)
+    assert not (tmp_path / "out").exists()
+    kernel_page = small_tree[1] / "a" / "one.rst.gz"
+    kernel_page.write_bytes(gzip.compress(b"One\n===\n\n\xff\n"))
+    with pytest.raises(ValueError, match=f"{kernel_page} is not UTF-8"):
+        corpus.kernel_corpus(small_tree[1])
+
+
+def test_a_failed_write_leaves_no_partial_files(tmp_path, small_tree, monkeypatch):
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(corpus.os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        corpus.build(tmp_path / "out", *small_tree)
+    assert list((tmp_path / "out").iterdir()) == []

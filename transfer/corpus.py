@@ -89,16 +89,38 @@ def _files(root: Path, pattern: str) -> list[Path]:
     return sorted(root.rglob(pattern), key=lambda p: p.relative_to(root).parts)
 
 
+def _decode(path: Path, data: bytes) -> str:
+    """A source page's text; ValueError naming the file when it is not UTF-8 (the packages' sources all are: a
+    damaged file or another folder than the package's; skipping it would change the corpus)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 ({exc.reason} at byte {exc.start}): a damaged file, or not the "
+                         f"Debian package's sources; nothing was written") from None
+
+
+def _read_page(path: Path) -> str:
+    return _decode(path, path.read_bytes())
+
+
+def _read_gzipped_page(path: Path) -> str:
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"{path} is not a complete gzip file ({exc}); nothing was written") from None
+    return _decode(path, data)
+
+
 def pydoc_summaries(python_doc: Path = PYTHON_DOC) -> str:
     """pydoc_summaries.jsonl's text."""
     pages = sorted((python_doc / "library").glob("*.rst.txt"))  # one folder: name order
-    records = (summary_record(p.read_text(encoding="utf-8")) for p in pages)
+    records = (summary_record(_read_page(p)) for p in pages)
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r is not None)
 
 
 def pydoc_corpus(python_doc: Path = PYTHON_DOC) -> str:
     """pydoc_corpus.txt's text."""
-    pages = (rst_to_text(p.read_text(encoding="utf-8")) for p in _files(python_doc, "*.rst.txt")
+    pages = (rst_to_text(_read_page(p)) for p in _files(python_doc, "*.rst.txt")
              if p.relative_to(python_doc).parts[0] != "library")
     return "\n\n".join(page for page in pages if len(page.split()) >= MIN_PAGE_WORDS) + "\n"
 
@@ -110,7 +132,7 @@ def kernel_corpus(kernel_doc: Path = KERNEL_DOC) -> str:
     for path in _files(kernel_doc, "*.rst.gz"):
         if path.relative_to(kernel_doc).parts[0] in KERNEL_SKIPPED:
             continue
-        for paragraph in prose_paragraphs(rst_to_text(gzip.decompress(path.read_bytes()).decode("utf-8"))):
+        for paragraph in prose_paragraphs(rst_to_text(_read_gzipped_page(path))):
             if paragraph not in seen:
                 seen.add(paragraph)
                 out.append(paragraph)
@@ -153,20 +175,49 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def build(out: Path, python_doc: Path = PYTHON_DOC, kernel_doc: Path = KERNEL_DOC) -> dict[str, Path]:
-    """Write the three files into out (created if needed); returns their paths by name."""
+def build_texts(python_doc: Path = PYTHON_DOC, kernel_doc: Path = KERNEL_DOC) -> dict[str, bytes]:
+    """The three files' bytes by name; ValueError naming the file and its source folder when one holds no
+    document (a wrong --python-doc or --kernel-doc)."""
     check_sources(python_doc, kernel_doc)
-    out.mkdir(parents=True, exist_ok=True)
     texts = {SUMMARIES: pydoc_summaries(python_doc), PYDOC_CORPUS: pydoc_corpus(python_doc),
              KERNEL_CORPUS: kernel_corpus(kernel_doc)}
-    paths = {}
+    sources = {SUMMARIES: python_doc / "library", PYDOC_CORPUS: python_doc, KERNEL_CORPUS: kernel_doc}
     for name, text in texts.items():
-        path = out / name
-        partial = path.with_name(path.name + ".partial")
-        partial.write_bytes(text.encode("utf-8"))
-        os.replace(partial, path)
-        paths[name] = path
+        if not text.strip():
+            raise ValueError(f"{name}: no document from {sources[name]} (is it the package's sources folder? "
+                             f"{PYTHON_DOC} and {KERNEL_DOC} by default); nothing was written")
+    return {name: text.encode("utf-8") for name, text in texts.items()}
+
+
+def write(out: Path, texts: dict[str, bytes], force: bool = False) -> dict[str, Path]:
+    """Write the files into out (created if needed), all or none: a file already there with other content is
+    replaced only with force (FileExistsError naming it and both hashes before anything is written); a file with
+    the same content is left as it is. Returns their paths by name."""
+    paths = {name: out / name for name in texts}
+    differ = [f"{path} (sha256 {sha256_of(path)}, the build's {hashlib.sha256(texts[name]).hexdigest()})"
+              for name, path in paths.items() if path.exists() and path.read_bytes() != texts[name]]
+    if differ and not force:
+        raise FileExistsError(f"{'; '.join(differ)}: already there with other content; nothing was written "
+                              "(--force replaces them; --check only compares)")
+    out.mkdir(parents=True, exist_ok=True)
+    partials = {}
+    try:
+        for name, path in paths.items():
+            if not (path.exists() and path.read_bytes() == texts[name]):
+                partials[path] = path.with_name(path.name + ".partial")
+                partials[path].write_bytes(texts[name])
+        for path, partial in partials.items():
+            os.replace(partial, path)
+    finally:
+        for partial in partials.values():
+            partial.unlink(missing_ok=True)
     return paths
+
+
+def build(out: Path, python_doc: Path = PYTHON_DOC, kernel_doc: Path = KERNEL_DOC,
+          force: bool = False) -> dict[str, Path]:
+    """Build the three files and write them into out (`write`); returns their paths by name."""
+    return write(out, build_texts(python_doc, kernel_doc), force)
 
 
 def sha256_of(path: Path) -> str:
@@ -183,17 +234,25 @@ def recorded() -> dict:
 def cmd_data_build(args: argparse.Namespace) -> int:
     if args.install:
         install_packages()
-    paths = build(Path(args.out), Path(args.python_doc), Path(args.kernel_doc))
+    out = Path(args.out)
+    texts = build_texts(Path(args.python_doc), Path(args.kernel_doc))
+    if not args.check:
+        write(out, texts, args.force)
     record = recorded()
+    want = record["sha256"]
     differ = 0
-    for name, path in paths.items():
-        digest, want = sha256_of(path), record["sha256"][name]
-        differ += digest != want
-        verdict = "equals the recorded hash" if digest == want else f"DIFFERS from the recorded {want}"
-        print(f"{name}: {path.stat().st_size} bytes, sha256 {digest}: {verdict}")
+    for name, data in texts.items():
+        digest = hashlib.sha256(data).hexdigest()
+        differ += digest != want[name]
+        verdict = "equals the recorded hash" if digest == want[name] else f"DIFFERS from the recorded {want[name]}"
+        there = ""
+        if args.check:  # nothing written: say what the folder holds
+            path = out / name
+            there = (f"; {path}: absent" if not path.exists() else f"; {path}: the same" if path.read_bytes() == data
+                     else f"; {path}: other content, sha256 {sha256_of(path)}, kept")
+        print(f"{name}: {len(data)} bytes, sha256 {digest}: {verdict}{there}")
     if differ:
-        built = package_versions()
-        print(f"built from {built}; the recorded hashes are of {record['packages']}")
+        print(f"built from {package_versions()}; the recorded hashes are of {record['packages']}")
     return 1 if differ and args.check else 0
 
 
@@ -204,7 +263,11 @@ def add_parsers(sub) -> None:
                                       "say for each whether its sha256 equals the recorded one")
     p.add_argument("--out", required=True,
                    help="folder to write the three files into (the one training reads: $KVBRIDGE_DATA)")
-    p.add_argument("--check", action="store_true", help="exit 1 if a file's hash differs from the recorded one")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing: compare the built files with the recorded hashes (exit 1 if one differs) and "
+                        "with the files in --out")
+    p.add_argument("--force", action="store_true",
+                   help="replace files in --out whose content differs from the build (refused otherwise)")
     p.add_argument("--install", action="store_true",
                    help=f"first apt-get install {' '.join(PACKAGES)} (root; python3.11-doc wants the python3.11 "
                         "packages of its own version and may upgrade them)")

@@ -7,18 +7,26 @@ Nothing here reaches a model hub: every `from_pretrained` runs with `local_files
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 from kvbridge.transfer.attention import GROUPED_SDPA
 from kvbridge.transfer.devices import resolve_device, resolve_dtype
 from kvbridge.transfer.rope import ModelRope
@@ -30,11 +38,16 @@ from transformers.utils import logging as hf_logging
 log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "kvbridge-converted.json"
+# The version of `_convert`'s output: raise it when a change to the conversion changes what it writes, so that every
+# KVBRIDGE_HOME converts again (the marker records it beside the package's and transformers' versions).
+CONVERSION_VERSION = 1
+STALE_TEMP_S = 3600  # a conversion's temp folder older than this was left by a process that died
 
 
 def kvbridge_home() -> Path:
-    """Where converted models and other caches live: $KVBRIDGE_HOME, else ~/.cache/kvbridge."""
-    return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge")
+    """Where converted models and other caches live: $KVBRIDGE_HOME, else ~/.cache/kvbridge; always absolute, ~
+    expanded (the vLLM engine, another process with another working folder, reads the same paths)."""
+    return Path(os.environ.get("KVBRIDGE_HOME") or Path.home() / ".cache" / "kvbridge").expanduser().resolve()
 
 
 def attention_implementation(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -230,41 +243,136 @@ PACKAGED = {
 }
 
 
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _package_version(item: PackagedGGUF) -> str:
+    """The installed distribution's version; FileNotFoundError saying how to install it when it is not."""
+    try:
+        if importlib.util.find_spec(item.package) is not None:
+            return importlib.metadata.version(item.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    raise FileNotFoundError(
+        f"package {item.distribution!r} is not installed: run ./setup.sh (or pip install {item.distribution})")
+
+
 def _gguf_file(item: PackagedGGUF, home: Path) -> Path:
-    spec = importlib.util.find_spec(item.package)
-    if spec is None:
-        raise FileNotFoundError(
-            f"package {item.distribution!r} is not installed: run ./setup.sh (or pip install {item.distribution})"
-        )
+    _package_version(item)
     if item.assembled:
-        module = importlib.import_module(item.package)  # assemble() concatenates the parts and checks SHA-256
-        return Path(module.assemble(home / "gguf" / item.filename))
+        return _assembled_gguf(importlib.import_module(item.package), home / "gguf" / item.filename)
     # do not import this one: its __init__ needs the `llm` CLI package
-    path = Path(next(iter(spec.submodule_search_locations))) / item.filename
+    path = Path(next(iter(importlib.util.find_spec(item.package).submodule_search_locations))) / item.filename
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the installed {item.distribution!r} package")
     return path
+
+
+def _assembled_gguf(module, target: Path) -> Path:
+    """The package's `assemble()` concatenates its parts into one file and checks its SHA-256, writing in place: it
+    writes a temp file here, renamed into place once complete, so an interrupted run leaves no damaged `target`.
+    An existing `target` whose SHA-256 is wrong (left by an older kvbridge that was interrupted) is rebuilt."""
+    if target.exists():
+        try:
+            return Path(module.assemble(target))  # checks the file's SHA-256, writes nothing
+        except FileExistsError as exc:
+            log.warning("rebuilding %s: %s", target, exc)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.*.partial"):  # left by a process that was killed
+        if time.time() - stale.stat().st_mtime > STALE_TEMP_S:
+            stale.unlink(missing_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    try:
+        module.assemble(name, overwrite=True)
+        os.chmod(name, 0o644 & ~_umask())
+        os.replace(name, target)
+    finally:
+        Path(name).unlink(missing_ok=True)
+    return target
 
 
 def converted_path(name: str, home: Path | None = None) -> Path:
     return (home or kvbridge_home()) / "models" / name
 
 
-def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Path:
-    """Convert a packaged GGUF model to a safetensors folder once; returns the folder. Idempotent."""
-    if name not in PACKAGED:
-        raise ValueError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED)}")
-    item = PACKAGED[name]
-    home = home or kvbridge_home()
-    final = converted_path(name, home)
-    version = importlib.metadata.version(item.distribution)
-    marker = final / CONVERTED_MARKER
-    if marker.exists() and not force:
-        info = json.loads(marker.read_text())
-        if info.get("version") == version:
-            return final
-    gguf = _gguf_file(item, home)
-    log.info("converting %s from %s (once; later loads use %s)", name, gguf, final)
+def conversion_key(item: PackagedGGUF) -> dict:
+    """What a converted folder depends on, as its marker records it: a folder whose marker differs converts again.
+    The GGUF's content is fixed by its package's version; where the package names its SHA-256, that is compared
+    too."""
+    key = {"name": item.name, "distribution": item.distribution, "version": _package_version(item),
+           "transformers": transformers.__version__, "conversion": CONVERSION_VERSION}
+    if item.assembled:
+        key["gguf_sha256"] = importlib.import_module(item.package).EXPECTED_SHA256
+    return key
+
+
+def _marker(folder: Path) -> dict | None:
+    """The folder's marker, None without one; a marker that is no JSON object (a damaged one) reads as {}."""
+    try:
+        info = json.loads((folder / CONVERTED_MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _is_current(folder: Path, key: dict) -> bool:
+    info = _marker(folder)
+    return info is not None and all(info.get(k) == v for k, v in key.items())
+
+
+def _refuse_foreign(folder: Path) -> None:
+    """A folder at the converted path that holds no marker is not ours: never delete it."""
+    if folder.exists() and _marker(folder) is None and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} exists and holds no {CONVERTED_MARKER}: it is not a kvbridge conversion, "
+                              "and kvbridge does not delete it; move it away (or set KVBRIDGE_HOME elsewhere)")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _share(folder: Path) -> None:
+    """mkdtemp makes a folder only its owner reads: 0755 and files 0644 (less what the umask removes), so a
+    KVBRIDGE_HOME shared by several users works."""
+    mask = _umask()
+    for path in folder.iterdir():
+        path.chmod(0o644 & ~mask)
+    folder.chmod(0o755 & ~mask)
+
+
+@contextlib.contextmanager
+def _locked(final: Path) -> Iterator[None]:
+    """One conversion of a model at a time in this KVBRIDGE_HOME (others wait, then find it converted)."""
+    with open(final.parent / f".{final.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Temp folders of this model's conversions (`.NAME-XXXXXXXX`, mkdtemp's) that a dead process left."""
+    pattern = re.compile(rf"\.{re.escape(final.name)}-[A-Za-z0-9_]{{8}}")
+    for path in final.parent.iterdir():
+        if pattern.fullmatch(path.name) and path.is_dir() and time.time() - path.stat().st_mtime > STALE_TEMP_S:
+            log.warning("removing %s, a conversion's temp folder left %.0f h ago", path,
+                        (time.time() - path.stat().st_mtime) / 3600)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Load the GGUF with transformers (de-quantized to float32) and save it as safetensors into folder."""
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                  local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
@@ -276,19 +384,58 @@ def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Pa
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
     model.config._is_quantized = False
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _publish(tmp: Path, final: Path, key: dict, force: bool) -> None:
+    """Rename the complete folder tmp into place. If a complete current folder appeared meanwhile (another
+    process), keep it (unless force) and leave tmp to the caller to drop; a stale one of ours is replaced."""
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / CONVERTED_MARKER).write_text(json.dumps(
-            {"name": name, "distribution": item.distribution, "version": version, "gguf": gguf.name}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
         tmp.rename(final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if not force and _is_current(final, key):
+        log.info("%s was converted by another process meanwhile; using it", final)
+        return
+    _refuse_foreign(final)
+    old = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))  # a stale temp if we die here
+    final.rename(old)  # onto the empty folder
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare_gguf(name: str, home: Path | None = None, force: bool = False) -> Path:
+    """Convert a packaged GGUF model to a safetensors folder once; returns the folder. Idempotent; concurrent
+    calls convert once. A folder converted from another package version, transformers version or
+    CONVERSION_VERSION converts again."""
+    if name not in PACKAGED:
+        raise ValueError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED)}")
+    item = PACKAGED[name]
+    final = converted_path(name, home)
+    key = conversion_key(item)
+    if not force and _is_current(final, key):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(final):
+        if not force and _is_current(final, key):  # converted by another process while we waited
+            return final
+        _refuse_foreign(final)
+        _remove_stale_temps(final)
+        gguf = _gguf_file(item, home or kvbridge_home())
+        log.info("converting %s from %s (once; later loads use %s)", name, gguf, final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+        try:
+            _convert(gguf, tmp)
+            marker = {**key, "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)}
+            (tmp / CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
+            _share(tmp)
+            _publish(tmp, final, key, force)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -1,12 +1,21 @@
 """Self-checks of the exact KV foundation on a loaded model: RoPE identities, re-positioned real keys, and
-extract -> to_cache -> greedy continue against a plain greedy generate. The CLI and the server run these."""
+extract -> to_cache -> greedy continue against a plain greedy generate; for the packaged models, a reference (the
+greedy tokens and top logits of a fixed prompt, recorded once) that the internal checks cannot replace: they pass
+on a wrong model too. The CLI and the server run these.
+
+    python -m kvbridge.transfer.selfcheck --record   # writes transfer/data/selfcheck_reference.json again
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from kvbridge.transfer import kvcache
+from kvbridge.transfer.data import data_path
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.rope import rotate, unrotate
 from kvbridge.transfer.tiny_pair import tiny_corpus_text
@@ -18,6 +27,13 @@ PREFILL_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 # PREFILL_TOL) and asks the greedy tokens to agree on at least this share of the first AGREE_WINDOW; float32 stays
 # exact (every token equal).
 AGREE_WINDOW, AGREE_SHARE = 8, 0.75
+REFERENCE_FILE = "selfcheck_reference.json"  # in kvbridge.transfer.data, written by --record
+REFERENCE_PROMPT = "The Python programming language was created by"
+REFERENCE_STEPS, REFERENCE_TOP = 8, 5  # greedy tokens recorded, logits recorded per token
+# float32 logits agree to ~1e-4 across CPU instruction sets; the tolerance leaves room for other kernels (CUDA,
+# oneDNN). A step's greedy token is compared only where the recorded top-2 margin exceeds REFERENCE_MARGIN and
+# twice the tolerance: logits within the tolerance cannot swap those two.
+REFERENCE_TOL, REFERENCE_MARGIN = 5e-2, 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +135,53 @@ def check_inject(lm: LoadedModel, token_ids: torch.Tensor, tail: int = 4, new_to
                        f"{n} tokens agree {agree:.0%} (need {AGREE_SHARE:.0%})", rel_err, ok)
 
 
+@torch.no_grad()
+def _step_logits(lm: LoadedModel, prompt_ids: list[int], greedy: list[int]) -> torch.Tensor:
+    """The logits that chose each greedy token, the recorded ones fed back (one forward): [len(greedy), V]."""
+    ids = torch.tensor([prompt_ids + greedy[:-1]], dtype=torch.int64, device=lm.device)  # [1, P + N - 1]
+    return lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float().cpu()
+
+
+def record_reference(lm: LoadedModel) -> dict:
+    """A model's reference: the prompt's ids, its first greedy tokens, and for each the top logits and the margin
+    between the first two."""
+    prompt_ids = lm.tokenizer(REFERENCE_PROMPT, add_special_tokens=True)["input_ids"]
+    greedy = kvcache.generate_plain(lm.model, lm.spec, prompt_ids, max_new_tokens=REFERENCE_STEPS,
+                                    min_new_tokens=REFERENCE_STEPS).tolist()
+    top = _step_logits(lm, prompt_ids, greedy).topk(REFERENCE_TOP, dim=-1)  # [N, TOP]
+    return {"prompt_ids": prompt_ids, "greedy": greedy, "top_ids": top.indices.tolist(),
+            "top_logits": [[round(x, 4) for x in row] for row in top.values.tolist()],
+            "margins": [round(x, 4) for x in (top.values[:, 0] - top.values[:, 1]).tolist()]}
+
+
+def check_reference(lm: LoadedModel) -> CheckResult | None:
+    """The recorded reference of a packaged model against this one (None for other models): the same prompt ids,
+    the same greedy token where the margin allows, the top logits within the tolerance (in half precision, the
+    prefill tolerance of the largest |logit|)."""
+    ref = json.loads(data_path(REFERENCE_FILE).read_text())["models"].get(lm.name)
+    if ref is None or not lm.has_weights or lm.tokenizer is None:
+        return None
+    prompt_ids = lm.tokenizer(REFERENCE_PROMPT, add_special_tokens=True)["input_ids"]
+    fix = "not the packaged model, or converted wrongly (`kvbridge models prepare --force`)"
+    if prompt_ids != ref["prompt_ids"]:
+        return CheckResult(lm.name, "reference", f"{lm.name}: the tokenizer gives {prompt_ids} for the reference "
+                           f"prompt, recorded {ref['prompt_ids']}: {fix}", 1.0, False)
+    logits = _step_logits(lm, prompt_ids, ref["greedy"])  # [N, V]
+    tol = REFERENCE_TOL if lm.spec.dtype == "float32" else PREFILL_TOL[lm.spec.dtype] * float(logits.abs().max())
+    ours = logits.gather(1, torch.tensor(ref["top_ids"]))  # [N, TOP]
+    err = float((ours - torch.tensor(ref["top_logits"])).abs().max())
+    greedy = logits.argmax(-1).tolist()
+    flipped = [i for i, (a, b, m) in enumerate(zip(greedy, ref["greedy"], ref["margins"]))
+               if a != b and m > max(REFERENCE_MARGIN, 2 * tol)]
+    ok = err <= tol and not flipped
+    detail = (f"{len(ref['greedy'])} greedy tokens of {REFERENCE_PROMPT!r}: top-{REFERENCE_TOP} logits differ from "
+              f"the recorded by {err:.1e} at most (tol {tol:.0e})")
+    if flipped:
+        detail += f"; tokens {flipped} differ ({[greedy[i] for i in flipped]}, recorded " \
+                  f"{[ref['greedy'][i] for i in flipped]})"
+    return CheckResult(lm.name, "reference", detail + ("" if ok else f": {lm.name} is {fix}"), err, ok)
+
+
 def check_tokens(lm: LoadedModel, min_tokens: int, seed: int = 0) -> torch.Tensor:
     """Token ids for the checks: real text through the tokenizer, or seeded random ids for config-only models."""
     if lm.tokenizer is not None:
@@ -141,4 +204,35 @@ def run_selfcheck(lm: LoadedModel, context_tokens: int | None = None, new_tokens
     ids = check_tokens(lm, context_tokens + 4)
     results.append(check_real_shift(lm, ids[:64]))
     results.append(check_inject(lm, ids, new_tokens=new_tokens))
+    reference = check_reference(lm)
+    if reference is not None:
+        results.append(reference)
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """--record: load the small preset's models on the CPU in float32 and write their references."""
+    from kvbridge.transfer.presets import load_pair
+
+    parser = argparse.ArgumentParser(description="the packaged models' selfcheck reference")
+    parser.add_argument("--record", action="store_true", help=f"write {REFERENCE_FILE} (kvbridge.transfer.data)")
+    args = parser.parse_args(argv)
+    models_loaded = load_pair("small", dtype="float32", device="cpu")
+    path = Path(__file__).parent / "data" / REFERENCE_FILE
+    record = {"command": "python -m kvbridge.transfer.selfcheck --record", "prompt": REFERENCE_PROMPT,
+              "models": {lm.name: record_reference(lm) for lm in models_loaded}}
+    models = ",\n".join(f"  {json.dumps(name)}: {{\n" + ",\n".join(f"   {json.dumps(k)}: {json.dumps(v)}"
+                                                                 for k, v in ref.items()) + "\n  }"
+                        for name, ref in record.pop("models").items())
+    text = json.dumps(record, indent=1)[:-2] + f',\n "models": {{\n{models}\n }}\n}}\n'  # one line a field
+    assert json.loads(text)["models"].keys() == {lm.name for lm in models_loaded}
+    if args.record:
+        path.write_text(text)
+        print(f"wrote {path}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

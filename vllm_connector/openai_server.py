@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvbridge.vllm.engine import CPU_ENV, LoggedProcess, vllm_available, vllm_python
+from kvbridge.vllm.engine import LoggedProcess, child_env, vllm_available, vllm_python
 
 
 def serve_command(model: str | Path, kv_transfer_config: dict[str, Any], port: int, dtype: str = "float32",
@@ -57,8 +57,7 @@ class OpenAIServer(LoggedProcess):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        env = {**os.environ, **CPU_ENV}
-        env.pop("PYTHONPATH", None)
+        env = child_env()
         setpriv = shutil.which("setpriv")  # the server dies with its parent, however the parent ends
         prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()

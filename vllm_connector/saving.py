@@ -204,7 +204,7 @@ class Saver:
             from kvbridge.transfer.spec import config_hash
             from transformers import AutoConfig
 
-            ours = config_hash(AutoConfig.from_pretrained(self.model_path).get_text_config())
+            ours = config_hash(AutoConfig.from_pretrained(self.model_path, local_files_only=True).get_text_config())
             found = [m for m in client.list_models() if "source" in m.role.split(",") and m.config_hash == ours]
             if not found:
                 raise ValueError(f"the server serves no source model with this engine's config (hash {ours[:16]}...)")

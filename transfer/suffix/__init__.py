@@ -11,5 +11,6 @@ __all__, __getattr__ = lazy_exports(__name__, {
         "place", "prefill_after", "recompute_first", "recompute_selected", "recompute_most_deviating"],
     "kvbridge.transfer.suffix.generator": [
         "SuffixReuseGenerator", "Part", "RequestMetrics", "ContextSource", "model_lock"],
-    "kvbridge.transfer.suffix.blend": ["BlendConfig", "blend"],
+    # the function `blend` is not exported: `kvbridge.transfer.suffix.blend` is its module (import it from there)
+    "kvbridge.transfer.suffix.blend": ["BlendConfig"],
 })
