@@ -11,7 +11,6 @@ without touching data again. Held-out SSE of W: Σ‖y‖² − 2 tr(WᵀC_h) + 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +102,18 @@ def simplex_grid(k: int, step: float) -> list[tuple[float, ...]]:
     if k == 1:
         return [(1.0,)]
     n = round(1 / step)
-    return [tuple(c / n for c in combo) for combo in itertools.product(range(n + 1), repeat=k) if sum(combo) == n]
+    return [tuple(c / n for c in combo) for combo in _compositions(k, n)]
+
+
+def _compositions(k: int, n: int):
+    """The k-tuples of non-negative integers summing to n, in lexicographic order (itertools.product's, filtered):
+    C(n + k - 1, k - 1) of them, made without walking the (n + 1)^k others."""
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(n + 1):
+        for rest in _compositions(k - 1, n - first):
+            yield (first, *rest)
 
 
 def mixing_matrix(alpha: torch.Tensor, d_s: int, d_tok: int = 0) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 
@@ -66,6 +67,12 @@ def test_layer_maps():
         build_layer_map("deep", 4, 6)
     assert sorted(simplex_grid(2, 0.5)) == [(0.0, 1.0), (0.5, 0.5), (1.0, 0.0)]
     assert all(math.isclose(sum(a), 1.0) for a in simplex_grid(3, 0.25)) and len(simplex_grid(3, 0.25)) == 15
+    # the order of itertools.product filtered (the grid search keeps the first best), without walking (n + 1)^k
+    for k, step in [(2, 0.25), (3, 0.25), (4, 0.2), (5, 0.5)]:
+        n = round(1 / step)
+        want = [tuple(c / n for c in combo) for combo in itertools.product(range(n + 1), repeat=k) if sum(combo) == n]
+        assert simplex_grid(k, step) == want
+    assert len(simplex_grid(28, 0.25)) == math.comb(4 + 27, 27)  # 31,465 of 5^28 (~3.7e19): at once
 
 
 # ---------------------------------------------------------------------------------------------------- ridge

@@ -386,7 +386,7 @@ def test_decision_training_recovers_a_planted_optimum(pair, answers, ridge, tmp_
 
     before, at_plant = loss(_maps(ridge)), loss(planted)
     assert at_plant < 1e-4 < 0.05 < before
-    assert before > float(answer_loss(_maps(ridge), start_kv, train_windows, target))  # the hinge adds its part
+    assert before > float(answer_loss(_maps(ridge), start_kv, train_windows, target).detach())  # the hinge adds
     cfg = TrainerConfig(objective="decision", select="last", max_iters=100, warmup_iters=5, batch_windows=4,
                         eval_interval=25, lr=1e-1, min_lr=1e-3)
     maps = _maps(ridge)
