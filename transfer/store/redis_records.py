@@ -68,11 +68,8 @@ class RedisRecords:
             if written:
                 pipe.execute()
                 self._short(self.commands.confirm(written))
-        except self._errors as exc:
-            self.failed(exc)
-            return None
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return None
         self._ok()
         return missing
@@ -93,11 +90,8 @@ class RedisRecords:
                 pipe.get(redis_key)
                 pipe.pttl(redis_key)
             replies = pipe.execute()
-        except self._errors as exc:
-            self.failed(exc)
-            return {}
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return {}
         self._ok()
         found, rejected = {}, []
@@ -122,11 +116,8 @@ class RedisRecords:
             for set_key in set_keys:
                 pipe.smembers(set_key)
             sets = pipe.execute()
-        except self._errors as exc:
-            self.failed(exc)
-            return []
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return []
         self._ok()
         found, rejected = set(), []
@@ -147,11 +138,8 @@ class RedisRecords:
         try:
             self.commands.client.delete(*[name for k in keys for name in (self.commands.entry_key(k),
                                                                           self.commands.derived_key(k))])
-        except self._errors as exc:
-            self.failed(exc)
-            return
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return
         self._ok()
 
@@ -162,10 +150,7 @@ class RedisRecords:
             return
         try:
             self.commands.client.eval(_DELETE_IF_TAGGED, 1, self.commands.entry_key(key), tag)
-        except self._errors as exc:
-            self.failed(exc)
-            return
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return
         self._ok()

@@ -172,6 +172,7 @@ class RedisTier(RedisRecords):
                                    else NodeCommands(url, timeout_s))
         self._errors = self.commands.errors
         self._refusals = self.commands.refusals
+        self._troubles = self._errors + self._refusals  # what a call may raise that `trouble` handles
         self.stats = RedisStats()
         self._next_try = 0.0
         self._falling_short = False  # the last write's replicas fell short (logged once until they confirm again)
@@ -230,6 +231,10 @@ class RedisTier(RedisRecords):
         self.stats.available = False
         self._next_try = self.clock() + self.retry_s
 
+    def trouble(self, exc: Exception) -> None:
+        """A call that raised one of `_troubles`: `failed` when Redis is out of reach, `refused` otherwise."""
+        (self.failed if isinstance(exc, self._errors) else self.refused)(exc)
+
     def refused(self, exc: Exception) -> None:
         """A command that failed without the connection (an error reply, a reply or an argument redis-py could not
         handle): counted and logged (once while the same error repeats); that call's write is not stored, its read a
@@ -249,11 +254,8 @@ class RedisTier(RedisRecords):
         try:
             sets = [(self._key(h), *block_parts(layout_key, block)) for h, layout_key, block in items]
             short = self._short(self._send_sets(sets))
-        except self._errors as exc:
-            self.failed(exc)
-            return False
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return False
         self._ok()
         self.stats.puts += len(items) - short
@@ -269,11 +271,8 @@ class RedisTier(RedisRecords):
             for block_hash in hashes:
                 pipe.expire(self._key(block_hash), self.ttl_s)
             found = [bool(x) for x in pipe.execute()]
-        except self._errors as exc:
-            self.failed(exc)
-            return None
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return None
         self._ok()
         self.stats.refreshes += sum(found)
@@ -287,11 +286,8 @@ class RedisTier(RedisRecords):
             for block_hash in hashes:
                 pipe.exists(self._key(block_hash))
             found = [bool(x) for x in pipe.execute()]
-        except self._errors as exc:
-            self.failed(exc)
-            return [False] * len(hashes)
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return [False] * len(hashes)
         self._ok()
         return found
@@ -308,11 +304,8 @@ class RedisTier(RedisRecords):
         keys = [self._key(h) for h in hashes]
         try:
             blobs = self.commands.mget(keys)
-        except self._errors as exc:
-            self.failed(exc)
-            return BlockReads(answered=False)
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return BlockReads(answered=False)
         self._ok()
         self.stats.gets += len(hashes)
@@ -346,11 +339,8 @@ class RedisTier(RedisRecords):
             return
         try:
             self.commands.client.delete(*[self._key(h) for h in hashes])
-        except self._errors as exc:
-            self.failed(exc)
-            return
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return
         self._ok()
 
@@ -358,11 +348,8 @@ class RedisTier(RedisRecords):
         """Probe the server now (ignores the retry interval); updates availability."""
         try:
             self.commands.ping()
-        except self._errors as exc:
-            self.failed(exc)
-            return False
-        except self._refusals as exc:
-            self.refused(exc)
+        except self._troubles as exc:
+            self.trouble(exc)
             return False
         self._ok()
         return True
