@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hmac
 import re
-import stat
 from pathlib import Path
 
 import grpc
+from kvbridge.transfer.private_file import read_private_file
 
 OPEN_TENANT = "default"
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -27,21 +27,11 @@ def read_token_file(path: str | Path) -> dict[str, str]:
     read or written by users other than its owner and group (mode bits for others set: `chmod 600`, or 640 for a
     group of its own; the same rule as the Redis secret file's), and naming the line that is wrong."""
     path = Path(path).expanduser()
+    data = read_private_file(path, "token file")
     try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise ValueError(f"token file {path} does not exist") from None
-    except OSError as exc:
-        raise ValueError(f"token file {path} cannot be read: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"token file {path} is not a regular file")
-    if info.st_mode & 0o007:
-        raise ValueError(f"token file {path} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}): "
-                         f"chmod 600 {path} (or 640 for a group of its own)")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"token file {path} cannot be read: {exc.strerror}") from None
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"token file {path} is not UTF-8 text") from None
     tokens: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()

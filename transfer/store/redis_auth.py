@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import hmac
 import os
-import stat
 from pathlib import Path
 
 import blake3
+from kvbridge.transfer.private_file import read_private_file
 
 MIN_SECRET_BYTES = 32  # 256 bits: `openssl rand -hex 32` writes 64 characters
 TAG_CHARS = 64  # hex digits of a tag (32 bytes of keyed BLAKE3)
@@ -47,21 +47,7 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     does not exist, is not a regular file, can be read or written by users other than its owner and group (mode
     bits for others set: `chmod 600` or `chmod 640`), or holds fewer than MIN_SECRET_BYTES bytes."""
     file = Path(path).expanduser()
-    try:
-        info = file.stat()
-    except FileNotFoundError:
-        raise ValueError(f"redis secret file {file} does not exist") from None
-    except OSError as exc:
-        raise ValueError(f"redis secret file {file} cannot be read: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"redis secret file {file} is not a regular file")
-    if info.st_mode & 0o007:
-        raise ValueError(f"redis secret file {file} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}): "
-                         f"chmod 600 {file} (or 640 for a group of its own)")
-    try:
-        secret = file.read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"redis secret file {file} cannot be read: {exc.strerror}") from None
+    secret = read_private_file(file, "redis secret file").strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"redis secret file {file} holds {len(secret)} bytes (whitespace trimmed); a secret needs at "
                          f"least {MIN_SECRET_BYTES}, e.g. `openssl rand -hex 32 > {file}`")
