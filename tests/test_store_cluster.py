@@ -184,6 +184,35 @@ def test_a_record_whose_blocks_are_gone_is_deleted_through_the_cluster_and_publi
     assert reader.stats().redis["errors"] == 0 and writer.stats().redis["errors"] == 0
 
 
+def test_a_reader_leaves_a_record_whose_block_the_writer_sent_again_through_the_cluster(cluster, url):
+    """Same block gone; the reader reads the blocks and finds it gone, then the writer sends it again as a block of a
+    longer entry (the first entry's record unchanged). The reader checks the blocks (on their shards) before its
+    compare-and-delete on the record's: they are all there, so the record stays for every replica."""
+    writer, reader = _sharing(url), _sharing(url)
+    client = _client(cluster)
+    a = _seg(0)
+    key = writer.put(a, "t").key
+    record, block = writer.redis.commands.entry_key(key), writer.redis._key(writer.registry.get(key).hashes[1])
+    client.delete(block)
+    real = reader.redis.get_many
+
+    def then_sent_again(*args, **kwargs):
+        got = real(*args, **kwargs)  # without block 1
+        reader.redis.get_many = real
+        longer = _seg(0, 48)
+        longer.kv[:, :, :, :40] = a.kv
+        writer.put(longer, "t")
+        assert client.exists(block)
+        return got
+
+    reader.redis.get_many = then_sent_again
+    with pytest.raises(NotFound):
+        reader.get(key, "t")
+    assert client.exists(record)
+    assert torch.equal(reader.get(key, "t").kv, a.kv)
+    assert reader.stats().redis["errors"] == 0 and writer.stats().redis["errors"] == 0
+
+
 def test_an_acl_user_held_to_the_tiers_keys_works_from_one_node_and_a_wrong_password_is_a_tier_down(cluster, url):
     for node in cluster.nodes:  # ACLs are per node
         with node.client() as c:

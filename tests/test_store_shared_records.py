@@ -51,13 +51,19 @@ def _block_keys(store: PagedStore, key: str) -> list[bytes]:
     return [store.redis._key(h) for h in store.registry.get(key).hashes]
 
 
-def _refusing_writes(client: redis.Redis) -> None:
-    client.config_set("maxmemory-policy", "noeviction")
-    client.config_set("maxmemory", 1)  # every write that may take memory answers OOM
+def _refusing_writes(client: redis.Redis, how: str = "oom") -> None:
+    if how == "oom":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write that may take memory answers OOM (a DEL still goes)
+    else:
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # as a demoted primary answers: READONLY, to every write
 
 
-def _taking_writes(client: redis.Redis) -> None:
-    client.config_set("maxmemory", 0)
+def _taking_writes(client: redis.Redis, how: str = "oom") -> None:
+    if how == "oom":
+        client.config_set("maxmemory", 0)
+    else:
+        client.execute_command("REPLICAOF", "NO", "ONE")
 
 
 @pytest.mark.parametrize("ttl_s", [None, 600])
@@ -138,8 +144,9 @@ def test_a_reader_that_finds_the_blocks_gone_leaves_a_record_published_again_mea
 
 
 def test_a_record_write_that_fails_is_sent_again_with_the_deadline_the_refresh_gave(redis_url):
-    """A refresh shortens the entry's TTL; Redis refuses the record's write (OOM). Redis still holds the older record,
-    with the older deadline: once it takes writes again, the record goes again, from the entry as it is then."""
+    """A refresh shortens the entry's TTL; Redis refuses the record's write (OOM). The older record, with the older
+    deadline, is withdrawn (tests/test_store_shared_refusals.py): once Redis takes writes again, the record goes
+    again, from the entry as it is then."""
     clock = Clock()
     writer = _sharing(redis_url, clock)
     client = redis.Redis.from_url(redis_url)
@@ -148,7 +155,7 @@ def test_a_record_write_that_fails_is_sent_again_with_the_deadline_the_refresh_g
     _refusing_writes(client)
     try:
         writer.refresh(key, "t", ttl_s=5)
-        assert client.pttl(record) > 5_000  # the older record, as Redis kept it
+        assert not client.exists(record)  # the older record: withdrawn
     finally:
         _taking_writes(client)
     clock.now += 3  # past the tier's retry interval; 2 s of the entry left
@@ -159,20 +166,64 @@ def test_a_record_write_that_fails_is_sent_again_with_the_deadline_the_refresh_g
     assert reader.info(key, "t").expires_at <= clock.now + 2
 
 
-def test_a_writer_does_not_adopt_back_the_older_record_a_failed_refresh_left(redis_url):
-    """Same refused write, and Redis refuses writes until the entry's new deadline passes here: the record in Redis
-    is the older one, which the writer itself must not adopt back and serve past the deadline it was given."""
+@pytest.mark.parametrize("how", ["oom", "readonly"])
+def test_a_writer_does_not_adopt_back_the_older_record_a_failed_refresh_left(redis_url, how):
+    """Same refused write, and Redis refuses writes until the entry's new deadline passes here. Under READONLY the
+    record in Redis is the older one (not even withdrawn), which the writer itself must not adopt back and serve past
+    the deadline it was given."""
     clock = Clock()
     writer = _sharing(redis_url, clock)
     client = redis.Redis.from_url(redis_url)
     key = writer.put(_seg(0, 32), "t", ttl_s=100).key
-    _refusing_writes(client)
+    _refusing_writes(client, how)
     try:
         writer.refresh(key, "t", ttl_s=5)
         clock.now += 5
         with pytest.raises(NotFound):
             writer.get(key, "t")
         assert writer.lookup(torch.arange(0, 32), "t", M, torch.float32).key is None
+        assert client.exists(writer.redis.commands.entry_key(key)) == (how == "readonly")
     finally:
-        _taking_writes(client)
+        _taking_writes(client, how)
     assert writer.keys("t") == [] and writer.check() == []
+
+
+def _writer_sends_the_block_again(writer: PagedStore, base: KVSegment, how: str) -> None:
+    """The writer brings back the block Redis evicted, without a new record of `base`'s entry: a longer entry that
+    reuses it (its record sends it first), or `base`'s blocks demoted off a full device (a keep sends what Redis
+    lacks)."""
+    if how == "longer":
+        writer.put(_longer(base, 48), "t")
+    else:
+        writer.put(_seg(500, 64 * 16), "t")  # fills the device: base's blocks go down to Redis
+
+
+@pytest.mark.parametrize("how", ["longer", "demoted"])
+def test_a_reader_that_finds_a_block_gone_leaves_the_record_once_the_block_is_back(redis_url, how):
+    """Redis evicts a block of a record; a reader reads the record, then the blocks, and finds it gone; before the
+    reader acts on that, the writer sends the block again (the record unchanged: same tag). The record names blocks
+    that are all there again: the reader's miss must not delete it from every replica."""
+    writer, reader = _sharing(redis_url), _sharing(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    a = _seg(0, 40)
+    key = writer.put(a, "t").key
+    record = writer.redis.commands.entry_key(key)
+    tag = client.get(record)[:64]
+    gone = _block_keys(writer, key)[1]
+    client.delete(gone)  # evicted by Redis
+    real = reader.redis.get_many
+
+    def then_sent_again(*args, **kwargs):
+        got = real(*args, **kwargs)  # without block 1
+        reader.redis.get_many = real
+        _writer_sends_the_block_again(writer, a, how)
+        assert client.exists(gone) and client.get(record)[:64] == tag
+        return got
+
+    reader.redis.get_many = then_sent_again
+    with pytest.raises(NotFound):
+        reader.get(key, "t")
+    assert client.exists(record), "a record whose blocks are all there stays"
+    assert torch.equal(_sharing(redis_url).get(key, "t").kv, a.kv)
+    assert torch.equal(reader.get(key, "t").kv, a.kv)
+    assert reader.check() == [] and writer.check() == []

@@ -84,6 +84,8 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         # keys whose "forget" is queued or being sent: their records may still be in Redis, never adopted back
         self._forgetting: Counter[str] = Counter()
         self._owed: dict[str, float] = {}  # key -> when the write of its entry's record failed (sharing._resend_owed)
+        # key -> when its forget failed (Redis refused the DEL): sent again (sharing._resend_owed); still _forgetting
+        self._unforgotten: dict[str, float] = {}
         self._stale = StaleRecords()  # records read from Redis that must not be adopted (a removal or expiry here)
 
     @property

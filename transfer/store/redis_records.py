@@ -9,7 +9,11 @@ the tier's TTL less RECORD_MARGIN_MS (which covers the round trip between the tw
 that extends the record again a round trip later, and blocks kept by other nodes' clocks). So a record whose blocks a
 reader finds gone lost them after it was written (Redis evicted or expired them, a replica deleted one as corrupt),
 never while its writer was publishing it, and `delete_record_if` takes exactly that record, by its tag: any record of
-the key written since (a writer publishing it again) has another tag, and stays.
+the key written since (a writer publishing it again) has another tag, and stays. Nor does it take that very record once
+its blocks are all there again (a writer sent the evicted one again, as a block of a longer entry or a demotion, the
+record unchanged): the reader's finding is re-checked as the record goes. On one server the check and the DEL are one
+Lua script; on a cluster the blocks live on other shards than the record, so their EXISTS precede the compare-and-delete
+(a block sent again between the two still loses the record, until its writer's next refresh: sharing only, never KV).
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from kvbridge.transfer.store.kv_blocks import BlockHash
 from kvbridge.transfer.store.redis_auth import TAG_CHARS, ForgedValue
 
 RECORD_MARGIN_MS = 1000  # a record lives at most the tier's TTL less this: never past the blocks it names
-# DEL the record at KEYS[1] only if its tag (the value's first TAG_CHARS bytes) is ARGV[1]: one key, one command
-_DELETE_IF_TAGGED = (f"if redis.call('GETRANGE', KEYS[1], 0, {TAG_CHARS - 1}) == ARGV[1] then "
-                     "return redis.call('DEL', KEYS[1]) end return 0")
+# DEL the record at KEYS[1] only if its tag (the value's first TAG_CHARS bytes) is ARGV[1] and, when more keys follow
+# (the blocks it names), one of them is not there: one command, atomic (one server; a cluster passes the record only)
+_DELETE_IF_TAGGED = (f"if redis.call('GETRANGE', KEYS[1], 0, {TAG_CHARS - 1}) ~= ARGV[1] then return 0 end "
+                     "if #KEYS > 1 then local gone = false "
+                     "for i = 2, #KEYS do if redis.call('EXISTS', KEYS[i]) == 0 then gone = true break end end "
+                     "if not gone then return 0 end end "
+                     "return redis.call('DEL', KEYS[1])")
 
 
 class RedisRecords:
@@ -131,26 +139,42 @@ class RedisRecords:
             self._rejected("derived", rejected)
         return sorted(found)
 
-    def delete_entries(self, keys: list[str]) -> None:
-        """The records of these entries, and their derived sets."""
-        if not keys or not self._usable():
-            return
+    def delete_entries(self, keys: list[str]) -> bool:
+        """DEL the records of these entries, and their derived sets. Whether Redis answered (False: the tier down, or
+        the DEL refused: READONLY, NOPERM; Redis then holds them still)."""
+        if not keys:
+            return True
+        if not self._usable():
+            return False
         try:
             self.commands.client.delete(*[name for k in keys for name in (self.commands.entry_key(k),
                                                                           self.commands.derived_key(k))])
         except self._troubles as exc:
             self.trouble(exc)
-            return
+            return False
         self._ok()
+        return True
 
-    def delete_record_if(self, key: str, tag: bytes) -> None:
-        """DEL the record of entry `key` if it is still the one of this tag (its derived set stays: the entries derived
-        from it may still be served); a no-op when the tier is down."""
+    def delete_record_if(self, key: str, tag: bytes, hashes: list[BlockHash] | None = None) -> bool:
+        """DEL the record of entry `key` if it is still the one of this tag and, given the `hashes` of the blocks it
+        names, Redis lacks one of them now (see the module docstring); its derived set stays: the entries derived from
+        it may still be served. Whether Redis answered (False: the tier down, or the command refused)."""
         if not self._usable():
-            return
+            return False
+        record = self.commands.entry_key(key)
+        blocks = [self._key(h) for h in hashes or ()]
         try:
-            self.commands.client.eval(_DELETE_IF_TAGGED, 1, self.commands.entry_key(key), tag)
+            if blocks and self.commands.tagged:  # a cluster: the blocks are on other shards
+                pipe = self.commands.client.pipeline(transaction=False)
+                for block in blocks:
+                    pipe.exists(block)
+                if all(pipe.execute()):
+                    self._ok()
+                    return True
+                blocks = []
+            self.commands.client.eval(_DELETE_IF_TAGGED, 1 + len(blocks), record, *blocks, tag)
         except self._troubles as exc:
             self.trouble(exc)
-            return
+            return False
         self._ok()
+        return True

@@ -65,10 +65,11 @@ class EntryRemoval:
         named by a shared record; another replica's, or this server's own before a restart), and no replica can see
         which; they expire after redis_ttl_s (each write or demotion of them restarts that).
         Entries shared through Redis: a deleted entry's record goes too, for every replica (no record read before is
-        adopted after: stale_records). An expired entry's record leaves Redis at the same deadline, and is not adopted
-        back here meanwhile. A lost entry's record is not forgotten here: the record key is every replica's that
-        stores these tokens, and a delete of it could take the record a writer publishes again meanwhile (a refresh, a
-        put of the same tokens). Only a read that Redis answered without the entry's blocks deletes a record, and that
+        adopted after: stale_records; a forget Redis refuses goes again, the key never adopted back meanwhile). An
+        expired entry's record leaves Redis at the same deadline, and is not adopted back here meanwhile. A lost
+        entry's record is not forgotten here: the record key is every replica's that stores these tokens, and a
+        delete of it could take the record a writer publishes again meanwhile (a refresh, a put of the same tokens).
+        Only a read that Redis answered without the entry's blocks deletes a record, and that
         very one (compared by its tag: sharing._record_lost, before this); a read that failed deletes nothing."""
         pool = self.pools.get(entry.layout.key)
         if entry.pinned and pool is not None:

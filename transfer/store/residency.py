@@ -73,7 +73,8 @@ class Residency:
         self.redis = redis
         self.evictions = evictions  # the store's counters: blocks pushed down from each tier
         # oldest first: ("put", [(hash, layout_key, block)]), ("keep", [(hash, layout_key, block)]),
-        # ("entries", [sharing.RecordWrite]), ("forget", [key])
+        # ("entries", [sharing.RecordWrite]), ("forget", [key]), ("withdraw", [(key, tag)]), ("lost", [(key, tag,
+        # hashes)]): sharing._send
         self.outbox: deque = deque()
         self.pending: dict[BlockHash, tuple[str, torch.Tensor]] = {}  # demoted blocks not yet sent to Redis
         # blocks some entry uses whose bytes Redis had when last seen (a put of them sent, a keep answered, a read

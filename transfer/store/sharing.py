@@ -10,12 +10,18 @@ each restarts first (those it reuses from older entries too); when Redis no long
 replica's tiers, then the record (`_records_sent`). A record write that fails leaves Redis the record of the key it
 held before, with its deadline: the entry owes Redis its record, made again from the entry as it is then and sent once
 the tier's retry interval has passed (`_resend_owed`); the failed one is never sent again (its deadline may be stale
-by then).
+by then). Meanwhile that record says what the entry no longer says (an older deadline, text, annotations): it is
+withdrawn (deleted if it is still the one this replica last wrote or read, by its tag), which Redis allows where it
+refuses the SET for memory (a DEL takes none); where it refuses every write (READONLY) the withdrawal goes again with
+the owed record, and other replicas may adopt the older record until Redis takes writes again. A delete whose forget
+Redis refused (or could not be sent) is owed too: its key is never adopted back here, and the forget goes again
+(`_resend_owed`; first, before any record of the key this replica writes since).
 
 A replica that finds an entry's blocks gone from Redis (Redis answered: absent, or corrupt and deleted) takes a miss and
 deletes that very record (by its tag: `_record_lost`), not any record of the key: one a writer publishes again has
-another tag, and its blocks are back before it. A read that failed deletes nothing (the blocks may be there). A mixin
-of PagedStore (it uses the store's lock, registry, residency, budget, config and clock).
+another tag, and its blocks are back before it; nor that record once its blocks are all back (redis_records). A read
+that failed deletes nothing (the blocks may be there). A mixin of PagedStore (it uses the store's lock, registry,
+residency, budget, config and clock).
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ class RedisSharing:
         residency = self.residency
         if residency.redis is None or self._lock._is_owned():
             return
-        if self._owed:
+        if self._owed or self._unforgotten:
             with self._lock:
                 self._resend_owed()
         while residency.outbox:
@@ -145,10 +151,13 @@ class RedisSharing:
             return redis.put_entries([(w.key, w.record, w.source_key,
                                        None if w.expires_at is None else w.expires_at - now, w.hashes) for w in items])
         if op == "forget":
-            redis.delete_entries(items)
-        elif op == "lost":
+            return redis.delete_entries(items)
+        if op == "withdraw":
             for key, tag in items:
                 redis.delete_record_if(key, tag)
+        elif op == "lost":
+            for key, tag, hashes in items:
+                redis.delete_record_if(key, tag, hashes)
         elif op == "keep":  # Redis had them: restart their TTL, send only those it no longer has
             found = redis.refresh_many([h for h, _, _ in items])
             failed = items if found is None else [item for item, there in zip(items, found) if not there]
@@ -161,7 +170,14 @@ class RedisSharing:
         """The bookkeeping after a queued write went (sent or failed; under the store's lock); outcome: _send's."""
         residency = self.residency
         if op == "forget":
-            self._forgetting -= Counter(items)
+            if outcome:
+                self._forgetting -= Counter(items)
+            else:  # Redis holds the deleted entries' records still: never adopted here, the forget owed
+                now = self.clock()
+                for key in items:
+                    if key in self._unforgotten:  # owed already: one forget (and one count) covers both
+                        self._forgetting -= Counter([key])
+                    self._unforgotten[key] = now
         if op == "entries":
             self._records_sent(items, outcome)
         if op not in ("put", "keep"):
@@ -195,9 +211,13 @@ class RedisSharing:
                     entry.record_ids.remove(w.record_id)
                 if current and (missing is None or w.again):
                     self._owed[w.key] = now
+                    if entry.record_tag is not None:  # what it says the entry no longer says: withdrawn
+                        self.residency.outbox.append(("withdraw", [(w.key, entry.record_tag)]))
                 elif current:
                     self._send_again(entry, missing[w.key])
                 continue
+            if self._unforgotten.pop(w.key, None) is not None:  # this record took the place of the deleted one's
+                self._forgetting -= Counter([w.key])
             if current and w.record_id in entry.record_ids:
                 del entry.record_ids[:entry.record_ids.index(w.record_id)]
                 entry.record_tag = w.tag
@@ -224,12 +244,17 @@ class RedisSharing:
         self._share(entry, pool, [], again=True)
 
     def _resend_owed(self) -> None:
-        """Queue again, made from their entries as they are now, the records whose writes failed (`_records_sent`)
-        once the tier's retry interval has passed since (under the store's lock)."""
+        """Queue again, once the tier's retry interval has passed since they failed (under the store's lock), the
+        forgets Redis refused (`_sent`), then the records whose writes failed (`_records_sent`), made from their
+        entries as they are now."""
         redis = self.residency.redis
         if not redis.usable():
             return
         now = self.clock()
+        for key, since in list(self._unforgotten.items()):
+            if now >= since + redis.retry_s:
+                del self._unforgotten[key]
+                self.residency.outbox.append(("forget", [key]))  # (still counted in _forgetting)
         for key, since in list(self._owed.items()):
             if now >= since + redis.retry_s:
                 del self._owed[key]
@@ -347,6 +372,8 @@ class RedisSharing:
         record = entry_record(entry, record_id)
         entry.record_ids.append(record_id)
         self._owed.pop(entry.key, None)  # this one supersedes a record whose write failed
+        if self._unforgotten.pop(entry.key, None) is not None:  # a delete Redis refused goes first (still counted)
+            self.residency.outbox.append(("forget", [entry.key]))
         self.residency.outbox.append(("entries", [RecordWrite(
             key=entry.key, record=record, record_id=record_id, source_key=entry.source_key,
             expires_at=entry.expires_at, hashes=list(entry.hashes), layout_key=entry.layout.key,
@@ -355,10 +382,11 @@ class RedisSharing:
     def _record_lost(self, entry: Entry, prefetched: dict) -> None:
         """`entry` was just found lost on a read (under the store's lock, before its removal). Entries shared through
         Redis: when Redis answered that its blocks are not there, delete the record of it this replica last wrote or
-        read, if Redis still holds that very one (another, published since, stays); after a read that failed, or with
-        no record known, nothing."""
+        read, if Redis still holds that very one (another, published since, stays) and still lacks one of its blocks
+        (a writer may have sent them again since, the record unchanged); after a read that failed, or with no record
+        known, nothing."""
         if not (self.config.share_entries and self.redis is not None) or entry.record_tag is None:
             return
         if any(("unread", h) in prefetched for h in entry.hashes):
             return
-        self.residency.outbox.append(("lost", [(entry.key, entry.record_tag)]))
+        self.residency.outbox.append(("lost", [(entry.key, entry.record_tag, list(entry.hashes))]))

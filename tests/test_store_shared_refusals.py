@@ -1,0 +1,144 @@
+"""Entries shared through a Redis that refuses writes (a real redis-server: OOM at maxmemory under noeviction, or
+READONLY as a demoted primary answers): a writer whose change of an entry (a refresh, a new text, a delete) Redis
+refuses never leaves other replicas the record that change replaced. A refused record write withdraws the record this
+replica last wrote or read, where Redis lets it (a DEL takes no memory); a refused delete is sent again until Redis
+takes it, and meanwhile the writer does not adopt the deleted entry back."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+from kvbridge.transfer.segment import KVSegment
+from kvbridge.transfer.spec import ModelIdentity
+from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+from redisproc import TEST_SECRET
+
+pytestmark = pytest.mark.integration
+
+M = ModelIdentity("model-f", "f" * 64)
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
+RETRY_S = 2.0
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _seg(first: int, n: int) -> KVSegment:
+    gen = torch.Generator().manual_seed(first)
+    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
+                     positions=torch.arange(n), model=M, rotated=True)
+
+
+def _sharing(redis_url: str, clock: Clock) -> PagedStore:
+    return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
+                                  redis_secret=TEST_SECRET, device="cpu", share_entries=True,
+                                  redis_retry_s=RETRY_S), clock=clock)
+
+
+def _refusing_writes(client: redis.Redis, how: str) -> None:
+    """As tests/test_store_redis_refusals.py: OOM (a DEL still goes: it takes no memory) or READONLY (nothing goes)."""
+    if how == "oom":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+    else:
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")
+
+
+def _taking_writes(client: redis.Redis, how: str) -> None:
+    if how == "oom":
+        client.config_set("maxmemory", 0)
+    else:
+        client.execute_command("REPLICAOF", "NO", "ONE")
+
+
+@pytest.mark.parametrize("change", ["refresh", "text"])
+def test_a_record_redis_refuses_to_replace_is_withdrawn_from_the_other_replicas(redis_url, change):
+    """The writer gives its entry a shorter deadline (or a new text); Redis refuses the new record (OOM). The record
+    Redis holds says what the writer no longer says: a replica that reads it now must not adopt it (its older
+    deadline, its older text). Once Redis takes writes, the new record goes and replicas adopt that one."""
+    clock = Clock()
+    writer = _sharing(redis_url, clock)
+    client = redis.Redis.from_url(redis_url)
+    a = _seg(0, 40)
+    key = writer.put(a, "t", ttl_s=100, text="old").key
+    record = writer.redis.commands.entry_key(key)
+    _refusing_writes(client, "oom")
+    try:
+        if change == "refresh":
+            writer.refresh(key, "t", ttl_s=5)
+        else:
+            writer.put(a, "t", ttl_s=100, text="new")
+        assert "OutOfMemory" in writer.stats().redis["last_error"]
+        assert not client.exists(record), "the replaced record is withdrawn"
+        with pytest.raises(NotFound):
+            _sharing(redis_url, clock).get(key, "t")
+    finally:
+        _taking_writes(client, "oom")
+    clock.now += RETRY_S  # the owed record goes with the next call
+    writer.keys("t")
+    reader = _sharing(redis_url, clock)
+    assert torch.equal(reader.get(key, "t").kv, a.kv)
+    info = reader.info(key, "t")
+    if change == "refresh":
+        assert info.expires_at <= clock.now + 5 - RETRY_S
+    else:
+        assert info.text == "new"
+    assert writer.check() == [] and reader.check() == []
+
+
+@pytest.mark.parametrize("how", ["oom", "readonly"])
+def test_a_delete_redis_refuses_is_sent_again_and_never_adopted_back_meanwhile(redis_url, how):
+    """The writer deletes its entry while Redis refuses writes. The writer itself must not adopt the deleted entry
+    back from the record Redis kept; the delete goes again once Redis takes writes, so that no replica adopts it
+    after (without it, the record would stay until its deadline, an hour here)."""
+    clock = Clock()
+    writer = _sharing(redis_url, clock)
+    client = redis.Redis.from_url(redis_url)
+    key = writer.put(_seg(0, 40), "t").key
+    record = writer.redis.commands.entry_key(key)
+    _refusing_writes(client, how)
+    try:
+        assert writer.delete(key, "t") == 1
+        for _ in range(2):  # before and after the retry interval: Redis still refuses
+            with pytest.raises(NotFound):
+                writer.get(key, "t")
+            assert writer.lookup(torch.arange(0, 40), "t", M, torch.float32).key is None
+            clock.now += RETRY_S
+    finally:
+        _taking_writes(client, how)
+    writer.keys("t")  # any call sends what is owed
+    assert not client.exists(record)
+    with pytest.raises(NotFound):
+        _sharing(redis_url, clock).get(key, "t")
+    with pytest.raises(NotFound):
+        writer.get(key, "t")
+    assert writer.keys("t") == [] and writer.check() == []
+
+
+def test_a_key_deleted_twice_while_redis_refuses_is_shared_again_once_the_delete_went(redis_url):
+    """Deleted, stored again and deleted again while Redis refuses every write (READONLY): once Redis takes writes,
+    the delete goes and the key is this replica's to adopt again: a record another replica publishes after is found."""
+    clock = Clock()
+    writer, other = _sharing(redis_url, clock), _sharing(redis_url, clock)
+    client = redis.Redis.from_url(redis_url)
+    a = _seg(0, 40)
+    key = writer.put(a, "t").key
+    _refusing_writes(client, "readonly")
+    try:
+        writer.delete(key, "t")
+        writer.put(a, "t")
+        assert writer.delete(key, "t") == 1
+    finally:
+        _taking_writes(client, "readonly")
+    clock.now += RETRY_S
+    writer.keys("t")  # the owed delete goes
+    assert not client.exists(writer.redis.commands.entry_key(key))
+    other.put(a, "t")
+    assert torch.equal(writer.get(key, "t").kv, a.kv)
+    assert writer.check() == [] and other.check() == []
