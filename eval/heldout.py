@@ -8,7 +8,9 @@ Three sources, written as records (id, document, summary) for `kvbridge eval rou
           on the packages installed: the file's records name them, and the command prints its sha256.
   corpus  the documents of the training corpora held out from training *and* from the trainer's dev windows
           (adapters.chain's split: blake2b of the id under heldout_fraction, and not among the dev half); no
-          reference summary (fidelity is measured against the target's own answer).
+          reference summary (fidelity is measured against the target's own answer). The split is the adapter's
+          (`--adapter`, default the one that ships for the preset's pair): its file records how its trainer cut the
+          corpora into documents and which fraction it held out (`training_split`), and names the corpora it read.
   summaries  the pages among the first 100 records of `data/pydoc_summaries.jsonl` (held out from every training
           and tuning step: docs/adapters.md) that are not in the packaged sample or held-out set, with their
           summaries.
@@ -22,15 +24,18 @@ import argparse
 import gzip
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAN1 = Path("/usr/share/man/man1")
 SECTION = re.compile(r"^[A-Z][A-Z0-9 /-]*$")  # a heading at column 0
 SKIPPED_SECTIONS = ("NAME", "SYNOPSIS")
+log = logging.getLogger(__name__)
 
 
 def render_man(path: Path) -> str:
@@ -95,16 +100,99 @@ def man_records(tokenizer, count: int, min_tokens: int, seed: int = 0, root: Pat
     return out
 
 
-def corpus_records(files: list[str], tokenizer, min_tokens: int, doc_chars: int = 8000,
-                   heldout_fraction: float = 0.08) -> list[dict]:
-    """The corpora's documents held out from training and from the dev windows, with at least min_tokens."""
+DEFAULT_DOC_CHARS, DEFAULT_HELDOUT = 8000, 0.08  # adapters.chain.ChainConfig's, for adapters that record neither
+
+
+@dataclass(frozen=True)
+class TrainingSplit:
+    """How an adapter's trainer split its corpora (adapters.chain): documents of ~doc_chars characters of consecutive
+    paragraphs, held out when blake2b of the id is under heldout_fraction; as the adapter file records it."""
+
+    adapter: str  # the adapter file's name, for messages
+    doc_chars: int
+    heldout_fraction: float
+    files: dict[str, str | None] = field(default_factory=dict)  # corpus file name -> sha256 recorded (None: not)
+
+    def check_corpus(self, path: str | Path) -> None:
+        """ValueError unless `path` is a corpus the adapter records it read, with the bytes it read (where the
+        adapter records corpora at all): only there are the held-out documents known."""
+        name = Path(path).name
+        if not self.files:
+            return
+        if name not in self.files:
+            raise ValueError(f"corpus {path}: adapter {self.adapter} was not trained on it (it read "
+                             f"{', '.join(sorted(self.files))}): which of its documents it held out cannot be "
+                             "established")
+        want = self.files[name]
+        if want is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() != want:
+            raise ValueError(f"corpus {path}: not the file adapter {self.adapter} was trained on (sha256 differs from "
+                             f"the recorded {want[:16]}): its documents are not the ones the adapter's split held out")
+
+
+def _recorded(corpus: dict, key: str, pattern: str, kind: type, adapter: str):
+    """A split setting of an adapter's corpus record: its own field, else read from the "documents" sentence
+    (adapters/cli.py writes doc_chars only there); None where neither says it; ValueError where it is malformed."""
+    value = corpus.get(key)
+    if value is None and isinstance(corpus.get("documents"), str):
+        found = re.search(pattern, corpus["documents"])
+        value = found.group(1) if found else None
+    if value is None:
+        return None
+    try:
+        value = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"adapter {adapter}: its metadata's corpus.{key} is not a number: {value!r}") from None
+    ok = 0 < value < 1 if key == "heldout_fraction" else value >= 1
+    if not ok or isinstance(corpus.get(key), bool):
+        raise ValueError(f"adapter {adapter}: its metadata's corpus.{key} {value!r} is out of range")
+    return value
+
+
+def training_split(adapter_file: str | Path) -> TrainingSplit:
+    """The split the adapter file's metadata records (corpus.heldout_fraction; doc_chars, or the "documents"
+    sentence that names it; the corpus files and their sha256). A setting it lacks (an adapter trained before they
+    were recorded) is the trainer's default, with a warning; ValueError for a file that is not an adapter."""
+    from kvbridge.adapters.io import read_adapter_meta
+
+    path = Path(adapter_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter {path}: no such file")
+    meta = read_adapter_meta(path)
+    if meta is None:
+        raise ValueError(f"{path} is not a kvbridge adapter file (no kvbridge_adapter metadata)")
+    corpus = meta.get("corpus") or {}
+    if not isinstance(corpus, dict):
+        raise ValueError(f"adapter {path.name}: its metadata's corpus is not an object")
+    fraction = _recorded(corpus, "heldout_fraction", r"blake2b\(id\) < ([0-9.eE+-]+)", float, path.name)
+    doc_chars = _recorded(corpus, "doc_chars", r"runs of ~(\d+) characters", int, path.name)
+    lacking = [k for k, v in (("heldout_fraction", fraction), ("doc_chars", doc_chars)) if v is None]
+    if lacking:
+        log.warning("adapter %s records no %s of its training split: assuming the trainer's defaults (%d-character "
+                    "documents, %g held out); if it was trained with others, its held-out documents are not these",
+                    path.name, " or ".join(lacking), DEFAULT_DOC_CHARS, DEFAULT_HELDOUT)
+    names = corpus.get("files") if isinstance(corpus.get("files"), list) else []
+    sums = corpus.get("sha256") if isinstance(corpus.get("sha256"), dict) else {}
+    files = {Path(str(f)).name: sums.get(Path(str(f)).name) for f in names}
+    return TrainingSplit(path.name, DEFAULT_DOC_CHARS if doc_chars is None else doc_chars,
+                         DEFAULT_HELDOUT if fraction is None else fraction, files)
+
+
+def corpus_records(files: list[str], tokenizer, min_tokens: int, adapter: str | Path | None) -> list[dict]:
+    """The corpora's documents held out from training and from the dev windows, with at least min_tokens, by the
+    split of the adapter file `adapter` (ValueError for None: without the adapter the split is not known)."""
     from kvbridge.adapters.chain import corpus_name
     from kvbridge.adapters.teacher import is_heldout, split_documents
 
+    if adapter is None:
+        raise ValueError("--corpus needs --adapter FILE (none ships for this pair): the held-out documents are those "
+                         "of the adapter's training split")
+    split = training_split(adapter)
+    for path in files:
+        split.check_corpus(path)
     out = []
     for path in files:
-        for doc_id, text in split_documents(path, corpus_name(path), doc_chars):
-            if not is_heldout(doc_id, heldout_fraction) or is_heldout(doc_id, 0.5, salt="dev"):
+        for doc_id, text in split_documents(path, corpus_name(path), split.doc_chars):
+            if not is_heldout(doc_id, split.heldout_fraction) or is_heldout(doc_id, 0.5, salt="dev"):
                 continue
             if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= min_tokens:
                 out.append({"id": doc_id, "document": text, "summary": ""})
@@ -135,6 +223,8 @@ def add_parser(esub) -> None:
                                         "corpora's documents no training step read)")
     p.add_argument("--man", type=int, metavar="N", help="N manual pages of section 1 installed here")
     p.add_argument("--corpus", nargs="+", metavar="FILE", help="the training corpora: their held-out documents")
+    p.add_argument("--adapter", metavar="FILE", help="--corpus: the adapter whose training split holds the documents "
+                                                     "out (default: the one that ships for the preset's pair)")
     p.add_argument("--summaries", metavar="FILE", help="data/pydoc_summaries.jsonl: its held-out pages (the first "
                                                        "100 records, less the packaged sample and held-out set)")
     p.add_argument("--min-tokens", type=int, default=1056,
@@ -153,12 +243,16 @@ def cmd_eval_heldout(args: argparse.Namespace) -> int:
         raise ValueError("give --man N, --corpus FILE... or --summaries FILE (or several)")
     if Path(args.out).exists() and not args.force:
         raise ValueError(f"--out {args.out} exists: choose another file, or pass --force to write over it")
-    tokenizer = load_pair(args.preset, device="cpu", source_weights=False)[1].tokenizer
+    source, target = load_pair(args.preset, device="cpu", source_weights=False)
+    tokenizer = target.tokenizer
     records = []
     if args.man:
         records += man_records(tokenizer, args.man, args.min_tokens, args.seed)
     if args.corpus:
-        records += corpus_records(args.corpus, tokenizer, args.min_tokens)
+        from kvbridge.adapters.shipped import find_shipped
+
+        adapter = getattr(args, "adapter", None) or find_shipped(source.spec, target.spec)
+        records += corpus_records(args.corpus, tokenizer, args.min_tokens, adapter)
     if args.summaries:
         records += summaries_records(args.summaries, tokenizer, args.min_tokens)
     if not records:

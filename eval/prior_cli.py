@@ -41,6 +41,13 @@ def _adapter_file(args: argparse.Namespace, source: LoadedModel, target: LoadedM
     return path
 
 
+def _split_words(split) -> str:
+    """What `fitted_on` adds for a split of other documents than the trainer's default ones ("" for those)."""
+    from kvbridge.eval.heldout import DEFAULT_DOC_CHARS
+
+    return "" if split.doc_chars == DEFAULT_DOC_CHARS else f" of {split.doc_chars}-character documents"
+
+
 def cmd_prior_fit(args: argparse.Namespace) -> int:
     from kvbridge.transfer.presets import load_pair
 
@@ -61,8 +68,8 @@ def cmd_prior_fit(args: argparse.Namespace) -> int:
         "adapter": windows.adapter,
         "recipe": asdict(recipe), "dev_nll": trajectory, "tolerance": TOLERANCE,
         "fitted_on": f"windows of pydoc_corpus.txt and kernel_docs_corpus.txt, the chain's training documents "
-                     f"(blake2b split, 8% held out never used); {recipe.windows - recipe.dev} training windows, "
-                     f"{recipe.dev} dev windows",
+                     f"(blake2b split{_split_words(windows.split)}, {100 * windows.split.heldout_fraction:g}% held "
+                     f"out never used); {recipe.windows - recipe.dev} training windows, {recipe.dev} dev windows",
         "command": command})
     print(f"wrote {args.out}: dev NLL (recompute:0.1, replace) {trajectory['0']} at step 0, "
           f"{trajectory[str(recipe.steps)]} at step {recipe.steps}")

@@ -4,8 +4,10 @@ fit` command (prior_cli.py) made the one that ships (transfer/suffix/priors/).
 Per (layer, query head) four terms (induction.TERMS): the match, the longer match, every projected key, a projected
 key of the query's own token. Init: the probed prior (3 × induction score where the score >= 0.1, else 0; the other
 two terms 0). Training windows: `window_tokens` target tokens of the adapter's training corpora (the documents the
-chain's split keeps for training, never its held-out ones), shuffled by seed 0, cut by eval's `prepare` to 512
-tokens of context and 32 of continuation, those with at least 400 context tokens kept; the first `dev` of them are
+chain's split keeps for training, never its held-out ones: the split the adapter file records, eval.heldout's
+`training_split`; a corpus the adapter does not record reading, or other bytes than it read, is refused), shuffled by
+seed 0, cut by eval's `prepare` to 512 tokens of context and 32 of continuation, those with at least 400 context
+tokens kept; the first `dev` of them are
 the dev windows, the next `windows - dev` the training ones. Each is projected by a kvbridge server serving the
 adapter the prior is fitted for (`--adapter FILE`, default the pair's shipped one; the windows folder records its
 digest and refuses another's), and its last 10% recomputed by the target (`recompute:0.1`'s cache). The prior file
@@ -30,6 +32,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -136,6 +139,13 @@ class Windows:
     def path(self, index: int) -> Path:
         return self.folder / f"{index:04d}.safetensors"
 
+    @cached_property
+    def split(self):
+        """The adapter's training split (eval.heldout.TrainingSplit), as its file records it."""
+        from kvbridge.eval.heldout import training_split
+
+        return training_split(self.adapter_file)
+
     def _candidates(self):
         from kvbridge.adapters.teacher import document_windows, is_heldout, split_documents
         from kvbridge.eval.records import Record
@@ -146,8 +156,12 @@ class Windows:
         if missing:
             raise FileNotFoundError(f"the prior fit reads {' and '.join(names)} from --data {self.data}, which lacks "
                                     f"{', '.join(missing)} (`kvbridge data build --out DIR` makes them)")
-        docs = [d for n, name in names.items() for d in split_documents(self.data / n, name)]
-        train = [d for d in docs if not is_heldout(d[0], 0.08)]  # the chain's split: never its held-out documents
+        split = self.split
+        for n in names:
+            split.check_corpus(self.data / n)
+        docs = [d for n, name in names.items() for d in split_documents(self.data / n, name, split.doc_chars)]
+        # the chain's split: never its held-out documents
+        train = [d for d in docs if not is_heldout(d[0], split.heldout_fraction)]
         windows = document_windows(train, self.target.tokenizer, self.recipe.window_tokens)
         random.Random(0).shuffle(windows)
         config = EvalConfig()

@@ -114,7 +114,7 @@ class Corrections:
         with self._running, torch.no_grad():
             fixed = correct(lm, projected.to(device=device), correction, prior=prior)
         return Corrected(fixed.segment.to(device=projected.device, dtype=projected.dtype), fixed.still_projected,
-                         fixed.forwards)
+                         fixed.forwards, fixed.exact_layers)
 
     def warm(self, lm: LoadedModel) -> float:
         """At start, so that no user's first fetch pays for it: the target's prior built (or loaded) and one

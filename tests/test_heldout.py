@@ -12,6 +12,7 @@ import pytest
 from kvbridge.adapters.teacher import is_heldout, split_documents
 from kvbridge.eval.heldout import corpus_records, man_record, man_records, render_man, summaries_records
 from kvbridge.eval.records import read_records
+from test_eval_split import split_adapter
 
 PAGE = r""".TH FROB 1 "2026-12-01" "frob 1.0" "User Commands"
 .SH NAME
@@ -58,12 +59,13 @@ def test_a_man_page_becomes_a_record_of_its_body_and_name_line(tmp_path):
     assert man_records(Words(), 10, 10_000, root=tmp_path) == []  # too short
 
 
-def test_corpus_records_are_the_documents_no_training_or_dev_step_reads(tmp_path):
+def test_corpus_records_are_the_documents_no_training_or_dev_step_reads(tmp_path, adapter):
     rng = random.Random(0)
     path = tmp_path / "alpha_corpus.txt"
     path.write_text("\n\n".join(" ".join(rng.choice("a model reads text once".split()) for _ in range(200))
                                 for _ in range(600)))
-    records = corpus_records([str(path)], Words(), min_tokens=100)
+    trained = split_adapter(adapter, tmp_path / "a.safetensors", [path])  # the trainer's defaults, recorded
+    records = corpus_records([str(path)], Words(), min_tokens=100, adapter=trained)
     ids = {doc_id for doc_id, _ in split_documents(path, "alpha")}
     assert records and {r["id"] for r in records} <= ids
     for r in records:
@@ -73,7 +75,7 @@ def test_corpus_records_are_the_documents_no_training_or_dev_step_reads(tmp_path
     assert [r.summary for r in read_records(out)] == [""] * len(records)  # no reference: fidelity only
 
 
-def test_the_command_writes_into_a_folder_that_does_not_exist_yet(tmp_path, capsys):
+def test_the_command_writes_into_a_folder_that_does_not_exist_yet(tmp_path, capsys, adapter):
     """`kvbridge eval heldout --out data/FILE` on a fresh clone, before `data build` made `data/`."""
     import argparse
 
@@ -85,7 +87,8 @@ def test_the_command_writes_into_a_folder_that_does_not_exist_yet(tmp_path, caps
                                   for _ in range(300)))
     out = tmp_path / "data" / "sub" / "long.jsonl"
     args = argparse.Namespace(man=None, corpus=[str(corpus)], summaries=None, min_tokens=100, preset="tiny", seed=0,
-                              out=str(out), force=False)
+                              out=str(out), force=False,
+                              adapter=str(split_adapter(adapter, tmp_path / "a.safetensors", [corpus])))
     assert cmd_eval_heldout(args) == 0
     records = read_records(out)
     assert records and f"{len(records)} documents of >= 100 target tokens -> {out}" in capsys.readouterr().out

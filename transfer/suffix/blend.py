@@ -82,13 +82,28 @@ class BlendResult:
     selected: torch.Tensor  # [S] int64, sorted: indices of the recomputed tokens
     score: torch.Tensor  # [T] float32: what the rule ranked by (attention received, or deviation; zeros otherwise)
     forwards: tuple[tuple[int, int, int], ...]  # the target's forwards: (new tokens, past tokens, layers run)
+    exact_layers: int = 0  # m: the first layers the selection pass made the target's own at every placed token
 
     @property
     def still_projected(self) -> torch.Tensor:
-        """[T] bool: the placed tokens whose KV was not recomputed (what an induction prior reads as projected)."""
+        """[T] bool: the placed tokens whose KV was not recomputed: projected in layers exact_layers.. only (what an
+        induction prior from layer exact_layers on reads as projected; `projected` says it per layer)."""
         kept = torch.ones(self.segment.num_tokens, dtype=torch.bool)
         kept[self.selected] = False
         return kept
+
+    @property
+    def projected(self) -> torch.Tensor:
+        """[L, T] bool: per layer, the placed tokens whose KV there is still the projection's (none in the first
+        exact_layers layers)."""
+        return layer_marks(self.still_projected, self.segment.kv.shape[0], self.exact_layers)
+
+
+def layer_marks(still: torch.Tensor, layers: int, exact_layers: int) -> torch.Tensor:
+    """still [T] bool (tokens not recomputed) -> [layers, T] bool: still in every layer from exact_layers on."""
+    marks = still.bool()[None].expand(layers, still.numel()).clone()
+    marks[:exact_layers] = False
+    return marks
 
 
 def kv_deviation(placed: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -207,4 +222,4 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
                                                   torch.cat((before, still)))
     with reading:
         segment = recompute_selected(lm, context, placed, selected)
-    return BlendResult(segment, selected, score, tuple(forwards))
+    return BlendResult(segment, selected, score, tuple(forwards), exact_layers=m)

@@ -8,8 +8,11 @@ tokens at 1..d (projected). A correction (`Correction.parse("blend:0.1")`):
   blend:r        `transfer.suffix.blend` (its default rule, "attention") recomputing k tokens chosen by the
                  attention the document's last tokens give them.
 The forwards that recompute tokens read the KV that stays projected with the target's induction prior when one is
-given (as `eval rouge` and the generator do). The result keeps the same positions and tokens; `still_projected`
-says which tokens' KV is still the projection's (what a reader with the prior reads as projected).
+given (as `eval rouge` and the generator do). The result keeps the same positions and tokens; `projected` says per
+layer which tokens' KV is still the projection's. A blend with a deviation rule first runs the target's first m
+layers over the document (`exact_layers`): there every token's KV is the target's own, recomputed or not, and only
+the layers from m on hold projected KV. `still_projected` is the tokens not recomputed (projected in layers m..), and
+`reading_prior(prior)` the prior that reads them there (`prior.from_layer(m)`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.suffix.blend import RULES, BlendConfig, blend
+from kvbridge.transfer.suffix.blend import RULES, BlendConfig, blend, layer_marks
 from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import prefill_after
 
@@ -69,8 +72,20 @@ class Correction:
 @dataclass(frozen=True)
 class Corrected:
     segment: KVSegment  # [L, 2, H, 1 + d, D]: the start token and the document, positions 0..d
-    still_projected: torch.Tensor  # [1 + d] bool: the positions whose KV is still the projection's
+    # [1 + d] bool: the positions the target did not recompute: their KV is the projection's in layers exact_layers..
+    still_projected: torch.Tensor
     forwards: tuple[tuple[int, int, int], ...]  # the target's forwards: (new tokens, past tokens, layers run)
+    exact_layers: int = 0  # m: layers whose KV is the target's own at every position (a deviation rule's pass)
+
+    @property
+    def projected(self) -> torch.Tensor:
+        """[L, 1 + d] bool: per layer, the positions whose KV there is still the projection's."""
+        return layer_marks(self.still_projected, self.segment.kv.shape[0], self.exact_layers)
+
+    def reading_prior(self, prior: InductionPrior | None) -> InductionPrior | None:
+        """The induction prior to read this cache with (on still_projected): `prior` on the layers whose KV is still
+        projected somewhere, none on the first exact_layers."""
+        return prior.from_layer(self.exact_layers) if prior is not None else None
 
 
 def correct(lm: LoadedModel, projected: KVSegment, correction: Correction,
@@ -96,4 +111,5 @@ def correct(lm: LoadedModel, projected: KVSegment, correction: Correction,
     config = BlendConfig(fraction=k / d, rule=correction.rule)
     blended = blend(lm, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior, probe_ids=probe_ids)
     still[1:] = blended.still_projected
-    return Corrected(KVSegment.concat([projected.slice(0, 1), blended.segment]), still, blended.forwards)
+    return Corrected(KVSegment.concat([projected.slice(0, 1), blended.segment]), still, blended.forwards,
+                     blended.exact_layers)

@@ -5,7 +5,8 @@ made the same way. A part the target computes itself (prefilled, or reused exact
 before, which the key already covers; a part whose KV comes from elsewhere is named by what makes it, given the
 context before it (itself named so):
 - projected: a fingerprint of the KV the context source returned, the adapter digest it tells, the blend fraction
-  and which of its positions stay projected, and the induction prior every later forward reads them with;
+  and which of its positions stay projected in which layers (a blend whose selection pass made the first layers the
+  target's own is another KV than one that did not), and the induction prior every later forward reads them with;
 - shifted (reused after another prefix, then partly recomputed): the cached entry (its store key, the key of what it
   was computed after, its first position), recompute_k, recompute_fraction and the tokens recomputed.
 What the target recomputes is named by how, not by its bytes: a recompute over the same KV split into other forwards
@@ -54,8 +55,16 @@ class Provenance:
     def projected(self, start: int, end: int, source_kv: torch.Tensor, adapter_digest: str, fraction: float,
                   still: torch.Tensor, prior) -> None:
         """A projected part at [start, end): source_kv [L, 2, H, T, D] as the context source returned it, blended
-        with `fraction`; still [T] bool, its positions whose KV stays projected (read with `prior`)."""
-        marks = hashlib.blake2b(still.to(torch.uint8).cpu().numpy().tobytes(), digest_size=8).hexdigest()
+        with `fraction`; still, its positions whose KV stays projected (read with `prior`): [T] bool where that is so
+        in every layer, or [L, T] bool per layer (`BlendResult.projected`, `Corrected.projected`)."""
+        if still.ndim == 2 and bool((still == still[:1]).all()):
+            still = still[0]  # the same in every layer: named as the [T] form is
+        elif still.ndim not in (1, 2):
+            raise ValueError(f"still must be [T] or [L, T] bool, got {tuple(still.shape)}")
+        marks = hashlib.blake2b(still.to(torch.uint8).cpu().numpy().tobytes(), digest_size=8)
+        if still.ndim == 2:
+            marks.update(f"layers={still.shape[0]}".encode())
+        marks = marks.hexdigest()
         how = f"projected/{kv_fingerprint(source_kv)}/{adapter_digest}/{fraction!r}/{marks}/{prior_digest(prior)}"
         self._made.append((end, f"{start}:{end}:{how}"))
 
