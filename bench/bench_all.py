@@ -205,8 +205,8 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser.add_argument("--full", action="store_true",
                         help="also run bench_suffix.py in full (small pair, 20 turns: about 4 more minutes) "
                              "instead of its quick settings")
-    parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: fit a ridge adapter "
-                                          "once, about 25 s, and pass it on)")
+    parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: its shipped adapter, "
+                                          "else a ridge fit once, about 25 s; passed on to the pieces)")
     parser.add_argument("--json", metavar="OUT.json", help="also write every number and the machine line here")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of every piece (default 1: see bench/store.md)")
@@ -217,6 +217,12 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.adapter and not Path(args.adapter).is_file():
         parser.error(f"--adapter {args.adapter}: no such file")
+    if args.json:  # written at the end: a path that cannot be written would lose the whole run's numbers
+        out = Path(args.json)
+        if out.is_dir():
+            parser.error(f"--json {args.json}: is a folder; name the file to write")
+        if not out.resolve().parent.is_dir():
+            parser.error(f"--json {args.json}: no folder {out.resolve().parent} to write it in")
     return args
 
 

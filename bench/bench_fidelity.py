@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,11 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--adapter", metavar="FILE", help="adapter file (default: the shipped one for the pair)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
+    for name, value in (("--docs", args.docs), ("--threads", args.threads)):
+        if value is not None and value < 1:  # --docs 0 would otherwise run the default count
+            p.error(f"{name} must be >= 1, got {value}")
+    if args.adapter and not Path(args.adapter).is_file():
+        p.error(f"--adapter {args.adapter}: no such file")
     torch.set_num_threads(args.threads)
     print(machine_line("quick" if args.quick else "full"), flush=True)
     from bench_suffix import get_adapter
@@ -87,7 +93,8 @@ def run(argv: list[str] | None = None) -> dict:
     source, target = load_pair(PRESET, device="cpu")
     adapter, note = get_adapter(args.adapter, source, target)
     print(f"setup   {source.name} -> {target.name}; {note}", flush=True)
-    result = measure(source, target, adapter, args.docs or (QUICK_DOCS if args.quick else FULL_DOCS))
+    docs = args.docs if args.docs is not None else QUICK_DOCS if args.quick else FULL_DOCS
+    result = measure(source, target, adapter, docs)
     for line in lines(result):
         print(line, flush=True)
     return result

@@ -117,7 +117,8 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 9; 3 with --quick)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="KV dtype on the wire")
     parser.add_argument("--chunk-kb", type=int, default=1024, help="chunk size asked of the server (KiB)")
-    parser.add_argument("--adapter", help="a trained adapter file (default: fit a ridge adapter on 2048 tokens)")
+    parser.add_argument("--adapter", help="a trained adapter file (default: the pair's shipped adapter, else a ridge "
+                                          "fit on 2048 corpus tokens)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of this process and of the server process (default 1: they "
                              "share the machine's cores; see bench/store.md)")
@@ -133,8 +134,9 @@ def run(argv: list[str] | None = None) -> dict:
                              "separate processes: one GIL for both ends")
     args = parser.parse_args(argv)
     preset = args.preset or ("tiny" if args.quick else "small")
-    num_tokens = args.tokens or (512 if args.quick else 2048)
-    rounds = args.rounds or (3 if args.quick else 9)
+    # an option given is used as given (0 is refused below, not taken for the default)
+    num_tokens = args.tokens if args.tokens is not None else 512 if args.quick else 2048
+    rounds = args.rounds if args.rounds is not None else 3 if args.quick else 9
     for name, value, low in (("--tokens", num_tokens, 16), ("--rounds", rounds, 1), ("--chunk-kb", args.chunk_kb, 4),
                              ("--threads", args.threads, 1)):
         if value < low:

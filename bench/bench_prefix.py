@@ -43,7 +43,10 @@ def run(argv: list[str] | None = None) -> dict:
                         help="torch intra-op threads (default 1: on a shared 2-core machine two threads stall)")
     args = parser.parse_args(argv)
     preset = "tiny" if args.quick else "small"
-    rounds = args.rounds or (3 if args.quick else 5)
+    rounds = args.rounds if args.rounds is not None else 3 if args.quick else 5
+    for name, value in (("--rounds", rounds), ("--threads", args.threads)):
+        if value < 1:  # --rounds 0 is refused, not taken for the default
+            parser.error(f"{name} must be >= 1, got {value}")
     torch.set_num_threads(args.threads)
     service = _service(preset)
     lm = service.models[service.source_name].lm

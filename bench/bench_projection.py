@@ -105,6 +105,9 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
+    for name, value, low in (("--tokens", args.tokens, 2), ("--rounds", args.rounds, 1)):
+        if value < low:  # --tokens 0 would cut nothing off the sample text; no round leaves no median
+            p.error(f"{name} must be >= {low}, got {value}")
 
     from kvbridge.adapters.io import load_adapter
     from kvbridge.transfer.presets import load_pair

@@ -165,13 +165,14 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true",
                         help="tiny random models, 4 turns, a short document: a smoke run in seconds")
     parser.add_argument("--verbose", action="store_true", help="also print one `turns` line per turn")
-    parser.add_argument("--adapter", help="a trained adapter file (default: fit a ridge adapter on 2048 tokens)")
+    parser.add_argument("--adapter", help="a trained adapter file (default: the pair's shipped adapter, else a ridge "
+                                          "fit on 2048 corpus tokens)")
     parser.add_argument("--turns", type=int, help=f"turns (default {len(QUESTIONS)}; 4 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per answer (greedy)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: other processes share the cores; see bench/store.md)")
     args = parser.parse_args(argv)
-    turns = args.turns or (4 if args.quick else len(QUESTIONS))
+    turns = args.turns if args.turns is not None else 4 if args.quick else len(QUESTIONS)  # 0 refused below
     if not 1 <= turns <= len(QUESTIONS):
         parser.error(f"--turns must be in 1..{len(QUESTIONS)}, got {turns}")
     for name, value in (("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):

@@ -2,7 +2,8 @@
 measured in one run on the machine named in the header (STYLE rule 9).
 
 A context of about N SmolLM2 tokens (the start of the packaged pydoc corpus) is ingested once into a kvbridge server
-running in this process (loopback port 0). Then, over several rounds (the order alternates, each time a median):
+running in this process (loopback port 0). Then, after each step below once untimed, over several rounds (the
+order alternates, each time a median):
 
 - full: the target (SmolLM2-135M-Instruct) prefills its start token + the context + a short fixed question, and
   picks its first token (greedy argmax of the last logits);
@@ -147,6 +148,32 @@ class TTFTResult:
                 "ratio_blend_over_full": self.ratio_blend, "ratio_blend_prior_over_plain": self.ratio_prior}
 
 
+Step = tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]  # (untimed prepare, timed call)
+
+
+def timed_rounds(steps: dict[str, Step], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
+    """Every step once untimed (its prepare too): the first-call costs of its path at this length, and what the server
+    keeps of it (a stream's messages, a same-host file), are paid before any timing; then `rounds` rounds, the order
+    alternating. Per step: its seconds in each round, and the split its call returned."""
+    for prepare, fn in steps.values():
+        if prepare is not None:
+            prepare()
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    splits: dict[str, list[dict]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            prepare, fn = steps[name]
+            if prepare is not None:
+                prepare()
+            t0 = time.perf_counter()
+            _, split = fn()
+            samples[name].append(time.perf_counter() - t0)
+            splits[name].append(split)
+    return samples, splits
+
+
 def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, rounds: int,
                  segments: SegmentRegistry) -> TTFTResult:
     """Ingest `context`, check that the server projects exactly the target's tokens of it, then time full prefill,
@@ -260,28 +287,14 @@ def measure_ttft(client: KVBridgeClient, target: LoadedModel, context: str, roun
     served_first_s = time.perf_counter() - t0
     if shm_token != warm_token:
         raise AssertionError("the same projection by shared memory and by stream gave different first tokens")
-    steps: dict[str, tuple[Callable[[], None] | None, Callable[[], tuple[int, dict[str, float]]]]] = {
+    steps: dict[str, Step] = {
         "full": (None, full), "cold": (forget_projection, replace), "warm": (None, replace),
         "shm": (fetched_before, replace_shm), "shm_first": (nothing_kept, replace_shm), "blend": (None, blended),
         "blend_plain": (None, blended_plain), "served": (None, served), "served_stream": (None, served_stream)}
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
-    shm_parts: dict[str, list[float]] = {"fetch": [], "cache": [], "prefill": []}
-    first_fetch: list[float] = []
-    names = list(steps)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            prepare, fn = steps[name]
-            if prepare is not None:
-                prepare()
-            t0 = time.perf_counter()
-            _, split = fn()
-            samples[name].append(time.perf_counter() - t0)
-            if name in ("warm", "shm"):
-                for part, seconds in split.items():
-                    (parts if name == "warm" else shm_parts)[part].append(seconds)
-            elif name == "shm_first":
-                first_fetch.append(split["fetch"])
+    samples, splits = timed_rounds(steps, rounds)
+    parts = {part: [split[part] for split in splits["warm"]] for part in ("fetch", "cache", "prefill")}
+    shm_parts = {part: [split[part] for split in splits["shm"]] for part in ("fetch", "cache", "prefill")}
+    first_fetch = [split["fetch"] for split in splits["shm_first"]]
     med = {name: statistics.median(s) for name, s in samples.items()}
     return TTFTResult(context_tokens=context_ids.numel(), question_tokens=question_ids.numel(), rounds=rounds,
                       ingest_s=ingest_s, first_fetch_s=first_fetch_s, full_s=med["full"], warm_s=med["warm"],
@@ -362,12 +375,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"context lengths in target tokens (default {' '.join(map(str, FULL_TOKENS))})")
     parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL_ROUNDS}; {QUICK_ROUNDS} "
                                                    "with --quick)")
-    parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: fit a ridge adapter)")
+    parser.add_argument("--adapter", help="a trained adapter file of the small pair (default: its shipped "
+                                          "adapter, else a ridge fit on 2048 corpus tokens)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads, for both sides (default 1: see bench/store.md)")
     args = parser.parse_args(argv)
-    args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else FULL_TOKENS)
-    args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else FULL_ROUNDS)
+    # an option given is used as given (--rounds 0 is refused below, not taken for the default)
+    args.tokens = args.tokens if args.tokens is not None else list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    args.rounds = args.rounds if args.rounds is not None else QUICK_ROUNDS if args.quick else FULL_ROUNDS
     for name, value, low in (("--rounds", args.rounds, 1), ("--threads", args.threads, 1),
                              ("--tokens", min(args.tokens), 16)):
         if value < low:

@@ -172,6 +172,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
 
 
+def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace, min_tokens: int) -> None:
+    """--tokens, --rounds and --block-size refused before anything starts (the engine takes about a minute): a
+    too-short context would be cut from the whole corpus, and no round leaves no median."""
+    for name, value, low in (("--tokens", args.tokens, min_tokens), ("--rounds", args.rounds, 1),
+                             ("--block-size", args.block_size, 1)):
+        if value < low:
+            parser.error(f"{name} must be >= {low}, got {value}")
+
+
 def start(name: str, args: argparse.Namespace, engine: str):
     """The vLLM benchmarks' start: args.dtype settled, the vLLM venv checked, the small pair loaded (this process's
     kvbridge server runs it on 2 threads), the machine line printed with `engine` described. -> (source, target)."""
@@ -195,6 +204,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eager", action="store_true",
                         help="run vLLM's model eagerly (default: compiled, as `vllm serve` runs it)")
     args = parser.parse_args(argv)
+    check_counts(parser, args, 16)  # the start token and at least 15 of the context
     started = time.perf_counter()
     source, target = start("bench_vllm", args, f"vLLM engine in {args.dtype or engine_dtype()}, block size "
                            f"{args.block_size}, CPU backend, "

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench_ttft import QUESTION, cut_text
-from bench_vllm import PRESET, add_engine_arguments, start
+from bench_vllm import PRESET, add_engine_arguments, check_counts, start
 from kvbridge.server.app import build_service, start_server
 from kvbridge.server.client import KVBridgeClient
 from kvbridge.server.config import ServeConfig
@@ -94,6 +94,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    check_counts(parser, args, 16)
     started = time.perf_counter()
     source, target = start("bench_vllm_openai", args, f"vLLM's OpenAI server in {args.dtype or engine_dtype()}, "
                            f"block size {args.block_size}, CPU backend, compiled, prefix caching on")

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib.util
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,13 +93,21 @@ def check_attention(target, device):
 
 @check("serve")
 def check_serve(args, text, target, adapter):
+    # the server's folder: its log and the fitted adapter (tens of MB on the CPU, more at full size), removed after
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-gpu-check-"))
+    try:
+        return _serve_and_fetch(work, args, text, target, adapter)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve_and_fetch(work: Path, args, text, target, adapter):
     from kvbridge.adapters.io import save_adapter
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.transfer import kvcache
     from kvbridge.transfer.segment import KVSegment
     from serveproc import ServeProcess
 
-    work = Path(tempfile.mkdtemp(prefix="kvbridge-gpu-check-"))
     save_adapter(adapter.to("cpu"), work / "adapters" / "shaped.safetensors")  # fitted here: the server loads it
     serve = ServeProcess(work, ["--preset", "production-shaped", "--device", args.device, "--dtype", args.dtype,
                                 "--store-device", args.device, "--store-capacity-mb", "512", "--adapters",
@@ -350,6 +359,16 @@ def check_vllm(device):
     return ("PASS" if run.returncode == 0 else "FAIL"), run.stdout.strip().splitlines()[-1][:200]
 
 
+def header(device_name: str, dtype: str) -> str:
+    """The first line: what every figure below was measured on (the device, and the CPU capability PyTorch reports,
+    which decides the CPU's half-precision path and the host side of every copy)."""
+    from kvbridge.transfer.devices import compute_path
+
+    device = torch.device(device_name)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"gpu_check: torch {torch.__version__}, device {device_name} ({name}), dtype {dtype} | {compute_path()}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -363,13 +382,13 @@ def main() -> int:
     from kvbridge.transfer.presets import load_pair
     from kvbridge.transfer.tiny_pair import tiny_corpus_text
 
-    print(f"gpu_check: torch {torch.__version__}, device {args.device}"
-          f" ({torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}), dtype {args.dtype}", flush=True)
+    print(header(args.device, args.dtype), flush=True)
     source, target = load_pair("production-shaped", device=args.device, dtype=args.dtype)
     text = "\n\n".join(tiny_corpus_text().split("\n\n")[:2 if args.quick else 6])
     check_attention(target, device)
+    # max_tokens: at least three windows (the fit, the choice of its strength, the held-out report)
     adapter, _ = train_adapter(source, target, [data_path("tiny_corpus.txt")],
-                               TrainConfig(max_tokens=512 if args.quick else 2048, window_tokens=256), progress=False)
+                               TrainConfig(max_tokens=768 if args.quick else 2048, window_tokens=256), progress=False)
     check_serve(args, text, target, adapter)
     check_prior(target)
     check_store(device)

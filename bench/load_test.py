@@ -139,6 +139,7 @@ def run(args) -> dict:
     elif args.preset == "tiny":
         serve_args.append("--fit-adapter")  # no adapter ships for the random pair: a ridge fit at the first start
     server = None
+    procs: list = []  # the client processes, once started (stopped in the finally below, whatever happened)
     report: dict = {"preset": args.preset, "clients": args.clients, "tenants": args.tenants, "redis": redis_on,
                     "restart": args.restart, "failures": []}
     failures = report["failures"]
@@ -374,6 +375,14 @@ def run(args) -> dict:
             fail(f"no answered {missing}")
         print_report(report)
     finally:
+        # clients still running (an error or Ctrl-C before their deadline: they wait for a start or a deadline that
+        # never comes) would keep this process from exiting, which joins them
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:  # started
+                p.join(timeout=10)
         if server is not None:
             server.kill()
         if redis is not None:
@@ -428,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clients < 1 or args.tenants < 1 or args.seconds <= 0:
         parser.error("--clients, --tenants and --seconds must be positive")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        # written after the run: refused now rather than lost then
+        parser.error(f"--json {args.json}: not a file in an existing folder")
+    if args.adapter and not Path(args.adapter).is_file():
+        parser.error(f"--adapter {args.adapter}: no such file")
     report = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
