@@ -27,3 +27,5 @@ def test_the_device_checks_dry_run_passes_on_the_cpu(tmp_path):
     assert set(lines) == set(CHECKS), run.stdout
     assert lines["attention"] == lines["vllm"] == "SKIP"  # no flash-attn, no CUDA vLLM on a CPU
     assert all(lines[name] == "PASS" for name in CHECKS if name not in ("attention", "vllm")), run.stdout
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("kvbridge-gpu-check-")]
+    assert not left, f"the checks left {left} in TMPDIR"  # the serve check's fitted adapter and log
