@@ -32,7 +32,6 @@ from kvbridge.adapters.adapter import Adapter
 from kvbridge.adapters.answer_probe import AnswerProbe
 from kvbridge.adapters.answer_windows import AnswerCache, AnswerConfig, answer_windows
 from kvbridge.adapters.chain_start import (
-    RIDGE,
     context_config,
     init_start,
     load_init,
@@ -42,14 +41,12 @@ from kvbridge.adapters.chain_start import (
 )
 from kvbridge.adapters.context import ContextConfig, ContextMaps
 from kvbridge.adapters.distributed import build_teacher_cache, is_main, world_size
-from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.fuser import FuserConfig, FuserMaps
 from kvbridge.adapters.layer_map import LAYER_MAPS
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.recovery_probe import RecoveryProbe
 from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import (
-    TeacherCache,
     TeacherConfig,
     Window,
     document_windows,
@@ -65,7 +62,7 @@ from kvbridge.adapters.trainer import (
     check_resume,
     train,
 )
-from kvbridge.adapters.work_folder import corpus_digest, read_checkpoint
+from kvbridge.adapters.work_folder import corpus_digest
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.models import LoadedModel
 
@@ -280,15 +277,6 @@ def select_answer_windows(files: list[str | Path], target_tokenizer, config: Cha
     train_w = answer_windows(train_docs, target_tokenizer, config.answer, per_document, seed=config.seed)
     rng.shuffle(train_w)
     return dev, train_w[:config.answer_windows]
-
-
-def _ridge(work: Path, cache: TeacherCache, train_idx, dev_idx, target, config: ChainConfig, progress: bool
-           ) -> tuple[Adapter, RidgeStats, float]:
-    """The work folder's ridge fit, read back when complete, else fitted on the first `ridge_windows` of train_idx and
-    written, for a caller that holds a teacher cache of its own (experiments/context-map) and so records no inputs:
-    train_chain's own fit is chain_start.ridge_start's, checked against its inputs."""
-    saved = read_checkpoint(work / RIDGE[0], RIDGE[1], RIDGE[2])
-    return ridge_start(work, saved, None, cache, train_idx, dev_idx, target, config, progress)
 
 
 def stage_context(config: ChainConfig, init: Adapter | None) -> ContextConfig | None:

@@ -217,10 +217,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     adapter, report = train_adapter(source, target, corpus, config, stats_path=args.stats, progress=not args.quiet)
     fit_s = time.perf_counter() - t0
-    print(f"ridge fit: {report.windows} windows, {report.train_tokens} train / {report.heldout_tokens} held-out "
-          f"tokens, layer map {args.layer_map}, {fit_s:.1f} s")
+    print(f"ridge fit: {report.windows} windows, layer map {args.layer_map}, {fit_s:.1f} s: {report.split()}")
     print(report.table())
-    result_json: dict = {"layers": report.layers, "fit_seconds": fit_s, "layer_map": args.layer_map}
+    result_json: dict = {"layers": report.layers, "fit_seconds": fit_s, "layer_map": args.layer_map,
+                         "split": {"documents": report.documents, "train_tokens": report.train_tokens,
+                                   "select_tokens": report.select_tokens, "heldout_tokens": report.heldout_tokens}}
     if args.refine_steps:
         t0 = time.perf_counter()
         before = None

@@ -134,7 +134,7 @@ class LayerFit:
     b: torch.Tensor  # [d_t] float64
     alpha: tuple[float, ...]
     lam: float  # the chosen λ (relative)
-    heldout_r2: float  # 1 - SSE/SST on held-out statistics
+    heldout_r2: float  # 1 - SSE/SST on the statistics λ and α were chosen on: biased up, not a held-out report
     heldout_sse: float
 
 
@@ -265,12 +265,15 @@ class JointStats:
         self.yy = torch.zeros(out, dtype=torch.float64)
         self.count = 0
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # windows not yet in the sums
+        self._shift: tuple[torch.Tensor, torch.Tensor] | None = None  # (c [F], d [2·L_t·d_t]): flush
 
     def add(self, xk: torch.Tensor, xv: torch.Tensor, yk: torch.Tensor, yv: torch.Tensor,
             tok: torch.Tensor | None = None) -> None:
         """As `RidgeStats.add`: xk, xv [L_s, n, d_s]; yk, yv [L_t, n, d_t]; tok [n, d_tok]. Windows are summed
         in blocks of about 2,048 tokens: the products of a block in float32 (float64 inputs: float64), the sums
-        in float64 (a ~10,000-wide Gram added in float64 per window took longer than its product)."""
+        in float64 (a ~10,000-wide Gram added in float64 per window took longer than its product). The block's
+        products are of inputs and outputs less a shift (`flush`), so float32 rounds at the scale of their spread,
+        not of their mean."""
         if (tok is None) != (self.d_tok == 0):
             raise ValueError(f"these statistics take token features of width {self.d_tok}")
         n = xk.shape[1]
@@ -292,15 +295,34 @@ class JointStats:
         return [self.gram, self.cross, self.yy]
 
     def flush(self) -> None:
-        """Fold the pending windows into the float64 sums (done by everything that reads them)."""
+        """Fold the pending windows into the float64 sums (done by everything that reads them).
+
+        A block's products are taken of x_s = x − c and y_s = y − d, with c and d the first block's means (c's last
+        entry, the constant input's, 0): a float32 product of the raw inputs rounds at the scale of their mean
+        squared, and the covariance `source_basis` takes from the sums (E[xxᵀ] − E[x]E[x]ᵀ) lost every digit where
+        the mean is ~1,000 times the spread. The shift folds back exactly, in float64: with x = x_s M (M = I + e cᵀ,
+        e the constant input), Σxᵀx = Mᵀ(Σx_sᵀx_s)M and Σxᵀy = Mᵀ(Σx_sᵀy_s + (Σx_s) dᵀ)."""
         if not self._pending:
             return
-        x = torch.cat([p[0] for p in self._pending])
-        y = torch.cat([p[1] for p in self._pending])
+        x = torch.cat([p[0] for p in self._pending])  # [n, F]
+        y = torch.cat([p[1] for p in self._pending])  # [n, 2·L_t·d_t]
         self._pending.clear()
-        self.gram += (x.T @ x).double()
-        self.cross += (x.T @ y).double()
-        self.yy += (y.double() ** 2).sum(0)
+        if self._shift is None:
+            c = x.double().mean(0)
+            c[-1] = 0.0
+            self._shift = (c, y.double().mean(0))
+        c, d = self._shift
+        yy = (y.double() ** 2).sum(0)
+        x = (x.double() - c).to(x.dtype)
+        y = (y.double() - d).to(y.dtype)
+        gram = (x.T @ x).double()  # Σ x_s x_sᵀ
+        cross = (x.T @ y).double() + torch.outer(gram[:, -1], d)  # Σ x_s yᵀ
+        gram += torch.outer(gram[:, -1], c)  # (Σ x_s x_sᵀ) M
+        gram += torch.outer(c, gram[-1])  # Mᵀ (...)
+        cross += torch.outer(c, cross[-1])
+        self.gram += gram
+        self.cross += cross
+        self.yy += yy
 
     def ridge_stats(self, basis: torch.Tensor) -> RidgeStats:
         """The statistics of the maps' inputs [x_src @ basis, tok, 1] (one group: every layer reads the same)."""

@@ -32,6 +32,7 @@ from kvbridge.adapters.fit import RidgeStats
 from kvbridge.adapters.pairs import pair_text
 from kvbridge.adapters.residual import whitening
 from kvbridge.adapters.teacher import source_features
+from kvbridge.adapters.weights import META_FIELDS, check_fitted_for, check_meta
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from safetensors import safe_open
@@ -176,11 +177,28 @@ def load_fuser(path: str | Path) -> tuple[FuserMaps, dict]:
     record = json.loads(header.get("kvbridge_adapter", "{}"))
     if record.get("kind") != "fuser" or record.get("format_version") != FUSER_FORMAT_VERSION:
         raise ValueError(f"{path.name} is not a kvbridge fuser file (format {FUSER_FORMAT_VERSION}, kind 'fuser')")
+    fuser_meta(record, path)
     t = load_file(str(path))
     missing = [n for n in FUSER_TENSORS if n not in t]
     if missing:
         raise ValueError(f"{path.name} lacks tensors {missing}")
     return _from_saved(t, int(record["rank"])), record
+
+
+def fuser_meta(record: dict, path: Path) -> AdapterMeta:
+    """The AdapterMeta of a fuser file's record, checked as an adapter's is (io.load_adapter): ValueError naming the
+    file and the field when a model's record (its config hash above all) is missing or malformed."""
+    absent = [name for name in META_FIELDS if name not in record]
+    if absent:
+        raise ValueError(f"{path}: fuser metadata field {absent[0]!r} missing (a fuser records {META_FIELDS}: "
+                         "without the models' config hashes it cannot be checked against the models it runs with)")
+    fields = {f.name for f in dataclasses.fields(AdapterMeta)}
+    meta = AdapterMeta(**{k: v for k, v in record.items() if k in fields})
+    try:
+        check_meta(meta)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {str(exc).replace('adapter metadata', 'fuser metadata')}") from None
+    return meta
 
 
 def saved_tensors(maps: FuserMaps, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -215,12 +233,10 @@ class Fuser:
 
     @classmethod
     def load(cls, path: str | Path, source: LoadedModel, target: LoadedModel) -> "Fuser":
+        """The fuser file at `path` for these models: refused (ValueError naming the file, the models it was fitted
+        for and these) unless its metadata records these models' config hashes, sizes and RoPE."""
         maps, record = load_fuser(path)
-        for side, model in (("source", source), ("target", target)):
-            want = record.get(side, {}).get("config_hash")
-            if want and want != model.spec.identity.config_hash:
-                raise ValueError(f"{Path(path).name} was trained for another {side} model "
-                                 f"({record[side].get('name')}), not {model.name}")
+        check_fitted_for(f"fuser {path}", fuser_meta(record, Path(path)), source.spec, target.spec)
         return cls(maps, source, target)
 
     @torch.no_grad()

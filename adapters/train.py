@@ -1,5 +1,10 @@
 """Training an adapter end to end: corpus windows -> aligned KV pairs -> ridge statistics -> per-layer solve,
-with held-out metrics (R² and cosine per layer) and optional end-to-end refinement."""
+with held-out metrics (R² and cosine per layer) and optional end-to-end refinement.
+
+The windows are split by document (.jsonl: each record; .txt: runs of ~doc_chars characters of paragraphs, as
+the chain's: teacher.split_documents) into three parts that share no document: the maps are fitted on the training
+windows, λ and α chosen on the select windows, and R² and cosine reported on the report windows, which neither
+fitted the maps nor chose them (`split_windows`)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from kvbridge.adapters.adapter import Adapter, AdapterMeta, map_tokens, model_re
 from kvbridge.adapters.fit import DEFAULT_LAMBDAS, RidgeStats, solve_layer
 from kvbridge.adapters.layer_map import LAYER_MAPS, build_layer_map
 from kvbridge.adapters.pairs import kv_pairs, pair_text, start_kv, start_token_id
+from kvbridge.adapters.teacher import Window, document_windows, split_documents
 from kvbridge.adapters.work_folder import write_tensors
 from kvbridge.transfer.data import jsonl_rows
 from kvbridge.transfer.models import LoadedModel
@@ -31,7 +37,8 @@ class TrainConfig:
     k: int = 3  # source layers per target layer for "mix"
     window_tokens: int = 256  # target tokens per fitting window
     max_tokens: int = 16_384  # target tokens read from the corpus in all (train + held-out)
-    heldout_fraction: float = 0.1  # of the windows, for choosing λ and α and for the metrics
+    heldout_fraction: float = 0.1  # of the windows, held out by document: half choose λ and α, half are reported
+    doc_chars: int = 8000  # a .txt file's documents: runs of paragraphs about this long (the unit held out)
     lambdas: tuple[float, ...] = DEFAULT_LAMBDAS  # ridge strengths tried, × the mean input power
     mix_step: float = 0.25  # grid step of the convex mix weights
     seed: int = 0
@@ -43,10 +50,13 @@ class TrainConfig:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.window_tokens < 8:
             raise ValueError(f"window_tokens must be >= 8, got {self.window_tokens}")
-        if self.max_tokens < 2 * self.window_tokens:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must hold at least two windows of {self.window_tokens}")
+        if self.max_tokens < 3 * self.window_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must hold at least three windows of "
+                             f"{self.window_tokens} (training, choosing λ and α, the held-out report)")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.doc_chars < 1:
+            raise ValueError(f"doc_chars must be >= 1, got {self.doc_chars}")
 
 
 def read_corpus(files: list[str | Path]) -> tuple[list[str], str]:
@@ -93,12 +103,87 @@ def corpus_windows(texts: list[str], target_tokenizer, window_tokens: int, max_t
     return windows[: max(2, max_tokens // window_tokens)]
 
 
+# how train_adapter splits its windows (recorded in the adapter's corpus metadata and in the --stats key): "documents"
+# since the split by document into train / select / report; before it, one held-out part of the shuffled windows both
+# chose λ and α and gave the reported R², and windows of one document fell on both sides
+SPLIT = "documents"
+
+
+def read_documents(files: list[str | Path], doc_chars: int) -> tuple[list[tuple[str, str]], str]:
+    """The corpus as documents [(doc_id, text)]: a .jsonl file's records (a "text" field, else "document"), id
+    "<file name>:<line>"; a .txt file's runs of paragraphs of about doc_chars characters (teacher.split_documents),
+    id "<file name>:<index>". Returns them and a sha256 over every file's bytes (as read_corpus's)."""
+    docs: list[tuple[str, str]] = []
+    digest = hashlib.sha256()
+    if not files:
+        raise ValueError("no corpus files given")
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file {path} does not exist")
+        raw = path.read_bytes()
+        digest.update(raw)
+        if path.suffix == ".jsonl":
+            docs += [(f"{path.name}:{n}", body) for n, body in _jsonl_texts(path, raw)]
+        else:
+            docs += split_documents(path, path.name, doc_chars)
+    docs = [(doc_id, text) for doc_id, text in docs if text.strip()]
+    if not docs:
+        raise ValueError(f"the corpus files {[str(f) for f in files]} hold no text")
+    return docs, digest.hexdigest()
+
+
+def _jsonl_texts(path: Path, raw: bytes) -> list[tuple[int, str]]:
+    """(line number, text) of every record of a .jsonl corpus file."""
+    out = []
+    for n, record in jsonl_rows(path, raw.decode("utf-8", errors="replace")):
+        body = record.get("text", record.get("document")) if isinstance(record, dict) else None
+        if not isinstance(body, str):
+            raise ValueError(f"{path}:{n}: expected an object with a string 'text' (or 'document') field")
+        out.append((n, body))
+    return out
+
+
+def split_windows(windows: list[Window], budget: int, heldout_fraction: float
+                  ) -> tuple[list[Window], list[Window], list[Window]]:
+    """(train, select, report) of `budget` windows in all, no document in two of them. `windows`: every window of the
+    corpus in a seeded shuffle. Documents are taken in the order of their first window there: report's until it
+    holds n = max(1, round(budget · heldout_fraction / 2)) windows, then select's until it holds n, then every other
+    document is a training one, of which the first budget − 2n windows are read (a held-out document's windows past
+    its part's n are read by nothing)."""
+    n = max(1, round(budget * heldout_fraction / 2))
+    docs = list(dict.fromkeys(w.doc_id for w in windows))  # in the order of their first window
+    part_of: dict[str, str] = {}
+    held = {"report": [], "select": []}
+    for doc in docs:
+        part = next((name for name, got in held.items() if len(got) < n), "train")
+        part_of[doc] = part
+        if part != "train":
+            held[part] += [w for w in windows if w.doc_id == doc][:n - len(held[part])]
+    train = [w for w in windows if part_of[w.doc_id] == "train"][:budget - 2 * n]
+    if not held["report"] or not held["select"] or not train:
+        raise ValueError(f"the corpus gave windows of {len(docs)} document(s): the fit needs at least three, as "
+                         "training, choosing λ and α, and the held-out report each read documents of their own "
+                         "(give more text: more .jsonl records, or .txt files of more paragraphs; a .txt file's "
+                         "documents are runs of paragraphs of ~8,000 characters, TrainConfig.doc_chars)")
+    return train, held["select"], held["report"]
+
+
 @dataclass
 class TrainReport:
     layers: list[dict] = field(default_factory=list)  # per target layer: source layers, α, λ, R², cosine of K and V
     train_tokens: int = 0
-    heldout_tokens: int = 0
-    windows: int = 0
+    heldout_tokens: int = 0  # the report windows' tokens: R² and cosine are of them
+    windows: int = 0  # read in all: train + select + report
+    select_tokens: int = 0  # the tokens λ and α were chosen on
+    documents: dict = field(default_factory=dict)  # {"train", "select", "report": documents read}
+
+    def split(self) -> str:
+        """How the windows were used, in one line."""
+        d = self.documents
+        return (f"{self.train_tokens} training tokens, λ and α chosen on {self.select_tokens} tokens, R² and cosine "
+                f"on {self.heldout_tokens} held-out tokens that neither fitted nor chose (documents {d.get('train')} / "
+                f"{d.get('select')} / {d.get('report')}, none in two parts)")
 
     def table(self) -> str:
         head = f"{'layer':>5} {'src':>10} {'R2 K':>7} {'cos K':>7} {'R2 V':>7} {'cos V':>7} {'lam K':>7} {'lam V':>7}"
@@ -115,7 +200,7 @@ class TrainReport:
 
 def _stats_key(config: TrainConfig, corpus_sha: str, source: LoadedModel, target: LoadedModel) -> str:
     data = {"config": asdict(config), "corpus": corpus_sha, "source": source.spec.identity.key,
-            "target": target.spec.identity.key}
+            "target": target.spec.identity.key, "split": SPLIT}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -128,18 +213,18 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
     """Fit an adapter in closed form. With stats_path, the accumulated statistics are written (atomically) when every
     window is in, and before that at most every save_every_s seconds of `clock`; a rerun with the same models,
     corpus and config resumes from them."""
-    texts, corpus_sha = read_corpus(corpus_files)
-    windows = corpus_windows(texts, target.tokenizer, config.window_tokens, config.max_tokens, config.seed)
-    n_heldout = max(1, round(len(windows) * config.heldout_fraction))
-    heldout_windows, train_windows = windows[:n_heldout], windows[n_heldout:]
-    if not train_windows:
-        raise ValueError(f"the corpus gave {len(windows)} windows of {config.window_tokens} tokens: too few to fit")
+    docs, corpus_sha = read_documents(corpus_files, config.doc_chars)
+    every = document_windows(docs, target.tokenizer, config.window_tokens)
+    random.Random(config.seed).shuffle(every)
+    budget = config.max_tokens // config.window_tokens
+    train_windows, select_windows, report_windows = split_windows(every, budget, config.heldout_fraction)
+    windows = [*train_windows, *select_windows, *report_windows]
     sspec, tspec = source.spec, target.spec
     groups = [tuple(g) for g in build_layer_map(config.layer_map, sspec.num_layers, tspec.num_layers, config.k)]
     d_s, d_t = sspec.num_kv_heads * sspec.head_dim, tspec.num_kv_heads * tspec.head_dim
     device = target.device
     train = RidgeStats(groups, d_s, d_t, device)
-    heldout = RidgeStats(groups, d_s, d_t, device)
+    select = RidgeStats(groups, d_s, d_t, device)  # what λ and α are chosen on
     key = _stats_key(config, corpus_sha, source, target)
     done = 0
     if stats_path is not None and Path(stats_path).exists():
@@ -150,36 +235,39 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
                              "remove it or choose another --stats file")
         done = int(state.pop("windows_done"))
         train = RidgeStats.from_state_dict({k[6:]: v for k, v in state.items() if k.startswith("train.")}, device)
-        heldout = RidgeStats.from_state_dict({k[8:]: v for k, v in state.items() if k.startswith("heldout.")}, device)
+        select = RidgeStats.from_state_dict({k[7:]: v for k, v in state.items() if k.startswith("select.")}, device)
         log.info("resuming from %s: %d of %d windows already accumulated", stats_path, done, len(train_windows))
 
-    held_pairs = []
-    for text in tqdm(heldout_windows, desc="held-out windows", disable=not progress):
-        pairs = kv_pairs(source, target, pair_text(text, source.tokenizer, target.tokenizer))
-        held_pairs.append(pairs)
-        if done == 0:
-            heldout.add(*pairs)
+    def pairs(w: Window):
+        return kv_pairs(source, target, pair_text(w.text, source.tokenizer, target.tokenizer))
+
+    if done == 0:
+        for w in tqdm(select_windows, desc="λ/α windows", disable=not progress):
+            select.add(*pairs(w))
 
     def save(windows_done: int) -> None:
         state = {f"train.{k}": v for k, v in train.state_dict().items()}
-        state |= {f"heldout.{k}": v for k, v in heldout.state_dict().items()}
+        state |= {f"select.{k}": v for k, v in select.state_dict().items()}
         state["windows_done"] = torch.tensor(windows_done)
         state["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
         write_tensors(Path(stats_path), state)
 
     saved_at = clock()
-    for i, text in enumerate(tqdm(train_windows, desc="fitting windows", disable=not progress)):
+    for i, w in enumerate(tqdm(train_windows, desc="fitting windows", disable=not progress)):
         if i < done:
             continue
-        train.add(*kv_pairs(source, target, pair_text(text, source.tokenizer, target.tokenizer)))
+        train.add(*pairs(w))
         if stats_path is not None and i + 1 < len(train_windows) and clock() - saved_at >= save_every_s:
             save(i + 1)
             saved_at = clock()
     if stats_path is not None and done < len(train_windows):
         save(len(train_windows))
 
-    fits = {m: [solve_layer(train, heldout, m, j, config.lambdas, config.mix_step) for j in range(len(groups))]
+    fits = {m: [solve_layer(train, select, m, j, config.lambdas, config.mix_step) for j in range(len(groups))]
             for m in "kv"}
+    held_pairs = [pairs(w) for w in tqdm(report_windows, desc="held-out windows", disable=not progress)]
+    documents = {name: len({w.doc_id for w in part}) for name, part in
+                 (("train", train_windows), ("select", select_windows), ("report", report_windows))}
     start = start_token_id(target.tokenizer)
     f32 = dict(dtype=torch.float32)
     adapter = Adapter(
@@ -188,7 +276,9 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
                          lambdas={m: [f.lam for f in fits[m]] for m in "kv"},
                          corpus={"sha256": corpus_sha, "files": [str(f) for f in corpus_files],
                                  "windows": len(windows), "train_tokens": train.count,
-                                 "heldout_tokens": heldout.count}),
+                                 "select_tokens": select.count, "documents": documents,
+                                 "split": f"{SPLIT}: train, select (λ and α), report (metrics.heldout_layers) share no "
+                                          f"document (.jsonl records; .txt runs of ~{config.doc_chars} characters)"}),
         layer_map=torch.tensor(groups, dtype=torch.int64),
         mix_k=torch.tensor([f.alpha for f in fits["k"]], **f32),
         mix_v=torch.tensor([f.alpha for f in fits["v"]], **f32),
@@ -196,14 +286,17 @@ def train_adapter(source: LoadedModel, target: LoadedModel, corpus_files: list[s
         wv=torch.stack([f.w for f in fits["v"]]).to(**f32), bv=torch.stack([f.b for f in fits["v"]]).to(**f32),
         start_kv=start_kv(target, start).cpu(),
     )
-    report = _report(adapter, fits, held_pairs, train.count, heldout.count, len(windows), groups)
+    report = _report(adapter, fits, held_pairs, train.count, len(windows), groups)
+    report.select_tokens, report.documents = select.count, documents
+    adapter.meta.corpus["heldout_tokens"] = report.heldout_tokens
     adapter.meta.metrics["heldout_layers"] = report.layers
     return adapter, report
 
 
-def _report(adapter, fits, held_pairs, n_train, n_heldout, n_windows, groups) -> TrainReport:
-    """R² and mean cosine per layer from the held-out pairs themselves, with the adapter's own maps."""
-    report = TrainReport(train_tokens=n_train, heldout_tokens=n_heldout, windows=n_windows)
+def _report(adapter, fits, held_pairs, n_train, n_windows, groups) -> TrainReport:
+    """R² and mean cosine per layer from the report windows' pairs themselves, with the adapter's own maps."""
+    report = TrainReport(train_tokens=n_train, heldout_tokens=sum(p[0].shape[1] for p in held_pairs),
+                         windows=n_windows)
     xk = torch.cat([p[0] for p in held_pairs], dim=1)
     xv = torch.cat([p[1] for p in held_pairs], dim=1)
     yk = torch.cat([p[2] for p in held_pairs], dim=1)

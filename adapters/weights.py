@@ -295,12 +295,17 @@ class Adapter:
 
     def check_models(self, source: ModelSpec, target: ModelSpec) -> None:
         """Raise ValueError unless these are the models (config and RoPE) the adapter was fitted for."""
-        for role, spec, rec in (("source", source, self.meta.source), ("target", target, self.meta.target)):
-            if spec.identity.config_hash != rec["config_hash"]:
-                raise ValueError(f"adapter {self.name!r} was fitted for {role} {rec['name']!r} (config "
-                                 f"{rec['config_hash'][:16]}), not {spec.name!r} "
-                                 f"(config {spec.identity.config_hash[:16]})")
-            got = model_record(spec)
-            for key in ("num_layers", "num_kv_heads", "head_dim", "rope"):
-                if got[key] != rec[key]:
-                    raise ValueError(f"adapter {self.name!r}: {role} {key} differs from the model's ({spec.name!r})")
+        check_fitted_for(f"adapter {self.name!r}", self.meta, source, target)
+
+
+def check_fitted_for(what: str, meta: AdapterMeta, source: ModelSpec, target: ModelSpec) -> None:
+    """Raise ValueError unless `source` and `target` are the models (config hash, sizes and RoPE) that `meta` (checked
+    by check_meta) records; `what` names the fitted thing in the message ("adapter 'a->b'", "fuser FILE")."""
+    for role, spec, rec in (("source", source, meta.source), ("target", target, meta.target)):
+        if spec.identity.config_hash != rec["config_hash"]:
+            raise ValueError(f"{what} was fitted for {role} {rec['name']!r} (config {rec['config_hash'][:16]}), not "
+                             f"{spec.name!r} (config {spec.identity.config_hash[:16]})")
+        got = model_record(spec)
+        for key in ("num_layers", "num_kv_heads", "head_dim", "rope"):
+            if got[key] != rec[key]:
+                raise ValueError(f"{what}: {role} {key} differs from the model's ({spec.name!r})")

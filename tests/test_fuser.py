@@ -4,11 +4,13 @@ deterministic and learns a planted residual."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
 import torch
-from kvbridge.adapters.fuser import FuserConfig, FuserMaps, load_fuser, save_fuser
+from kvbridge.adapters.fuser import Fuser, FuserConfig, FuserMaps, load_fuser, save_fuser
 from kvbridge.adapters.losses import ce_loss
 from kvbridge.adapters.map_kv import context_kv
 from kvbridge.adapters.pairs import start_token_id
@@ -18,7 +20,7 @@ from kvbridge.adapters.teacher import TeacherCache, TeacherConfig, Window
 from kvbridge.adapters.trainer import TrainerConfig, train
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.segment import KVSegment
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 WORDS = ("the a model reads text once and keeps its cache in blocks while another model of a different family "
          "generates from the projected keys and values without reading the document again").split()
@@ -169,3 +171,31 @@ def test_ce_training_learns_a_planted_residual(pair, cache, ridge, tmp_path):
           progress=False)
     after = loss(maps)
     assert after < before - 0.5 * (before - best), (best, before, after)
+
+
+def test_fuser_load_refuses_a_file_without_the_models_identity_or_for_other_models(pair, ridge, tmp_path):
+    """A fuser file must name the models it was fitted for (their config hashes): one that does not, or that names
+    others, is refused by file and by both identities, not run on whatever pair loads it."""
+    source, target = pair
+    maps, meta = _fuser(ridge), ridge[0].meta
+    assert meta.source["config_hash"] == source.spec.identity.config_hash
+    good = save_fuser(maps, meta, tmp_path / "good.safetensors", dtype=torch.float32)
+    assert isinstance(Fuser.load(good, source, target), Fuser)
+    unnamed = dataclasses.replace(meta, source={k: v for k, v in meta.source.items() if k != "config_hash"})
+    path = save_fuser(maps, unnamed, tmp_path / "unnamed.safetensors", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"unnamed\.safetensors.*'source\.config_hash'"):
+        Fuser.load(path, source, target)
+    with pytest.raises(ValueError, match=r"unnamed\.safetensors.*'source\.config_hash'"):
+        load_fuser(path)
+    other = dataclasses.replace(meta, target={**meta.target, "config_hash": "f" * 64, "name": "another-target"})
+    path = save_fuser(maps, other, tmp_path / "other.safetensors", dtype=torch.float32)
+    both = (rf"other\.safetensors was fitted for target 'another-target' \(config f{{16}}\), not "
+            rf"'{target.spec.name}' \(config {target.spec.identity.config_hash[:16]}\)")
+    with pytest.raises(ValueError, match=both):
+        Fuser.load(path, source, target)
+    record = {k: v for k, v in dataclasses.asdict(meta).items() if k != "target"} | {
+        "format_version": 2, "kind": "fuser", "rank": maps.config.rank}
+    tensors = load_file(str(good))
+    save_file(tensors, str(tmp_path / "bare.safetensors"), metadata={"kvbridge_adapter": json.dumps(record)})
+    with pytest.raises(ValueError, match=r"bare\.safetensors: fuser metadata field 'target' missing"):
+        Fuser.load(tmp_path / "bare.safetensors", source, target)

@@ -25,12 +25,16 @@ sys.path.insert(0, str(HERE))
 
 def load(work: Path, windows: int, data: Path, ridge_windows: int = 100, token_rank: int = 64):
     """The pair, teacher cache, dev/train indices and ridge fit of a `--trainer chain` work folder (nothing is
-    recomputed when the folder is complete)."""
+    recomputed when the folder is complete), through the chain's own steps: the teacher cache and the ridge fit record
+    what they were made from (adapters/work_folder.py), and a folder made from another corpus or with other options
+    is refused by the option's name."""
     import torch
-    from kvbridge.adapters.chain import ChainConfig, _ridge, kv_windows, select_windows, valid_windows
+    from kvbridge.adapters.chain import ChainConfig, kv_windows, select_windows, valid_windows
+    from kvbridge.adapters.chain_start import read_start, ridge_start, start_inputs
     from kvbridge.adapters.distributed import build_teacher_cache
     from kvbridge.adapters.pairs import start_token_id
     from kvbridge.adapters.teacher import TeacherConfig
+    from kvbridge.adapters.work_folder import corpus_digest
     from kvbridge.transfer.presets import load_pair
 
     torch.set_num_threads(2)
@@ -39,13 +43,18 @@ def load(work: Path, windows: int, data: Path, ridge_windows: int = 100, token_r
                          token_rank=token_rank, teacher=TeacherConfig(queries=False))  # as a kl-only chain's
     files = [data / "pydoc_corpus.txt", data / "kernel_docs_corpus.txt"]
     dev, train_w = select_windows(files, target.tokenizer, config)
+    valid = valid_windows(config, train_w, target.tokenizer)
+    corpus = corpus_digest(files)
+    inputs = start_inputs(config, corpus, dev, valid[:config.ridge_windows])
+    saved = read_start(work, config, inputs)  # (refused before any teacher window when made for other inputs)
     cache, _ = build_teacher_cache(work / "teacher", source, target, dev + train_w, config.teacher,
                                    start_token_id(target.tokenizer), progress=False,
-                                   kv_ids=kv_windows(config, dev, valid_windows(config, train_w, target.tokenizer)))
+                                   kv_ids=kv_windows(config, dev, valid),
+                                   corpus={"files": corpus, "doc_chars": config.doc_chars})
     pos = {e["id"]: i for i, e in enumerate(cache.entries)}
     dev_idx = [pos[w.id] for w in dev if w.id in pos]
-    train_idx = [pos[w.id] for w in train_w if w.id in pos]
-    ridge, stats, _ = _ridge(work, cache, train_idx, dev_idx, target, config, progress=False)
+    train_idx = [pos[w.id] for w in train_w if w.id in pos]  # (those of `valid`: the ridge reads the first ones)
+    ridge, stats, _ = ridge_start(work, saved, inputs, cache, train_idx, dev_idx, target, config, progress=False)
     return source, target, config, cache, dev_idx, train_idx, ridge, stats
 
 
