@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# Property tests draw the same examples on every run (CI's .ci/run sets no CI variable, so this is the default
+# everywhere): a failure reproduces, with its blob printed; no example database carried between runs. Explore new
+# examples with `pytest --hypothesis-profile default`.
+settings.register_profile("kvbridge", derandomize=True, database=None, print_blob=True)
+settings.load_profile("kvbridge")
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +102,30 @@ def redis_server(tmp_path):
 @pytest.fixture
 def redis_url(redis_server):
     return redis_server.url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_shm_dir():
+    """The servers tests start (tests/served.py's start, tests/serveproc.py's tiny_replica_args) put their
+    shared-memory segment folders in this session's own folder in /dev/shm, removed at the end with whatever a
+    killed server left there, instead of in /dev/shm itself. None where this machine has no /dev/shm."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import served
+    import serveproc
+
+    if not Path("/dev/shm").is_dir():
+        yield None
+        return
+    root = tempfile.mkdtemp(prefix="kvb-tests-", dir="/dev/shm")
+    served.SHM_DIR = serveproc.SHM_DIR = root
+    try:
+        yield Path(root)
+    finally:
+        served.SHM_DIR = serveproc.SHM_DIR = None
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ in-process servers

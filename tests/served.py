@@ -23,6 +23,9 @@ TOKENS = {ALICE: "alice", BOB: "bob"}
 TEXT = ("The module provides a way to read and write data in a portable format. Each record holds a name, "
         "a value and an optional comment, and readers skip what they do not understand.")
 WAIT_S = 60.0  # bound on every wait for something another thread or process does
+# where the servers start() makes put their shared-memory segment folders when the test names none: a folder of the
+# test session's own in /dev/shm (conftest's `session_shm_dir` sets it, then removes it with what a killed server left)
+SHM_DIR: str | None = None
 
 
 def words() -> list[str]:
@@ -39,13 +42,16 @@ def text(n: int, count: int = 40) -> str:
 
 def start(source, targets, adapters_dir, tokens: dict[str, str] | None = TOKENS, store=None, **overrides):
     """An in-process server on a free loopback port, serving `source` -> `targets` with the adapters in
-    adapters_dir (store: a PagedStore built by the test, else one from the config; tokens None: an open server).
+    adapters_dir (store: a PagedStore built by the test, else one from the config; tokens None: an open server);
+    its shared-memory folders in SHM_DIR unless overrides name shm_dir.
     The projection's path (correction "replace"): tests/test_corrections.py has the served modes."""
     from kvbridge.server.app import build_service, start_server
     from kvbridge.server.config import ServeConfig
 
     fields = dict(preset="tiny", listen="127.0.0.1:0", adapters=str(adapters_dir), store_capacity_mb=64,
                   max_message_mb=2, chunk_kb=64, correction="replace")
+    if SHM_DIR is not None:
+        fields["shm_dir"] = SHM_DIR
     fields.update(overrides)
     config = ServeConfig(**fields)
     service = build_service(config, source=source, targets=targets, store=store)

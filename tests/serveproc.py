@@ -16,11 +16,16 @@ import time
 from pathlib import Path
 
 _POLL_S = 0.1
+# where tiny_replica_args puts a replica's shared-memory segment folders when the test names none: a folder of the
+# test session's own in /dev/shm (conftest's `session_shm_dir` sets it, then removes it with what a killed server left)
+SHM_DIR: str | None = None
 
 
-def tiny_replica_args(folder: Path, tiny_adapter_file: Path, redis_url: str, tokens: str) -> list[str]:
+def tiny_replica_args(folder: Path, tiny_adapter_file: Path, redis_url: str, tokens: str,
+                      shm_dir: str | None = None) -> list[str]:
     """`kvbridge serve` arguments of a tiny-pair replica on a shared Redis tier (values signed with the tests'
-    secret): folder gets the adapters, the token file (`tokens`: its lines) and the secret file."""
+    secret): folder gets the adapters, the token file (`tokens`: its lines) and the secret file; its shared-memory
+    folders go in shm_dir, else SHM_DIR, else the server's default (/dev/shm)."""
     from redisproc import write_secret_file
 
     adapters = folder / "adapters"
@@ -30,7 +35,8 @@ def tiny_replica_args(folder: Path, tiny_adapter_file: Path, redis_url: str, tok
     (folder / "tokens").chmod(0o600)  # a token file others can read is refused
     return ["--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
             "--adapters", str(adapters), "--no-selfcheck", "--token-file", str(folder / "tokens"),
-            "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(folder))]
+            "--redis-url", redis_url, "--redis-secret-file", str(write_secret_file(folder)),
+            *(["--shm-dir", shm_dir or SHM_DIR] if shm_dir or SHM_DIR else [])]
 
 
 def _die_with_parent() -> list[str]:

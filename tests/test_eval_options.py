@@ -49,6 +49,7 @@ def _served_service(monkeypatch) -> list:
     return built
 
 
+@pytest.mark.integration  # served:* modes start an in-process server
 def test_served_modes_read_with_the_runs_induction_prior_setting(tiny_source, tiny_target, tiny_adapter_file,
                                                                 tmp_path, monkeypatch):
     """--no-induction-prior and --prior FILE reach the in-process server's corrections (served:*), as they reach the
@@ -89,6 +90,7 @@ def test_a_running_server_is_not_given_options_it_would_ignore(extra, words, tmp
                                "out": str(tmp_path / "o"), **extra}))
 
 
+@pytest.mark.integration  # identity_server
 def test_a_run_against_a_server_loads_no_source_weights_and_records_the_adapter(identity_server, tiny_target,
                                                                                 tmp_path, monkeypatch):
     """--server: the source runs there, so this process loads it without weights; the adapter the server projected

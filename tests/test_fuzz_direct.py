@@ -6,6 +6,7 @@ tests/test_fuzz.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fuzz_requests import CASES, FRAGMENTS, FUZZ, bad_blob, int32s, int64s
 from hypothesis import given, settings
@@ -48,6 +49,59 @@ def test_the_chunk_decoder_raises_only_chunk_errors_and_changes_nothing_on_one(d
             assert assembler.missing() != missing
     if assembler.complete:
         assert bool(assembler.kv.isfinite().all())
+
+
+def test_property_tests_draw_the_same_examples_on_every_run(request):
+    """conftest's profile: derandomized (a failure in CI reproduces), no example database, the blob printed."""
+    chosen = request.config.getoption("hypothesis_profile", None)
+    if chosen not in (None, "kvbridge"):
+        pytest.skip(f"--hypothesis-profile {chosen} chose other settings")
+    assert settings.default.derandomize and settings.default.database is None and settings.default.print_blob
+    assert FUZZ.derandomize and FUZZ.database is None  # the fuzz tests' settings build on it
+
+
+class _ForcedWay:
+    """Hypothesis' data, except that bad_blob's first draw (which way the blob goes wrong) is `way`."""
+
+    def __init__(self, data, way: str):
+        self.data, self.way, self.forced = data, way, False
+
+    def draw(self, strategy):
+        if self.forced:
+            return self.data.draw(strategy)
+        self.forced = True
+        ways = getattr(strategy, "elements", ())
+        assert self.way in ways, f"{self.way!r} is not among the ways bad_blob's first draw picks from ({ways!r})"
+        return self.way
+
+
+BLOB_WAYS = ["truncate", "random", "empty", "flip", "name", "extra", "dtype", "shape", "scalar", "crafted"]
+
+
+@pytest.mark.parametrize("dtype", sorted(WIRE_DTYPES))
+@pytest.mark.parametrize("way", BLOB_WAYS)
+@settings(FUZZ, max_examples=10)
+@given(data=st.data())
+def test_every_way_of_a_bad_blob_works_on_a_part_of_no_tokens(way, dtype, data):
+    """A chunk of 0 tokens (1 layer, 1 head, head_dim 4) gone wrong in each way bad_blob has (but "nonfinite": no
+    element to make so): the blob is made, and the decoder refuses it or takes it as the empty part it is."""
+    part = torch.zeros(1, 2, 1, 0, 4, dtype=WIRE_DTYPES[dtype])
+    blob = bad_blob(_ForcedWay(data, way), st_save({"kv": part}), part)
+    assert isinstance(blob, bytes)
+    assembler = ChunkAssembler(1, 1, 3, 4, WIRE_DTYPES[dtype])
+    cells, missing = assembler.kv.clone(), assembler.missing()
+    try:
+        assembler.add(0, 1, 0, 0, blob)
+    except ChunkError as exc:
+        assert str(exc)
+    assert torch.equal(assembler.kv.view(-1).view(torch.uint8), cells.view(-1).view(torch.uint8))
+    assert assembler.missing() == missing
+
+
+def test_a_bad_blob_of_no_tokens_is_never_made_non_finite():
+    part = torch.zeros(1, 2, 1, 0, 4)
+    with pytest.raises(AssertionError, match="'nonfinite' is not among the ways"):
+        bad_blob(_ForcedWay(None, "nonfinite"), st_save({"kv": part}), part)
 
 
 @settings(FUZZ, max_examples=200)

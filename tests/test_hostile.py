@@ -24,7 +24,7 @@ TEXT = "Each record holds a name and a value; readers skip the fields they do no
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory):
+def serve(tmp_path_factory, session_shm_dir):
     from serveproc import ServeProcess
 
     home = tmp_path_factory.mktemp("hostile")
@@ -33,7 +33,8 @@ def serve(tmp_path_factory):
     proc = ServeProcess(home / "serve", [
         "--preset", "tiny", "--device", "cpu", "--store-device", "cpu", "--store-capacity-mb", "64",
         "--adapters", str(home / "adapters"), "--no-selfcheck", "--token-file", str(home / "tokens"),
-        "--workers", "4", "--stream-workers", "4", "--uploads-per-tenant", "2"],
+        "--workers", "4", "--stream-workers", "4", "--uploads-per-tenant", "2",
+        *(["--shm-dir", str(session_shm_dir)] if session_shm_dir else [])],  # killed below: its folder goes too
         env={"KVBRIDGE_HOME": str(home)}, start_timeout_s=240)
     proc.start()
     yield proc
@@ -143,10 +144,8 @@ def test_nine_stalled_uploads_neither_starve_health_nor_another_tenant(serve):
             # another tenant, and the health check, while mallory holds the two it may
             with grpc.insecure_channel(serve.address) as other:
                 alice = pb2_grpc.KVBridgeStub(other)
-                for _ in range(3):
-                    t0 = time.monotonic()
+                for _ in range(3):  # each call within its 10 s deadline
                     _still_works(other, ALICE)
-                    assert time.monotonic() - t0 < 10
                 baseline = alice.Stats(pb2.StatsRequest(), metadata=_md(ALICE), timeout=10)
                 alice.Ingest(pb2.IngestRequest(text=TEXT), metadata=_md(ALICE), timeout=60)
                 # mallory's activity is invisible in alice's Stats (and the other way round)

@@ -122,6 +122,33 @@ def test_device_dtype_and_attention_choices(monkeypatch):
     assert attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_on_cuda_in_half_precision_flash_attn_is_chosen_exactly_when_it_is_installed(monkeypatch, installed):
+    """The choice itself, without a GPU: whether the flash_attn package is found decides it (a CUDA device and half
+    precision given); float32 never takes it."""
+    import importlib.machinery
+    import importlib.util
+
+    from kvbridge.transfer import models
+
+    real, asked = importlib.util.find_spec, []
+
+    def find_spec(name, *args):
+        if name == "flash_attn":
+            asked.append(name)
+            return importlib.machinery.ModuleSpec("flash_attn", None) if installed else None
+        return real(name, *args)
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert attention_implementation(torch.device("cuda"), dtype) == ("flash_attention_2" if installed else "sdpa")
+        assert attention_implementation(torch.device("cuda:1"), dtype) == ("flash_attention_2" if installed
+                                                                           else "sdpa")
+    assert attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"
+    assert attention_implementation(torch.device("cpu"), torch.bfloat16) == GROUPED_SDPA
+    assert asked  # the choice asked for the package (not answered from somewhere else)
+
+
 class _FlashModel(torch.nn.Module):
     """A model configured for flash_attention_2 whose forward raises `error` (None: it runs)."""
 

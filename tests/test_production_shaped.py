@@ -83,6 +83,7 @@ def test_self_checks_pass_beyond_the_window(pair):
             assert "> sliding window" in inject.detail, inject.detail
 
 
+@pytest.mark.integration  # the `served` server
 def test_ingest_fetch_over_grpc_generate_and_recompute(pair, served, long_text):
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.transfer.suffix.blend import BlendConfig, blend
@@ -116,6 +117,7 @@ def test_ingest_fetch_over_grpc_generate_and_recompute(pair, served, long_text):
     assert torch.allclose(by_deviation.segment.kv[:1], own.kv[:1, :, :, 1:], atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.integration  # the `served` server
 def test_suffix_reuse_with_a_projected_document(pair, served, long_text):
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.server.projected_context import ProjectedContext

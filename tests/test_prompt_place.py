@@ -83,6 +83,7 @@ def test_a_prompt_as_stored_gets_the_stored_cache_and_one_without_start_token_be
     torch.testing.assert_close(bare.segment.values, stored.segment.values[:, :, 1:], rtol=0, atol=0)
 
 
+@pytest.mark.integration  # a real server on a loopback port
 def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_source, tiny_target, adapter):
     from kvbridge.server.app import start_server
     from kvbridge.server.client import KVBridgeClient, KVBridgeError

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+
 import pytest
 import redis
 from redisproc import RedisProcess
@@ -13,6 +16,20 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
+@contextlib.contextmanager
+def _held(port: int):
+    """The port bound (not listened on) by this test while the block runs: a connection there is refused, and no
+    other process (another test's server given the freed port) can listen there meanwhile. Binding fails while
+    something still listens on it."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, never past a listener
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            pytest.fail(f"port {port} is still listened on: {exc}")
+        yield
+
+
 def test_set_get_kill_restart_same_port(redis_server):
     url, port = redis_server.url, redis_server.port
     assert url == f"redis://127.0.0.1:{port}/0"
@@ -21,7 +38,7 @@ def test_set_get_kill_restart_same_port(redis_server):
     assert r.get("k") == b"v1"
 
     redis_server.kill()
-    with pytest.raises(redis.exceptions.ConnectionError):
+    with _held(port), pytest.raises(redis.exceptions.ConnectionError):
         r.get("k")
 
     redis_server.restart()
@@ -53,7 +70,8 @@ def test_stop_is_idempotent(tmp_path):
     server.stop()
     server.stop()
     server.kill()
-    with pytest.raises(redis.exceptions.ConnectionError):
+    assert not server.running
+    with _held(server.port), pytest.raises(redis.exceptions.ConnectionError):
         _client(url).ping()
 
 

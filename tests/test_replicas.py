@@ -3,6 +3,9 @@ fetched and projected by the second, with the same KV, and only by its tenant.""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import grpc
 import pytest
 import torch
@@ -16,8 +19,14 @@ TEXT = ("Each record holds a name and a value; readers skip the fields they do n
         "Writers keep the order of the fields they were given, and a reader may stop at any field.")
 
 
+def _shm_folders(pid: int) -> set[Path]:
+    """The segment folders a server process holds open (the `.lock` it keeps for its life)."""
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return {Path(link).parent for link in links if link.startswith("/dev/shm/") and link.endswith("/.lock")}
+
+
 def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp_path, redis_url,
-                                                                             tiny_adapter_file):
+                                                                             tiny_adapter_file, session_shm_dir):
     from serveproc import ServeProcess, tiny_replica_args
 
     args = tiny_replica_args(tmp_path, tiny_adapter_file, redis_url, f"acme {TOKEN}\nother {OTHER}\n")
@@ -26,6 +35,10 @@ def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp
     try:
         first.start()
         second.start()
+        if session_shm_dir is not None:  # their segment folders: in the test session's own, not in /dev/shm itself
+            for replica in (first, second):
+                held = _shm_folders(replica.pid)
+                assert len(held) == 1 and next(iter(held)).parent == session_shm_dir, held
         with KVBridgeClient(first.address, token=TOKEN, retries=0) as a, \
                 KVBridgeClient(second.address, token=TOKEN, retries=0) as b:
             entry = a.ingest(TEXT).entries[0]
@@ -41,6 +54,8 @@ def test_a_second_replica_finds_fetches_and_projects_what_the_first_ingested(tmp
             torch.testing.assert_close(projected_b.segment.kv, projected_a.segment.kv, atol=1e-6, rtol=1e-6)
             by_text = b.fetch_projected(text=TEXT, require_cached=True)  # found, not ingested again
             assert by_text.source_key == entry.key
+            # the phrase a replica logs for an ingest: the first's, never the second's
+            assert "ingest tenant=acme" in first.logfile.read_text()
             assert "ingest tenant=acme" not in second.logfile.read_text()
             # a served correction the first computed: the second adopts it, runs no target over it
             corrected_a = a.fetch_projected(key=entry.key, mode="blend:0.2")

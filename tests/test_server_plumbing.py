@@ -63,8 +63,14 @@ def test_idle_reflection_streams_do_not_stop_health_watches_or_refusals(server):
             channels.append(grpc.insecure_channel(server.address))
             calls.append(reflection_pb2_grpc.ServerReflectionStub(channels[-1]).ServerReflectionInfo(idle(),
                                                                                                       timeout=60))
-        next(calls[0])  # the first answer: the streams hold the threads they got now (the others wait for one)
-        time.sleep(0.5)
+        # every stream is in the server: the reflection threads are held, the other streams wait for one (which of
+        # the six got a thread is the server's choice: no stream's answer is waited for, a queued one never comes)
+        pool = server.pools["reflection"]
+        end = time.monotonic() + 30
+        while not (len(pool._threads) == pool._max_workers and pool._work_queue.qsize() == 6 - pool._max_workers):
+            assert time.monotonic() < end, (f"the six streams never all reached the server: {len(pool._threads)} "
+                                            f"reflection threads, {pool._work_queue.qsize()} streams queued")
+            time.sleep(0.01)
         with grpc.insecure_channel(server.address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
@@ -78,6 +84,13 @@ def test_idle_reflection_streams_do_not_stop_health_watches_or_refusals(server):
             call.cancel()
         for channel in channels:
             channel.close()
+
+
+def test_the_servers_tests_start_keep_their_shared_memory_in_the_sessions_own_folder(server, session_shm_dir):
+    """Not in /dev/shm itself, where a server a test kills would leave its folder behind for good."""
+    if session_shm_dir is None:
+        pytest.skip("no /dev/shm on this machine")
+    assert server.segments is not None and server.segments.folder.parent == session_shm_dir
 
 
 def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
@@ -94,17 +107,17 @@ def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
 def test_client_retries_unavailable_with_backoff_then_reports_it(monkeypatch):
     import socket
 
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # a port nobody listens on: bound here, never listened on, for the whole test
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = KVBridgeClient(f"127.0.0.1:{port}", retries=3, backoff_s=0.001, timeout_s=5)
-    waits = []
-    monkeypatch.setattr(client, "_sleep", lambda attempt: waits.append(attempt))
-    for call in (client.stats, lambda: client.fetch_source(text=TEXT)):
-        waits.clear()
-        code, _ = served.code(call)
-        assert code == grpc.StatusCode.UNAVAILABLE and waits == [0, 1, 2]
-    client.close()
+        client = KVBridgeClient(f"127.0.0.1:{port}", retries=3, backoff_s=0.001, timeout_s=5)
+        waits = []
+        monkeypatch.setattr(client, "_sleep", lambda attempt: waits.append(attempt))
+        for call in (client.stats, lambda: client.fetch_source(text=TEXT)):
+            waits.clear()
+            code, _ = served.code(call)
+            assert code == grpc.StatusCode.UNAVAILABLE and waits == [0, 1, 2]
+        client.close()
 
 
 def test_every_call_has_a_deadline(server):

@@ -203,11 +203,24 @@ def test_bad_requests_get_the_right_code_and_leave_the_store_alone(server, alice
 
 
 def test_load_and_list_adapters(server, alice, server_adapters_dir):
+    """On the session's server, which other tests may have given adapters of their own: membership, not equality;
+    the adapter this test adds is taken away again (its file, and alice's load of it)."""
     names = {a.name: a for a in alice.list_adapters()}
-    assert set(names) == {"tiny-pair"} and names["tiny-pair"].is_default and names["tiny-pair"].loaded
-    shutil.copy(server_adapters_dir / "tiny-pair.safetensors", server_adapters_dir / "tiny-copy.safetensors")
-    info = alice.load_adapter("tiny-copy")
-    assert info.loaded and not info.is_default and info.source_model == "tiny-qwen2"
-    fetched = alice.fetch_projected(text=TEXT, adapter="tiny-copy")
-    assert fetched.adapter == "tiny-copy@1"
-    assert fetched.entry_key != alice.fetch_projected(text=TEXT).entry_key  # the adapter is in the namespace
+    assert "tiny-pair" in names and names["tiny-pair"].is_default and names["tiny-pair"].loaded
+    assert "tiny-copy" not in names
+    copy = server_adapters_dir / "tiny-copy.safetensors"
+    shutil.copy(server_adapters_dir / "tiny-pair.safetensors", copy)
+    registry = server.service.adapters
+    try:
+        info = alice.load_adapter("tiny-copy")
+        assert info.loaded and not info.is_default and info.source_model == "tiny-qwen2"
+        listed = {a.name: a for a in alice.list_adapters()}
+        assert listed["tiny-copy"].loaded and listed["tiny-pair"].is_default
+        fetched = alice.fetch_projected(text=TEXT, adapter="tiny-copy")
+        assert fetched.adapter == "tiny-copy@1"
+        assert fetched.entry_key != alice.fetch_projected(text=TEXT).entry_key  # the adapter is in the namespace
+    finally:  # the server has no unload call: its registry forgets alice's load, the folder the file
+        copy.unlink(missing_ok=True)
+        with registry._lock:
+            registry._tenant_loaded.pop(("alice", "tiny-copy"), None)
+    assert "tiny-copy" not in {a.name for a in alice.list_adapters()}

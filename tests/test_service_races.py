@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -29,11 +30,11 @@ def _seg(n: int, seed: int) -> KVSegment:
                      positions=torch.arange(n), model=M, rotated=True)
 
 
-def _service(tiny_source, tiny_target, folder, adapter, **store_config):
+def _service(tiny_source, tiny_target, folder, adapter, limits: ServiceLimits | None = None, **store_config):
     store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu", **store_config))
     registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
     registry.add("fitted", adapter, make_default=True)
-    return KVBridgeService(tiny_source, [tiny_target], store, registry, ServiceLimits())
+    return KVBridgeService(tiny_source, [tiny_target], store, registry, limits or ServiceLimits())
 
 
 def _during_projection(monkeypatch, action, fail: bool):
@@ -158,9 +159,36 @@ def test_a_tenants_default_adapter_is_its_own(tmp_path, tiny_source, tiny_target
     assert service.projected_cache("b", text=TEXT).adapter == "fitted@1"
 
 
+class _CountingSemaphore:
+    """Wraps a semaphore and counts the threads it made wait, so a test can hold the ones inside until the others are
+    blocked on it."""
+
+    def __init__(self, real):
+        self.real, self.blocked, self.lock = real, 0, threading.Lock()
+
+    def __enter__(self):
+        if not self.real.acquire(blocking=False):
+            with self.lock:
+                self.blocked += 1
+            self.real.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.real.release()
+
+
+def _wait_until(condition, what: str, deadline_s: float = 30.0):
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"gave up waiting until {what}"
+        time.sleep(0.01)
+
+
 def test_projections_wait_for_the_semaphore(tmp_path, monkeypatch, tiny_source, tiny_target, adapter):
-    service = _service(tiny_source, tiny_target, tmp_path, adapter)
-    service._projecting = threading.BoundedSemaphore(1)
+    """Four projections contend for a limit of two: two are held inside the projection until the other two are
+    blocked on the semaphore, and no more than two are ever inside at once (exactly two are)."""
+    service = _service(tiny_source, tiny_target, tmp_path, adapter, ServiceLimits(max_projections=2))
+    service._projecting = semaphore = _CountingSemaphore(service._projecting)
     inside, peak, lock = [0], [0], threading.Lock()
     release = threading.Event()
     real = projecting_module.project
@@ -169,22 +197,35 @@ def test_projections_wait_for_the_semaphore(tmp_path, monkeypatch, tiny_source, 
         with lock:
             inside[0] += 1
             peak[0] = max(peak[0], inside[0])
-        release.wait(30)
+        release.wait(60)
         with lock:
             inside[0] -= 1
         return real(*args, **kwargs)
 
     monkeypatch.setattr(projecting_module, "project", project)
-    texts = [f"{TEXT} Part {i}." for i in range(3)]
+    texts = [f"{TEXT} Part {i}." for i in range(4)]
     for t in texts:
         service.ingest("t", text=t)
-    threads = [threading.Thread(target=service.projected_cache, args=("t",), kwargs={"text": t}) for t in texts]
+    errors = []
+
+    def request(text):
+        try:
+            service.projected_cache("t", text=text)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=request, args=(t,)) for t in texts]
     for t in threads:
         t.start()
-    release.set()
-    for t in threads:
-        t.join(60)
-    assert peak[0] == 1 and len(service.store.keys("t")) == 6
+    try:
+        _wait_until(lambda: semaphore.blocked == 2 and inside[0] == 2,
+                    "two requests are inside the projection and two are blocked on the semaphore")
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert peak[0] == 2 and len(service.store.keys("t")) == 8
 
 
 def test_a_block_pool_does_not_freeze_the_process_heap():

@@ -64,6 +64,7 @@ def test_the_shipped_small_pair_adapter_says_how_it_was_made():
     import torch
     from kvbridge.adapters.average import from_scratch_seconds, runs
     from kvbridge.adapters.io import load_adapter
+    from kvbridge.transfer.corpus import recorded
 
     path = shipped_module.SHIPPED_FOLDER / SMALL_PAIR_FILE
     assert path.is_file() and path.stat().st_size <= 16 << 20
@@ -89,8 +90,11 @@ def test_the_shipped_small_pair_adapter_says_how_it_was_made():
     assert 0 < seconds <= 2 * 3600
     value, low, high = meta.metrics["recovery_heldout"]["pydoc_summaries_100_docs"]["projected"]
     assert low <= value <= high
+    # trained on the corpora the repository records (what `kvbridge data build` rebuilds and checks against)
+    want = recorded()["sha256"]
+    assert {name: want.get(name) for name in meta.corpus["sha256"]} == meta.corpus["sha256"]
     present = [name for name in meta.corpus["sha256"] if (SHARED_DATA / name).is_file()]
-    for name in present:  # the corpus it was trained on, where this checkout has it beside it
+    for name in present:  # and the files themselves, where this checkout has them beside it
         assert hashlib.sha256((SHARED_DATA / name).read_bytes()).hexdigest() == meta.corpus["sha256"][name], name
 
 

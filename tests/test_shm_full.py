@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # processes in a tmpfs of their own, servers
+
 SMALL_KB = 16
 
 

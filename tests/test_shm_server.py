@@ -22,6 +22,8 @@ from kvbridge.server import shm_layout
 from kvbridge.server.client import KVBridgeClient
 from test_shm import FakeClock, file_mode
 
+pytestmark = pytest.mark.integration  # `kvbridge serve` in a process of its own, and servers in this one
+
 ALICE = "alice-token-0123456789abcdef0"
 BOB = "bob-token-0123456789abcdef012"
 TEXT = ("Each record holds a name and a value; readers skip the fields they do not know and keep the rest. "

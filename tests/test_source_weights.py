@@ -12,6 +12,8 @@ from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import without_weights
 from kvbridge.transfer.presets import load_pair
 
+pytestmark = pytest.mark.integration  # the `weightless` server
+
 TEXT = served.text(0, 40)
 
 

@@ -6,19 +6,30 @@ from __future__ import annotations
 import pytest
 import torch
 from kvbridge.eval.suffix_labels import CLOSINGS, boundary_accuracy, labelled_set
+from kvbridge.transfer.attention import eager_attention
 from kvbridge.transfer.models import GROUPED_SDPA
 from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector, attention_entropy, segment_starts
 
 
 def _reference_entropy(lm, ids: torch.Tensor) -> torch.Tensor:
-    # [L, T] straight from the model's eager attention probabilities, all at once
-    before = lm.model.config._attn_implementation
-    lm.model.set_attn_implementation("eager")
-    try:
+    # [L, T] straight from the model's eager attention probabilities, all at once; switched under the model's
+    # attention lock (the session's tiny models are shared: no other switch or forward sees eager meanwhile)
+    with torch.no_grad(), eager_attention(lm.model):
         attentions = lm.model(input_ids=ids[None], output_attentions=True).attentions
-    finally:
-        lm.model.set_attn_implementation(before)
     return torch.stack([-torch.special.xlogy(a[0].float(), a[0].float()).sum(-1).mean(0) for a in attentions])
+
+
+def test_the_reference_switches_to_eager_under_the_models_attention_lock(tiny_target):
+    from kvbridge.transfer import attention
+
+    seen = []
+    hook = tiny_target.model.register_forward_pre_hook(lambda module, args: seen.append(
+        (module.config._attn_implementation, attention._model_lock(module)._is_owned())))
+    try:
+        _reference_entropy(tiny_target, torch.arange(3, 20))
+    finally:
+        hook.remove()
+    assert seen == [("eager", True)] and tiny_target.model.config._attn_implementation == GROUPED_SDPA
 
 
 @pytest.mark.parametrize("which", ["tiny_source", "tiny_target"])

@@ -10,7 +10,9 @@ Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,39 @@ CONTEXT = 160  # start token + document: five whole blocks, so the connector can
 NEW = 16  # greedy tokens compared
 
 
-def _free_port() -> int:
+@pytest.fixture(scope="module")
+def down_port():
+    """A loopback port bound here and never listened on, for the module's life: connections to it are refused, and no
+    other process can listen there meanwhile (as it could on a port found free and let go)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def staging_root():
+    """The engines' staging folders (handoff) go under this module's own folder in /dev/shm, removed at the end."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    root = Path(tempfile.mkdtemp(prefix="kvb-test-vllm-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def killed_engines_leftover(staging_root):
+    """A staging folder with a staged file, as an engine SIGKILLed between staging and loading leaves it (its pid is a
+    process that is gone), in the bf16 engine's staging folder before that engine starts (it depends on this)."""
+    import subprocess
+    import sys
+
+    from kvbridge.vllm import handoff
+
+    base = staging_root / "bf16"
+    base.mkdir()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    return handoff.stage(torch.zeros(1, 2, 1, 3, 4), handoff.private_folder(base, pid=dead))
 
 
 def _serve(source, target, folder, tokens=None, adapter=None):
@@ -84,7 +115,7 @@ def slow_identity(identity_server):
 
 
 @pytest.fixture(scope="module")
-def engine(identity_server, small_server, slow_identity, tmp_path_factory):
+def engine(identity_server, small_server, slow_identity, down_port, staging_root, tmp_path_factory):
     from kvbridge.transfer.models import prepare_gguf
     from kvbridge.vllm.engine import EngineOptions, EngineProcess, kv_transfer_config
 
@@ -94,18 +125,19 @@ def engine(identity_server, small_server, slow_identity, tmp_path_factory):
                "default": {"address": small_server.address, "token": TOKEN},  # what `eval rouge --engine vllm` asks
                "slow": {"address": slow_identity.address},
                "wrong-token": {"address": small_server.address, "token": "not-the-token-0123456789"},
-               "down": {"address": f"127.0.0.1:{_free_port()}"}}  # nothing listens there
+               "down": {"address": f"127.0.0.1:{down_port}"}}  # nothing listens there
     options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="float32",
                             max_model_len=1024, block_size=BLOCK,
                             kv_transfer_config=kv_transfer_config(servers=servers, timeout_s=60, retries=1,
-                                                                  role="kv_both"))  # loads, and saves when asked
+                                                                  role="kv_both",  # loads, and saves when asked
+                                                                  staging_dir=str(staging_root)))
     log = tmp_path_factory.mktemp("vllm") / "engine.log"
     with EngineProcess(options, log) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def engine_bf16(identity_server, tmp_path_factory):
+def engine_bf16(identity_server, killed_engines_leftover, tmp_path_factory):
     """A second engine as vLLM users run it: bfloat16, the CPU backend's default block size of 128 (on a CPU with AMX
     tiles, like these machines, vLLM then takes its "amx" kernels and layout), prefix caching on."""
     from kvbridge.transfer.models import prepare_gguf
@@ -113,7 +145,8 @@ def engine_bf16(identity_server, tmp_path_factory):
 
     options = EngineOptions(model=str(prepare_gguf("smollm2-135m-instruct-q4_1")), dtype="bfloat16",
                             max_model_len=1024, block_size=128, enable_prefix_caching=True,
-                            kv_transfer_config=kv_transfer_config(address=identity_server.address, timeout_s=20))
+                            kv_transfer_config=kv_transfer_config(address=identity_server.address, timeout_s=20,
+                                                                  staging_dir=str(killed_engines_leftover.parents[1])))
     with EngineProcess(options, tmp_path_factory.mktemp("vllm-bf16") / "engine.log") as running:
         yield running
 
@@ -183,22 +216,16 @@ def test_the_worker_reads_a_same_host_servers_segment_and_it_is_released(engine,
     assert streamed["loaded_tokens"] == CONTEXT and streamed["token_ids"] == own["token_ids"]
 
 
-def test_an_engine_sweeps_what_a_killed_engine_left_in_shared_memory(request):
-    """A staging folder with a staged file, as an engine SIGKILLed between staging and loading leaves it (its pid is
-    a process that is gone): the next engine to start removes it; its own folder is private (0700)."""
+def test_an_engine_sweeps_what_a_killed_engine_left_in_shared_memory(killed_engines_leftover, engine_bf16):
+    """What a killed engine left in the staging folder (`killed_engines_leftover`, staged before the bf16 engine
+    started, whichever test started it): that engine removed it; its own folder is private (0700)."""
     import os
     import stat
-    import subprocess
-    import sys
 
     from kvbridge.vllm import handoff
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
-    left = handoff.stage(torch.zeros(1, 2, 1, 3, 4), handoff.private_folder("/dev/shm", pid=dead))
-    request.getfixturevalue("engine_bf16")  # starts now (this test runs before the module's other bf16 test)
-    assert not left.exists() and not left.parent.exists()
-    own = [p for p in Path("/dev/shm").glob(f"{handoff.PREFIX}{os.getuid()}-*")]
+    assert not killed_engines_leftover.exists() and not killed_engines_leftover.parent.exists()
+    own = list(killed_engines_leftover.parents[1].glob(f"{handoff.PREFIX}{os.getuid()}-*"))
     assert own and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in own)
 
 
@@ -270,8 +297,7 @@ def test_a_slow_kvbridge_server_does_not_delay_a_plain_request_submitted_after(e
     slow, plain = engine.generate_many([
         {"prompt_token_ids": prompt, "max_tokens": NEW, "kvbridge": {"text": prepared.text, "server": "slow"}},
         {"prompt_token_ids": prompt, "max_tokens": NEW}])
-    assert plain["finished"] == 0 and slow["finished"] == 1
-    assert plain["seconds"] < SLOW_S < slow["seconds"]
+    assert plain["finished"] == 0 and slow["finished"] == 1  # the order, not seconds (cores may be busy)
     assert plain["loaded_tokens"] == 0 and plain["token_ids"] == own["token_ids"]
     assert slow["kvbridge_error"] == "" and slow["loaded_tokens"] == CONTEXT
     assert slow["token_ids"] == own["token_ids"]

@@ -94,10 +94,12 @@ def test_the_next_streamed_fetch_of_a_projection_sends_the_same_messages_until_t
         assert running.wire.hits == hits + 2 and torch.equal(again.segment.kv, first.segment.kv)
 
 
-def test_a_kept_fetch_whose_entry_goes_before_its_touch_sends_the_new_projection(running, monkeypatch):
+def test_a_kept_fetch_whose_entry_goes_before_its_touch_sends_the_new_projection(running, monkeypatch, tiny_source,
+                                                                                 tiny_target):
     """The race between the store's derived() and touch(): the entry expires (or is deleted) after the fetch found
     kept messages for it; the fetch projects again and must send that KV, in the dtype asked for, not the kept
-    messages under a header of the new KV."""
+    messages under a header of the new KV. The adapter's biases move while the entry goes, so the new projection
+    differs from the kept one (resending the kept messages would be seen)."""
     from kvbridge.transfer.store import NotFound
 
     with KVBridgeClient(running.address, token=ALICE) as alice:
@@ -105,16 +107,31 @@ def test_a_kept_fetch_whose_entry_goes_before_its_touch_sends_the_new_projection
         for _ in range(3):  # projected, gathered and kept, sent from the cache
             kept = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")
         store = running.service.store
+        adapter = running.service.adapters.resolve("", tiny_source.spec, tiny_target.spec, "alice")[1]
+        biases = adapter.bk.clone(), adapter.bv.clone()
         real_touch = store.touch
         gone = []
 
-        def touch_after_the_entry_went(*args, **kwargs):
+        def touch_after_the_entry_went(entry_key, tenant, *args, **kwargs):
             if not gone:
-                gone.append(args)
+                gone.append(entry_key)
+                store.delete(entry_key, tenant)  # the projection goes for real ...
+                with torch.inference_mode():  # ... and the next one is made by an adapter that moved
+                    adapter.bk.add_(1.0)
+                    adapter.bv.add_(1.0)
                 raise NotFound("expired between derived() and touch()")
-            return real_touch(*args, **kwargs)
+            return real_touch(entry_key, tenant, *args, **kwargs)
 
         monkeypatch.setattr(store, "touch", touch_after_the_entry_went)
-        fetched = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")
-        assert gone and fetched.segment.kv.dtype == torch.bfloat16
-        assert torch.equal(fetched.segment.kv, kept.segment.kv)
+        try:
+            fetched = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")
+        finally:
+            with torch.inference_mode():
+                adapter.bk.copy_(biases[0])
+                adapter.bv.copy_(biases[1])
+        monkeypatch.setattr(store, "touch", real_touch)
+        assert gone == [fetched.entry_key] and fetched.segment.kv.dtype == torch.bfloat16
+        assert not torch.equal(fetched.segment.kv, kept.segment.kv)  # the new projection, not the kept messages
+        stored = alice.fetch_projected(key=key, dtype="bfloat16", transport="stream")  # what the store holds now
+        assert stored.entry_key == fetched.entry_key and torch.equal(fetched.segment.kv, stored.segment.kv)
+        assert torch.equal(fetched.segment.token_ids, kept.segment.token_ids)
