@@ -147,11 +147,12 @@ class Windows:
         return training_split(self.adapter_file)
 
     def _candidates(self):
+        from kvbridge.adapters.chain import corpus_name
         from kvbridge.adapters.teacher import document_windows, is_heldout, split_documents
         from kvbridge.eval.records import Record
         from kvbridge.eval.summaries import EvalConfig, prepare
 
-        names = {"pydoc_corpus.txt": "pydoc", "kernel_docs_corpus.txt": "kernel_docs"}
+        names = {n: corpus_name(n) for n in ("pydoc_corpus.txt", "kernel_docs_corpus.txt")}  # the trainer's ids
         missing = [n for n in names if not (self.data / n).is_file()]
         if missing:
             raise FileNotFoundError(f"the prior fit reads {' and '.join(names)} from --data {self.data}, which lacks "

@@ -122,3 +122,28 @@ def test_the_prior_fit_trains_on_the_adapters_training_documents_only(tmp_path, 
     windows = prior_fit.Windows(recipe, data, tmp_path / "windows2", tiny_source, tiny_target, elsewhere)
     with pytest.raises(ValueError, match="pydoc_corpus.txt: adapter elsewhere.safetensors was not trained on it"):
         list(windows._candidates())
+
+
+def test_the_prior_fit_names_the_kernel_corpus_documents_as_the_trainer_does(tmp_path, tiny_source, tiny_target,
+                                                                              adapter):
+    """The trainer names kernel_docs_corpus.txt's documents "kernel:N" (adapters.chain.corpus_name) and holds out by
+    the hash of that id; the prior fit named them "kernel_docs:N", so its split kept documents the adapter held out."""
+    from kvbridge.adapters.chain import corpus_name
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pydoc = data / "pydoc_corpus.txt"
+    pydoc.write_text("A short paragraph, too short for a window.")
+    kernel = write_corpus(data / "kernel_docs_corpus.txt", 80, seed=1)
+    trained = split_adapter(adapter, tmp_path / "split.safetensors", [pydoc, kernel], fraction=0.3, doc_chars=3000)
+    recipe = prior_fit.Recipe(preset="tiny", windows=4, dev=1, window_tokens=300, min_context=100)
+    windows = prior_fit.Windows(recipe, data, tmp_path / "windows", tiny_source, tiny_target, trained)
+    name = corpus_name(kernel)
+    docs = dict(split_documents(kernel, name, 3000))
+    assert any(is_heldout(i, 0.3) for i in docs)
+    candidates = list(windows._candidates())
+    assert len(candidates) > 10
+    for doc in candidates:
+        doc_id = doc.record.id.split("/")[0]
+        assert doc_id in docs, doc_id  # the trainer's id of that document
+        assert not is_heldout(doc_id, 0.3), doc_id
