@@ -337,6 +337,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     corpus = {"files": [Path(f).name for f in args.corpus],
               "sha256": {Path(f).name: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in args.corpus},
               "windows": record["teacher_windows"], "heldout_fraction": config.heldout_fraction,
+              "doc_chars": config.doc_chars,  # (eval.heldout.training_split reads it; older files: the sentence)
               "documents": f"runs of ~{config.doc_chars} characters of consecutive paragraphs; held out when "
                            f"blake2b(id) < {config.heldout_fraction} (dev windows come from those only)"}
     argv = args.argv if hasattr(args, "argv") else sys.argv[1:]  # (main's; a Namespace made elsewhere: the process's)

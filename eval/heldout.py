@@ -131,7 +131,8 @@ class TrainingSplit:
 
 def _recorded(corpus: dict, key: str, pattern: str, kind: type, adapter: str):
     """A split setting of an adapter's corpus record: its own field, else read from the "documents" sentence
-    (adapters/cli.py writes doc_chars only there); None where neither says it; ValueError where it is malformed."""
+    (adapters/cli.py wrote doc_chars only there before it recorded the field); None where neither says it;
+    ValueError where it is malformed."""
     value = corpus.get(key)
     if value is None and isinstance(corpus.get("documents"), str):
         found = re.search(pattern, corpus["documents"])

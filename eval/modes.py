@@ -21,7 +21,7 @@ What KV the document gets in each mode (the instruction after it is always prefi
                 the layers scores them), the first 4 (sinks), and the highest scored.
                 blend-sdev:r (CacheBlend's own rule: the target's first layer over the document, that layer's KV
                 exact, the first 4, the last 4 and the most deviating at that layer), blend-dev:r (the most
-                deviating alone), blend-last:r (the last r, first layer exact) and blend-random:r (a control);
+                deviating alone), blend-last:r (the last r, as recompute:r) and blend-random:r (a control);
                 blend-prompt:r scores with the instruction's own queries (one pass of it over the projected KV)
                 instead of the document's last 16
   layers:k      replace, then the target's own KV of the document in its first k layers (a forward through those

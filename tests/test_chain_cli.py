@@ -108,6 +108,7 @@ def test_chain_command_writes_a_documented_adapter_and_resumes(corpus, tmp_path,
     for f in corpus[0]:
         name = f.rsplit("/", 1)[1]
         assert meta["corpus"]["sha256"][name] == hashlib.sha256(open(f, "rb").read()).hexdigest()
+    assert meta["corpus"]["doc_chars"] == 8000  # the split's document length, a field eval.heldout reads
     assert "recovery" in meta["metrics"] and load_adapter(out).wk.dtype == torch.bfloat16
     first = load_adapter(out)
     index = json.loads((work / "teacher" / "index.json").read_text())
