@@ -351,18 +351,20 @@ def run_ttft(source: LoadedModel, target: LoadedModel, adapter: Adapter, token_c
         service = build_service(config, source=source, targets=[target])
         service.adapters.add(ADAPTER_NAME, adapter, make_default=True)
         running = start_server(service, config)
-        if running.segments is None:
-            raise RuntimeError(f"no same-host data plane here (the server could not make a folder in "
-                               f"{config.shm_dir}): the warm same-host TTFT needs one")
-        client = KVBridgeClient(running.address, timeout_s=600)
+        client = None
         try:
+            if running.segments is None:
+                raise RuntimeError(f"no same-host data plane here (the server could not make a folder in "
+                                   f"{config.shm_dir}): the warm same-host TTFT needs one")
+            client = KVBridgeClient(running.address, timeout_s=600)
             for n in token_counts:
                 result = measure_ttft(client, target, cut_text(target.tokenizer, corpus, n), rounds,
                                       running.segments)
                 print_result(result, pair)
                 results.append(result)
         finally:
-            client.close()
+            if client is not None:
+                client.close()
             running.stop(grace_s=1)
     return results
 
