@@ -22,14 +22,16 @@ class Record:
 def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Record]:
     """Records of a JSONL file with string fields id, document and summary; those whose id is in the `exclude`
     file (`read_ids`: records, or lines of an id alone) are left out. An exact repeat of a record is dropped; a
-    different record under an id already seen gets the id `ID#2` (`#3`, ...) and a warning (pydoc_summaries.jsonl
-    has two unittest.mock pages)."""
+    different record under an id already seen gets the id `ID#2` (`#3`, ...; the first such name no record of the
+    file has) and a warning (pydoc_summaries.jsonl has two unittest.mock pages)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     skip = read_ids(exclude) if exclude else set()
+    rows = list(jsonl_rows(path))
+    given = {obj["id"] for _, obj in rows if isinstance(obj, dict) and isinstance(obj.get("id"), str)}
     records, seen, copies = [], set(), {}
-    for n, obj in jsonl_rows(path):
+    for n, obj in rows:
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object with id, document and summary")
         for key in ("id", "document"):
@@ -45,6 +47,10 @@ def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Re
         copies[record.id] = copies.get(record.id, 0) + 1
         if copies[record.id] > 1:
             renamed = f"{record.id}#{copies[record.id]}"
+            while renamed in given:  # a record of the file has that id (`a#2`): another name, so ids stay unique
+                copies[record.id] += 1
+                renamed = f"{record.id}#{copies[record.id]}"
+            given.add(renamed)
             log.warning("%s:%d: id %r is taken by another record: this one is %r", path, n, record.id, renamed)
             record = Record(renamed, record.document, record.summary)
         if record.id not in skip:

@@ -56,9 +56,11 @@ def summarise(results: list[DocumentResult], samples: int = 1000, seed: int = 0,
         nlls = [rows[name][i].nll for i in scored]
         entry["nll_per_token"] = sum(nlls) / nll_tokens if nll_tokens else None
         if "none" in rows and "full" in rows and scored:
-            value, lo, hi = bootstrap_recovery([rows["none"][i].nll for i in scored],
-                                               [rows["full"][i].nll for i in scored], nlls, samples, seed)
-            entry["nll_recovery"] = {"value": value, "low": lo, "high": hi}
+            none, full = [rows["none"][i].nll for i in scored], [rows["full"][i].nll for i in scored]
+            entry["nll_recovery"] = None  # undefined where `full` gained nothing over `none` (summed: 0 / 0)
+            if sum(none) != sum(full):
+                value, lo, hi = bootstrap_recovery(none, full, nlls, samples, seed)
+                entry["nll_recovery"] = {"value": value, "low": lo, "high": hi}
         flops = statistics.mean(m.prefill_flops for m in rows[name])
         entry["prefill_flops_mean"] = flops
         entry["prefill_tokens_mean"] = statistics.mean(m.prefill_tokens for m in rows[name])

@@ -228,11 +228,14 @@ class SummaryEvaluator:
             result.fetch_s, result.exact_coverage = fetch_s, fetched.exact_coverage
         own, own_s = (self._own(doc.target_ids) if any(m.kind in OWN_KINDS for m in self.modes)
                       else (None, 0.0))
+        served_cold: dict[str, float] = {}  # a served correction -> its first (cold) fetch's seconds, this document
         for mode in self.modes:
             prior = self.priors.get(mode.prior)
             warm_s = None  # base seconds with a warm fetch
             if mode.kind == "served":
                 context, base_s, warm_s, kv_bytes, still = self._served(mode, doc)
+                # served:C/noprior after served:C fetched a stored correction: its cold is the first fetch's
+                base_s = served_cold.setdefault(mode.correction, base_s)
                 prefills = []  # no target pass at request time: the server corrected the KV once, before
             else:
                 context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected,
@@ -320,7 +323,8 @@ class SummaryEvaluator:
             t0 = time.perf_counter()
             seg = fuse_gated(own, projected, self.gates)
             return seg, fetch_s + own_s + time.perf_counter() - t0, [(d + 1, 0)], wire, None
-        if mode.kind == "fuser":  # the source's prefill runs here too: counted by the system cost, not in TTFT
+        if mode.kind == "fuser":  # the source's prefill and the fuser's maps run here too: in neither its TTFT nor
+            # its FLOPs (report._system_flops counts a source prefill only for the modes that fetch a projection)
             seg = self.fuser.fuse(own, doc.text)
             return seg, own_s, [(d + 1, 0)], 0, None
         raise AssertionError(mode.kind)
