@@ -59,32 +59,35 @@ class TrainConfig:
             raise ValueError(f"doc_chars must be >= 1, got {self.doc_chars}")
 
 
-def read_corpus(files: list[str | Path]) -> tuple[list[str], str]:
-    """Texts from .txt files (paragraphs separated by blank lines) and .jsonl files (a "text" field, else
-    "document"). Returns the texts and a sha256 over every file's bytes."""
-    texts: list[str] = []
-    digest = hashlib.sha256()
+def _read_files(files: list[str | Path]) -> tuple[list[tuple[Path, bytes]], str]:
+    """Every corpus file's (path, bytes), and a sha256 over all their bytes in order."""
     if not files:
         raise ValueError("no corpus files given")
+    digest, out = hashlib.sha256(), []
     for f in files:
         path = Path(f)
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist")
         raw = path.read_bytes()
         digest.update(raw)
-        text = raw.decode("utf-8", errors="replace")
+        out.append((path, raw))
+    return out, digest.hexdigest()
+
+
+def read_corpus(files: list[str | Path]) -> tuple[list[str], str]:
+    """Texts from .txt files (paragraphs separated by blank lines) and .jsonl files (a "text" field, else
+    "document"). Returns the texts and a sha256 over every file's bytes."""
+    read, sha = _read_files(files)
+    texts: list[str] = []
+    for path, raw in read:
         if path.suffix == ".jsonl":
-            for n, record in jsonl_rows(path, text):
-                body = record.get("text", record.get("document")) if isinstance(record, dict) else None
-                if not isinstance(body, str):
-                    raise ValueError(f"{path}:{n}: expected an object with a string 'text' (or 'document') field")
-                texts.append(body)
+            texts += [body for _, body in _jsonl_texts(path, raw)]
         else:
-            texts.append(text)
+            texts.append(raw.decode("utf-8", errors="replace"))
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError(f"the corpus files {[str(f) for f in files]} hold no text")
-    return texts, digest.hexdigest()
+    return texts, sha
 
 
 def corpus_windows(texts: list[str], target_tokenizer, window_tokens: int, max_tokens: int, seed: int) -> list[str]:
@@ -113,16 +116,9 @@ def read_documents(files: list[str | Path], doc_chars: int) -> tuple[list[tuple[
     """The corpus as documents [(doc_id, text)]: a .jsonl file's records (a "text" field, else "document"), id
     "<file name>:<line>"; a .txt file's runs of paragraphs of about doc_chars characters (teacher.split_documents),
     id "<file name>:<index>". Returns them and a sha256 over every file's bytes (as read_corpus's)."""
+    read, sha = _read_files(files)
     docs: list[tuple[str, str]] = []
-    digest = hashlib.sha256()
-    if not files:
-        raise ValueError("no corpus files given")
-    for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise FileNotFoundError(f"corpus file {path} does not exist")
-        raw = path.read_bytes()
-        digest.update(raw)
+    for path, raw in read:
         if path.suffix == ".jsonl":
             docs += [(f"{path.name}:{n}", body) for n, body in _jsonl_texts(path, raw)]
         else:
@@ -130,7 +126,7 @@ def read_documents(files: list[str | Path], doc_chars: int) -> tuple[list[tuple[
     docs = [(doc_id, text) for doc_id, text in docs if text.strip()]
     if not docs:
         raise ValueError(f"the corpus files {[str(f) for f in files]} hold no text")
-    return docs, digest.hexdigest()
+    return docs, sha
 
 
 def _jsonl_texts(path: Path, raw: bytes) -> list[tuple[int, str]]:

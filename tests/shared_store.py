@@ -4,8 +4,45 @@ both call it."""
 from __future__ import annotations
 
 import pytest
+import redis
 import torch
 from kvbridge.transfer.errors import NotFound
+from kvbridge.transfer.segment import KVSegment
+
+
+class Clock:
+    """A store's clock the test moves (`clock.now += s`)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def seeded_segment(first: int, n: int, model) -> KVSegment:
+    """Tokens first..first+n-1 of `model` with KV [2, 2, 2, n, 8] drawn from seed `first`."""
+    gen = torch.Generator().manual_seed(first)
+    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
+                     positions=torch.arange(n), model=model, rotated=True)
+
+
+def refusing_writes(client: redis.Redis, how: str = "oom") -> None:
+    """Make the test's own Redis answer every write with an error reply: OOM (at maxmemory, noeviction; a DEL still
+    goes: it takes no memory) or READONLY (a replica of a primary that is not there, as a demoted primary answers)."""
+    if how == "oom":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+    else:
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")
+
+
+def taking_writes(client: redis.Redis, how: str = "oom") -> None:
+    """Undo refusing_writes."""
+    if how == "oom":
+        client.config_set("maxmemory", 0)
+    else:
+        client.execute_command("REPLICAOF", "NO", "ONE")
 
 
 def assert_found_by_another_replica(second, info, segment, text: str, model) -> None:

@@ -12,7 +12,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
-from shared_store import assert_found_by_another_replica
+from shared_store import assert_found_by_another_replica, refusing_writes, seeded_segment, taking_writes
 
 pytestmark = pytest.mark.integration
 
@@ -21,9 +21,7 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
 
 
 def _seg(first: int, n: int = 64) -> KVSegment:
-    gen = torch.Generator().manual_seed(first)
-    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
-                     positions=torch.arange(n), model=M, rotated=True)
+    return seeded_segment(first, n, M)
 
 
 def _store(redis_url: str, blocks: int = 4) -> PagedStore:
@@ -95,23 +93,6 @@ def test_a_failed_redis_write_loses_its_blocks_cleanly(redis_url, redis_server):
     assert store.residency.pending == {} and store.check() == []
 
 
-def _refusing_writes(client: redis.Redis, how: str) -> None:
-    """Make the test's own Redis answer every write with an error reply: OOM (at maxmemory, noeviction) or READONLY
-    (a replica of a primary that is not there, as a demoted primary answers)."""
-    if how == "oom":
-        client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", 1)
-    else:
-        client.execute_command("REPLICAOF", "127.0.0.1", "1")
-
-
-def _taking_writes(client: redis.Redis, how: str) -> None:
-    if how == "oom":
-        client.config_set("maxmemory", 0)
-    else:
-        client.execute_command("REPLICAOF", "NO", "ONE")
-
-
 @pytest.mark.parametrize("how", ["oom", "readonly"])
 def test_a_redis_error_reply_fails_its_write_and_loses_its_blocks_cleanly(redis_url, how):
     """Redis answers writes with an error (OOM, READONLY): the put whose evictions were to go there still returns
@@ -126,7 +107,7 @@ def test_a_redis_error_reply_fails_its_write_and_loses_its_blocks_cleanly(redis_
     sharing = _sharing_small(redis_url)
     client = redis.Redis.from_url(redis_url)
     ka = store.put(_seg(0), "t").key  # A: 4 blocks, the device full
-    _refusing_writes(client, how)
+    refusing_writes(client, how)
     try:
         b = _seg(1000)
         kb = store.put(b, "t").key  # A's blocks leave the device for Redis, whose answer is an error
@@ -143,7 +124,7 @@ def test_a_redis_error_reply_fails_its_write_and_loses_its_blocks_cleanly(redis_
         assert torch.equal(sharing.get(kc, "u").kv, c.kv) and sharing.stats().redis["errors"] >= 1
         assert sharing.residency.pending == {} and not sharing.residency.outbox and sharing.check() == []
     finally:
-        _taking_writes(client, how)
+        taking_writes(client, how)
     store.put(_seg(3000), "t")  # B goes down to Redis now (no retry interval to wait for: the tier stayed up)
     assert store.stats().redis["available"] is True and store.stats().redis["puts"] == 4
     assert torch.equal(store.get(kb, "t").kv, b.kv)  # back from Redis

@@ -9,24 +9,10 @@ import redis
 import torch
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
+from shared_store import refusing_writes, taking_writes
 from test_store import BLOCK_BYTES, Clock, M, ok, seg, store
 
 pytestmark = pytest.mark.integration
-
-
-def _refusing_writes(client: redis.Redis, how: str) -> None:
-    if how == "oom":
-        client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", 1)
-    else:
-        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # as a demoted primary answers: READONLY
-
-
-def _taking_writes(client: redis.Redis, how: str) -> None:
-    if how == "oom":
-        client.config_set("maxmemory", 0)
-    else:
-        client.execute_command("REPLICAOF", "NO", "ONE")
 
 
 @pytest.mark.parametrize("how", ["oom", "readonly"])
@@ -37,7 +23,7 @@ def test_a_refused_write_fails_that_write_only_and_reads_go_on(redis_url, how):
     a = seg(range(64))
     ka = st.put(a, "t").key
     kb = st.put(seg(range(100, 164)), "t").key  # A's 4 blocks down to Redis
-    _refusing_writes(client, how)
+    refusing_writes(client, how)
     try:
         st.put(seg(range(200, 264)), "t")  # B's blocks go down: refused, so B is lost
         stats = st.stats().redis
@@ -48,7 +34,7 @@ def test_a_refused_write_fails_that_write_only_and_reads_go_on(redis_url, how):
         assert st.residency.pending == {} and not st.residency.outbox
         ok(st)
     finally:
-        _taking_writes(client, how)
+        taking_writes(client, how)
     d = seg(range(300, 364))
     kd = st.put(d, "t").key  # A goes down again (Redis has it: its TTL restarts)
     st.put(seg(range(400, 464)), "t")  # D goes down: no retry interval to wait for, stored at once

@@ -11,6 +11,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
+from shared_store import Clock, seeded_segment
 
 pytestmark = pytest.mark.integration
 
@@ -18,18 +19,8 @@ M = ModelIdentity("model-r", "r" * 64)
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _seg(first: int, n: int) -> KVSegment:
-    gen = torch.Generator().manual_seed(first)
-    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
-                     positions=torch.arange(n), model=M, rotated=True)
+    return seeded_segment(first, n, M)
 
 
 def _sharing(redis_url: str, clock=None) -> PagedStore:

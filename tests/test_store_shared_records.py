@@ -13,6 +13,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
+from shared_store import Clock, refusing_writes, seeded_segment, taking_writes
 
 pytestmark = pytest.mark.integration
 
@@ -20,18 +21,8 @@ M = ModelIdentity("model-r", "r" * 64)
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _seg(first: int, n: int) -> KVSegment:
-    gen = torch.Generator().manual_seed(first)
-    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
-                     positions=torch.arange(n), model=M, rotated=True)
+    return seeded_segment(first, n, M)
 
 
 def _longer(base: KVSegment, n: int) -> KVSegment:
@@ -49,21 +40,6 @@ def _sharing(redis_url: str, clock=None) -> PagedStore:
 
 def _block_keys(store: PagedStore, key: str) -> list[bytes]:
     return [store.redis._key(h) for h in store.registry.get(key).hashes]
-
-
-def _refusing_writes(client: redis.Redis, how: str = "oom") -> None:
-    if how == "oom":
-        client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", 1)  # every write that may take memory answers OOM (a DEL still goes)
-    else:
-        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # as a demoted primary answers: READONLY, to every write
-
-
-def _taking_writes(client: redis.Redis, how: str = "oom") -> None:
-    if how == "oom":
-        client.config_set("maxmemory", 0)
-    else:
-        client.execute_command("REPLICAOF", "NO", "ONE")
 
 
 @pytest.mark.parametrize("ttl_s", [None, 600])
@@ -152,12 +128,12 @@ def test_a_record_write_that_fails_is_sent_again_with_the_deadline_the_refresh_g
     client = redis.Redis.from_url(redis_url)
     key = writer.put(_seg(0, 32), "t", ttl_s=100).key
     record = writer.redis.commands.entry_key(key)
-    _refusing_writes(client)
+    refusing_writes(client)
     try:
         writer.refresh(key, "t", ttl_s=5)
         assert not client.exists(record)  # the older record: withdrawn
     finally:
-        _taking_writes(client)
+        taking_writes(client)
     clock.now += 3  # past the tier's retry interval; 2 s of the entry left
     writer.keys("t")  # any call sends what is owed
     assert 0 < client.pttl(record) <= 2_000
@@ -175,7 +151,7 @@ def test_a_writer_does_not_adopt_back_the_older_record_a_failed_refresh_left(red
     writer = _sharing(redis_url, clock)
     client = redis.Redis.from_url(redis_url)
     key = writer.put(_seg(0, 32), "t", ttl_s=100).key
-    _refusing_writes(client, how)
+    refusing_writes(client, how)
     try:
         writer.refresh(key, "t", ttl_s=5)
         clock.now += 5
@@ -184,7 +160,7 @@ def test_a_writer_does_not_adopt_back_the_older_record_a_failed_refresh_left(red
         assert writer.lookup(torch.arange(0, 32), "t", M, torch.float32).key is None
         assert client.exists(writer.redis.commands.entry_key(key)) == (how == "readonly")
     finally:
-        _taking_writes(client, how)
+        taking_writes(client, how)
     assert writer.keys("t") == [] and writer.check() == []
 
 

@@ -13,6 +13,7 @@ from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from redisproc import TEST_SECRET
+from shared_store import Clock, refusing_writes, seeded_segment, taking_writes
 
 pytestmark = pytest.mark.integration
 
@@ -21,40 +22,14 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 4
 RETRY_S = 2.0
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _seg(first: int, n: int) -> KVSegment:
-    gen = torch.Generator().manual_seed(first)
-    return KVSegment(kv=torch.randn(2, 2, 2, n, 8, generator=gen), token_ids=torch.arange(first, first + n),
-                     positions=torch.arange(n), model=M, rotated=True)
+    return seeded_segment(first, n, M)
 
 
 def _sharing(redis_url: str, clock: Clock) -> PagedStore:
     return PagedStore(StoreConfig(capacity_bytes=64 * BLOCK_BYTES, max_layouts=1, redis_url=redis_url,
                                   redis_secret=TEST_SECRET, device="cpu", share_entries=True,
                                   redis_retry_s=RETRY_S), clock=clock)
-
-
-def _refusing_writes(client: redis.Redis, how: str) -> None:
-    """As tests/test_store_redis_refusals.py: OOM (a DEL still goes: it takes no memory) or READONLY (nothing goes)."""
-    if how == "oom":
-        client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", 1)
-    else:
-        client.execute_command("REPLICAOF", "127.0.0.1", "1")
-
-
-def _taking_writes(client: redis.Redis, how: str) -> None:
-    if how == "oom":
-        client.config_set("maxmemory", 0)
-    else:
-        client.execute_command("REPLICAOF", "NO", "ONE")
 
 
 @pytest.mark.parametrize("change", ["refresh", "text"])
@@ -68,7 +43,7 @@ def test_a_record_redis_refuses_to_replace_is_withdrawn_from_the_other_replicas(
     a = _seg(0, 40)
     key = writer.put(a, "t", ttl_s=100, text="old").key
     record = writer.redis.commands.entry_key(key)
-    _refusing_writes(client, "oom")
+    refusing_writes(client, "oom")
     try:
         if change == "refresh":
             writer.refresh(key, "t", ttl_s=5)
@@ -79,7 +54,7 @@ def test_a_record_redis_refuses_to_replace_is_withdrawn_from_the_other_replicas(
         with pytest.raises(NotFound):
             _sharing(redis_url, clock).get(key, "t")
     finally:
-        _taking_writes(client, "oom")
+        taking_writes(client, "oom")
     clock.now += RETRY_S  # the owed record goes with the next call
     writer.keys("t")
     reader = _sharing(redis_url, clock)
@@ -102,7 +77,7 @@ def test_a_delete_redis_refuses_is_sent_again_and_never_adopted_back_meanwhile(r
     client = redis.Redis.from_url(redis_url)
     key = writer.put(_seg(0, 40), "t").key
     record = writer.redis.commands.entry_key(key)
-    _refusing_writes(client, how)
+    refusing_writes(client, how)
     try:
         assert writer.delete(key, "t") == 1
         for _ in range(2):  # before and after the retry interval: Redis still refuses
@@ -111,7 +86,7 @@ def test_a_delete_redis_refuses_is_sent_again_and_never_adopted_back_meanwhile(r
             assert writer.lookup(torch.arange(0, 40), "t", M, torch.float32).key is None
             clock.now += RETRY_S
     finally:
-        _taking_writes(client, how)
+        taking_writes(client, how)
     writer.keys("t")  # any call sends what is owed
     assert not client.exists(record)
     with pytest.raises(NotFound):
@@ -129,13 +104,13 @@ def test_a_key_deleted_twice_while_redis_refuses_is_shared_again_once_the_delete
     client = redis.Redis.from_url(redis_url)
     a = _seg(0, 40)
     key = writer.put(a, "t").key
-    _refusing_writes(client, "readonly")
+    refusing_writes(client, "readonly")
     try:
         writer.delete(key, "t")
         writer.put(a, "t")
         assert writer.delete(key, "t") == 1
     finally:
-        _taking_writes(client, "readonly")
+        taking_writes(client, "readonly")
     clock.now += RETRY_S
     writer.keys("t")  # the owed delete goes
     assert not client.exists(writer.redis.commands.entry_key(key))
