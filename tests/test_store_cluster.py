@@ -166,15 +166,22 @@ def test_an_entrys_deadline_travels_with_its_record_through_the_cluster(cluster,
     assert writer.stats().redis["unreplicated"] == 0 and writer.stats().redis["errors"] == 0
 
 
-def test_a_record_whose_blocks_are_gone_is_deleted_through_the_cluster_and_published_again(cluster, url):
-    """A block of a shared entry gone from its shard: the reader that finds out deletes that very record (a script on
-    the record's slot, compared by its tag); the writer's next record sends the block again, then itself."""
+def _shared_entry_with_a_block_gone(cluster, url):
+    """A writer and a reader sharing through the cluster; the writer's entry of 40 tokens, its second block deleted
+    from its shard: (writer, reader, client, segment, key, record key, block key)."""
     writer, reader = _sharing(url), _sharing(url)
     client = _client(cluster)
     a = _seg(0)
     key = writer.put(a, "t").key
     record, block = writer.redis.commands.entry_key(key), writer.redis._key(writer.registry.get(key).hashes[1])
     client.delete(block)
+    return writer, reader, client, a, key, record, block
+
+
+def test_a_record_whose_blocks_are_gone_is_deleted_through_the_cluster_and_published_again(cluster, url):
+    """A block of a shared entry gone from its shard: the reader that finds out deletes that very record (a script on
+    the record's slot, compared by its tag); the writer's next record sends the block again, then itself."""
+    writer, reader, client, a, key, record, block = _shared_entry_with_a_block_gone(cluster, url)
     with pytest.raises(NotFound):
         reader.get(key, "t")
     assert not client.exists(record)
@@ -188,12 +195,7 @@ def test_a_reader_leaves_a_record_whose_block_the_writer_sent_again_through_the_
     """Same block gone; the reader reads the blocks and finds it gone, then the writer sends it again as a block of a
     longer entry (the first entry's record unchanged). The reader checks the blocks (on their shards) before its
     compare-and-delete on the record's: they are all there, so the record stays for every replica."""
-    writer, reader = _sharing(url), _sharing(url)
-    client = _client(cluster)
-    a = _seg(0)
-    key = writer.put(a, "t").key
-    record, block = writer.redis.commands.entry_key(key), writer.redis._key(writer.registry.get(key).hashes[1])
-    client.delete(block)
+    writer, reader, client, a, key, record, block = _shared_entry_with_a_block_gone(cluster, url)
     real = reader.redis.get_many
 
     def then_sent_again(*args, **kwargs):
