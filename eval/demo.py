@@ -174,9 +174,10 @@ def run_demo(preset: str = "small", doc_id: str | None = None, max_doc_tokens: i
              f"over gRPC in {result.fetch_s:.2f} s cold, {result.warm_fetch_s:.2f} s warm (exact token coverage "
              f"{result.exact_coverage:.2f}); the server held {stats.tenant_entries} entries, {stats.tenant_tokens} "
              "tokens")
-        _say("TTFT cold: the document's first request (the server projects it; served: and corrects it once). "
-             "TTFT warm: the next request on it (the server's store has it). Fidelity: ROUGE-L against full's answer; "
-             "greedy = full: the share of full's answer tokens the mode has in place.")
+        _say("TTFT cold: the document's first request (the server projects it; served: and corrects it once, with "
+             "the projection counted though replace's fetch stored it first). TTFT warm: the next request on it (the "
+             "server's store has it). Fidelity: ROUGE-L against full's answer; greedy = full: the share of full's "
+             "answer tokens the mode has in place.")
         if code != 0:
             _say(f"server: exited with {code}; its log:\n{server.tail()}")
             return 1

@@ -123,7 +123,7 @@ class ModeResult:
     summary: str
     summary_ids: list[int]
     ttft_s: float  # fetch + the target's own prefills + the instruction's forward to the first token (the first
-    #                fetch of a document: the server projects it, or computes its served correction)
+    #                fetch of a document: the server projects it, and computes a served correction from that)
     prefill_tokens: int  # target tokens prefilled before the first token (context part + instruction)
     prefill_flops: int
     kv_bytes: int  # KV bytes received from the service for this request
@@ -234,6 +234,8 @@ class SummaryEvaluator:
             warm_s = None  # base seconds with a warm fetch
             if mode.kind == "served":
                 context, base_s, warm_s, kv_bytes, still = self._served(mode, doc)
+                if projected is not None:  # found stored (fetched above): a new user's first request projects too
+                    base_s += fetch_s - result.warm_fetch_s
                 # served:C/noprior after served:C fetched a stored correction: its cold is the first fetch's
                 base_s = served_cold.setdefault(mode.correction, base_s)
                 prefills = []  # no target pass at request time: the server corrected the KV once, before

@@ -5,10 +5,12 @@ Same documents, layout, table and intervals as the in-process harness (eval.summ
 the connector fetches the server's cache for the request (`kv_transfer_params`) and loads it into vLLM's paged KV
 (whole vLLM blocks; vLLM prefills the rest of the prompt itself). Per document and mode:
   a one-token request       TTFT, cold: the first time this mode's cache is fetched (the server projects, or
-                            computes its served correction); for modes without a cache, vLLM's own prefill. A mode
-                            whose cache an earlier mode fetched (recompute:r reads replace's projection) finds it
-                            in the store: its fetch seconds are replaced by that first fetch's, as the in-process
-                            harness counts every projected mode's cold TTFT with the one cold fetch
+                            computes its served correction from it); for modes without a cache, vLLM's own
+                            prefill. A mode whose cache an earlier mode fetched (recompute:r reads replace's
+                            projection) finds it in the store: its fetch seconds are replaced by that first fetch's,
+                            as the in-process harness counts every projected mode's cold TTFT with the one cold
+                            fetch; a served mode whose correction was computed from a projection an earlier mode
+                            stored adds that first projection fetch's seconds over its warm fetch's (FirstFetches)
   the summary               [start] + document + instruction, vLLM's greedy decoding, cut at the first line break
   the continuation's NLL    [start] + document + continuation, one request with vLLM's prompt log-probs: the
                             continuation's first token is input, the others are scored (summed NLL, top-1 at each)
@@ -74,6 +76,35 @@ def engine_options(target: LoadedModel, address: str, config: EvalConfig, dtype:
                          kv_transfer_config=kv_transfer_config(address=address, token=token, timeout_s=600))
 
 
+class FirstFetches:
+    """The cold TTFT a new user's first request would see, over the modes of one document run in order: a request
+    that found its cache stored by an earlier mode's fetch (recompute:r after replace; served:C/noprior after served:C)
+    counts that first fetch's seconds, and a served correction's first request that found the plain projection stored
+    (replace or recompute:r before it) adds that projection's first fetch's seconds over its warm fetch's."""
+
+    def __init__(self):
+        self.first: dict[tuple, float] = {}  # a server cache of this document -> its first (cold) fetch's seconds
+        self.projection_s: float | None = None  # the plain projection's first fetch less its warm fetch, seconds
+
+    def cold_seconds(self, kvbridge: dict | None, cold: dict, warm: dict) -> float:
+        """The cold request's seconds as a new user's (`cold`, `warm`: the engine's replies to the mode's cold and warm
+        one-token requests with kv_transfer_params["kvbridge"] = `kvbridge`)."""
+        if not kvbridge:
+            return cold["seconds"]
+        # the server's cache the request read: the same for replace and recompute:r
+        cache = tuple(sorted((k, v) for k, v in kvbridge.items() if k != "recompute_tokens"))
+        fetch_s = cold["kvbridge_fetch_s"]
+        if cache in self.first:  # a store hit, not the cold fetch its column names
+            return cold["seconds"] + self.first[cache] - fetch_s
+        extra = 0.0
+        if kvbridge.get("mode", "replace") == "replace":  # the connector's default mode
+            self.projection_s = fetch_s - warm["kvbridge_fetch_s"]
+        elif self.projection_s is not None:  # the server corrected a projection it had stored
+            extra = self.projection_s
+        self.first[cache] = fetch_s + extra
+        return cold["seconds"] + extra
+
+
 class VLLMEvaluator:
     """Runs every mode on prepared documents through `engine` (kvbridge.vllm.engine.EngineProcess) whose connector
     reaches the server named `server` in its configuration; `client` (a KVBridgeClient to that server) ingests each
@@ -120,7 +151,7 @@ class VLLMEvaluator:
             entry = self.client.ingest(text=doc.text).entries[0]
             key, result.source_tokens = entry.key, entry.num_tokens
         continuation = doc.continuation.tolist()
-        first_fetch: dict[tuple, float] = {}  # a server cache of this document -> its first (cold) fetch's seconds
+        first = FirstFetches()
         for mode in self.modes:
             kvbridge = self._kvbridge(mode, key, doc.doc_tokens)
             context = self._context_ids(mode, doc)
@@ -144,16 +175,9 @@ class VLLMEvaluator:
             loaded = out["loaded_tokens"]
             if kvbridge and result.fetch_s == 0.0:
                 result.fetch_s, result.warm_fetch_s = cold["kvbridge_fetch_s"], warm["kvbridge_fetch_s"]
-            cold_s = cold["seconds"]
-            if kvbridge:  # the server's cache this request read: the same for replace and recompute:r
-                cache = tuple(sorted((k, v) for k, v in kvbridge.items() if k != "recompute_tokens"))
-                if cache in first_fetch:  # a store hit, not the cold fetch its column names
-                    cold_s += first_fetch[cache] - cold["kvbridge_fetch_s"]
-                else:
-                    first_fetch[cache] = cold["kvbridge_fetch_s"]
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
-                ttft_s=cold_s, prefill_tokens=len(prompt) - loaded,
+                ttft_s=first.cold_seconds(kvbridge, cold, warm), prefill_tokens=len(prompt) - loaded,
                 prefill_flops=self.flops.prefill(len(prompt) - loaded, loaded), kv_bytes=out["kvbridge_wire_bytes"],
                 nll=nll, nll_tokens=max(len(continuation) - 1, 0), continuation_top1=top1,
                 ttft_warm_s=warm["seconds"], loaded_tokens=loaded)

@@ -1,4 +1,4 @@
-"""The evaluation's measurements on synthetic inputs: TTFT bookkeeping of the vLLM harness, record ids, and the
+"""The evaluation's measurements on synthetic inputs: TTFT bookkeeping of both harnesses, record ids, and the
 report's degenerate cases."""
 
 from __future__ import annotations
@@ -13,31 +13,47 @@ import torch
 from kvbridge.eval.modes import parse_modes
 from kvbridge.eval.records import read_records
 from kvbridge.eval.report import markdown_table, summarise
-from kvbridge.eval.summaries import DocumentResult, EvalConfig, ModeResult, SummaryEvaluator, prepare
+from kvbridge.eval.summaries import (
+    DocumentResult,
+    EvalConfig,
+    ModeResult,
+    ProjectedSource,
+    SummaryEvaluator,
+    prepare,
+)
 from kvbridge.eval.vllm_eval import VLLMEvaluator
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
 
-COLD_FETCH_S, WARM_FETCH_S, ENGINE_S = 1.0, 0.1, 0.05
+# a store read, a projection's first fetch (the server projects), the correction computed over a stored projection
+COLD_FETCH_S, WARM_FETCH_S, CORRECT_S, ENGINE_S = 1.0, 0.1, 0.5, 0.05
+
+
+def store_fetch_s(stored: set[str], mode: str) -> float:
+    """Seconds of a server fetch of one document's cache in `mode` from a store holding `stored` (modes), which it
+    adds to: a served correction (any mode but replace) is computed over the plain projection, projected first
+    where the store has none (as server/projecting.py does)."""
+    seconds = WARM_FETCH_S if "replace" in stored else COLD_FETCH_S
+    if mode != "replace" and mode not in stored:
+        seconds += CORRECT_S
+    stored.update(("replace", mode))
+    return seconds
 
 
 class StoreEngine:
     """Stands in for kvbridge.vllm.engine.EngineProcess (a vLLM child process, minutes to start): every request
-    fetches its kvbridge cache from a server store that computes a cache at its first fetch (COLD_FETCH_S) and
-    serves it from then on (WARM_FETCH_S); the answer is the prompt's last token."""
+    fetches its kvbridge cache from a server store that computes a cache at its first fetch and serves it from then on
+    (store_fetch_s); the answer is the prompt's last token."""
 
     def __init__(self):
-        self.stored: set[tuple] = set()
+        self.stored: dict[str, set[str]] = {}  # document key -> the modes stored
 
     def _fetch(self, kvbridge: dict | None) -> float:
         if not kvbridge:
             return 0.0
-        cache = (kvbridge["key"], kvbridge["mode"])
-        cold = cache not in self.stored
-        self.stored.add(cache)
-        return COLD_FETCH_S if cold else WARM_FETCH_S
+        return store_fetch_s(self.stored.setdefault(kvbridge["key"], set()), kvbridge["mode"])
 
     def generate(self, prompt: list[int], max_tokens: int = 16, kvbridge: dict | None = None) -> dict:
         fetch_s = self._fetch(kvbridge)
@@ -68,9 +84,27 @@ def test_vllm_cold_ttft_of_a_mode_reading_an_earlier_modes_cache_counts_the_cold
     warm = WARM_FETCH_S + ENGINE_S
     assert result.modes["full"].ttft_s == pytest.approx(ENGINE_S)
     for name in ("replace", "recompute:0.5", "served:blend:0.1", "served:blend:0.1/noprior"):
-        assert result.modes[name].ttft_s == pytest.approx(cold), name
+        served = CORRECT_S if name.startswith("served") else 0.0
+        assert result.modes[name].ttft_s == pytest.approx(cold + served), name
         assert result.modes[name].ttft_warm_s == pytest.approx(warm), name
     assert (result.fetch_s, result.warm_fetch_s) == (COLD_FETCH_S, WARM_FETCH_S)
+
+
+def test_vllm_cold_ttft_of_a_served_correction_after_replace_counts_the_projection(tiny_target):
+    """served:C after replace: the server found replace's projection in its store and computed only the correction,
+    a store hit a new user's first served request does not get. Its cold TTFT (and served:C/noprior's, the same
+    stored correction) is now what it is when no mode ran before it; warm TTFTs are the warm fetch's."""
+    config = EvalConfig(max_doc_tokens=40, min_doc_tokens=8, continuation_tokens=4, max_new_tokens=3)
+    record = SimpleNamespace(id="d", document=" ".join(f"word{i} tells" for i in range(60)), summary="")
+    doc = prepare(record, tiny_target, config)
+    alone = VLLMEvaluator(StoreEngine(), IngestClient(), tiny_target, parse_modes("served:blend:0.1"), config)
+    first = alone.run(doc).modes["served:blend:0.1"]
+    assert first.ttft_s == pytest.approx(COLD_FETCH_S + CORRECT_S + ENGINE_S)
+    modes = parse_modes("replace,served:blend:0.1,served:blend:0.1/noprior")
+    result = VLLMEvaluator(StoreEngine(), IngestClient(), tiny_target, modes, config).run(doc)
+    for name in ("served:blend:0.1", "served:blend:0.1/noprior"):
+        assert result.modes[name].ttft_s == pytest.approx(first.ttft_s), name
+        assert result.modes[name].ttft_warm_s == pytest.approx(WARM_FETCH_S + ENGINE_S), name
 
 
 def test_a_renamed_record_never_takes_an_id_the_file_gives_another(tmp_path):
@@ -88,16 +122,15 @@ def test_a_renamed_record_never_takes_an_id_the_file_gives_another(tmp_path):
 
 class StoreSource:
     """Stands in for ProjectedSource over a server (its clock staged: a test may not time one): the target's own KV
-    as every cache, computed at a cache's first fetch (COLD_FETCH_S) and served from the store after (WARM_FETCH_S);
-    fetch's two fetches as ProjectedSource's."""
+    as every cache, computed at a cache's first fetch and served from the store after (store_fetch_s); fetch's two
+    fetches as ProjectedSource's."""
 
     def __init__(self, lm, ids):
         self.segment = kvcache.extract(lm.model, lm.spec, ids)
         self.stored: set[str] = set()
 
     def fetch(self, text: str, mode: str = "replace"):
-        cold = WARM_FETCH_S if mode in self.stored else COLD_FETCH_S
-        self.stored.add(mode)
+        cold = store_fetch_s(self.stored, mode)
         fetched = SimpleNamespace(segment=self.segment, mode=mode, recomputed=torch.tensor([1]), wire_bytes=100,
                                   exact_coverage=None, adapter_digest="")
         return fetched, cold, WARM_FETCH_S, self.segment.num_tokens
@@ -105,14 +138,52 @@ class StoreSource:
 
 def test_in_process_cold_ttft_of_a_served_correction_fetched_again_is_the_first_fetchs(tiny_target):
     """served:C/noprior after served:C (one stored correction, read two ways) fetched it from the store: its cold
-    TTFT was a warm fetch's. Both count the first (cold) fetch now; their warm TTFTs the warm fetch."""
+    TTFT was a warm fetch's. Both count the first (cold) fetch now (with the projection replace's fetch stored);
+    their warm TTFTs the warm fetch."""
     config = EvalConfig(max_doc_tokens=40, min_doc_tokens=8, continuation_tokens=4, max_new_tokens=3)
     doc = prepare(read_records(SAMPLE)[0], tiny_target, config)
     modes = parse_modes("replace/noprior,served:blend:0.1/noprior,served:blend:0.1/probe")
     result = SummaryEvaluator(tiny_target, modes, config, StoreSource(tiny_target, doc.target_ids)).run(doc)
     for name in ("replace/noprior", "served:blend:0.1/noprior", "served:blend:0.1/probe"):
         m = result.modes[name]  # ttft_s - ttft_warm_s: the cold fetch's seconds less the warm one's
-        assert m.ttft_s - m.ttft_warm_s == pytest.approx(COLD_FETCH_S - WARM_FETCH_S), name
+        served = CORRECT_S if name.startswith("served") else 0.0
+        assert m.ttft_s - m.ttft_warm_s == pytest.approx(COLD_FETCH_S - WARM_FETCH_S + served), name
+
+
+class FetchLog(ProjectedSource):
+    """ProjectedSource with the seconds of each fetch kept: (mode, cold, warm)."""
+
+    def __init__(self, client, target):
+        super().__init__(client, target)
+        self.fetches: list[tuple[str, float, float]] = []
+
+    def fetch(self, text: str, mode: str = "replace"):
+        fetched, cold_s, warm_s, tokens = super().fetch(text, mode)
+        self.fetches.append((mode, cold_s, warm_s))
+        return fetched, cold_s, warm_s, tokens
+
+
+@pytest.mark.integration  # identity_server
+def test_in_process_cold_ttft_of_a_served_correction_after_replace_counts_the_projection(identity_server,
+                                                                                          tiny_target):
+    """replace fetched the plain projection first, so the server only corrected it for served:C: a store hit for
+    the projection, which a new user's first served request does not get. Through a real server, served:C's cold
+    TTFT (and served:C/probe's, the same stored correction) adds the projection's cold fetch over a warm one."""
+    from kvbridge.server.client import KVBridgeClient
+
+    config = EvalConfig(max_doc_tokens=40, min_doc_tokens=8, continuation_tokens=4, max_new_tokens=3)
+    text = " ".join(f"served{i} after replace" for i in range(60))  # a document no other test stores
+    doc = prepare(SimpleNamespace(id="d", document=text, summary=""), tiny_target, config)
+    modes = parse_modes("replace/noprior,served:blend:0.1/noprior,served:blend:0.1/probe")
+    with KVBridgeClient(identity_server.address) as client:
+        source = FetchLog(client, tiny_target)
+        result = SummaryEvaluator(tiny_target, modes, config, source).run(doc)
+    (plain, plain_cold, plain_warm), (served, served_cold, _), (_, _, probe_warm) = source.fetches
+    assert (plain, served) == ("replace", "blend:0.1") and (result.fetch_s, result.warm_fetch_s) == (plain_cold,
+                                                                                                     plain_warm)
+    for name, warm in (("served:blend:0.1/noprior", source.fetches[1][2]), ("served:blend:0.1/probe", probe_warm)):
+        m = result.modes[name]  # the first served fetch and the projection's cold cost, less this mode's warm fetch
+        assert m.ttft_s - m.ttft_warm_s == pytest.approx(served_cold + plain_cold - plain_warm - warm), name
 
 
 def _row(summary_ids: list[int], nll: float) -> ModeResult:
