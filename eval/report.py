@@ -3,8 +3,9 @@
 summaries score near noise against reference titles — measures against `full`'s own output that can tell modes
 apart: fidelity (ROUGE-L of the mode's summary against full's), top-1 agreement with full over the continuation
 tokens, and the share of repeated 3-grams in the summary. Cost: prefill FLOPs saved against `full`, the whole
-system's FLOPs per request (source prefill and projection amortised over N reuses of one projected context), TTFT and
-KV bytes. Written as Markdown, JSON and a plot of quality against the recompute fraction."""
+system's FLOPs per request (source prefill, projection and a served correction amortised over N reuses of one
+projected context), TTFT and KV bytes. Written as Markdown, JSON and a plot of quality against the recompute
+fraction."""
 
 from __future__ import annotations
 
@@ -109,11 +110,13 @@ def _mean_ci(values: list[float], samples: int, seed: int) -> dict:
 
 def _system_flops(cost: PairCost, name: str, result: DocumentResult, uses: int) -> float:
     """The whole system's FLOPs for one request of this mode: the target's own prefill, plus, for modes that use the
-    projected context, the source's prefill and the projection shared by `uses` requests."""
+    projected context, the source's prefill and the projection shared by `uses` requests, and what the server
+    computed once for the mode (a served correction's target forwards: ModeResult.shared_flops) shared by them too."""
     mode = result.modes[name]
+    shared = mode.shared_flops / uses
     if base_mode(name).split(":")[0] not in NEEDS_PROJECTION or result.source_tokens is None:
-        return mode.prefill_flops
-    return cost.system(mode.prefill_flops, result.source_tokens, result.doc_tokens + 1, uses)
+        return mode.prefill_flops + shared
+    return cost.system(mode.prefill_flops, result.source_tokens, result.doc_tokens + 1, uses) + shared
 
 
 def _ci(x: dict | None, key: str = "mean", digits: int = 3) -> str:

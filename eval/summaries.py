@@ -132,6 +132,9 @@ class ModeResult:
     continuation_top1: list[int] | None = None  # the target's argmax at each scored continuation position
     ttft_warm_s: float | None = None  # the same with a warm fetch (the server's store has the projected KV)
     loaded_tokens: int | None = None  # --engine vllm: prompt tokens the connector loaded into vLLM (whole blocks)
+    # FLOPs the server computed once for this document in this mode and shares with every later request: a served
+    # correction's target forwards (report._system_flops divides them by N, as the projection); not in prefill_flops
+    shared_flops: int = 0
     rouge: dict[str, float] | None = None  # F1 by type, filled in by eval.report.summarise
 
 
@@ -145,6 +148,27 @@ class DocumentResult:
     warm_fetch_s: float = 0.0  # a second fetch of it (a store hit)
     exact_coverage: float | None = None
     source_tokens: int | None = None  # tokens the source read for the projected modes (None: none projected)
+
+
+def served_forwards(correction: str, doc_tokens: int, recomputed: int | None = None) -> list[tuple[int, int]]:
+    """The target's forwards of the server's correction `correction` ("blend:0.1", "recompute:0.1") of a projected
+    document of `doc_tokens` tokens that recomputed `recomputed` of them (None, where the server does not say: as
+    many as the correction takes, Correction.tokens). As (new, past) forwards through every layer, the form in which
+    SummaryEvaluator._context gives FlopModel.prefill the forwards of the same correction run in process
+    (transfer.suffix.correction.correct): recompute's forward of the tail over the head; blend's (the attention rule,
+    the only one served) pass of its window of last tokens over the others where it recomputes more than the
+    window, then the forward of the recomputed tokens over the rest."""
+    parsed = Correction.parse(correction, "correction")
+    d, k = doc_tokens, parsed.tokens(doc_tokens) if recomputed is None else recomputed
+    if not 0 <= k <= d:
+        raise ValueError(f"a correction of {d} document tokens recomputes 0..{d} of them, got {k}")
+    if parsed.kind == "replace" or k == 0:
+        return []
+    if parsed.kind == "blend" and parsed.rule != "attention":
+        raise ValueError(f"correction {correction!r}: served blends use the attention rule")
+    window = min(BlendConfig(fraction=k / d).window, d)
+    scoring = [(window, d + 1 - window)] if parsed.kind == "blend" and k > window else []
+    return scoring + [(k, d + 1 - k)]
 
 
 def run_documents(run, docs: list[PreparedDoc], desc: str, progress: bool = True
@@ -234,12 +258,16 @@ class SummaryEvaluator:
             warm_s = None  # base seconds with a warm fetch
             if mode.kind == "served":
                 context, base_s, warm_s, kv_bytes, still = self._served(mode, doc)
+                recomputed = int((~still[1:]).sum())  # document tokens the server's correction recomputed
+                shared = sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens,
+                                                                              recomputed))
                 if projected is not None:  # found stored (fetched above): a new user's first request projects too
                     base_s += fetch_s - result.warm_fetch_s
                 # served:C/noprior after served:C fetched a stored correction: its cold is the first fetch's
                 base_s = served_cold.setdefault(mode.correction, base_s)
-                prefills = []  # no target pass at request time: the server corrected the KV once, before
+                prefills = []  # no target pass at request time: the server corrected the KV once, before (shared)
             else:
+                shared = 0
                 context, base_s, prefills, kv_bytes, still = self._context(mode, doc, own, own_s, projected,
                                                                            fetch_s, wire, prior)
                 if mode.kind in NEEDS_PROJECTION:  # each of them counts the cold fetch in its base seconds
@@ -261,7 +289,7 @@ class SummaryEvaluator:
                 ttft_s=base_s + first_s, prefill_tokens=sum(f[0] for f in prefills if len(f) == 2),
                 prefill_flops=sum(self.flops.prefill(*f) for f in prefills), kv_bytes=kv_bytes,
                 nll=nll, nll_tokens=max(doc.continuation.numel() - 1, 0), continuation_top1=top1,
-                ttft_warm_s=(warm_s if warm_s is not None else base_s) + first_s)
+                ttft_warm_s=(warm_s if warm_s is not None else base_s) + first_s, shared_flops=shared)
         return result
 
     def _served(self, mode: Mode, doc: PreparedDoc):

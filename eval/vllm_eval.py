@@ -32,7 +32,15 @@ from pathlib import Path
 
 from kvbridge.eval.flops import FlopModel
 from kvbridge.eval.modes import NO_PRIOR, Mode
-from kvbridge.eval.summaries import DocumentResult, EvalConfig, ModeResult, PreparedDoc, instruction_ids, stop_ids
+from kvbridge.eval.summaries import (
+    DocumentResult,
+    EvalConfig,
+    ModeResult,
+    PreparedDoc,
+    instruction_ids,
+    served_forwards,
+    stop_ids,
+)
 from kvbridge.transfer.models import LoadedModel
 
 VLLM_KINDS = ("full", "none", "tail", "replace", "served", "recompute")
@@ -175,12 +183,16 @@ class VLLMEvaluator:
             loaded = out["loaded_tokens"]
             if kvbridge and result.fetch_s == 0.0:
                 result.fetch_s, result.warm_fetch_s = cold["kvbridge_fetch_s"], warm["kvbridge_fetch_s"]
+            # the server's correction, computed once: the connector's answer does not say which tokens it recomputed,
+            # so as many as the correction takes of the document (what the server's `correct` recomputes)
+            shared = (sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens))
+                      if mode.kind == "served" else 0)
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,
                 ttft_s=first.cold_seconds(kvbridge, cold, warm), prefill_tokens=len(prompt) - loaded,
                 prefill_flops=self.flops.prefill(len(prompt) - loaded, loaded), kv_bytes=out["kvbridge_wire_bytes"],
                 nll=nll, nll_tokens=max(len(continuation) - 1, 0), continuation_top1=top1,
-                ttft_warm_s=warm["seconds"], loaded_tokens=loaded)
+                ttft_warm_s=warm["seconds"], loaded_tokens=loaded, shared_flops=shared)
         return result
 
 

@@ -107,6 +107,29 @@ def test_vllm_cold_ttft_of_a_served_correction_after_replace_counts_the_projecti
         assert result.modes[name].ttft_warm_s == pytest.approx(WARM_FETCH_S + ENGINE_S), name
 
 
+def test_vllm_served_correction_counts_the_servers_correction_pass_once_per_document(tiny_target):
+    """A served correction through vLLM had the instruction's FLOPs alone: the server's target forwards (the same
+    `correct` run here on the document's KV) are its shared_flops now, apart from what vLLM prefills."""
+    from kvbridge.eval.flops import FlopModel
+    from kvbridge.transfer.suffix.correction import Correction, correct
+
+    config = EvalConfig(max_doc_tokens=40, min_doc_tokens=8, continuation_tokens=4, max_new_tokens=3)
+    record = SimpleNamespace(id="d", document=" ".join(f"word{i} tells" for i in range(60)), summary="")
+    doc = prepare(record, tiny_target, config)
+    modes = parse_modes("replace,served:blend:0.5,served:recompute:0.5")  # 20 of 40 tokens: blend's window runs
+    result = VLLMEvaluator(StoreEngine(), IngestClient(), tiny_target, modes, config).run(doc)
+    flops = FlopModel.from_config(tiny_target.model.config)
+    own = kvcache.extract(tiny_target.model, tiny_target.spec, doc.target_ids)
+    for correction in ("blend:0.5", "recompute:0.5"):
+        forwards = correct(tiny_target, own, Correction.parse(correction)).forwards  # (new, past, every layer)
+        assert all(layers == tiny_target.spec.num_layers for _, _, layers in forwards)
+        m = result.modes[f"served:{correction}"]
+        assert m.shared_flops == sum(flops.prefill(new, past) for new, past, _ in forwards) > 0, correction
+        assert m.prefill_flops == result.modes["replace"].prefill_flops
+    assert len(correct(tiny_target, own, Correction.parse("blend:0.5")).forwards) == 2
+    assert result.modes["replace"].shared_flops == 0
+
+
 def test_a_renamed_record_never_takes_an_id_the_file_gives_another(tmp_path):
     """A second record under id `a` was named `a#2` even where the file has a record `a#2`: two records under one id
     (results.json's rows, `eval compare`'s pairing and --exclude read documents by id)."""
