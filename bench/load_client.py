@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import random
 import time
 import traceback
@@ -44,6 +45,13 @@ def kv_digest(segment) -> str:
     h = hashlib.sha256(segment.kv.contiguous().numpy().tobytes())
     h.update(segment.token_ids.numpy().tobytes())
     return h.hexdigest()
+
+
+def runner_gone() -> bool:
+    """Whether the runner that started this process has exited (killed, or it lost this process's pid): then nobody
+    sets the start or the deadline, and the client stops instead of waiting for them forever."""
+    parent = multiprocessing.parent_process()  # its sentinel: a pipe the runner holds open while it lives
+    return parent is not None and not parent.is_alive()
 
 
 class Shared:
@@ -132,13 +140,15 @@ def client_main(cid: int, address: str, tenant: str, preamble: str, preset: str,
     try:
         with KVBridgeClient(address, token=token_of(tenant), timeout_s=TIMEOUT_S, retries=0) as client:
             shared.ready[cid] = 1
-            while shared.start_at.value == INF:
-                time.sleep(0.01)
-            while time.monotonic() < shared.start_at.value:
+            while shared.start_at.value == INF or time.monotonic() < shared.start_at.value:
+                if runner_gone():
+                    return
                 time.sleep(0.01)
             _client_loop(client, calls, cid, preamble, preset, redis, crash, random.Random(seed))
     except Exception:
         calls.wrong.append(f"client {cid} crashed: {traceback.format_exc()[-1500:]}")
+    if runner_gone():  # nobody reads the results (and their folder may be gone)
+        return
     Path(out).write_text(json.dumps({"cid": cid, "tenant": tenant, "rows": calls.rows, "wrong": calls.wrong}))
 
 
@@ -240,6 +250,8 @@ def _client_loop(client, calls: Calls, cid: int, preamble: str, preset: str, red
 
     ops, weights = zip(*WEIGHTS.items())
     while time.monotonic() < calls.shared.deadline.value:
+        if runner_gone():  # the runner was killed: no deadline comes, and nobody checks what is left
+            return
         n += 1
         op = rng.choices(ops, weights)[0] if live else "ingest"
         entry = rng.choice(live) if live else None

@@ -36,6 +36,7 @@ import multiprocessing as mp
 import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -197,7 +198,13 @@ def run(args) -> dict:
                  for i in range(args.clients)]
         t0 = time.monotonic()
         for p in procs:
-            p.start()
+            # SIGINT held while start() waits for the forkserver's fork: a KeyboardInterrupt in there loses the
+            # child's pid, and that client (never killed) waits for a start forever; it comes once start() returned
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                p.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         while sum(shared.ready) < args.clients:
             dead = [p.name for p in procs if p.exitcode is not None]
             if dead or time.monotonic() - t0 > START_TIMEOUT_S:
@@ -442,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--json {args.json}: not a file in an existing folder")
     if args.adapter and not Path(args.adapter).is_file():
         parser.error(f"--adapter {args.adapter}: no such file")
+    # Ctrl-C stops the run (the finally in run() stops what it started) even where this process was started with
+    # SIGINT ignored (from a non-interactive shell's `&`, which Python keeps): it would never exit on SIGINT then
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     report = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
