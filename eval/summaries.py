@@ -150,25 +150,19 @@ class DocumentResult:
     source_tokens: int | None = None  # tokens the source read for the projected modes (None: none projected)
 
 
-def served_forwards(correction: str, doc_tokens: int, recomputed: int | None = None) -> list[tuple[int, int]]:
+def served_forwards(correction: str, doc_tokens: int, layers: int, recomputed: int | None = None) -> list[tuple]:
     """The target's forwards of the server's correction `correction` ("blend:0.1", "recompute:0.1") of a projected
-    document of `doc_tokens` tokens that recomputed `recomputed` of them (None, where the server does not say: as
-    many as the correction takes, Correction.tokens). As (new, past) forwards through every layer, the form in which
-    SummaryEvaluator._context gives FlopModel.prefill the forwards of the same correction run in process
-    (transfer.suffix.correction.correct): recompute's forward of the tail over the head; blend's (the attention rule,
-    the only one served) pass of its window of last tokens over the others where it recomputes more than the
-    window, then the forward of the recomputed tokens over the rest."""
+    document of `doc_tokens` tokens, on a target of `layers` layers: the plan the server's `correct` runs
+    (Correction.forwards), in the form SummaryEvaluator._context gives FlopModel.prefill the forwards of the same
+    correction run in process: (new, past) through every layer, (new, past, layers) for a pass through fewer.
+    `recomputed`: the document tokens the server says it recomputed (None where it does not say), checked against
+    the plan's."""
     parsed = Correction.parse(correction, "correction")
-    d, k = doc_tokens, parsed.tokens(doc_tokens) if recomputed is None else recomputed
-    if not 0 <= k <= d:
-        raise ValueError(f"a correction of {d} document tokens recomputes 0..{d} of them, got {k}")
-    if parsed.kind == "replace" or k == 0:
-        return []
-    if parsed.kind == "blend" and parsed.rule != "attention":
-        raise ValueError(f"correction {correction!r}: served blends use the attention rule")
-    window = min(BlendConfig(fraction=k / d).window, d)
-    scoring = [(window, d + 1 - window)] if parsed.kind == "blend" and k > window else []
-    return scoring + [(k, d + 1 - k)]
+    k = parsed.tokens(doc_tokens)
+    if recomputed is not None and recomputed != k:
+        raise ValueError(f"correction {correction!r} of {doc_tokens} document tokens recomputes {k} of them; "
+                         f"the server says it recomputed {recomputed}")
+    return [f[:2] if f[2] == layers else f for f in parsed.forwards(doc_tokens, layers)]
 
 
 def run_documents(run, docs: list[PreparedDoc], desc: str, progress: bool = True
@@ -260,7 +254,7 @@ class SummaryEvaluator:
                 context, base_s, warm_s, kv_bytes, still = self._served(mode, doc)
                 recomputed = int((~still[1:]).sum())  # document tokens the server's correction recomputed
                 shared = sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens,
-                                                                              recomputed))
+                                                                              self.flops.layers, recomputed))
                 if projected is not None:  # found stored (fetched above): a new user's first request projects too
                     base_s += fetch_s - result.warm_fetch_s
                 # served:C/noprior after served:C fetched a stored correction: its cold is the first fetch's

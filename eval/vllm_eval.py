@@ -185,7 +185,8 @@ class VLLMEvaluator:
                 result.fetch_s, result.warm_fetch_s = cold["kvbridge_fetch_s"], warm["kvbridge_fetch_s"]
             # the server's correction, computed once: the connector's answer does not say which tokens it recomputed,
             # so as many as the correction takes of the document (what the server's `correct` recomputes)
-            shared = (sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens))
+            shared = (sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens,
+                                                                             self.flops.layers))
                       if mode.kind == "served" else 0)
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,

@@ -21,6 +21,7 @@ from kvbridge.transfer.suffix.blend import (
     blend,
     first_layers_kv,
     kv_deviation,
+    planned_forwards,
     select_tokens,
 )
 from kvbridge.transfer.suffix.induction import InductionPrior
@@ -177,6 +178,19 @@ def test_the_forwards_a_blend_runs_are_what_it_reports():
     deviation = blend(lm, context, wrong, BlendConfig(0.25, rule="sinks+deviation", layers=2))
     assert deviation.forwards == ((t, c, 2), (10, c + t - 10, layers))
     assert blend(lm, context, wrong, BlendConfig(0.0)).forwards == ()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05, 0.1, 0.25, 1.0])
+@pytest.mark.parametrize("rule,layers", [("attention", None), ("prompt", None), ("sinks+deviation", 2),
+                                         ("deviation", None), ("last", 1), ("random", None)])
+def test_the_planned_forwards_are_the_ones_a_blend_runs(rule, layers, fraction):
+    """What a cost model counts for a blend it did not run (a server's stored correction) is what blend runs."""
+    lm, context, exact, wrong = _setup("qwen2")
+    config = BlendConfig(fraction, rule=rule, window=4, layers=layers)
+    probe = torch.tensor([7, 8, 9])
+    ran = blend(lm, context, wrong, config, probe_ids=probe if rule == "prompt" else None)
+    plan = planned_forwards(exact.num_tokens, context.num_tokens, lm.spec.num_layers, config, probe_tokens=3)
+    assert ran.forwards == plan and ran.selected.numel() == (plan[-1][0] if fraction else 0)
 
 
 def test_a_partial_pass_costs_its_share_of_the_layers(tiny_target):

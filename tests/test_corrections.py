@@ -12,6 +12,7 @@ import torch
 from kvbridge.server.adapter_registry import AdapterRegistry
 from kvbridge.server.corrections import CorrectionLimits, Corrections, recomputed_of
 from kvbridge.server.service import KVBridgeService
+from kvbridge.transfer import kvcache
 from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
 from kvbridge.transfer.suffix.correction import Correction, correct
 from kvbridge.transfer.suffix.induction import InductionPrior
@@ -42,6 +43,19 @@ class Forwards:
 
     def close(self):
         self._handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["replace", "recompute:0.1", "recompute:1", "blend:0.05", "blend:0.25", "blend:1"])
+def test_a_corrections_planned_forwards_are_the_ones_it_runs(tiny_target, mode):
+    """Correction.forwards (what eval counts for a server's stored correction) equals correct()'s own forwards."""
+    ids = torch.randint(3, tiny_target.spec.vocab_size, (41,), generator=torch.Generator().manual_seed(2))
+    projected = kvcache.extract(tiny_target.model, tiny_target.spec, ids)
+    correction = Correction.parse(mode)
+    done = correct(tiny_target, projected, correction)
+    assert done.forwards == correction.forwards(40, tiny_target.spec.num_layers)
+    assert int((~done.still_projected[1:]).sum()) == correction.tokens(40)
+    with pytest.raises(ValueError, match="at least one document token"):
+        correction.forwards(0, tiny_target.spec.num_layers)
 
 
 def test_mode_strings_parse_and_bad_ones_name_the_field():

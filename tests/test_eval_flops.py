@@ -55,12 +55,12 @@ def test_a_served_correction_costs_the_system_what_the_same_correction_costs_in_
     assert written["blend:0.25"]["shared_flops"] == written["full"]["shared_flops"] == 0
 
 
-def test_served_forwards_are_the_corrections_and_a_count_the_document_lacks_is_refused():
+def test_served_forwards_are_the_corrections_and_a_count_other_than_the_plans_is_refused():
     """recompute: the tail over the head; blend: its window's scoring pass only where it recomputes more than the
-    window; the count taken from the correction where the server does not say it."""
-    assert served_forwards("recompute:0.25", 96) == [(24, 73)]
-    assert served_forwards("blend:0.25", 96, 24) == [(16, 81), (24, 73)]
-    assert served_forwards("blend:0.1", 96) == [(10, 87)]  # 10 <= 16: the window is among the recomputed
-    assert served_forwards("replace", 96) == []
-    with pytest.raises(ValueError, match="recomputes 0..96 of them, got 97"):
-        served_forwards("blend:0.25", 96, 97)
+    window (Correction.forwards, the plan the server's correct() runs); a count the server reports is checked."""
+    assert served_forwards("recompute:0.25", 96, 30) == [(24, 73)]
+    assert served_forwards("blend:0.25", 96, 30, 24) == [(16, 81), (24, 73)]
+    assert served_forwards("blend:0.1", 96, 30) == [(10, 87)]  # 10 <= 16: the window is among the recomputed
+    assert served_forwards("replace", 96, 30) == []
+    with pytest.raises(ValueError, match="recomputes 24 of them; the server says it recomputed 97"):
+        served_forwards("blend:0.25", 96, 30, 97)

@@ -174,6 +174,26 @@ def attention_of_probe(lm: LoadedModel, context: KVSegment, placed: KVSegment, p
     return sum(a[0, :, :, c:c + t].float().sum(dim=(0, 1)) for a in out.attentions[from_layer:]).cpu()
 
 
+def planned_forwards(t: int, c: int, layers: int, config: BlendConfig, probe_tokens: int = 0
+                     ) -> tuple[tuple[int, int, int], ...]:
+    """The target's forwards `blend` runs for `t` placed tokens after `c` context tokens on a model of `layers` layers,
+    in order, as (new tokens, past tokens, layers run): the selection pass through the first m layers (exact_layers),
+    the scoring pass where it recomputes more tokens than the window (the attention rule: the window's last tokens;
+    the prompt rule: the request's `probe_tokens`), then the forward of the recomputed tokens over the rest. What
+    a cost model counts for a blend it did not run (a server's stored correction: eval.summaries.served_forwards)."""
+    count = min(round(config.fraction * t), t)
+    m = min(config.exact_layers, layers)
+    window = min(config.window, t)
+    forwards = [(t, c, m)] if m else []
+    if count > window and config.rule == "prompt":
+        forwards.append((probe_tokens, c + t, layers))
+    if count > window and config.rule == "attention":
+        forwards.append((window, c + t - window, layers))
+    if count:
+        forwards.append((count, c + t - count, layers))
+    return tuple(forwards)
+
+
 def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig,
           prior: InductionPrior | None = None, context_projected: torch.Tensor | None = None,
           probe_ids: torch.Tensor | None = None) -> BlendResult:
@@ -191,10 +211,10 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
                          f"{tuple(context_projected.shape)}")
     count = min(round(config.fraction * t), t)
     m = min(config.exact_layers, layers)
-    forwards, score = [], torch.zeros(t)
+    forwards = planned_forwards(t, c, layers, config, 0 if probe_ids is None else probe_ids.numel())
+    score = torch.zeros(t)
     if m:
         own = first_layers_kv(lm, context, placed.token_ids, m)  # [m, 2, H, T, D]
-        forwards.append((t, c, m))
         if config.rule in DEVIATION_RULES:
             score = kv_deviation(placed.kv[:m].to(own.device), own).cpu()
         kv = placed.kv.clone()
@@ -205,15 +225,14 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
             raise ValueError("the prompt rule scores with the request's tokens after the document: give probe_ids")
         if count > min(config.window, t):
             score = attention_of_probe(lm, context, placed, probe_ids, int(config.attention_from * layers))
-            forwards.append((probe_ids.numel(), c + t, layers))
     if config.rule == "attention" and count > min(config.window, t):
         window = min(config.window, t)
         score = attention_received(lm, context, placed, window, int(config.attention_from * layers))
-        forwards.append((window, c + t - window, layers))
     selected = select_tokens(score, count, config)
     reading = contextlib.nullcontext()
+    if selected.numel() != count:  # select_tokens takes `count` (the plan's last forward)
+        raise RuntimeError(f"blend selected {selected.numel()} tokens of {t}, planned {count}")
     if selected.numel():
-        forwards.append((selected.numel(), c + t - selected.numel(), layers))
         still = torch.ones(t, dtype=torch.bool)
         still[selected] = False
         before = torch.zeros(c, dtype=torch.bool) if context_projected is None else context_projected.bool().cpu()
@@ -222,4 +241,4 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
                                                   torch.cat((before, still)))
     with reading:
         segment = recompute_selected(lm, context, placed, selected)
-    return BlendResult(segment, selected, score, tuple(forwards), exact_layers=m)
+    return BlendResult(segment, selected, score, forwards, exact_layers=m)

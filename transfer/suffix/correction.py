@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.suffix.blend import RULES, BlendConfig, blend, layer_marks
+from kvbridge.transfer.suffix.blend import RULES, BlendConfig, blend, layer_marks, planned_forwards
 from kvbridge.transfer.suffix.induction import InductionPrior
 from kvbridge.transfer.suffix.reuse import prefill_after
 
@@ -68,6 +68,23 @@ class Correction:
         """k, the document tokens this correction recomputes."""
         return 0 if self.kind == "replace" else min(doc_tokens, max(1, round(self.fraction * doc_tokens)))
 
+    def forwards(self, doc_tokens: int, layers: int, probe_tokens: int = 0) -> tuple[tuple[int, int, int], ...]:
+        """The target's forwards `correct` runs for this correction of a document of `doc_tokens` tokens (after the
+        start token) on a model of `layers` layers, as (new tokens, past tokens, layers run): none for replace, the
+        tail over the head for recompute, blend's plan (blend.planned_forwards; `probe_tokens`: the request's tokens
+        the prompt rule scores with)."""
+        if doc_tokens < 1:
+            raise ValueError(f"a correction needs at least one document token, got {doc_tokens}")
+        d, k = doc_tokens, self.tokens(doc_tokens)
+        if self.kind == "replace":
+            return ()
+        if self.kind == "recompute":
+            return ((k, d + 1 - k, layers),)
+        return planned_forwards(d, 1, layers, self._blend_config(d), probe_tokens)
+
+    def _blend_config(self, doc_tokens: int) -> BlendConfig:
+        return BlendConfig(fraction=self.tokens(doc_tokens) / doc_tokens, rule=self.rule)
+
 
 @dataclass(frozen=True)
 class Corrected:
@@ -107,9 +124,9 @@ def correct(lm: LoadedModel, projected: KVSegment, correction: Correction,
               else contextlib.nullcontext()):
             tail = prefill_after(lm, head, projected.token_ids[d + 1 - k:])
         return Corrected(KVSegment.concat([head, tail.to(dtype=head.dtype)]), still,
-                         ((k, d + 1 - k, lm.spec.num_layers),))
-    config = BlendConfig(fraction=k / d, rule=correction.rule)
-    blended = blend(lm, projected.slice(0, 1), projected.slice(1, d + 1), config, prior=prior, probe_ids=probe_ids)
+                         correction.forwards(d, lm.spec.num_layers))
+    blended = blend(lm, projected.slice(0, 1), projected.slice(1, d + 1), correction._blend_config(d), prior=prior,
+                    probe_ids=probe_ids)
     still[1:] = blended.still_projected
     return Corrected(KVSegment.concat([projected.slice(0, 1), blended.segment]), still, blended.forwards,
                      blended.exact_layers)
