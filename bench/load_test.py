@@ -65,6 +65,7 @@ from load_client import (  # noqa: E402
 
 WITNESSES = 3  # the witness tenant's entries, made before the restart and checked after it
 START_TIMEOUT_S = 600.0  # bound on the server starting, and on the client processes getting ready
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # each unwinds run(): its finally stops what it started
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -198,9 +199,10 @@ def run(args) -> dict:
                  for i in range(args.clients)]
         t0 = time.monotonic()
         for p in procs:
-            # SIGINT held while start() waits for the forkserver's fork: a KeyboardInterrupt in there loses the
-            # child's pid, and that client (never killed) waits for a start forever; it comes once start() returned
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            # SIGINT and SIGTERM held while start() waits for the forkserver's fork: an exception in there loses
+            # the child's pid, and that client (never killed) waits for a start forever; they come once start()
+            # returned
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
                 p.start()
             finally:
@@ -423,6 +425,12 @@ def print_report(r: dict) -> None:
           f"{r['server_exit']}", flush=True)
 
 
+def _terminated(signum: int, frame) -> None:
+    """SIGTERM (kill, timeout(1), a cancelled CI job) unwinds the run as Ctrl-C does, where its default action would
+    end this process at once and leave the clients, the server and its shared-memory folder; exit status 143."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -450,8 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapter and not Path(args.adapter).is_file():
         parser.error(f"--adapter {args.adapter}: no such file")
     # Ctrl-C stops the run (the finally in run() stops what it started) even where this process was started with
-    # SIGINT ignored (from a non-interactive shell's `&`, which Python keeps): it would never exit on SIGINT then
+    # SIGINT ignored (from a non-interactive shell's `&`, which Python keeps): it would never exit on SIGINT then;
+    # SIGTERM stops it the same way
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
     report = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

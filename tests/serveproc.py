@@ -102,26 +102,30 @@ class ServeProcess:
         self.port, self.address = info["port"], info["address"]
 
     def kill(self) -> None:
-        """SIGKILL now (a crash): no drain, no goodbye to the clients."""
-        proc, self._proc = self._proc, None
+        """SIGKILL now (a crash): no drain, no goodbye to the clients. The process is forgotten only once reaped (an
+        interrupt in the wait leaves it to the next kill or stop, not to its pdeathsig)."""
+        proc = self._proc
         if proc is None:
             return
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+        self._proc = None
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (drain and exit), SIGKILL after timeout_s; the exit code, None if it was not running."""
-        proc, self._proc = self._proc, None
+        """SIGTERM (drain and exit), SIGKILL after timeout_s or when the wait is interrupted (KeyboardInterrupt,
+        SystemExit: raised on once it is reaped); the exit code, None if it was not running."""
+        proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
+        try:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            self.kill()  # reaped already: only forgets it
         return proc.returncode
 
     def restart(self) -> None:

@@ -29,8 +29,13 @@ def _group(pgid: int) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("moment", ["while the clients start", "during the load"])
-def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment):
+# SIGTERM goes through the same handlers and the same held signals during a start as SIGINT: one moment of it
+@pytest.mark.parametrize("moment,signum", [("while the clients start", signal.SIGINT),
+                                           ("during the load", signal.SIGINT),
+                                           ("during the load", signal.SIGTERM)],
+                         ids=["start-SIGINT", "load-SIGINT", "load-SIGTERM"])
+def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment, signum):
+    # SIGINT: Ctrl-C; SIGTERM: `kill`, timeout(1), a CI job's cancel (its default action would skip the clean-up)
     # its own session: whatever it leaves running can be found (and killed) by its process group
     proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, str(LOAD_TEST), "--preset", "tiny", "--no-redis",
                              "--clients", "2", "--tenants", "1", "--seconds", "600", "--restart", "none"],
@@ -51,11 +56,12 @@ def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment
         if moment == "during the load":
             time.sleep(1.0)  # into the load (the clients started calling)
         # else: at once; the first client's start waits for the forkserver to import torch
-        proc.send_signal(signal.SIGINT)  # Ctrl-C of the runner alone
+        proc.send_signal(signum)  # to the runner alone
         try:
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"load_test did not exit within 90 s of SIGINT ({moment}):\n" + "\n".join(_group(proc.pid)))
+            pytest.fail(f"load_test did not exit within 90 s of {signum.name} ({moment}):\n"
+                        + "\n".join(_group(proc.pid)))
         # nothing of its process group is left (its clients, the forkserver, the resource tracker, the server): the
         # forkserver exits when its last client has, which may take a moment
         deadline = time.monotonic() + 30
@@ -63,6 +69,10 @@ def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment
             time.sleep(0.5)
         assert not left, "processes left in load_test's group:\n" + "\n".join(left)
         assert not Path(shm.group(1)).exists(), f"{shm.group(1)} left after load_test exited"
+        assert not list(tmp_path.glob("kvbridge-load-*")), "its work folder left after load_test exited"
+        # unwound, not killed by the signal (SIGINT: Python re-raises it once the KeyboardInterrupt reached the top)
+        assert proc.returncode == (-signal.SIGINT if signum == signal.SIGINT else 128 + signal.SIGTERM), \
+            "".join(out) + proc.stdout.read()
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
