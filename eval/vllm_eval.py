@@ -6,11 +6,14 @@ the connector fetches the server's cache for the request (`kv_transfer_params`) 
 (whole vLLM blocks; vLLM prefills the rest of the prompt itself). Per document and mode:
   a one-token request       TTFT, cold: the first time this mode's cache is fetched (the server projects, or
                             computes its served correction from it); for modes without a cache, vLLM's own
-                            prefill. A mode whose cache an earlier mode fetched (recompute:r reads replace's
-                            projection) finds it in the store: its fetch seconds are replaced by that first fetch's,
-                            as the in-process harness counts every projected mode's cold TTFT with the one cold
-                            fetch; a served mode whose correction was computed from a projection an earlier mode
-                            stored adds that first projection fetch's seconds over its warm fetch's (FirstFetches)
+                            prefill. The plain projection is fetched first, whatever the modes' order: where a
+                            served mode comes before replace and recompute:r, the harness makes the projection's
+                            cold and warm requests itself before it. A mode whose cache an earlier request fetched
+                            (recompute:r reads replace's projection) finds it in the store: its fetch seconds are
+                            replaced by that first fetch's, as the in-process harness counts every projected mode's
+                            cold TTFT with the one cold fetch; a served mode, its correction computed over the stored
+                            projection, adds the projection's first fetch's seconds over its warm fetch's
+                            (FirstFetches). So no mode's cold TTFT depends on the modes' order.
   the summary               [start] + document + instruction, vLLM's greedy decoding, cut at the first line break
   the continuation's NLL    [start] + document + continuation, one request with vLLM's prompt log-probs: the
                             continuation's first token is input, the others are scored (summed NLL, top-1 at each)
@@ -85,20 +88,33 @@ def engine_options(target: LoadedModel, address: str, config: EvalConfig, dtype:
 
 
 class FirstFetches:
-    """The cold TTFT a new user's first request would see, over the modes of one document run in order: a request
-    that found its cache stored by an earlier mode's fetch (recompute:r after replace; served:C/noprior after served:C)
-    counts that first fetch's seconds, and a served correction's first request that found the plain projection stored
-    (replace or recompute:r before it) adds that projection's first fetch's seconds over its warm fetch's."""
+    """The cold TTFT a new user's first request would see, over the modes of one document run in order. The plain
+    projection's first fetch comes before any served correction's (`needs_projection` says where a caller must make
+    it first): a served correction's first request, computed over that stored projection, adds the projection's first
+    fetch's seconds over its warm fetch's, and a request that found its cache stored by an earlier request (replace or
+    recompute:r after the projection's; served:C/noprior after served:C) counts that first fetch's seconds."""
 
     def __init__(self):
         self.first: dict[tuple, float] = {}  # a server cache of this document -> its first (cold) fetch's seconds
-        self.projection_s: float | None = None  # the plain projection's first fetch less its warm fetch, seconds
+        self.projection: tuple[float, float] | None = None  # the plain projection's first and warm fetch, seconds
+
+    @staticmethod
+    def plain(kvbridge: dict) -> dict:
+        """The request's kvbridge parameters for the plain projection its cache is computed over."""
+        return {k: v for k, v in kvbridge.items() if k != "recompute_tokens"} | {"mode": "replace"}
+
+    def needs_projection(self, kvbridge: dict | None) -> bool:
+        """Whether a request with `kvbridge` reads a served correction before the plain projection was fetched."""
+        return bool(kvbridge) and kvbridge.get("mode", "replace") != "replace" and self.projection is None
 
     def cold_seconds(self, kvbridge: dict | None, cold: dict, warm: dict) -> float:
         """The cold request's seconds as a new user's (`cold`, `warm`: the engine's replies to the mode's cold and warm
         one-token requests with kv_transfer_params["kvbridge"] = `kvbridge`)."""
         if not kvbridge:
             return cold["seconds"]
+        if self.needs_projection(kvbridge):
+            raise ValueError(f"served correction {kvbridge['mode']!r} before the plain projection's first fetch: its "
+                             "cold TTFT adds projecting; pass the projection's requests first (needs_projection)")
         # the server's cache the request read: the same for replace and recompute:r
         cache = tuple(sorted((k, v) for k, v in kvbridge.items() if k != "recompute_tokens"))
         fetch_s = cold["kvbridge_fetch_s"]
@@ -106,9 +122,9 @@ class FirstFetches:
             return cold["seconds"] + self.first[cache] - fetch_s
         extra = 0.0
         if kvbridge.get("mode", "replace") == "replace":  # the connector's default mode
-            self.projection_s = fetch_s - warm["kvbridge_fetch_s"]
-        elif self.projection_s is not None:  # the server corrected a projection it had stored
-            extra = self.projection_s
+            self.projection = (fetch_s, warm["kvbridge_fetch_s"])
+        else:  # the server corrected the projection it had stored
+            extra = self.projection[0] - self.projection[1]
         self.first[cache] = fetch_s + extra
         return cold["seconds"] + extra
 
@@ -152,6 +168,15 @@ class VLLMEvaluator:
             return ids[:1] + ids[len(ids) - k:]
         return ids
 
+    def _generate(self, doc: PreparedDoc, what: str, prompt: list[int], kvbridge: dict | None, max_tokens: int
+                  ) -> dict:
+        """The engine's reply to one request (`what`: the mode it is for, named in the error where the connector
+        loaded nothing)."""
+        reply = self.engine.generate(prompt, max_tokens=max_tokens, kvbridge=kvbridge)
+        if reply["kvbridge_error"]:
+            raise RuntimeError(f"{doc.record.id}, mode {what}: the connector loaded nothing: {reply['kvbridge_error']}")
+        return reply
+
     def run(self, doc: PreparedDoc) -> DocumentResult:
         result = DocumentResult(doc.record.id, doc.record.summary, doc.doc_tokens)
         key = None
@@ -164,13 +189,13 @@ class VLLMEvaluator:
             kvbridge = self._kvbridge(mode, key, doc.doc_tokens)
             context = self._context_ids(mode, doc)
             prompt = context + self.prompt
-            cold = self.engine.generate(prompt, max_tokens=1, kvbridge=kvbridge)
-            out = self.engine.generate(prompt, max_tokens=self.config.max_new_tokens, kvbridge=kvbridge)
-            warm = self.engine.generate(prompt, max_tokens=1, kvbridge=kvbridge) if kvbridge else cold
-            for reply in (cold, out, warm):
-                if reply["kvbridge_error"]:
-                    raise RuntimeError(f"{doc.record.id}, mode {mode.name}: the connector loaded nothing: "
-                                       f"{reply['kvbridge_error']}")
+            if first.needs_projection(kvbridge):  # a served mode before replace: the projection's requests first
+                plain, what = first.plain(kvbridge), f"{mode.name}'s projection"
+                projected = self._generate(doc, what, prompt, plain, 1)
+                first.cold_seconds(plain, projected, self._generate(doc, what, prompt, plain, 1))
+            cold = self._generate(doc, mode.name, prompt, kvbridge, 1)
+            out = self._generate(doc, mode.name, prompt, kvbridge, self.config.max_new_tokens)
+            warm = self._generate(doc, mode.name, prompt, kvbridge, 1) if kvbridge else cold
             nll, top1 = None, None
             if len(continuation) >= 2:
                 scored = self.engine.score(context + continuation, len(context) + 1, kvbridge=kvbridge)
@@ -181,8 +206,6 @@ class VLLMEvaluator:
                 top1 = [s[1] for s in scored["prompt_scores"]]
             ids = one_line(self.target.tokenizer, out["token_ids"], self.stop)
             loaded = out["loaded_tokens"]
-            if kvbridge and result.fetch_s == 0.0:
-                result.fetch_s, result.warm_fetch_s = cold["kvbridge_fetch_s"], warm["kvbridge_fetch_s"]
             # the server's correction, computed once: the connector's answer does not say which tokens it recomputed,
             # so as many as the correction takes of the document (what the server's `correct` recomputes)
             shared = (sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens,
@@ -194,6 +217,8 @@ class VLLMEvaluator:
                 prefill_flops=self.flops.prefill(len(prompt) - loaded, loaded), kv_bytes=out["kvbridge_wire_bytes"],
                 nll=nll, nll_tokens=max(len(continuation) - 1, 0), continuation_top1=top1,
                 ttft_warm_s=warm["seconds"], loaded_tokens=loaded, shared_flops=shared)
+        if first.projection is not None:
+            result.fetch_s, result.warm_fetch_s = first.projection
         return result
 
 

@@ -24,6 +24,7 @@ from kvbridge.eval.summaries import (
 from kvbridge.eval.vllm_eval import VLLMEvaluator
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
+from kvbridge.transfer.suffix.correction import Correction
 
 SAMPLE = data_path("pydoc_summaries_sample.jsonl")
 
@@ -154,8 +155,10 @@ class StoreSource:
 
     def fetch(self, text: str, mode: str = "replace"):
         cold = store_fetch_s(self.stored, mode)
-        fetched = SimpleNamespace(segment=self.segment, mode=mode, recomputed=torch.tensor([1]), wire_bytes=100,
-                                  exact_coverage=None, adapter_digest="")
+        d = self.segment.num_tokens - 1  # the document's positions 1..d: a correction recomputes k of them
+        k = Correction.parse(mode).tokens(d)
+        fetched = SimpleNamespace(segment=self.segment, mode=mode, recomputed=torch.arange(d + 1 - k, d + 1),
+                                  wire_bytes=100, exact_coverage=None, adapter_digest="")
         return fetched, cold, WARM_FETCH_S, self.segment.num_tokens
 
 
