@@ -425,9 +425,17 @@ def print_report(r: dict) -> None:
           f"{r['server_exit']}", flush=True)
 
 
-def _terminated(signum: int, frame) -> None:
-    """SIGTERM (kill, timeout(1), a cancelled CI job) unwinds the run as Ctrl-C does, where its default action would
-    end this process at once and leave the clients, the server and its shared-memory folder; exit status 143."""
+def _stop(signum: int, frame) -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (kill, timeout(1), a cancelled CI job) unwind the run, whose finally stops the
+    clients, the server and removes its shared-memory folder (SIGTERM's default action would end this process at once
+    and leave them): KeyboardInterrupt, or SystemExit(143). The first one only: both are ignored from then on, as a
+    second (Ctrl-C twice, timeout's or a canceller's TERM again) would interrupt that clean-up and leave them too; the
+    process exits with the first one's status (SIG_IGN, not a handler that returns: the interpreter puts SIG_DFL back
+    for Python handlers as it finalizes, and a TERM then would end it with -15)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
@@ -459,9 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--adapter {args.adapter}: no such file")
     # Ctrl-C stops the run (the finally in run() stops what it started) even where this process was started with
     # SIGINT ignored (from a non-interactive shell's `&`, which Python keeps): it would never exit on SIGINT then;
-    # SIGTERM stops it the same way
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminated)
+    # SIGTERM stops it the same way; a second of either is ignored (_stop)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _stop)
     report = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
