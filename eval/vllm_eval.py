@@ -206,10 +206,12 @@ class VLLMEvaluator:
                 top1 = [s[1] for s in scored["prompt_scores"]]
             ids = one_line(self.target.tokenizer, out["token_ids"], self.stop)
             loaded = out["loaded_tokens"]
-            # the server's correction, computed once: the connector's answer does not say which tokens it recomputed,
-            # so as many as the correction takes of the document (what the server's `correct` recomputes)
+            # the server's correction, computed once: as many tokens as the correction takes of the document (what the
+            # server's `correct` recomputes), refused where the server says it recomputed another number of document
+            # tokens (the connector's count, the start token left out); not checked where nothing was loaded
+            recomputed = out["kvbridge_recomputed_tokens"] if loaded else None
             shared = (sum(self.flops.prefill(*f) for f in served_forwards(mode.correction, doc.doc_tokens,
-                                                                             self.flops.layers))
+                                                                             self.flops.layers, recomputed))
                       if mode.kind == "served" else 0)
             result.modes[mode.name] = ModeResult(
                 summary=self.target.tokenizer.decode(ids, skip_special_tokens=True).strip(), summary_ids=ids,

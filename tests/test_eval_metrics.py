@@ -46,10 +46,12 @@ def store_fetch_s(stored: set[str], mode: str) -> float:
 class StoreEngine:
     """Stands in for kvbridge.vllm.engine.EngineProcess (a vLLM child process, minutes to start): every request
     fetches its kvbridge cache from a server store that computes a cache at its first fetch and serves it from then on
-    (store_fetch_s); the answer is the prompt's last token."""
+    (store_fetch_s); the answer is the prompt's last token. `recomputed`: a served mode's correction -> the document
+    tokens the server says it recomputed (the connector's count; None: not said, as before the connector said it)."""
 
-    def __init__(self):
+    def __init__(self, recomputed=None):
         self.stored: dict[str, set[str]] = {}  # document key -> the modes stored
+        self.recomputed = recomputed or (lambda mode: None)
 
     def _fetch(self, kvbridge: dict | None) -> float:
         if not kvbridge:
@@ -60,7 +62,8 @@ class StoreEngine:
         fetch_s = self._fetch(kvbridge)
         return {"token_ids": prompt[-1:] * max_tokens, "seconds": fetch_s + ENGINE_S, "kvbridge_error": None,
                 "kvbridge_fetch_s": fetch_s, "kvbridge_wire_bytes": 100 if kvbridge else 0,
-                "loaded_tokens": len(prompt) - 8 if kvbridge else 0}
+                "loaded_tokens": len(prompt) - 8 if kvbridge else 0,
+                "kvbridge_recomputed_tokens": self.recomputed(kvbridge["mode"]) if kvbridge else None}
 
     def score(self, prompt: list[int], score_from: int, kvbridge: dict | None = None) -> dict:
         reply = self.generate(prompt, 1, kvbridge)
@@ -129,6 +132,39 @@ def test_vllm_served_correction_counts_the_servers_correction_pass_once_per_docu
         assert m.prefill_flops == result.modes["replace"].prefill_flops
     assert len(correct(tiny_target, own, Correction.parse("blend:0.5")).forwards) == 2
     assert result.modes["replace"].shared_flops == 0
+
+
+class NothingLoaded(StoreEngine):
+    """StoreEngine whose connector loaded nothing (and said no error): a count it reports is not the request's."""
+
+    def generate(self, prompt: list[int], max_tokens: int = 16, kvbridge: dict | None = None) -> dict:
+        return {**super().generate(prompt, max_tokens, kvbridge), "loaded_tokens": 0}
+
+
+def test_vllm_served_correction_refuses_a_recomputed_count_other_than_the_plans(tiny_target):
+    """The connector says how many document tokens the server's correction recomputed: a count other than the
+    correction's plan stops the document, as the in-process harness does (before: through vLLM it was never
+    checked); the plan's own count is taken, with the FLOPs of a count not said; where nothing was loaded, unchecked."""
+    config = EvalConfig(max_doc_tokens=40, min_doc_tokens=8, continuation_tokens=4, max_new_tokens=3)
+    record = SimpleNamespace(id="d", document=" ".join(f"word{i} tells" for i in range(60)), summary="")
+    doc = prepare(record, tiny_target, config)
+    modes = parse_modes("replace,served:blend:0.5,served:recompute:0.25")
+    plan = {"replace": 0} | {c: Correction.parse(c).tokens(doc.doc_tokens) for c in ("blend:0.5", "recompute:0.25")}
+    assert plan["blend:0.5"] == 20 and plan["recompute:0.25"] == 10
+
+    def run(engine):
+        return VLLMEvaluator(engine, IngestClient(), tiny_target, modes, config).run(doc)
+
+    said, unsaid = run(StoreEngine(plan.get)), run(StoreEngine())
+    for name in ("served:blend:0.5", "served:recompute:0.25"):
+        assert said.modes[name].shared_flops == unsaid.modes[name].shared_flops > 0, name
+    for wrong in ("blend:0.5", "recompute:0.25"):
+        off = {**plan, wrong: plan[wrong] + 1}  # the start token counted too, say
+        with pytest.raises(ValueError, match=f"correction '{wrong}' of 40 document tokens recomputes "
+                                             f"{plan[wrong]} of them; the server says it recomputed {plan[wrong] + 1}"):
+            run(StoreEngine(off.get))
+        name = f"served:{wrong}"  # nothing loaded: the plan's FLOPs, as before
+        assert run(NothingLoaded(off.get)).modes[name].shared_flops == unsaid.modes[name].shared_flops
 
 
 def test_a_renamed_record_never_takes_an_id_the_file_gives_another(tmp_path):

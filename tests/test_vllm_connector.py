@@ -46,3 +46,34 @@ def checks() -> dict[str, str]:
                                   "tensor_parallelism_is_refused_at_construction"])
 def test_connector_method(checks, name):
     assert checks.get(name) == "ok", checks.get(name, f"no check {name}")
+
+
+def test_the_connector_answer_says_how_many_document_tokens_a_served_correction_recomputed(identity_server,
+                                                                                          tiny_target):
+    """tests/vllm_served_checks.py, against the tiny identity server: each request's kvbridge answer carries the
+    document tokens the server's reply header says it recomputed (the start token's position 0, which the header
+    lists among a stored correction's, not counted), the number the evaluator checks against the correction's plan."""
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.transfer.suffix.correction import Correction
+
+    text = " ".join(f"served{i} count" for i in range(40))  # a document no other test stores
+    with KVBridgeClient(identity_server.address, timeout_s=60) as client:
+        key = client.ingest(text=text).entries[0].key
+        headers = {mode: client.fetch_projected(key=key, mode=mode).recomputed.tolist()
+                   for mode in ("replace", "blend:0.25", "recompute:0.25")}
+        ids = client.fetch_projected(key=key, mode="replace").segment.token_ids.tolist()  # [start] + document
+    plan = {mode: Correction.parse(mode).tokens(len(ids) - 1) for mode in headers}
+    assert headers["replace"] == [] and all(0 < k < len(ids) - 1 for k in list(plan.values())[1:])
+    assert 0 in headers["blend:0.25"] and 0 in headers["recompute:0.25"]  # the start token, as stored
+    assert {mode: len(set(positions) - {0}) for mode, positions in headers.items()} == plan
+    instruction = tiny_target.tokenizer(" Summarize it.", add_special_tokens=False)["input_ids"]
+    spec = tiny_target.spec
+    case = {"address": identity_server.address, "shape": [spec.num_layers, spec.num_kv_heads, spec.head_dim],
+            "key": key, "prompt": ids + instruction, "recomputed": plan}
+    env = {**os.environ, **CPU_ENV}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([str(vllm_python()), str(Path(__file__).with_name("vllm_served_checks.py")),
+                          json.dumps(case)], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    checks = json.loads(run.stdout.strip().splitlines()[-1])
+    assert checks == {"the_answer_says_how_many_document_tokens_the_server_recomputed": "ok"}, checks

@@ -46,25 +46,27 @@ class Warnings(logging.Handler):
 
 
 def connector(role: KVConnectorRole, cache_dtype: str = "auto", kv_role: str = "kv_both", async_scheduling=False,
-              idle_wait_ms: float = 0, tensor_parallel_size: int = 1) -> KVBridgeConnector:
-    """A connector of a bfloat16 model (L layers, H KV heads x D) with one full-attention group of BLOCK-token blocks,
-    prefix caching on, and a server nothing listens at."""
-    transfer = SimpleNamespace(kv_connector_extra_config={"kvbridge_address": "127.0.0.1:1",
+              idle_wait_ms: float = 0, tensor_parallel_size: int = 1, address: str = "127.0.0.1:1",
+              shape: tuple[int, int, int] = (L, H, D)) -> KVBridgeConnector:
+    """A connector of a bfloat16 model (`shape`: layers, KV heads, head dim) with one full-attention group of
+    BLOCK-token blocks, prefix caching on, and a server at `address` (by default one nothing listens at)."""
+    layers, heads, head_dim = shape
+    transfer = SimpleNamespace(kv_connector_extra_config={"kvbridge_address": address,
                                                           "kvbridge_staging_dir": STAGING,
                                                           "kvbridge_idle_wait_ms": idle_wait_ms},
                                kv_load_failure_policy="recompute", kv_role=kv_role,
                                is_kv_producer=kv_role in ("kv_producer", "kv_both"))
-    model = SimpleNamespace(get_num_layers=lambda parallel: L, get_num_kv_heads=lambda parallel: H,
-                            get_head_size=lambda: D, dtype=torch.bfloat16, model="no-model-folder")
+    model = SimpleNamespace(get_num_layers=lambda parallel: layers, get_num_kv_heads=lambda parallel: heads,
+                            get_head_size=lambda: head_dim, dtype=torch.bfloat16, model="no-model-folder")
     config = SimpleNamespace(kv_transfer_config=transfer, model_config=model,
                              parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
                                                              pipeline_parallel_size=1),
                              scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                              cache_config=SimpleNamespace(block_size=BLOCK, enable_prefix_caching=True,
                                                           cache_dtype=cache_dtype))
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D,
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_dim,
                              dtype=torch.uint8 if cache_dtype.startswith("fp8") else torch.bfloat16)
-    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(L)], spec)]
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(layers)], spec)]
     return KVBridgeConnector(config, role, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
 
 

@@ -78,7 +78,7 @@ from kvbridge.vllm.params import (
     SaveRequest,
     match_prompt,
 )
-from kvbridge.vllm.plans import Covered, CoveredKey, Holds, Plan, Releases
+from kvbridge.vllm.plans import Covered, CoveredKey, Holds, Plan, Releases, served_recomputed
 from kvbridge.vllm.saving import SaveChunk, Saver, SaveTracker
 from kvbridge.vllm.stats import KVBridgeStats, build
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -204,7 +204,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
                         wire_bytes=fetched.wire_bytes, covered=covered, received_at=time.monotonic(),
-                        cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0)
+                        cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0,
+                        recomputed=None if fetched.recomputed is None else served_recomputed(fetched.recomputed))
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             if fetched is not None and fetched.shared is not None:
                 self._releases.now(Plan(source=fetched.shared, loadable=0, server=context.server))
@@ -394,7 +395,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return held, {PARAMS_KEY: {"loaded_tokens": plan.loaded, "error": plan.error, "fetch_s": plan.fetch_s,
                                   "wire_bytes": plan.wire_bytes, "transport": transport, "scheduler_s": in_calls,
                                   "scheduler_max_s": longest, "prefix_cached": plan.prefix_cached,
-                                  "read_ahead": read_ahead}}
+                                  "read_ahead": read_ahead, "recomputed_tokens": plan.recomputed}}
 
     def shutdown(self):
         if self._fetchers is not None:

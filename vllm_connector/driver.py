@@ -82,7 +82,8 @@ def _reply(out, seconds: float, request: dict) -> dict:
              "kvbridge_scheduler_s": kv.get("scheduler_s", 0.0),
              "kvbridge_scheduler_max_s": kv.get("scheduler_max_s", 0.0),
              "kvbridge_prefix_cached": kv.get("prefix_cached", 0),
-             "kvbridge_read_ahead": bool(kv.get("read_ahead", False)), "num_cached_tokens": out.num_cached_tokens}
+             "kvbridge_read_ahead": bool(kv.get("read_ahead", False)),
+             "kvbridge_recomputed_tokens": kv.get("recomputed_tokens"), "num_cached_tokens": out.num_cached_tokens}
     if request.get("score_from") is not None:
         reply.update(_prompt_scores(out, request["prompt_token_ids"], request["score_from"]))
     return reply

@@ -55,6 +55,7 @@ class Plan:
     prefix_cached: int = 0  # the prompt's tokens vLLM's own prefix cache held when the lookup was skipped (Covered)
     covered: CoveredKey | None = None  # what Covered remembers the cache under
     received_at: float = 0.0  # time.monotonic() when the server's answer came (its segment's TTL runs from then)
+    recomputed: int | None = None  # document tokens the server says it recomputed (`served_recomputed`); None: no fetch
 
     def expiring(self, now: float, margin_s: float = 2.0) -> bool:
         """The server's segment is past (or within margin_s of) its TTL: a load now would find it gone."""
@@ -67,6 +68,15 @@ class Plan:
         self.loaded = 0
         self.load_error = reason
         self.error = f"the workers' load of the KV failed: {reason}"
+
+
+def served_recomputed(positions) -> int:
+    """How many document tokens the server says its correction recomputed with the target: the distinct positions
+    of the reply header's `recomputed_positions` (the fetched cache's `recomputed`, [R]) past position 0. Position 0
+    holds the start token, whose KV is the target's own: the server lists it among the recomputed positions of a
+    document served as it is stored (the in-process harness counts `(~still[1:]).sum()` alike); the tokens before a
+    document placed later in the prompt are the target's own KV too and never listed. 0 for replace."""
+    return len(set(positions.tolist()) - {0})
 
 
 class Releases:
