@@ -11,6 +11,7 @@ import hashlib
 import json
 import multiprocessing
 import random
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -130,7 +131,10 @@ class Entry:
 def client_main(cid: int, address: str, tenant: str, preamble: str, preset: str, redis: bool, crash: bool,
                 seed: int, shared: Shared, out: str) -> None:
     """One client process: ready, wait for the start, run until the deadline, delete what it holds, write its calls
-    to `out` (JSON)."""
+    to `out` (JSON). SIGINT and SIGTERM are ignored: a terminal's Ctrl-C reaches the whole process group, and the
+    runner alone stops the run (its clients end at their deadline, or it kills them)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(1)

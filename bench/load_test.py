@@ -30,6 +30,7 @@ One client process, its calls and its checks: load_client.py. This file: the run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -199,14 +200,8 @@ def run(args) -> dict:
                  for i in range(args.clients)]
         t0 = time.monotonic()
         for p in procs:
-            # SIGINT and SIGTERM held while start() waits for the forkserver's fork: an exception in there loses
-            # the child's pid, and that client (never killed) waits for a start forever; they come once start()
-            # returned
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
+            with stop_signals_held():  # an exception in start() loses the child's pid: that client is never killed
                 p.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         while sum(shared.ready) < args.clients:
             dead = [p.name for p in procs if p.exitcode is not None]
             if dead or time.monotonic() - t0 > START_TIMEOUT_S:
@@ -437,6 +432,30 @@ def _stop(signum: int, frame) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGINT and SIGTERM held for the block: the first is recorded, then handed to the handler it found once the block
+    is done (_stop raises then); a second is dropped (_stop would ignore it). Not by pthread_sigmask: that holds them in
+    the calling thread only (the kernel hands them to another, a gRPC channel's, whose C handler has the main thread run
+    the Python one at once), and the forkserver and clients the block starts inherit it (both blocked for good)."""
+    came: list = []  # (signum, frame) of the first
+    def record(signum: int, frame) -> None:
+        if not came:
+            came.append((signum, frame))
+    previous = {s: signal.signal(s, record) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:
+            signum, frame = came[0]
+            if callable(previous[signum]):
+                previous[signum](signum, frame)
+            else:
+                signal.raise_signal(signum)  # SIG_DFL's action (SIG_IGN: nothing)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,3 +110,45 @@ def test_load_test_refuses_a_json_path_it_could_not_write_before_the_run(tmp_pat
         load_test.main(["--adapter", str(tmp_path / "missing.safetensors"), "--clients", "1", "--seconds", "1",
                         "--no-redis", "--restart", "none"])
     assert exc.value.code == 2 and "--adapter" in capsys.readouterr().err
+
+
+class Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)],
+                         ids=["SIGTERM-first", "SIGINT-first"])
+def test_stop_signals_held_holds_them_whatever_threads_exist(first, second):
+    sys.path.insert(0, str(LOAD_TEST.parent))
+    import load_test
+
+    came = []
+
+    def stop(signum, frame):  # as _stop: raises
+        came.append(signum)
+        raise Stopped
+
+    previous = {s: signal.signal(s, stop) for s in load_test.STOP_SIGNALS}
+    # a thread from before the hold (as a gRPC channel's): the signals are not blocked in it
+    release = threading.Event()
+    waiter = threading.Thread(target=release.wait, daemon=True)
+    waiter.start()
+    body_done = False
+    try:
+        with pytest.raises(Stopped):
+            with load_test.stop_signals_held():
+                os.kill(os.getpid(), first)  # process-directed, as Ctrl-C's or kill's
+                time.sleep(0.1)
+                os.kill(os.getpid(), second)
+                time.sleep(0.1)
+                assert not came
+                body_done = True
+        # the hold's body ran to its end; then the first signal's handler, once; the handlers are back
+        assert body_done, f"the handler ran inside the hold ({came})"
+        assert came == [first]
+        assert all(signal.getsignal(s) is stop for s in load_test.STOP_SIGNALS)
+    finally:
+        release.set()
+        waiter.join()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
