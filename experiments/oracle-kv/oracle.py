@@ -20,6 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("exact-k", "exact-v", "offset", "offset-last", "affine", "spread")
+# which tokens a selective recompute should take: the `--fraction` of the document's tokens, chosen by blend's rule
+# (attention, no prior) or by the true deviation from the target's own KV over every layer (an oracle), either
+# recomputed as blend recomputes them or given the target's own KV outright; and the last ones given their own KV
+TOKEN_VARIANTS = ("blend-attn", "oracle-blend", "oracle-exact", "last-exact")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--data", default=str(Path(os.environ.get("KVBRIDGE_DATA", ROOT / "data")) /
@@ -27,7 +31,9 @@ parser.add_argument("--data", default=str(Path(os.environ.get("KVBRIDGE_DATA", R
 parser.add_argument("--first", type=int, default=100, help="the first record read (default 100)")
 parser.add_argument("--limit", type=int, default=60, help="records read from --first (default 60)")
 parser.add_argument("--max-doc-tokens", type=int, default=256)
-parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+parser.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"of {', '.join(VARIANTS + TOKEN_VARIANTS)}")
+parser.add_argument("--fraction", type=float, default=0.1, help="the token variants' share of the document")
 parser.add_argument("--out", default=str(ROOT / "experiments/out/oracle-kv"))
 args = parser.parse_args()
 
@@ -49,11 +55,13 @@ from kvbridge.eval.summaries import (  # noqa: E402
 from kvbridge.server.client import KVBridgeClient  # noqa: E402
 from kvbridge.transfer import kvcache  # noqa: E402
 from kvbridge.transfer.presets import load_pair  # noqa: E402
+from kvbridge.transfer.suffix.blend import BlendConfig, blend, kv_deviation  # noqa: E402
+from kvbridge.transfer.suffix.reuse import recompute_selected  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 variants = [v for v in args.variants.split(",") if v]
-if unknown := set(variants) - set(VARIANTS):
-    sys.exit(f"unknown variants {sorted(unknown)}; they are {', '.join(VARIANTS)}")
+if unknown := set(variants) - set(VARIANTS + TOKEN_VARIANTS):
+    sys.exit(f"unknown variants {sorted(unknown)}; they are {', '.join(VARIANTS + TOKEN_VARIANTS)}")
 
 
 def unrotated(target, seg) -> torch.Tensor:
@@ -93,6 +101,28 @@ def edited(target, own, proj) -> tuple[dict, torch.Tensor]:
     return out, ratio
 
 
+def by_tokens(target, own, proj, fraction: float) -> dict:
+    """The token variants' caches (the start token is the exact context; the document's tokens are placed)."""
+    context, placed = proj.slice(0, 1), proj.slice(1, proj.num_tokens)
+    own_doc = own.kv[:, :, :, 1:]
+    t = placed.num_tokens
+    count = min(round(fraction * t), t)
+    worst = kv_deviation(placed.kv, own_doc).topk(count).indices.sort().values  # over every layer
+    last = torch.arange(t - count, t)
+
+    def exact(selected):
+        kv = proj.kv.clone()
+        kv[:, :, :, 1 + selected] = own.kv[:, :, :, 1 + selected].to(kv)
+        return replace(proj, kv=kv)
+
+    def joined(segment):
+        return replace(proj, kv=torch.cat((proj.kv[:, :, :, :1], segment.kv.to(proj.kv)), dim=3))
+
+    return {"blend-attn": lambda: joined(blend(target, context, placed, BlendConfig(fraction=fraction)).segment),
+            "oracle-blend": lambda: joined(recompute_selected(target, context, placed, worst)),
+            "oracle-exact": lambda: exact(worst), "last-exact": lambda: exact(last)}
+
+
 def main() -> None:
     torch.manual_seed(0)
     source, target = load_pair("small")
@@ -112,6 +142,8 @@ def main() -> None:
                           "replace/noprior": proj}
                 variant_caches, ratio = edited(target, own, proj)
                 caches.update((k, v) for k, v in variant_caches.items() if k in variants)
+                caches.update((k, make()) for k, make in by_tokens(target, own, proj, args.fraction).items()
+                              if k in variants)
                 ratios.append(ratio[:, :, :, 0].flatten(2))  # [L, 2, H * D]
                 result = DocumentResult(doc.record.id, doc.record.summary, doc.doc_tokens)
                 for name, cache in caches.items():
