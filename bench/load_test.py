@@ -379,21 +379,22 @@ def run(args) -> dict:
             fail(f"no answered {missing}")
         print_report(report)
     finally:
-        # clients still running (an error or Ctrl-C before their deadline: they wait for a start or a deadline that
-        # never comes) would keep this process from exiting, which joins them
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:  # started
-                p.join(timeout=10)
-        if server is not None:
-            server.kill()
-        if redis is not None:
-            redis.stop()
-        shutil.rmtree(shm_root, ignore_errors=True)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        # clients still running (an error or Ctrl-C before their deadline) would keep this process from exiting,
+        # which joins them; a first stop signal now (a run that ended by itself) waits for the clean-up's end
+        with stop_signals_held():
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                if p.pid is not None:  # started
+                    p.join(timeout=10)
+            if server is not None:
+                server.kill()
+            if redis is not None:
+                redis.stop()
+            shutil.rmtree(shm_root, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
     report["wall_s"] = time.monotonic() - t_begin
     print(f"{'PASS' if not failures else 'FAIL'}: {len(failures)} failed checks; done in {report['wall_s']:.0f} s",
           flush=True)

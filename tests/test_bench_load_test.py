@@ -95,6 +95,47 @@ def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment
         proc.stdout.close()
 
 
+@pytest.mark.integration
+def test_a_signal_during_the_clean_up_of_a_finished_run_waits_for_its_end(tmp_path):
+    # a run that ended by itself (its report printed), then Ctrl-C pressed, again and again, while it cleans up: the
+    # clean-up still runs to its end (before: the first signal cut it short and left processes or its folders)
+    proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, str(LOAD_TEST), "--preset", "tiny", "--no-redis",
+                             "--clients", "2", "--tenants", "1", "--seconds", "3", "--restart", "none"],
+                            cwd=LOAD_TEST.parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    out, shm = [], None
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if shm is None and "client processes ready" in line:
+                shm = re.search(r"--shm-dir (\S+)", "\n".join(_group(proc.pid)))
+            if line.startswith("| operation |"):  # print_report: the run's last step before its clean-up
+                break
+        else:
+            pytest.fail("load_test ended before its report:\n" + "".join(out))
+        assert shm, "".join(out)
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.005)
+        rest = proc.stdout.read()
+        assert proc.poll() is not None, "load_test did not exit within 90 s:\n" + "\n".join(_group(proc.pid))
+        deadline = time.monotonic() + 30
+        while (left := _group(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, "processes left in load_test's group:\n" + "\n".join(left)
+        assert not Path(shm.group(1)).exists(), f"{shm.group(1)} left after load_test exited:\n{rest[-3000:]}"
+        assert not list(tmp_path.glob("kvbridge-load-*")), "its work folder left after load_test exited"
+        assert proc.returncode == -signal.SIGINT, "".join(out) + rest
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        proc.stdout.close()
+
+
 def test_load_test_refuses_a_json_path_it_could_not_write_before_the_run(tmp_path, capsys):
     sys.path.insert(0, str(LOAD_TEST.parent))
     import load_test
