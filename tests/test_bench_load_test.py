@@ -29,6 +29,36 @@ def _group(pgid: int) -> list[str]:
     return [line for line in lines if line.split()[1][:1] != "Z"]
 
 
+def _start(tmp_path: Path, seconds: int) -> subprocess.Popen:
+    """load_test (tiny pair, 2 clients, no Redis, no restart) in its own session: whatever it leaves running can be
+    found (and killed) by its process group."""
+    return subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, str(LOAD_TEST), "--preset", "tiny", "--no-redis",
+                             "--clients", "2", "--tenants", "1", "--seconds", str(seconds), "--restart", "none"],
+                            cwd=LOAD_TEST.parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def _nothing_left(proc: subprocess.Popen, shm: str, tmp_path: Path, detail: str = "") -> None:
+    """Nothing of the exited runner's process group is left (its clients, the forkserver, the resource tracker, the
+    server: the forkserver exits when its last client has, which may take a moment), nor the server's shared-memory
+    folder, nor its work folder."""
+    deadline = time.monotonic() + 30
+    while (left := _group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, "processes left in load_test's group:\n" + "\n".join(left)
+    assert not Path(shm).exists(), f"{shm} left after load_test exited{detail}"
+    assert not list(tmp_path.glob("kvbridge-load-*")), "its work folder left after load_test exited"
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    proc.stdout.close()
+
+
 @pytest.mark.integration
 # SIGTERM goes through the same handlers and the same held signals during a start as SIGINT: one moment of it
 # again: SIGINT and SIGTERM, by turns, every few ms after the first until the runner exits (Ctrl-C pressed twice,
@@ -40,11 +70,7 @@ def _group(pgid: int) -> list[str]:
                          ids=["start-SIGINT", "load-SIGINT-again", "load-SIGTERM-again"])
 def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment, signum, again):
     # SIGINT: Ctrl-C; SIGTERM: `kill`, timeout(1), a CI job's cancel (its default action would skip the clean-up)
-    # its own session: whatever it leaves running can be found (and killed) by its process group
-    proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, str(LOAD_TEST), "--preset", "tiny", "--no-redis",
-                             "--clients", "2", "--tenants", "1", "--seconds", "600", "--restart", "none"],
-                            cwd=LOAD_TEST.parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    proc = _start(tmp_path, 600)
     trigger = "server:" if moment == "while the clients start" else "client processes ready"
     out = []
     try:
@@ -72,35 +98,20 @@ def test_load_test_interrupted_exits_and_leaves_nothing_running(tmp_path, moment
         except subprocess.TimeoutExpired:
             pytest.fail(f"load_test did not exit within 90 s of {signum.name} ({moment}, again: {again}):\n"
                         + "\n".join(_group(proc.pid)))
-        # nothing of its process group is left (its clients, the forkserver, the resource tracker, the server): the
-        # forkserver exits when its last client has, which may take a moment
-        deadline = time.monotonic() + 30
-        while (left := _group(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, "processes left in load_test's group:\n" + "\n".join(left)
-        assert not Path(shm.group(1)).exists(), f"{shm.group(1)} left after load_test exited"
-        assert not list(tmp_path.glob("kvbridge-load-*")), "its work folder left after load_test exited"
+        _nothing_left(proc, shm.group(1), tmp_path)
         # unwound, not killed by the signal (SIGINT: Python re-raises it once the KeyboardInterrupt reached the top);
         # the first signal's status, whatever came after it
         assert proc.returncode == (-signal.SIGINT if signum == signal.SIGINT else 128 + signal.SIGTERM), \
             "".join(out) + proc.stdout.read()
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        proc.stdout.close()
+        _reap(proc)
 
 
 @pytest.mark.integration
 def test_a_signal_during_the_clean_up_of_a_finished_run_waits_for_its_end(tmp_path):
     # a run that ended by itself (its report printed), then Ctrl-C pressed, again and again, while it cleans up: the
     # clean-up still runs to its end (before: the first signal cut it short and left processes or its folders)
-    proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, str(LOAD_TEST), "--preset", "tiny", "--no-redis",
-                             "--clients", "2", "--tenants", "1", "--seconds", "3", "--restart", "none"],
-                            cwd=LOAD_TEST.parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    proc = _start(tmp_path, 3)
     out, shm = [], None
     try:
         for line in proc.stdout:
@@ -118,20 +129,10 @@ def test_a_signal_during_the_clean_up_of_a_finished_run_waits_for_its_end(tmp_pa
             time.sleep(0.005)
         rest = proc.stdout.read()
         assert proc.poll() is not None, "load_test did not exit within 90 s:\n" + "\n".join(_group(proc.pid))
-        deadline = time.monotonic() + 30
-        while (left := _group(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, "processes left in load_test's group:\n" + "\n".join(left)
-        assert not Path(shm.group(1)).exists(), f"{shm.group(1)} left after load_test exited:\n{rest[-3000:]}"
-        assert not list(tmp_path.glob("kvbridge-load-*")), "its work folder left after load_test exited"
+        _nothing_left(proc, shm.group(1), tmp_path, ":\n" + rest[-3000:])
         assert proc.returncode == -signal.SIGINT, "".join(out) + rest
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        proc.stdout.close()
+        _reap(proc)
 
 
 def test_load_test_refuses_a_json_path_it_could_not_write_before_the_run(tmp_path, capsys):
