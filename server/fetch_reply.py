@@ -179,13 +179,24 @@ class FetchReply:
                             text=h.text, exact_coverage=h.exact_coverage, wire_bytes=self.wire,
                             num_chunks=self.received, transport="shared_memory" if self.shared else "stream",
                             room=[room] if room is not None else [], mode=h.mode, shared=shared,
-                            recomputed=self._recomputed(segment.positions), adapter_digest=h.adapter_digest)
+                            recomputed=self._recomputed(segment.positions), adapter_digest=h.adapter_digest,
+                            document_position=self._document_position(segment.positions))
 
     def _recomputed(self, positions: torch.Tensor) -> torch.Tensor:
         """The header's recomputed positions, checked against the segment's: [R] int64."""
         got = int64_tensor(self.header.recomputed_positions)
         if got.numel() and not bool(torch.isin(got, positions).all()):
             raise self._error(grpc.StatusCode.DATA_LOSS, "the header's recomputed positions are not the segment's")
+        return got
+
+    def _document_position(self, positions: torch.Tensor) -> int | None:
+        """The header's document position (None when it sends none), checked to be one of the segment's."""
+        if not self.header.HasField("document_position"):
+            return None
+        got = self.header.document_position
+        if not bool((positions == got).any()):
+            raise self._error(grpc.StatusCode.DATA_LOSS, f"the header's document position {got} is not one of the "
+                              "segment's")
         return got
 
     def _error(self, code: grpc.StatusCode, details: str) -> KVBridgeError:

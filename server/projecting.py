@@ -66,6 +66,9 @@ class CacheResult:
     mode: str = ""  # projected: the correction served ("replace", "blend:0.1", ...); "" for source caches
     recomputed: tuple[int, ...] = ()  # projected: positions whose KV a correction recomputed with the target
     adapter_digest: str = ""  # projected: Adapter.digest of the adapter ("" where not known)
+    # projected: the index in `segment` of the first document token (the tokens before it, the start token or a
+    # prompt's head, are not the document's); None for source caches
+    document_index: int | None = None
 
 
 def cache_label(label: str, adapter: Adapter) -> str:
@@ -152,7 +155,8 @@ class Projecting:
             warm = info, fixed.segment
         else:
             self._count("correction", reused=warm[1].num_tokens)
-        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset)
+        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset,
+                              self._lead(tenant, source_key))
         return replace(placed, mode=str(correction),
                        recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
 
@@ -186,14 +190,16 @@ class Projecting:
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             self._count("projection", reused=projected.num_tokens)
-            return self._placed(target, chosen, info, projected, source_key, label, offset)
+            return self._placed(target, chosen, info, projected, source_key, label, offset,
+                                self._lead(tenant, source_key))
         source_key, segment, known, created = self._source_entry(tenant, key, text, require_cached)
         try:
             if segment.model != source.lm.spec.identity:
                 raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
                                          f"from the source model {source.lm.name!r}")
             tspec = target.lm.spec
-            if self.store.info(source_key, tenant).kind == "prefix":
+            lead = 1 if self.store.info(source_key, tenant).kind == "prefix" else 0
+            if lead:
                 paired = self._paired(source.lm, target.lm, segment, known)
             else:  # a piece of a text, at its positions there
                 paired = self._paired_segment(source.lm, target.lm, segment, known)
@@ -210,7 +216,7 @@ class Projecting:
             info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
                                   source_key=source_key,
                                   annotations={"exact_coverage": paired.alignment.exact_coverage})
-            return self._placed(target, chosen, info, projected, source_key, label, offset)
+            return self._placed(target, chosen, info, projected, source_key, label, offset, lead)
         except Exception:
             if created is not None:  # undo this call's ingest, unless another request stored or projected it since
                 self.store.delete(source_key, tenant, if_generation=created.generation)
@@ -309,8 +315,9 @@ class Projecting:
         return self.store.get(info.key, tenant, out=buffer, written=out.written if buffer is not None else None)
 
     def _placed(self, target: ServedModel, adapter: Adapter, info: EntryInfo, projected: KVSegment,
-                source_key: str, label: str, offset: int) -> CacheResult:
-        """The projection at positions offset.. (keys shifted by the target's RoPE when offset > 0)."""
+                source_key: str, label: str, offset: int, lead: int) -> CacheResult:
+        """The projection at positions offset.. (keys shifted by the target's RoPE when offset > 0); `lead`: 1 when it
+        begins with the target's start token, 0 when with the document (`_lead`)."""
         t_t = projected.num_tokens
         if offset + t_t > target.max_positions:
             raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {target.lm.name!r}'s "
@@ -322,4 +329,14 @@ class Projecting:
         return CacheResult(segment=projected, entry_key=info.key, source_key=source_key, adapter=label,
                            adapter_digest=adapter.digest,
                            text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)),
-                           mode="replace")
+                           mode="replace", document_index=lead)
+
+    def _lead(self, tenant: str, source_key: str | None) -> int:
+        """1 when the projection of this source entry begins with the target's start token (a prefix entry), 0 when
+        it holds the document's tokens alone (a "segment" entry of an Ingest with DETECT_SEGMENTS)."""
+        if source_key is None:
+            return 1
+        try:
+            return 0 if self.store.info(source_key, tenant).kind == "segment" else 1
+        except NotFound:
+            return 1

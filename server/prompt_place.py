@@ -105,7 +105,7 @@ class Placing:
         if document is not None and namespace is not None:  # placed before for this head: as warm as a plain fetch
             where = locate(prompt, document)
             kept = self._kept_placement(tenant, target, namespace, prompt[:where.head] + document[1 + where.skip:],
-                                        out)
+                                        out, where.head)
             if kept is not None:
                 return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
@@ -128,7 +128,7 @@ class Placing:
             parts.insert(0, self._own_head(tenant, target, prompt[:where.head]).to(device=doc.device, dtype=doc.dtype))
         shift = where.head - first
         placed = replace(base, segment=KVSegment.concat(parts),
-                         recomputed=tuple(p + shift for p in base.recomputed if p >= first))
+                         recomputed=tuple(p + shift for p in base.recomputed if p >= first), document_index=where.head)
         # the namespace of the adapter that made `base` (a default changed since, LoadAdapter make_default, must not
         # file this placement under another adapter's name)
         namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode)
@@ -158,9 +158,9 @@ class Placing:
         return f"{PLACED}|{digest_label(label, digest)}|{correction}{prior}#{source_key}"
 
     def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
-                        out: KVOut | None) -> CacheResult | None:
-        """The placed cache of these tokens (head, then the document) when the store holds it, gathered as a warm
-        plain fetch is; None otherwise."""
+                        out: KVOut | None, head: int) -> CacheResult | None:
+        """The placed cache of these tokens (the prompt's `head` tokens, then the document) when the store holds it,
+        gathered as a warm plain fetch is; None otherwise."""
         spec = target.lm.spec
         found = self.store.lookup(torch.tensor(ids, dtype=torch.int64), tenant, spec.identity, spec.dtype,
                                   adapter=namespace).key
@@ -178,7 +178,7 @@ class Placing:
                            text=info.text, exact_coverage=float(notes.get("exact_coverage", 0.0)),
                            mode=str(notes.get(MODE, "")),
                            recomputed=tuple(recomputed_of(notes, segment.num_tokens)),
-                           adapter_digest=str(notes.get(DIGEST, "")))
+                           adapter_digest=str(notes.get(DIGEST, "")), document_index=head)
 
     def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
         """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in
@@ -198,16 +198,6 @@ class Placing:
         self._count("prompt_head", computed=len(ids))
         self.store.put(head, tenant, kind="prefix", adapter=HEADS)
         return head
-
-    def _lead(self, tenant: str, source_key: str | None) -> int:
-        """1 when the projection of this source entry begins with the target's start token (a prefix entry), 0 when
-        it holds the document's tokens alone (a "segment" entry of an Ingest with DETECT_SEGMENTS)."""
-        if source_key is None:
-            return 1
-        try:
-            return 0 if self.store.info(source_key, tenant).kind == "segment" else 1
-        except NotFound:
-            return 1
 
     def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None,
                       lead: int = 1) -> list[int] | None:

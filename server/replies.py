@@ -81,6 +81,9 @@ class FetchedCache:
     # keep_shared=True: the server's segment, not read here (segment.kv is then a meta tensor of the KV's shape)
     shared: SharedSegment | None = None
     adapter_digest: str = ""  # Adapter.digest of a server-side projection's adapter ("" where the server sent none)
+    # the position of a projection's first document token: the tokens before it (the start token, a prompt's head)
+    # are not the document's (None: source KV, or a server older than the field)
+    document_position: int | None = None
 
     @property
     def dtype(self) -> str:

@@ -297,7 +297,9 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
                     exact_coverage=result.exact_coverage, mode=result.mode,
                     recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
-                    adapter_digest=result.adapter_digest)
+                    adapter_digest=result.adapter_digest,
+                    document_position=None if result.document_index is None
+                    else int(seg.positions[0]) + result.document_index)
                 fit_header(header, limit, per_token)  # a first message holds it (without the text if need be)
                 failure = None
             except Exception as exc:

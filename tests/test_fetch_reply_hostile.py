@@ -92,6 +92,27 @@ def test_a_well_formed_reply_reads_whole_without_a_cancel():
     assert not stream.cancelled
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(recomputed_positions=[3, 20]), "the header's recomputed positions are not the segment's"),
+    (dict(document_position=20), "the header's document position 20 is not one of the segment's"),
+    (dict(document_position=-1), "the header's document position -1 is not one of the segment's"),
+])
+def test_positions_the_segment_does_not_hold_are_refused_by_name(fields, match):
+    reply = FetchReply("GetProjectedCache")
+    reply.read(Stream(_messages(_kv(), **fields)))
+    with pytest.raises(KVBridgeError, match=match) as info:
+        reply.cache()
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_the_document_position_reads_back_and_is_none_when_a_server_sends_none():
+    for fields, want in ((dict(document_position=0), 0), (dict(document_position=19), 19), ({}, None)):
+        reply = FetchReply("GetProjectedCache")
+        reply.read(Stream(_messages(_kv(), recomputed_positions=[0, 4], **fields)))
+        fetched = reply.cache()
+        assert fetched.document_position == want and fetched.recomputed.tolist() == [0, 4]
+
+
 @pytest.mark.parametrize("fields, code, match", [
     # terabytes: 4096 layers x 64 heads x 65536 dims of 20 tokens (27 TiB), and int32-max in every dimension
     (dict(num_layers=4096, num_kv_heads=64, head_dim=1 << 16), grpc.StatusCode.RESOURCE_EXHAUSTED,

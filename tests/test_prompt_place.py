@@ -65,6 +65,7 @@ def test_a_prompt_with_a_head_gets_its_own_kv_then_the_document_at_its_positions
     torch.testing.assert_close(seg.kv[:, :, :, h:].float(), moved.kv[:, :, :, 1:].float(), rtol=1e-5, atol=1e-5)
     assert served.mode == stored.mode and served.entry_key == stored.entry_key
     assert list(served.recomputed) == [p + h - 1 for p in stored.recomputed if p >= 1]
+    assert (stored.document_index, served.document_index) == (1, h)  # after the start token; after the head
 
 
 def test_a_prompt_as_stored_gets_the_stored_cache_and_one_without_start_token_begins_with_the_document(
@@ -74,8 +75,9 @@ def test_a_prompt_as_stored_gets_the_stored_cache_and_one_without_start_token_be
     ids = stored.segment.token_ids.tolist()
     same = service.prompt_cache("t", ids + [9, 9], text=TEXT, mode="replace")
     assert torch.equal(same.segment.kv, stored.segment.kv) and same.segment.token_ids.tolist() == ids
+    assert same.document_index == 1  # the start token first
     bare = service.prompt_cache("t", ids[1:] + [9], key=stored.source_key, mode="replace")
-    assert bare.segment.token_ids.tolist() == ids[1:]
+    assert bare.segment.token_ids.tolist() == ids[1:] and bare.document_index == 0  # the document from position 0
     assert torch.equal(bare.segment.positions, torch.arange(len(ids) - 1))
     moved = tiny_target.rope.shift_all(stored.segment.keys.float()[:, :, 1:], stored.segment.positions[1:],
                                        torch.arange(len(ids) - 1))
@@ -136,8 +138,9 @@ def test_a_placed_cache_is_kept_and_a_heads_own_kv_is_computed_once(tmp_path, ti
         assert service.token_counts[("placement", "reused")] == placed + len(head) + len(ids) - 1
         assert again.segment.token_ids.tolist() == first.segment.token_ids.tolist()
         assert (again.entry_key, again.source_key, again.adapter, again.mode, again.recomputed,
-                again.adapter_digest) == (first.entry_key, first.source_key, first.adapter, first.mode,
-                                          first.recomputed, first.adapter_digest)
+                again.adapter_digest, again.document_index) == (first.entry_key, first.source_key, first.adapter,
+                                                                 first.mode, first.recomputed, first.adapter_digest,
+                                                                 len(head))
         assert first.adapter_digest == adapter.digest  # a reader checks its prior against it
     heads = service.token_counts[("prompt_head", "computed")]
     other = service.projected_cache("t", text=other_text, mode="replace").segment.token_ids.tolist()
@@ -193,10 +196,13 @@ def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_
     doc = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids.tolist()
     stored = service.projected_cache("t", text=piece, require_cached=True).segment
     assert stored.token_ids.tolist() == doc  # no start token before a segment's tokens
+    assert service.projected_cache("t", text=piece, require_cached=True).document_index == 0
     start = start_token_id(tiny_target.tokenizer)
     for head in ([start], [start, 17, 23, 5]):
         prompt = head + doc + [7]
-        seg = service.prompt_cache("t", prompt, text=piece).segment
+        placed = service.prompt_cache("t", prompt, text=piece)
+        seg = placed.segment
+        assert placed.document_index == len(head)
         assert seg.token_ids.tolist() == prompt[:-1]
         assert torch.equal(seg.positions, torch.arange(len(prompt) - 1))
         own = kvcache.extract(tiny_target.model, tiny_target.spec, torch.tensor(head))

@@ -51,25 +51,37 @@ def test_connector_method(checks, name):
 def test_the_connector_answer_says_how_many_document_tokens_a_served_correction_recomputed(identity_server,
                                                                                           tiny_target):
     """tests/vllm_served_checks.py, against the tiny identity server: each request's kvbridge answer carries the
-    document tokens the server's reply header says it recomputed (the start token's position 0, which the header
-    lists among a stored correction's, not counted), the number the evaluator checks against the correction's plan."""
+    document tokens the server's reply header says it recomputed, those from the header's document position on (the
+    start token's position 0, which the header lists among a stored correction's, not counted; nor a chat template's
+    head), the number the evaluator checks against the correction's plan: for a prompt as stored, one without the
+    start token (the document's first token, always recomputed, at position 0) and one with a head before the
+    document."""
     from kvbridge.server.client import KVBridgeClient
     from kvbridge.transfer.suffix.correction import Correction
 
     text = " ".join(f"served{i} count" for i in range(40))  # a document no other test stores
+    instruction = tiny_target.tokenizer(" Summarize it.", add_special_tokens=False)["input_ids"]
     with KVBridgeClient(identity_server.address, timeout_s=60) as client:
         key = client.ingest(text=text).entries[0].key
-        headers = {mode: client.fetch_projected(key=key, mode=mode).recomputed.tolist()
-                   for mode in ("replace", "blend:0.25", "recompute:0.25")}
         ids = client.fetch_projected(key=key, mode="replace").segment.token_ids.tolist()  # [start] + document
-    plan = {mode: Correction.parse(mode).tokens(len(ids) - 1) for mode in headers}
-    assert headers["replace"] == [] and all(0 < k < len(ids) - 1 for k in list(plan.values())[1:])
-    assert 0 in headers["blend:0.25"] and 0 in headers["recompute:0.25"]  # the start token, as stored
-    assert {mode: len(set(positions) - {0}) for mode, positions in headers.items()} == plan
-    instruction = tiny_target.tokenizer(" Summarize it.", add_special_tokens=False)["input_ids"]
+        head = [ids[0], *instruction]  # a template's tokens before the document
+        prompts = {"as stored": ids + instruction, "no start token": ids[1:] + instruction,
+                   "after a head": head + ids[1:] + instruction}
+        headers = {(name, mode): client.fetch_projected(key=key, mode=mode, prompt=prompt)
+                   for name, prompt in prompts.items() for mode in ("replace", "blend:0.25", "recompute:0.25")}
+    plan = {mode: Correction.parse(mode).tokens(len(ids) - 1) for _, mode in headers}
+    assert plan["replace"] == 0 and all(0 < k < len(ids) - 1 for k in list(plan.values())[1:])
+    assert {name: headers[name, "replace"].document_position for name in prompts} == {
+        "as stored": 1, "no start token": 0, "after a head": len(head)}
+    assert 0 in headers["as stored", "blend:0.25"].recomputed  # the start token, as stored
+    assert 0 in headers["no start token", "blend:0.25"].recomputed  # the document's first token
+    for (name, mode), fetched in headers.items():
+        assert fetched.document_position == headers[name, "replace"].document_position, (name, mode)
+        doc = fetched.recomputed[fetched.recomputed >= fetched.document_position]
+        assert doc.unique().numel() == plan[mode], (name, mode, fetched.recomputed)
     spec = tiny_target.spec
     case = {"address": identity_server.address, "shape": [spec.num_layers, spec.num_kv_heads, spec.head_dim],
-            "key": key, "prompt": ids + instruction, "recomputed": plan}
+            "key": key, "prompts": prompts, "recomputed": plan}
     env = {**os.environ, **CPU_ENV}
     env.pop("PYTHONPATH", None)
     run = subprocess.run([str(vllm_python()), str(Path(__file__).with_name("vllm_served_checks.py")),

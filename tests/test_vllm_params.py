@@ -240,6 +240,17 @@ def test_covered_knows_what_a_lookup_would_load_only_for_the_prompt_start_it_saw
     assert len(covered) == 2 and covered.loadable(key, doc + [1], 128, 0) is None
 
 
+def test_the_recomputed_document_tokens_count_from_the_document_position():
+    from kvbridge.vllm.plans import served_recomputed
+
+    listed = torch.tensor([0, 1, 2, 5, 5, 9])  # a repeated position counts once
+    assert served_recomputed(listed, 1) == 4  # as stored: the start token at 0 is not the document's
+    assert served_recomputed(listed, 0) == 5  # no start token: the document's first token, recomputed, at 0
+    assert served_recomputed(listed, 3) == 2  # after a head of 3 tokens (their KV the target's own)
+    assert served_recomputed(listed, None) == 4  # a server without the field: past position 0, as before it
+    assert served_recomputed(torch.tensor([], dtype=torch.int64), 1) == 0  # replace
+
+
 def test_the_engine_options_reach_vllms_arguments_eager_unless_told():
     """The driver builds LLM(...) from EngineOptions: eager by default (engines up in seconds for tests and
     evaluations), compiled when asked (as `vllm serve` runs the model: bench_vllm.py), the connector when given."""

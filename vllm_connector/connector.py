@@ -205,7 +205,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
                         wire_bytes=fetched.wire_bytes, covered=covered, received_at=time.monotonic(),
                         cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0,
-                        recomputed=None if fetched.recomputed is None else served_recomputed(fetched.recomputed))
+                        recomputed=None if fetched.recomputed is None
+                        else served_recomputed(fetched.recomputed, fetched.document_position))
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself
             if fetched is not None and fetched.shared is not None:
                 self._releases.now(Plan(source=fetched.shared, loadable=0, server=context.server))

@@ -192,8 +192,9 @@ class EngineProcess(LoggedProcess):
         calls: in all, and the longest call), "kvbridge_read_ahead" (the worker read the KV ahead, during a step
         that ran empty while the lookup ended: `loading`), "kvbridge_prefix_cached" (> 0: vLLM's own prefix cache
         held that many prompt tokens, all the connector would have loaded: it asked the server nothing),
-        "kvbridge_recomputed_tokens" (document tokens the server says its correction recomputed, the start token not
-        counted: `plans.served_recomputed`; 0 for replace; None where the connector fetched no cache),
+        "kvbridge_recomputed_tokens" (document tokens the server says its correction recomputed, neither the start
+        token nor a prompt's head counted: `plans.served_recomputed`; 0 for replace; None where the connector fetched
+        no cache),
         "num_cached_tokens"}."""
         self._send({"op": "generate", "prompt_token_ids": [int(t) for t in prompt_token_ids],
                     "max_tokens": max_tokens, "kvbridge": kvbridge, "cache_salt": cache_salt})

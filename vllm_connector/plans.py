@@ -70,13 +70,14 @@ class Plan:
         self.error = f"the workers' load of the KV failed: {reason}"
 
 
-def served_recomputed(positions) -> int:
+def served_recomputed(positions, document_position: int | None) -> int:
     """How many document tokens the server says its correction recomputed with the target: the distinct positions
-    of the reply header's `recomputed_positions` (the fetched cache's `recomputed`, [R]) past position 0. Position 0
-    holds the start token, whose KV is the target's own: the server lists it among the recomputed positions of a
-    document served as it is stored (the in-process harness counts `(~still[1:]).sum()` alike); the tokens before a
-    document placed later in the prompt are the target's own KV too and never listed. 0 for replace."""
-    return len(set(positions.tolist()) - {0})
+    of the reply header's `recomputed_positions` (the fetched cache's `recomputed`, [R]) from its `document_position`
+    on (the start token and a prompt's head before it are the target's own KV; the server lists the start token among
+    a stored correction's). A server older than `document_position` sends none: its positions past 0 (exact unless a
+    prompt without the start token puts a recomputed document token at 0). 0 for replace."""
+    first = 1 if document_position is None else document_position
+    return len({p for p in positions.tolist() if p >= first})
 
 
 class Releases:
