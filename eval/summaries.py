@@ -292,9 +292,7 @@ class SummaryEvaluator:
         if fetched.mode != mode.correction or not torch.equal(fetched.segment.token_ids, doc.target_ids):
             raise RuntimeError(f"{doc.record.id}: the server served {fetched.mode!r} of other tokens, asked for "
                                f"{mode.correction!r} of the document")
-        still = torch.ones(fetched.segment.num_tokens, dtype=torch.bool)
-        still[0] = False  # the start token's KV is the target's own
-        still[fetched.recomputed] = False
+        still = fetched.still_projected()  # the start token and the recomputed tokens are the target's own KV
         return fetched.segment, cold_s, warm_s, fetched.wire_bytes, still
 
     def _context(self, mode: Mode, doc: PreparedDoc, own, own_s, projected, fetch_s, wire, prior):

@@ -91,6 +91,19 @@ class FetchedCache:
         CUDA, unless the request asked for another)."""
         return dtype_name(self.segment.dtype)
 
+    def still_projected(self) -> torch.Tensor:
+        """[T] bool: the positions whose KV is the projection's, what an induction prior reads as projected
+        (`prior.reading(lm, token_ids, still)`): the document's, from `document_position` on (a server without the
+        field: after the start token), less those the correction recomputed. ValueError for source KV."""
+        if not self.adapter:
+            raise ValueError("source KV: none of it is projected")
+        positions = self.segment.positions
+        first = self.document_position if self.document_position is not None else int(positions[0]) + 1
+        still = positions >= first
+        if self.recomputed is not None and self.recomputed.numel():
+            still &= ~torch.isin(positions, self.recomputed)
+        return still
+
     def to_cache(self, lm):
         """A DynamicCache of this KV for `lm` (it must be that model's KV at positions 0..T-1). The first cache made
         of a fetch writes the next tokens into the slots the fetch left after each row (no copy of the cache at the

@@ -22,6 +22,7 @@ from kvbridge.eval.summaries import (
     prepare,
 )
 from kvbridge.eval.vllm_eval import VLLMEvaluator
+from kvbridge.server.replies import FetchedCache
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.suffix.correction import Correction
@@ -193,8 +194,9 @@ class StoreSource:
         cold = store_fetch_s(self.stored, mode)
         d = self.segment.num_tokens - 1  # the document's positions 1..d: a correction recomputes k of them
         k = Correction.parse(mode).tokens(d)
-        fetched = SimpleNamespace(segment=self.segment, mode=mode, recomputed=torch.arange(d + 1 - k, d + 1),
-                                  wire_bytes=100, exact_coverage=None, adapter_digest="")
+        fetched = FetchedCache(segment=self.segment, entry_key="e", source_key="s", adapter="fitted@1", text=text,
+                               exact_coverage=1.0, wire_bytes=100, num_chunks=1, mode=mode,
+                               recomputed=torch.arange(d + 1 - k, d + 1), document_position=1)
         return fetched, cold, WARM_FETCH_S, self.segment.num_tokens
 
 

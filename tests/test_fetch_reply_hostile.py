@@ -106,11 +106,19 @@ def test_positions_the_segment_does_not_hold_are_refused_by_name(fields, match):
 
 
 def test_the_document_position_reads_back_and_is_none_when_a_server_sends_none():
-    for fields, want in ((dict(document_position=0), 0), (dict(document_position=19), 19), ({}, None)):
+    """... and what an induction prior reads as projected: the document's positions, less the recomputed ones."""
+    for fields, want, projected in ((dict(document_position=0), 0, [1, 2, 3] + list(range(5, 20))),
+                                    (dict(document_position=19), 19, [19]),
+                                    ({}, None, [1, 2, 3] + list(range(5, 20)))):  # after the start token
         reply = FetchReply("GetProjectedCache")
-        reply.read(Stream(_messages(_kv(), recomputed_positions=[0, 4], **fields)))
+        reply.read(Stream(_messages(_kv(), recomputed_positions=[0, 4], adapter="fitted@1", **fields)))
         fetched = reply.cache()
         assert fetched.document_position == want and fetched.recomputed.tolist() == [0, 4]
+        assert fetched.still_projected().nonzero()[:, 0].tolist() == projected
+    source = FetchReply("GetSourceCache")
+    source.read(Stream(_messages(_kv())))
+    with pytest.raises(ValueError, match="source KV"):
+        source.cache().still_projected()
 
 
 @pytest.mark.parametrize("fields, code, match", [
