@@ -21,11 +21,13 @@ from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.shm_segments import PendingSegment
-from kvbridge.transfer.align import Alignment, align_tokens, tokenize
+from kvbridge.transfer import kvcache
+from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo
+from kvbridge.transfer.suffix.correction import Corrected, Correction
 
 log = logging.getLogger("kvbridge.server.service")  # one logger for the service's lines, wherever they are written
 
@@ -131,20 +133,25 @@ class Projecting:
         if correction.kind == "replace":
             return self._projection(tenant, key, text, target, resolved, offset, require_cached, out)
         label, chosen = resolved
-        # the stored correction's namespace is "<tag>#<source key>"; a prior other than the target's shipped one in it
-        tag = f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
         source_key = key or self._cached_source_key(tenant, text)
+        lead = self._lead(tenant, source_key)
+        # the stored correction's namespace is "<tag>#<source key>"; a prior other than the target's shipped one in it,
+        # and for a segment entry's (computed after the start token, `_correct`) "/after-start": what servers before
+        # that stored for one (computed without a start token) is never adopted through Redis
+        tag = (f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
+               f"{'' if lead else '/after-start'}")
         warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
             if source_key else None
         if warm is None:
             if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
                 self._projection(tenant, key, text, target, resolved, offset, require_cached, None)
             base = self._projection(tenant, key, text, target, resolved, 0, require_cached, None)
-            source_key = base.source_key  # known now even for a text ingested by this call
+            if source_key is None:  # known now even for a text ingested by this call
+                source_key, lead = base.source_key, 1
             warm = self._replica_correction(tenant, base, tag, target)
         if warm is None:
             started = time.perf_counter()
-            fixed = self.corrections.compute(target.lm, base.segment, correction, chosen.digest)
+            fixed = self._correct(target, base.segment, correction, chosen.digest, lead)
             log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
                      fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
             self._count("correction", computed=fixed.segment.num_tokens)
@@ -155,10 +162,31 @@ class Projecting:
             warm = info, fixed.segment
         else:
             self._count("correction", reused=warm[1].num_tokens)
-        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset,
-                              self._lead(tenant, source_key))
+        placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset, lead)
         return replace(placed, mode=str(correction),
                        recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
+
+    def _correct(self, target: ServedModel, projected: KVSegment, correction: Correction, digest: str, lead: int
+                 ) -> Corrected:
+        """The correction of a projection by the target. A segment entry's (`lead` 0: its document tokens alone, at
+        0..n-1) is computed as a stored document's is, after the target's own start token (where a prompt places it:
+        prompt_place) with the document moved to 1..n, then kept without the start token at 0..n-1 (keys moved back
+        by RoPE: placed after a start token it is that correction exactly; its recomputed positions are document
+        tokens only)."""
+        if lead:
+            return self.corrections.compute(target.lm, projected, correction, digest)
+        lm = target.lm
+        with target.lock:
+            start = kvcache.extract(lm.model, lm.spec, torch.tensor([start_token_id(lm.tokenizer)]))
+        after = torch.arange(1, projected.num_tokens + 1)
+        doc = projected.with_keys(lm.rope.shift_all(projected.keys.float(), projected.positions, after)
+                                  .to(projected.dtype), after, rotated=True)
+        fixed = self.corrections.compute(lm, KVSegment.concat([start.to(device=doc.device, dtype=doc.dtype), doc]),
+                                         correction, digest)
+        out = fixed.segment.slice(1, fixed.segment.num_tokens)
+        out = out.with_keys(lm.rope.shift_all(out.keys.float(), out.positions, projected.positions).to(out.dtype),
+                            projected.positions, rotated=True)
+        return replace(fixed, segment=out, still_projected=fixed.still_projected[1:])
 
     def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
                             ) -> tuple[EntryInfo, KVSegment] | None:

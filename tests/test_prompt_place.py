@@ -179,11 +179,9 @@ def test_a_placed_correction_is_never_served_by_a_service_of_another_prior(tmp_p
         assert (without.token_counts[("placement", "reused")] > reused) == shared, mode
 
 
-def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_source, tiny_target, adapter):
-    """A segment of an Ingest with DETECT_SEGMENTS is stored and projected without a start token (its document
-    tokens at positions 0..n-1); a prompt that begins with the start token and then that text gets the target's own
-    KV of the start token and the document at positions 1.., not the stored projection one place early."""
-    from kvbridge.transfer.align import start_token_id, tokenize
+def _segment_entry(tmp_path, tiny_source, tiny_target, adapter):
+    """(service, the text of a segment entry an Ingest with DETECT_SEGMENTS stored, its target tokens)."""
+    from kvbridge.transfer.align import tokenize
     from kvbridge.transfer.data import data_path
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
@@ -193,7 +191,16 @@ def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_
     _, *segments = service.ingest("t", text, detect_segments=True).entries
     info = max((info for info, _ in segments), key=lambda i: i.num_tokens)
     piece = service.store.info(info.key, "t").text
-    doc = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids.tolist()
+    return service, piece, tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids.tolist()
+
+
+def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_source, tiny_target, adapter):
+    """A segment of an Ingest with DETECT_SEGMENTS is stored and projected without a start token (its document
+    tokens at positions 0..n-1); a prompt that begins with the start token and then that text gets the target's own
+    KV of the start token and the document at positions 1.., not the stored projection one place early."""
+    from kvbridge.transfer.align import start_token_id
+
+    service, piece, doc = _segment_entry(tmp_path, tiny_source, tiny_target, adapter)
     stored = service.projected_cache("t", text=piece, require_cached=True).segment
     assert stored.token_ids.tolist() == doc  # no start token before a segment's tokens
     assert service.projected_cache("t", text=piece, require_cached=True).document_index == 0
@@ -209,3 +216,35 @@ def test_a_segment_entry_is_placed_after_the_prompts_start_token(tmp_path, tiny_
         torch.testing.assert_close(seg.kv[:, :, :, :len(head)], own.kv.to(seg.dtype), rtol=0, atol=0)
         moved = service.projected_cache("t", text=piece, offset=len(head), require_cached=True).segment
         torch.testing.assert_close(seg.kv[:, :, :, len(head):], moved.kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["recompute:0.2", "blend:0.2"])
+def test_a_segment_entrys_correction_is_computed_after_the_targets_start_token(tmp_path, tiny_source, tiny_target,
+                                                                              adapter, mode):
+    """A segment entry's projection holds its document tokens alone (at 0..n-1); a prompt places it after the start
+    token. Its served correction is the one of the start token's own KV and the projection moved to 1..n (as a
+    stored document's is): every recomputed position a document token, as many as the correction takes of n, and
+    placed after the start token it is that correction's KV exactly where a prompt has it."""
+    from kvbridge.transfer.align import start_token_id
+    from kvbridge.transfer.segment import KVSegment
+    from kvbridge.transfer.suffix.correction import Correction, correct
+    from kvbridge.transfer.suffix.induction import InductionPrior
+
+    service, piece, doc = _segment_entry(tmp_path, tiny_source, tiny_target, adapter)
+    plain = service.projected_cache("t", text=piece, require_cached=True)  # replace: the document at 0..n-1
+    served = service.projected_cache("t", text=piece, mode=mode, require_cached=True)
+    n = len(doc)
+    assert served.segment.token_ids.tolist() == doc and torch.equal(served.segment.positions, torch.arange(n))
+    assert served.document_index == 0
+    assert len(served.recomputed) == Correction.parse(mode).tokens(n)  # of the n document tokens, no start token
+    start = start_token_id(tiny_target.tokenizer)
+    own = kvcache.extract(tiny_target.model, tiny_target.spec, torch.tensor([start]))
+    moved = plain.segment.with_keys(tiny_target.rope.shift_all(plain.segment.keys.float(), plain.segment.positions,
+                                                               torch.arange(1, n + 1)).to(plain.segment.dtype),
+                                    torch.arange(1, n + 1), rotated=True)
+    want = correct(tiny_target, KVSegment.concat([own.to(dtype=moved.dtype), moved]), Correction.parse(mode),
+                   prior=InductionPrior.for_model(tiny_target))
+    assert list(served.recomputed) == (~want.still_projected[1:]).nonzero()[:, 0].tolist()  # the start token's not
+    placed = service.prompt_cache("t", [start] + doc + [7], text=piece, mode=mode)
+    assert placed.document_index == 1 and list(placed.recomputed) == [p + 1 for p in served.recomputed]
+    torch.testing.assert_close(placed.segment.kv.float(), want.segment.kv.float(), rtol=1e-5, atol=1e-5)
