@@ -48,11 +48,15 @@ class ProjectedContext:
         if offset < 1:
             raise ValueError("a projected part needs the generator's start token before it (offset >= 1)")
         fetched = self._fetch(text, offset - 1)
-        lead = 1
-        if fetched.segment.num_tokens and int(fetched.segment.token_ids[0]) != start_token_id(self.target.tokenizer):
+        if fetched.document_position is not None:  # the server says where the text's tokens begin
+            lead = fetched.document_position - int(fetched.segment.positions[0])
+        else:  # a server before the field: by the first token
+            lead = int(not fetched.segment.num_tokens
+                       or int(fetched.segment.token_ids[0]) == start_token_id(self.target.tokenizer))
+        if lead == 0:
             # a "segment" entry of an Ingest with DETECT_SEGMENTS (the text known only as a part of a longer one):
             # its projection holds the text's tokens alone, so it is fetched at the text's own position
-            fetched, lead = self._fetch(text, offset), 0
+            fetched = self._fetch(text, offset)
         record = FetchRecord(token_ids=fetched.segment.token_ids.clone(),
                              first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
                              num_chunks=fetched.num_chunks)

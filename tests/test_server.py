@@ -263,9 +263,17 @@ def test_projected_context_of_a_text_known_only_as_a_detected_segment(server, al
     segments = [e for e in reply.entries if e.kind == "segment" and e.start > 0]
     assert segments, "the planted detector config should cut this text"
     piece = alice.fetch_source(key=max(segments, key=lambda e: e.num_tokens).key).text
-    source = ProjectedContext(alice, tiny_target)
     ids = tokenize(tiny_target.tokenizer, piece, add_special_tokens=False).ids
-    for offset in (1, 5):
-        seg = source.projected_segment(piece, offset)
-        assert torch.equal(seg.token_ids, ids)
-        assert torch.equal(seg.positions, torch.arange(offset, offset + ids.numel()))
+    source = ProjectedContext(alice, tiny_target)
+    older = ProjectedContext(alice, tiny_target)  # replies as a server before `document_position` sends them
+    fetch = older._fetch
+    older._fetch = lambda *args: dataclasses.replace(fetch(*args), document_position=None)
+    for context in (source, older):
+        for offset in (1, 5):
+            seg = context.projected_segment(piece, offset)
+            assert torch.equal(seg.token_ids, ids)
+            assert torch.equal(seg.positions, torch.arange(offset, offset + ids.numel()))
+    assert source.calls == older.calls == 4  # each: the fetch after the start token, then the one at its position
+    doc = source.projected_segment(" ".join(served.text(i) for i in range(20, 24)), 3)  # the whole text: a prefix
+    assert doc.num_tokens == tokenize(tiny_target.tokenizer, " ".join(served.text(i) for i in range(20, 24)),
+                                      add_special_tokens=False).ids.numel() and source.calls == 5
