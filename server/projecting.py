@@ -28,6 +28,7 @@ from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo
 from kvbridge.transfer.suffix.correction import Corrected, Correction
+from kvbridge.transfer.suffix.reuse import place
 
 log = logging.getLogger("kvbridge.server.service")  # one logger for the service's lines, wherever they are written
 
@@ -178,14 +179,10 @@ class Projecting:
         lm = target.lm
         with target.lock:
             start = kvcache.extract(lm.model, lm.spec, torch.tensor([start_token_id(lm.tokenizer)]))
-        after = torch.arange(1, projected.num_tokens + 1)
-        doc = projected.with_keys(lm.rope.shift_all(projected.keys.float(), projected.positions, after)
-                                  .to(projected.dtype), after, rotated=True)
+        doc = place(projected, lm.rope, 1)
         fixed = self.corrections.compute(lm, KVSegment.concat([start.to(device=doc.device, dtype=doc.dtype), doc]),
                                          correction, digest)
-        out = fixed.segment.slice(1, fixed.segment.num_tokens)
-        out = out.with_keys(lm.rope.shift_all(out.keys.float(), out.positions, projected.positions).to(out.dtype),
-                            projected.positions, rotated=True)
+        out = place(fixed.segment.slice(1, fixed.segment.num_tokens), lm.rope, int(projected.positions[0]))
         return replace(fixed, segment=out, still_projected=fixed.still_projected[1:])
 
     def _replica_correction(self, tenant: str, base: CacheResult, tag: str, target: ServedModel
