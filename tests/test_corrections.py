@@ -74,6 +74,24 @@ def test_mode_strings_parse_and_bad_ones_name_the_field():
             recomputed_of({"recomputed": bad}, 8)
 
 
+@pytest.mark.parametrize("kind", ["recompute", "blend"])
+def test_fractions_that_recompute_different_tokens_are_stored_apart(tmp_path, tiny_source, tiny_target, adapter, kind):
+    """A stored correction is keyed by its mode's name: two fractions that print alike to 6 digits ('%g') but
+    recompute a different number of tokens once shared one entry, and the second was served the first's KV."""
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    d = service.projected_cache("t", text=TEXT, mode="replace").segment.num_tokens - 1
+    k = 2 if d % 4 else 4  # an even k: round((k + 0.5) / d · d) rounds half to even, down to k
+    low = (k + 0.5) / d
+    high = low * (1 + 4e-7)  # the same 6 digits, and past the half: k + 1 tokens
+    assert f"{low:g}" == f"{high:g}"
+    assert (Correction(kind, low).tokens(d), Correction(kind, high).tokens(d)) == (k, k + 1)
+    for fraction, want in ((low, k), (high, k + 1)):
+        mode = f"{kind}:{fraction!r}"
+        served = service.projected_cache("t", text=TEXT, mode=mode)
+        assert len([p for p in served.recomputed if p >= 1]) == want, mode  # position 0: the start token, its own
+        assert served.mode == mode and Correction.parse(served.mode) == Correction.parse(mode)  # its name parses back
+
+
 @pytest.mark.parametrize("mode", ["blend:0.1", "recompute:0.2"])
 def test_a_served_correction_equals_the_in_process_one_and_is_computed_once(tmp_path, tiny_source, tiny_target,
                                                                             adapter, mode):

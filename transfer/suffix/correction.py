@@ -61,8 +61,12 @@ class Correction:
         raise ValueError(f"{field} must be 'replace', 'recompute:R' or 'blend:R' with R in (0, 1], got {text!r}")
 
     def __str__(self) -> str:
+        """The correction's name, which stored corrections are keyed by: the fraction as Python's shortest repr, which
+        parses back to the same float ('%g' kept 6 digits, and two fractions that recompute different tokens could
+        share a name), without a trailing '.0' ('blend:1', as before)."""
         rule = "" if self.rule == "attention" else f"[{self.rule}]"
-        return self.kind if self.kind == "replace" else f"{self.kind}{rule}:{self.fraction:g}"
+        value = repr(self.fraction)
+        return self.kind if self.kind == "replace" else f"{self.kind}{rule}:{value.removesuffix('.0')}"
 
     def tokens(self, doc_tokens: int) -> int:
         """k, the document tokens this correction recomputes."""
