@@ -140,26 +140,32 @@ class KVBridgeService(Placing, Projecting):
             raise ValueError(f"unknown {role} model {quote(name)}; this server serves {have}")
         return served
 
-    def _source_ids(self, served: ServedModel, text: str | None, token_ids) -> torch.Tensor:
+    def _source_ids(self, served: ServedModel, text: str | None, token_ids, special: bool = True,
+                    field: str = "token_ids") -> torch.Tensor:
+        """The source's token ids of a text (with the tokenizer's special tokens, as a prefix entry holds them;
+        special=False: without, as a segment entry holds them) or the ids given, checked; errors name `field`
+        (the request's field of the ids: a PutSourceKV's are header.token_ids)."""
         lm = served.lm
         if text is not None:
             self._check_text(text)
             if lm.tokenizer is None:
                 raise ValueError(f"model {lm.name!r} has no tokenizer: send token_ids")
-            ids = torch.as_tensor(lm.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.int64)
+            ids = torch.as_tensor(lm.tokenizer(text, add_special_tokens=special)["input_ids"], dtype=torch.int64)
+            if ids.numel() == 0:
+                raise ValueError("text has no tokens: there is nothing to cache")
         elif token_ids is not None:
             ids = torch.as_tensor(list(token_ids), dtype=torch.int64).reshape(-1)
             if ids.numel() == 0:
-                raise ValueError("token_ids is empty: there is nothing to cache")
+                raise ValueError(f"{field} is empty: there is nothing to cache")
             bad = (ids < 0) | (ids >= lm.spec.vocab_size)
             if bool(bad.any()):
-                raise ValueError(f"token_ids[{int(bad.nonzero()[0, 0])}] = {int(ids[bad][0])} is outside the "
+                raise ValueError(f"{field}[{int(bad.nonzero()[0, 0])}] = {int(ids[bad][0])} is outside the "
                                  f"vocabulary of {lm.name!r} (0..{lm.spec.vocab_size - 1})")
         else:
             raise ValueError("give either text or token_ids")
         if ids.numel() > served.max_positions:
-            raise ValueError(f"the text is {ids.numel()} tokens long, more than {lm.name!r} takes "
-                             f"({served.max_positions})")
+            what = "the text is" if text is not None else f"{field} holds"
+            raise ValueError(f"{what} {ids.numel()} tokens, more than {lm.name!r} takes ({served.max_positions})")
         return ids
 
     def _check_text(self, text: str) -> None:
@@ -287,7 +293,7 @@ class KVBridgeService(Placing, Projecting):
             raise ValueError(f"header.kind must be 'prefix' or 'segment', got {upload.kind!r}")
         if upload.ttl_s is not None and not 0 < upload.ttl_s < math.inf:
             raise ValueError(f"header.options.ttl_s must be > 0 and finite, got {upload.ttl_s}")
-        ids = self._source_ids(served, None, upload.token_ids.tolist())
+        ids = self._source_ids(served, None, upload.token_ids.tolist(), field="header.token_ids")
         t = ids.numel()
         positions = upload.positions if upload.positions is not None else torch.arange(t)
         if positions.shape != (t,):
@@ -318,7 +324,8 @@ class KVBridgeService(Placing, Projecting):
         if kind not in ("prefix", "segment"):
             raise ValueError(f"kind must be 'prefix' or 'segment', got {kind!r}")
         served = self.model(model, "source")
-        ids = self._source_ids(served, text, token_ids)
+        # a segment entry holds its piece's tokens without the tokenizer's special tokens (a start token, say)
+        ids = self._source_ids(served, text, token_ids, special=kind == "prefix")
         return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype, kind=kind), ids.numel()
 
     def _source_entry(self, tenant: str, key: str | None, text: str | None, require_cached: bool

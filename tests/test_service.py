@@ -187,3 +187,46 @@ def test_ingest_detects_segments_that_targets_fetch_by_their_text(tmp_path, tiny
         assert torch.equal(projected.segment.token_ids, tgt.ids)
         torch.testing.assert_close(projected.segment.kv, expected.kv, atol=5e-5, rtol=1e-5)
     assert service.store.check() == []
+
+
+def test_lookup_finds_a_segment_by_its_text_when_the_source_adds_a_start_token(tmp_path, tiny_target):
+    """A segment entry holds its piece's tokens without the tokenizer's special tokens; Lookup by text tokenized
+    the piece with them, so for a source that adds a start token (Gemma's <bos>; the tiny Qwen2 adds none) it
+    never found a segment the fetch by the same text finds."""
+    from kvbridge.adapters.identity import identity_adapter
+    from kvbridge.transfer.data import data_path
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
+
+    lm = tiny_target  # its tokenizer adds "<s>": served as the source, and as the target through the identity map
+    assert lm.tokenizer("x")["input_ids"][0] == lm.tokenizer.bos_token_id
+    registry = AdapterRegistry(tmp_path, lm.spec, [lm.spec])
+    registry.add("identity", identity_adapter(lm), make_default=True)
+    service = KVBridgeService(lm, [lm], PagedStore(StoreConfig(capacity_bytes=64 << 20, device="cpu")), registry)
+    service.detector = SuffixDetector(DetectorConfig(threshold=2.0, min_segment=10))
+    text = " ".join(open(data_path("tiny_corpus.txt")).read().split()[:120])
+    _, *segments = service.ingest("t", text, detect_segments=True).entries
+    info = max((info for info, _ in segments), key=lambda i: i.num_tokens)  # the detector cuts this text
+    piece = service.store.info(info.key, "t").text
+    assert service.projected_cache("t", text=piece).source_key == info.key  # the fetch by text finds it
+    found, query_tokens = service.lookup("t", text=piece, kind="segment")
+    assert (found.key, query_tokens) == (info.key, info.num_tokens)
+    assert service.lookup("t", text=piece)[0].key is None  # no prefix entry holds the piece with the start token
+
+
+def test_an_uploads_refused_token_ids_are_named_as_the_header_field(tmp_path, tiny_source, tiny_target):
+    """A PutSourceKV has no text: its refusals name header.token_ids (they said "the text" and "token_ids[i]")."""
+    from kvbridge.server.service import SourceUpload
+
+    service = _service(tiny_source, tiny_target, tmp_path)
+    spec = tiny_source.spec
+    too_many = service.models[spec.name].max_positions + 1
+
+    def upload(ids):
+        return SourceUpload(model=spec.name, config_hash="", dtype=torch.float32, num_layers=spec.num_layers,
+                            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, token_ids=torch.tensor(ids),
+                            positions=None, rotated=True, kind="prefix")
+
+    for ids, what in (([1] * too_many, f"header.token_ids holds {too_many} tokens, more than"),
+                      ([1, spec.vocab_size], f"header.token_ids\\[1\\] = {spec.vocab_size} is outside")):
+        with pytest.raises(ValueError, match=f"^{what}"):
+            service.check_upload(upload(ids))
