@@ -191,3 +191,19 @@ def test_a_pool_reserves_nothing_until_kv_arrives_and_grows_by_slabs():
     assert BlockPool(layout, 0, torch.device("cpu"), slab_blocks=4).slabs == []
     with pytest.raises(ValueError, match="slab_bytes must be >= 1"):
         StoreConfig(slab_bytes=0)
+
+
+def test_a_refused_put_leaves_no_layout_behind():
+    """A put refused for its size or by a tenant's quota created its layout's (empty) pool first, which then held
+    one of max_layouts for good: a later put of another model was refused with nothing stored."""
+    from kvbridge.transfer.store import QuotaExceeded
+
+    st = PagedStore(StoreConfig(capacity_bytes=4 * BLOCK_BYTES, max_layouts=1, device="cpu",
+                                tenant_max_pinned_bytes=0), clock=Clock())
+    with pytest.raises(CapacityError, match="needs 3 blocks"):
+        st.put(wide(range(48)), "t")  # the store holds 2 of OTHER's blocks in all
+    with pytest.raises(QuotaExceeded):
+        st.put(wide(range(16)), "t", pin=True)  # no pinned bytes for any tenant
+    assert len(st.registry) == 0 and not st.pools
+    st.put(seg(range(16)), "u")  # another tenant, another layout: the store's one layout slot is free
+    ok(st)

@@ -117,3 +117,22 @@ def test_a_key_deleted_twice_while_redis_refuses_is_shared_again_once_the_delete
     other.put(a, "t")
     assert torch.equal(writer.get(key, "t").kv, a.kv)
     assert writer.check() == [] and other.check() == []
+
+
+def test_a_shared_entry_of_a_layout_the_store_has_no_room_for_is_a_miss_and_ends_its_read(redis_url):
+    """lookup adopts another replica's record; when the store cannot take its layout (max_layouts), the lookup
+    raised CapacityError and never ended its stale-record read, so every later deleted key was kept for good."""
+    other = ModelIdentity("model-g", "g" * 64)
+    cfg = dict(capacity_bytes=64 * BLOCK_BYTES, redis_url=redis_url, redis_secret=TEST_SECRET, device="cpu",
+               share_entries=True)
+    writer = PagedStore(StoreConfig(max_layouts=2, **cfg), clock=Clock())
+    reader = PagedStore(StoreConfig(max_layouts=1, **cfg), clock=Clock())
+    writer.put(seeded_segment(0, 40, other), "t")
+    reader.put(_seg(0, 40), "t")  # the reader's one layout
+    found = reader.lookup(torch.arange(40), "t", other, torch.float32)
+    assert found.key is None  # a miss here, not an error
+    assert not reader._stale._reads  # the lookup's read ended: deleted keys are not kept for it
+    info = reader.put(_seg(100, 20), "t")
+    reader.delete(info.key, "t")
+    assert not reader._stale._removed
+    assert reader.check() == []

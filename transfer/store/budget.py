@@ -93,6 +93,11 @@ class DeviceBudget:
                  self.capacity_bytes)
         return pool
 
+    def drop_if_unused(self, pool: BlockPool) -> None:
+        """Forget a pool that holds no slab (one a refused put created): it no longer counts against max_layouts."""
+        if pool.bytes_reserved == 0 and self.pools.get(pool.layout.key) is pool:
+            del self.pools[pool.layout.key]
+
     def obtainable(self, pool: BlockPool) -> int:
         """Blocks `pool` could get now: its free ones, the spare bytes, and the slabs other pools could give up."""
         spare = self.free_bytes + sum(p.yieldable_bytes() for p in self.pools.values() if p is not pool)

@@ -179,7 +179,16 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             self._expire()
             if source_key is not None:
                 self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
+            created = layout.key not in self.budget.pools
             pool = self.budget.pool_for(layout, create=True)
+            try:
+                return into(pool, prefetched)
+            except BaseException:  # refused: a pool this put created for it must not hold a layout slot for good
+                if created:
+                    self.budget.drop_if_unused(pool)
+                raise
+
+        def into(pool, prefetched):
             bs = layout.block_size
             n_blocks = -(-segment.num_tokens // bs)
             if n_blocks > self.budget.max_blocks(layout):

@@ -10,14 +10,14 @@ from __future__ import annotations
 import itertools
 
 import torch
-from kvbridge.transfer.errors import NotFound
+from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.config import LookupResult
 from kvbridge.transfer.store.kv_blocks import chain_root, content_key, hash_chain
 from kvbridge.transfer.store.registry import KINDS
 from kvbridge.transfer.store.residency import lowest
-from kvbridge.transfer.store.sharing import _sends_redis_writes
+from kvbridge.transfer.store.sharing import _sends_redis_writes, log
 
 _READS = itertools.count(1)  # get_prefix's claims on the blocks it reads: one key per read
 
@@ -44,9 +44,13 @@ class PrefixLookup:
                     records = self.redis.get_entries([key])  # no lock held
                 finally:
                     with self._lock:
-                        if key in records:
-                            self._adopt(records[key], tenant, read)
-                        self._stale.end_read(read)
+                        try:
+                            if key in records:
+                                self._adopt(records[key], tenant, read)
+                        except CapacityError as exc:  # a layout this store has no room for: a miss here
+                            log.warning("redis: not adopting entry %s... (%s)", key[:16], exc)
+                        finally:
+                            self._stale.end_read(read)
         with self._lock:
             self._expire()
             entry = self.registry.get(key)
