@@ -267,3 +267,16 @@ def test_the_engine_options_reach_vllms_arguments_eager_unless_told():
                                                   kv_transfer_config=config)))
     assert deployed["enforce_eager"] is False and deployed["enable_prefix_caching"] is True
     assert deployed["kv_transfer_config"] == config
+
+
+def test_cache_salts_part_every_choice_that_changes_the_loaded_kv():
+    """A salt per server, adapter, correction and recompute_tokens: under one salt, vLLM's prefix cache hands a
+    request the blocks an earlier one loaded, so a request that leaves more of the context's tokens to vLLM's own
+    prefill (recompute_tokens) needs a salt of its own, or it reads projected KV where it asked for its own."""
+    from kvbridge.vllm.engine import cache_salt
+
+    assert cache_salt() == "kvbridge:default:"  # salts of earlier releases read as before
+    assert cache_salt("a", "s", "blend:0.1") == "kvbridge:s:a:blend:0.1"
+    salts = {cache_salt(*choice) for choice in (("",), ("a",), ("a", "s"), ("a", "s", "blend:0.1"),
+                                                 ("a", "s", "blend:0.1", 0), ("a", "s", "blend:0.1", 64))}
+    assert len(salts) == 6

@@ -110,6 +110,15 @@ def check_malformed_parameters_never_reach_the_scheduler_thread():
     assert sched.get_num_new_matched_tokens(req, 64) == (0, False)
     assert "unexpected" in finished(sched, req)["error"]
     sched.shutdown()
+    # a save beside a load's fields, or beside an unknown one, is refused by name (it was taken for a save, silently)
+    both = connector(KVConnectorRole.SCHEDULER, kv_role="kv_both")
+    for i, (params, named) in enumerate((({"kvbridge": {"save": {}, "key": "k"}}, "goes alone"),
+                                         ({"kvbridge": {"save": {}, "typo": 1}}, "unknown fields ['typo']"))):
+        req = request(f"mixed{i}", params)
+        assert both.get_num_new_matched_tokens(req, 0) == (0, False)
+        answer = finished(both, req)
+        assert named in answer["error"] and "save_state" not in answer, answer
+    both.shutdown()
 
 
 def check_the_worker_drops_the_partial_save_of_a_finished_request():

@@ -269,6 +269,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """A request's first call: its parameters read (ValueError naming a malformed field), a save registered, or
         its lookup started (None), unless vLLM's prefix cache already holds what it would load."""
         req_id = request.request_id
+        # first: it refuses a save beside a load's fields (or an unknown field), which the save's own parse ignores
+        context = RequestContext.from_params(request.kv_transfer_params)
         save = SaveRequest.from_params(request.kv_transfer_params)
         if save is not None:
             if self.kv_cache_refusal or not self.saving:  # a KV cache the workers cannot read is refused too
@@ -276,7 +278,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                  f"{self._kv_transfer_config.kv_role!r} saves nothing (kv_producer or kv_both save)")
             self._saves.add(req_id, save, list(request.prompt_token_ids or []))
             return 0, False
-        context = RequestContext.from_params(request.kv_transfer_params)
         if context is None:
             return 0, False
         prompt = list(request.prompt_token_ids or [])

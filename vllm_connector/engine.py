@@ -107,11 +107,14 @@ def engine_dtype() -> str:
     return "bfloat16" if compute_dtype(torch.bfloat16) == torch.bfloat16 else "float32"
 
 
-def cache_salt(adapter: str = "", server: str = "default", mode: str = "") -> str:
+def cache_salt(adapter: str = "", server: str = "default", mode: str = "", recompute_tokens: int | None = None) -> str:
     """A prefix-cache namespace for requests that load projected KV: with prefix caching on, vLLM hashes loaded
     blocks like computed ones, and a salt keeps projected KV from serving a request that wanted its own (or another
-    correction of it: give the request's mode)."""
-    return f"kvbridge:{server}:{adapter}" + (f":{mode}" if mode else "")
+    correction of it: give the request's mode, and its recompute_tokens, the context's last tokens it leaves to
+    vLLM's own prefill: under one salt, a request that asks vLLM to compute them would be handed the projected KV an
+    earlier request loaded there)."""
+    return (f"kvbridge:{server}:{adapter}" + (f":{mode}" if mode else "")
+            + (f":recompute_tokens={recompute_tokens}" if recompute_tokens is not None else ""))
 
 
 @dataclass(frozen=True)
