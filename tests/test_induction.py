@@ -140,6 +140,40 @@ def test_recomputing_cached_tokens_in_place_reads_the_prior_as_their_prefill_wou
             lm.model(input_ids=ids[11:12][None], position_ids=torch.tensor([[10]]), cache=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_a_model_whose_own_attention_is_eager_recomputes_under_a_prior_as_with_sdpa(name):
+    """Under a prior, the layers without a biased head run the model's own attention; eager adds its mask to the
+    scores, and selective recompute gave it the boolean mask (made for SDPA): +1 where allowed, nothing masked, so
+    recomputed tokens read the future and their own stale KV. The same weights with eager attention now recompute
+    (in place, and as a served blend) what they do with kvbridge's SDPA."""
+    import copy
+
+    from kvbridge.transfer.models import wrap_model
+    from kvbridge.transfer.suffix.correction import Correction, correct
+
+    sdpa = zoo.build(name)
+    model = copy.deepcopy(sdpa.model)
+    model.config._attn_implementation = "eager"
+    eager = wrap_model(model, sdpa.tokenizer, f"{name}-eager")
+    # a biased head in the last layer only: every layer before it runs the model's own attention
+    prior = _terms(sdpa, sdpa.spec.num_layers - 1, 0, **{TERMS[0]: 3.0})
+    ids = torch.randint(3, sdpa.spec.vocab_size, (41,), generator=torch.Generator().manual_seed(0))
+    chosen = torch.tensor([5, 20, 29])
+    projected = torch.zeros(41, dtype=torch.bool)
+    projected[10:] = True
+    projected[10 + chosen] = False
+    out = {}
+    for lm in (sdpa, eager):
+        context = kvcache.extract(lm.model, lm.spec, ids[:10])
+        placed = prefill_after(lm, context, ids[10:])
+        with prior.reading(lm, ids, projected):
+            in_place = recompute_selected(lm, context, placed, chosen).kv
+        blended = correct(lm, kvcache.extract(lm.model, lm.spec, ids), Correction.parse("blend:0.2"), prior=prior)
+        out[lm.name] = in_place, blended.segment.kv
+    for got, want in zip(out[eager.name], out[sdpa.name]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_prior_from_a_layer_on_leaves_the_layers_before_it_alone():
     lm = zoo.build("qwen2")
     prior = InductionPrior.from_weights(torch.ones(lm.spec.num_layers, lm.model.config.num_attention_heads))

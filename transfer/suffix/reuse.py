@@ -137,7 +137,9 @@ def layer_masks(lm: LoadedModel, allowed: torch.Tensor, q_pos: torch.Tensor, k_p
 
     def form(window: int | None) -> torch.Tensor:
         m = allowed & (distance < window) if window else allowed
-        if lm.model.config._attn_implementation == "eager":
+        # eager attention adds its mask to the scores: the float form; also under an induction prior, whose layers
+        # without a biased head run the model's own ("kvbridge_induction_prior+eager", induction_attention)
+        if lm.model.config._attn_implementation.rpartition("+")[2] == "eager":
             m = torch.where(m, 0.0, torch.finfo(param.dtype).min).to(param.dtype)
         return m[None, None].to(param.device)  # [1, 1, S, N]
 
