@@ -99,15 +99,17 @@ class Placing:
         key = key or self._cached_source_key(tenant, text)
         lead = self._lead(tenant, key)  # 1: the stored projection begins with the start token; 0: a segment entry's
         document = self._document_ids(tenant, target, key, text, lead)
-        if document is not None and locate(prompt, document).as_stored:  # as stored: the warm fast path
-            return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
-        namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
-        if document is not None and namespace is not None:  # placed before for this head: as warm as a plain fetch
-            where = locate(prompt, document)
-            kept = self._kept_placement(tenant, target, namespace, prompt[:where.head] + document[1 + where.skip:],
-                                        out, where.head)
-            if kept is not None:
-                return kept
+        if document is not None:  # a prompt that does not hold it, or holds it past the target's positions, is
+            where = locate(prompt, document)  # refused here, before anything is computed or stored
+            if where.as_stored:  # the warm fast path
+                return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
+            _check_fits(where, len(document) - 1 - where.skip, target)
+            namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
+            if namespace is not None:  # placed before for this head: as warm as a plain fetch
+                kept = self._kept_placement(tenant, target, namespace,
+                                            prompt[:where.head] + document[1 + where.skip:], out, where.head)
+                if kept is not None:
+                    return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
         seg = base.segment
         lead = self._lead(tenant, base.source_key)
@@ -116,9 +118,7 @@ class Placing:
             return base
         first = lead + where.skip  # the first served document token in the stored cache
         served = seg.num_tokens - first
-        if where.head + served > target.max_positions:
-            raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
-                             f"{spec.name!r}'s {target.max_positions} positions")
+        _check_fits(where, served, target)
         doc = seg.slice(first, seg.num_tokens)
         moved = torch.arange(where.head, where.head + served)
         keys = target.lm.rope.shift_all(doc.keys.float(), doc.positions, moved)
@@ -131,7 +131,7 @@ class Placing:
                          recomputed=tuple(p + shift for p in base.recomputed if p >= first), document_index=where.head)
         # the namespace of the adapter that made `base` (a default changed since, LoadAdapter make_default, must not
         # file this placement under another adapter's name)
-        namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode)
+        namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode, lead)
         self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
                        source_key=base.source_key,
                        annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
@@ -148,14 +148,17 @@ class Placing:
         if source_key is None:
             return None
         label, chosen = self.adapters.resolve(adapter, self.models[self.source_name].lm.spec, target.lm.spec, tenant)
-        return self._namespace(target, source_key, label, chosen.digest, mode)
+        return self._namespace(target, source_key, label, chosen.digest, mode, self._lead(tenant, source_key))
 
-    def _namespace(self, target: ServedModel, source_key: str, label: str, digest: str, mode: str) -> str:
+    def _namespace(self, target: ServedModel, source_key: str, label: str, digest: str, mode: str, lead: int) -> str:
         """A placed cache's store namespace: its source entry, the adapter (label and digest: `digest_label`) and
-        the correction, with the prior a correction's KV was computed with (as the stored corrections' say)."""
+        the correction, with the prior a correction's KV was computed with and, for a segment entry's (`lead` 0),
+        "/after-start", as the stored corrections' say: a placement that a server before it made from such a
+        correction (computed without the start token) is never adopted through Redis."""
         correction = self.corrections.resolve(mode)
         prior = self.corrections.prior_tag(target.lm) if correction.kind != "replace" else ""
-        return f"{PLACED}|{digest_label(label, digest)}|{correction}{prior}#{source_key}"
+        after = "/after-start" if correction.kind != "replace" and not lead else ""
+        return f"{PLACED}|{digest_label(label, digest)}|{correction}{prior}{after}#{source_key}"
 
     def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
                         out: KVOut | None, head: int) -> CacheResult | None:
@@ -203,22 +206,59 @@ class Placing:
                       lead: int = 1) -> list[int] | None:
         """The stored projection's target ids (start token, document) from the text, without fetching (a segment
         entry's, `lead` 0, with NO_START in the start token's place: `locate` then never serves it as stored);
-        None when the server does not know the text."""
+        an uploaded entry's (PutSourceKV keeps no text) from the text its source ids decode to, as its projection
+        pairs it (`Projecting._paired`); None when the server does not know the text."""
         if text is None and key is not None:
             try:
-                text = self.store.info(key, tenant).text
+                info = self.store.info(key, tenant)
+                if info.text is None and info.kind == "prefix" and not info.adapter:
+                    ids = self._uploaded_ids(tenant, target, key)
+                    return None if ids is None else list(ids)
             except NotFound:
                 return None
+            text = info.text
         if not text or not text.strip():
             return None
         # every prompt-carrying fetch asks (each connector load): ~10 ms of tokenizing for 1,024 tokens, kept
         digest = (target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
         ids = self.document_ids.get(digest)
         if ids is None:
-            tokenizer = target.lm.tokenizer
-            ids = (start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist())
+            ids = _target_ids(target, text)
             self.document_ids.put(digest, ids)
         return [ids[0] if lead else NO_START, *ids[1:]]
+
+    def _uploaded_ids(self, tenant: str, target: ServedModel, key: str) -> tuple[int, ...] | None:
+        """The target ids of an uploaded source entry's projection: its source ids decoded and tokenized again,
+        kept by the entry's key (a content key: the same key holds the same tokens); None when they do not come
+        back from their text (its projection is refused then, before anything is stored)."""
+        kept = (target.lm.name, "entry", key)
+        ids = self.document_ids.get(kept)
+        if ids is None:
+            source = self.models[self.source_name].lm
+            if source.tokenizer is None:
+                return None
+            held = self.store.token_ids(key, tenant)
+            text = source.tokenizer.decode(held.tolist(), skip_special_tokens=True)
+            if not text.strip() or not torch.equal(tokenize(source.tokenizer, text, add_special_tokens=True).ids,
+                                                   held):
+                return None
+            ids = _target_ids(target, text)
+            self.document_ids.put(kept, ids)
+        return ids
+
+
+def _target_ids(target: ServedModel, text: str) -> tuple[int, ...]:
+    """A stored projection's target ids: the target's start token, then the text's target tokens."""
+    tokenizer = target.lm.tokenizer
+    return start_token_id(tokenizer), *tokenize(tokenizer, text, add_special_tokens=False).ids.tolist()
+
+
+def _check_fits(where: Located, served: int, target: ServedModel) -> None:
+    """ValueError when the document's `served` tokens, placed where the prompt has them, pass the target's
+    positions."""
+    if where.head + served > target.max_positions:
+        raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
+                         f"{target.lm.spec.name!r}'s {target.max_positions} positions")
 
 
 class KeptIds:

@@ -248,3 +248,60 @@ def test_a_segment_entrys_correction_is_computed_after_the_targets_start_token(t
     placed = service.prompt_cache("t", [start] + doc + [7], text=piece, mode=mode)
     assert placed.document_index == 1 and list(placed.recomputed) == [p + 1 for p in served.recomputed]
     torch.testing.assert_close(placed.segment.kv.float(), want.segment.kv.float(), rtol=1e-5, atol=1e-5)
+    namespaces = {service.store.info(k, "t").adapter for k in service.store.keys("t")}
+    placed_in = [ns for ns in namespaces if ns.startswith("placed|")]
+    # as the correction's own namespace: a placement an older server made from its wrong correction is not adopted
+    assert len(placed_in) == 1 and "/after-start#" in placed_in[0]
+
+
+def _upload(service, tiny_source, text):
+    """The source KV of `text` stored as PutSourceKV stores an upload: its ids and KV, no text."""
+    from kvbridge.server.service import SourceUpload
+
+    spec = tiny_source.spec
+    ids = torch.tensor(tiny_source.tokenizer(text)["input_ids"])
+    kv = kvcache.extract(tiny_source.model, spec, ids).kv
+    upload = SourceUpload(model=spec.name, config_hash="", dtype=kv.dtype, num_layers=spec.num_layers,
+                          num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, token_ids=ids, positions=None,
+                          rotated=True, kind="prefix")
+    return service.put_source("t", upload, kv)[0].key
+
+
+@pytest.mark.parametrize("mode", ["replace", "recompute:0.2"])
+def test_a_refused_prompt_computes_and_stores_nothing(tmp_path, tiny_source, tiny_target, adapter, mode):
+    """A prompt that does not hold an uploaded document (PutSourceKV keeps no text), or that holds a text's document
+    past the target's positions, is refused before anything is ingested, projected or corrected (both were refused
+    only after the projection, and its correction, were stored)."""
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    key = _upload(service, tiny_source, TEXT)
+    before = sorted(service.store.keys("t"))
+    with pytest.raises(ValueError, match="does not hold the document"):
+        service.prompt_cache("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], key=key, mode=mode)
+    long_text = " ".join([TEXT] * 20)
+    doc = tiny_target.tokenizer(long_text, add_special_tokens=False)["input_ids"]
+    room = service.models[tiny_target.name].max_positions
+    prompt = [17] * (room - len(doc) // 2) + doc[:12]  # fits; the document placed where it begins would not
+    with pytest.raises(ValueError, match="exceeds"):
+        service.prompt_cache("t", prompt, text=long_text, mode=mode)
+    assert sorted(service.store.keys("t")) == before
+
+
+def test_an_uploaded_documents_placement_is_kept_as_a_texts_is(tmp_path, tiny_source, tiny_target, adapter):
+    """The server knows an uploaded entry's target tokens from its source ids (decoded as its projection pairs
+    them), so the second prompt with the same head is served from the kept placed cache, as for a text."""
+    from test_corrections import Forwards
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    key = _upload(service, tiny_source, TEXT)
+    ids = service.projected_cache("t", key=key).segment.token_ids.tolist()
+    head = [ids[0], 17, 23, 5]
+    first = service.prompt_cache("t", head + ids[1:] + [7], key=key)
+    forwards = Forwards(tiny_target)
+    try:
+        again = service.prompt_cache("t", head + ids[1:] + [8, 8], key=key)
+        assert forwards.count == 0
+    finally:
+        forwards.close()
+    assert service.token_counts[("placement", "reused")] == len(head) + len(ids) - 1
+    torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
+    assert again.document_index == first.document_index == len(head)

@@ -5,6 +5,7 @@ PagedStore: it uses the store's lock, registry, pools, residency and config.
 
 from __future__ import annotations
 
+import torch
 from kvbridge.transfer.store.checker import check_store
 from kvbridge.transfer.store.config import StoreStats, TenantUsage
 from kvbridge.transfer.store.kv_blocks import BlockHash
@@ -19,6 +20,14 @@ class StoreQueries:
         def locked(prefetched):
             self._expire()
             return self._info(self._entry_for(key, tenant, prefetched), new_blocks=0)
+
+        return self._run(locked)
+
+    def token_ids(self, key: str, tenant: str) -> torch.Tensor:
+        """The token ids an entry holds (a copy), without reading its KV; NotFound as `info`."""
+        def locked(prefetched):
+            self._expire()
+            return self._entry_for(key, tenant, prefetched).token_ids.clone()
 
         return self._run(locked)
 
