@@ -32,8 +32,10 @@ from kvbridge.server.service import KVBridgeService, ServiceLimits
 from kvbridge.server.servicer import KVBridgeServicer
 from kvbridge.server.shm_segments import SegmentRegistry
 from kvbridge.server.wire_cache import WireCache
+from kvbridge.transfer.devices import resolve_device
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
 from kvbridge.transfer.store import PagedStore, StoreConfig, read_secret_file
+from kvbridge.transfer.store.config import default_capacity
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +84,10 @@ def selfcheck_models(models: list[LoadedModel]) -> None:
 def store_config(config: ServeConfig) -> StoreConfig:
     mb = 1 << 20
     capacity = int(config.store_capacity_mb * mb) if config.store_capacity_mb else None
+    if capacity is None:  # sized here as the store would size itself (half the free memory): its quarter is the quota
+        capacity = default_capacity(resolve_device(config.store_device), StoreConfig.capacity_fraction)
     pinned = config.tenant_max_pinned_mb
-    if pinned is None and capacity is not None:
+    if pinned is None:
         pinned = capacity / 4 / mb  # one tenant pins at most a quarter of the pool
     secret = None
     if config.redis_url and config.redis_secret_file:
@@ -160,6 +164,9 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
     layers = tuple(config.detector_layers) if config.detector_layers is not None else None
+    if layers is not None and max(layers, default=0) >= source.spec.num_layers:  # else every detecting Ingest fails
+        raise ValueError(f"detector_layers {list(layers)}: the source {source.name!r} has layers "
+                         f"0..{source.spec.num_layers - 1}")
     detector = SuffixDetector(DetectorConfig.strict(layers=layers) if config.detector_strict
                               else DetectorConfig(layers=layers))
     corrections = Corrections(CorrectionLimits(default=config.correction, max_running=config.max_corrections,
@@ -221,9 +228,10 @@ def _tolerant(deserialize):
     return run
 
 
-def _refusing(behavior, request_streaming: bool, max_text_chars: int):
+def _refusing(behavior, request_streaming: bool, max_text_chars: int, counted=None):
     """The servicer method, refusing undecodable requests, strings over their length limit and unknown enum values
-    with INVALID_ARGUMENT before the servicer sees them."""
+    with INVALID_ARGUMENT before the servicer sees them (`counted()`: the refusal counted in the metrics; a stream's
+    refusal raises inside the servicer, which counts it)."""
     message = "the request is not a valid kvbridge.v1 message ({})"
 
     if request_streaming:
@@ -239,13 +247,16 @@ def _refusing(behavior, request_streaming: bool, max_text_chars: int):
 
     def run(request, context):
         if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip_details(message.format(request.error)))
-        try:
-            check_message(request, max_text_chars)
-            refused = None
-        except ValueError as exc:
-            refused = clip_details(str(exc))
+            refused = clip_details(message.format(request.error))
+        else:
+            try:
+                check_message(request, max_text_chars)
+                refused = None
+            except ValueError as exc:
+                refused = clip_details(str(exc))
         if refused is not None:
+            if counted is not None:
+                counted()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         return behavior(request, context)
     return run
@@ -260,9 +271,11 @@ def _on(pool: futures.ThreadPoolExecutor, behavior):
 
 
 def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
-                     pools: dict[str, futures.ThreadPoolExecutor] | None = None) -> grpc.GenericRpcHandler:
+                     pools: dict[str, futures.ThreadPoolExecutor] | None = None,
+                     metrics: Metrics | None = None) -> grpc.GenericRpcHandler:
     """The generated stubs' method handlers, with deserializers that let the servicer refuse bad bytes; unary
-    methods on pools["unary"], streamed ones on pools["stream"] (when given)."""
+    methods on pools["unary"], streamed ones on pools["stream"] (when given); refusals before the servicer counted
+    in `metrics` as the servicer counts its own."""
     handlers = {}
     for method in pb2.DESCRIPTOR.services_by_name["KVBridge"].methods:
         request_type = getattr(pb2, method.input_type.name)
@@ -271,7 +284,8 @@ def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming,
                                                                        method.server_streaming)]
-        behavior = _refusing(getattr(servicer, method.name), method.client_streaming, max_text_chars)
+        counted = None if metrics is None else metrics.requests.labels(method.name, "INVALID_ARGUMENT").inc
+        behavior = _refusing(getattr(servicer, method.name), method.client_streaming, max_text_chars, counted)
         if pools is not None:
             streamed = method.client_streaming or method.server_streaming
             behavior = _on(pools["stream" if streamed else "unary"], behavior)
@@ -333,7 +347,7 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
                                                   thread_name_prefix="kvbridge-stream"),
              "reflection": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-reflection"),
              "other": futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-rpc")}
-    server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth)], options=options)
+    server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth, metrics)], options=options)
     watchdog = IdleWatchdog(config.stream_idle_s)
     segments = None
     if config.shm_dir:
@@ -395,7 +409,7 @@ def _bind_and_start(config: ServeConfig, service, auth, metrics, server, pools, 
                                 watchdog=watchdog, segments=segments, buffers=GatherBuffers(),
                                 wire=WireCache(int(config.stream_keep_mb * (1 << 20)), config.stream_keep_s)
                                 if config.stream_keep_mb else None)
-    server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools),))
+    server.add_generic_rpc_handlers((kvbridge_handler(servicer, service.limits.max_text_chars, pools, metrics),))
     health_servicer = health.HealthServicer()
     server.add_generic_rpc_handlers((health_handler(health_servicer, pools["health"]),))
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

@@ -92,8 +92,9 @@ def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMeth
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every kvbridge call whose bearer token is missing or wrong with UNAUTHENTICATED."""
 
-    def __init__(self, auth: Authenticator):
+    def __init__(self, auth: Authenticator, metrics=None):
         self.auth = auth
+        self.metrics = metrics  # server.metrics.Metrics: refusals counted by method, as the servicer counts calls
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -102,5 +103,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if self.auth.tenant(handler_call_details.invocation_metadata) is None:
             has = any(k == "authorization" for k, _ in handler_call_details.invocation_metadata or ())
             why = "the bearer token is not valid" if has else "missing 'authorization: Bearer <token>' metadata"
+            if self.metrics is not None:
+                self.metrics.requests.labels(handler_call_details.method.rpartition("/")[2], "UNAUTHENTICATED").inc()
             return _abort_handler(handler, why)
         return handler

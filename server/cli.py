@@ -11,7 +11,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvbridge.server.app import serve, setup_logging
     from kvbridge.server.config import ServeConfig
 
-    setup_logging(verbose=True, as_json=args.log_json)
     overrides = {k: getattr(args, k) for k in (
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "redis_secret_file", "default_ttl_s", "listen",
@@ -30,6 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.shm_dir:
         overrides["shm_dir"] = args.shm_dir
     config = ServeConfig.load(args.config, **overrides)
+    setup_logging(verbose=True, as_json=config.log_json)  # the flag, or the TOML's log_json
     return serve(config, ready_file=args.ready_file)
 
 

@@ -44,6 +44,7 @@ from kvbridge.server.chunks import (
     iter_chunks,
     plan_chunks,
 )
+from kvbridge.server.config import MAX_MESSAGE_BYTES
 from kvbridge.server.fetch_reply import FetchReply
 from kvbridge.server.replies import (
     Entry,
@@ -85,8 +86,8 @@ class KVBridgeClient:
         refused (RESOURCE_EXHAUSTED, the stream cancelled) before anything is allocated."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not max_message_mb > 0:
-            raise ValueError(f"max_message_mb must be > 0, got {max_message_mb}")
+        if not 0 < max_message_mb * (1 << 20) <= MAX_MESSAGE_BYTES:  # gRPC's limits are C ints
+            raise ValueError(f"max_message_mb must be > 0 and under 2048, got {max_message_mb}")
         if not max_fetch_gb > 0:
             raise ValueError(f"max_fetch_gb must be > 0, got {max_fetch_gb}")
         self.max_fetch_bytes = int(max_fetch_gb * (1 << 30))

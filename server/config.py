@@ -28,6 +28,7 @@ from pathlib import Path
 from kvbridge.transfer.devices import DTYPE_NAMES
 
 SECRET_FILE_ENV = "KVBRIDGE_REDIS_SECRET_FILE"  # names the secret file when the TOML and the flags do not
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's message limits are C ints
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,22 @@ class ServeConfig:
                      "max_projections", "max_corrections", "block_size", "grace_s", "shm_ttl_s", "shm_max_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("shm_keep_s", "shm_headroom_tokens", "stream_keep_mb", "stream_keep_s"):
+        for name in ("shm_keep_s", "shm_headroom_tokens", "stream_keep_mb", "stream_keep_s", "cpu_tier_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        # None: the default (sized at start, no TTL, no quota); a value the store would refuse only after the models
+        # load is refused here, by its field's name
+        for name in ("store_capacity_mb", "default_ttl_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("tenant_max_entries", "tenant_max_pinned_mb"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC takes the limit as a C int
+            raise ValueError(f"max_message_mb must be under 2048 (gRPC's limit, 2**31 - 1 bytes), got "
+                             f"{self.max_message_mb}")
+        if self.detector_layers is not None and any(layer < 0 for layer in self.detector_layers):
+            raise ValueError(f"detector_layers must be layer indices (>= 0), got {self.detector_layers}")
         if self.stream_workers < 2:
             raise ValueError(f"stream_workers must be >= 2 (uploads may hold half of them), got {self.stream_workers}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
@@ -185,7 +199,8 @@ class ServeConfig:
                 raise ValueError(f"{toml_path}: unknown keys {unknown}; known: {sorted(known)}")
             values.update(data)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values.get("redis_url") and values.get("redis_secret_file") is None and os.environ.get(SECRET_FILE_ENV):
+        if values.get("redis_url") and values.get("redis_secret_file") is None and not values.get("redis_insecure") \
+                and os.environ.get(SECRET_FILE_ENV):  # the file's name when neither the TOML nor a flag gives one
             values["redis_secret_file"] = os.environ[SECRET_FILE_ENV]
         return cls(**values)
 

@@ -177,3 +177,76 @@ def test_config_reads_toml_then_flags_and_names_bad_fields(tmp_path):
             ServeConfig(**fields)
     assert ServeConfig(listen="10.0.0.5:50051", token_file="tokens").listen == "10.0.0.5:50051"
     assert ServeConfig(listen="[::1]:0").listen == "[::1]:0"
+
+
+def test_values_that_fail_later_are_refused_at_start_by_name(tmp_path, monkeypatch):
+    """Values the store, gRPC or the detector would refuse only after the models load (or, for the detector, at every
+    Ingest that detects segments, as the client's fault) are refused by the field's name; the secret file's
+    variable no longer contradicts an explicit redis_insecure."""
+    from kvbridge.server.app import build_service
+    from kvbridge.server.client import KVBridgeClient
+    from kvbridge.server.config import SECRET_FILE_ENV, ServeConfig
+    from kvbridge.transfer.tiny_pair import tiny_source, tiny_target
+
+    for fields, message in [({"store_capacity_mb": -1}, "store_capacity_mb must be > 0"),
+                            ({"cpu_tier_mb": -1}, "cpu_tier_mb must be >= 0"),
+                            ({"default_ttl_s": 0}, "default_ttl_s must be > 0"),
+                            ({"tenant_max_entries": -1}, "tenant_max_entries must be >= 0"),
+                            ({"tenant_max_pinned_mb": -1}, "tenant_max_pinned_mb must be >= 0"),
+                            ({"max_message_mb": 2048}, "max_message_mb must be under 2048"),
+                            ({"detector_layers": [-1]}, "detector_layers must be layer indices")]:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig(**fields)
+    with pytest.raises(ValueError, match="max_message_mb must be > 0 and under 2048"):
+        KVBridgeClient("127.0.0.1:1", max_message_mb=2048)
+    config = ServeConfig(preset="tiny", adapters=str(tmp_path), store_capacity_mb=64, store_device="cpu",
+                         selfcheck=False, detector_layers=[99], shm_dir=None)
+    with pytest.raises(ValueError, match=r"detector_layers \[99\]: the source 'tiny-qwen2' has layers 0\.\.3"):
+        build_service(config, source=tiny_source(device="cpu"), targets=[tiny_target(device="cpu")])
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    secret.chmod(0o600)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
+    url = "redis://127.0.0.1:6379/0"
+    assert ServeConfig.load(None, redis_url=url, redis_insecure=True).redis_secret_file is None
+    assert ServeConfig.load(None, redis_url=url).redis_secret_file == str(secret)
+
+
+def test_the_default_store_gives_each_tenant_a_quarter_of_the_pool_to_pin(monkeypatch):
+    """Without --store-capacity-mb the store sizes itself (half the free memory); the pinned quota, a quarter of the
+    pool by the docs, was then none: one tenant could pin the whole pool and every other tenant's put failed."""
+    from kvbridge.server.app import store_config
+    from kvbridge.server.config import ServeConfig
+
+    monkeypatch.setattr("kvbridge.server.app.default_capacity", lambda device, fraction: 64 << 20)
+    config = store_config(ServeConfig(preset="tiny", store_device="cpu"))
+    assert (config.capacity_bytes, config.tenant_max_pinned_bytes) == (64 << 20, 16 << 20)
+    assert store_config(ServeConfig(preset="tiny", store_device="cpu", tenant_max_pinned_mb=0)
+                        ).tenant_max_pinned_bytes == 0
+
+
+def test_log_json_in_the_toml_file_formats_the_log(tmp_path, monkeypatch):
+    """README: every flag but --ready-file and --no-shm has a TOML form; log_json from the file was read after the
+    log was set up, and so ignored."""
+    import logging
+
+    import kvbridge.server.app as app
+    from kvbridge.cli import main
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text('preset = "tiny"\nlog_json = true\n')
+    seen = {}
+
+    def serve(config, ready_file=None):
+        seen["formatter"] = type(logging.getLogger().handlers[0].formatter).__name__
+        return 0
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.setattr(app, "serve", serve)
+    try:
+        assert main(["serve", "--config", str(toml)]) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert seen["formatter"] == "JsonFormatter"

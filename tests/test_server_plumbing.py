@@ -104,6 +104,30 @@ def test_metrics_endpoint_counts_requests_bytes_and_store(server, alice):
     assert "\nkvbridge_store_check_problems 0.0\n" in body  # store.check() on every scrape: consistent
 
 
+def test_calls_refused_before_the_servicer_are_counted_too(server):
+    """kvbridge_requests_total counts RPCs by method and status: also the ones refused before the servicer runs, a
+    missing token (the interceptor) and a string over its limit (the message check); they were never counted."""
+    def counts() -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in body.splitlines()
+                if line.startswith("kvbridge_requests_total{")}
+
+    before = counts()
+    auth = (("authorization", f"Bearer {ALICE}"),)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb2_grpc.KVBridgeStub(channel)
+        for call, code in ((lambda: stub.Stats(pb2.StatsRequest(), timeout=10), "UNAUTHENTICATED"),
+                           (lambda: stub.Lookup(pb2.LookupRequest(text="x", model="m" * 300), timeout=10,
+                                                metadata=auth), "INVALID_ARGUMENT")):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code().name == code
+    after = counts()
+    for name, code in (("Stats", "UNAUTHENTICATED"), ("Lookup", "INVALID_ARGUMENT")):
+        key = f'kvbridge_requests_total{{code="{code}",method="{name}"}}'
+        assert after.get(key, 0) - before.get(key, 0) == 1, key
+
+
 def test_client_retries_unavailable_with_backoff_then_reports_it(monkeypatch):
     import socket
 
