@@ -3,11 +3,10 @@ boundary being the first token of the closing; and the detector's boundary accur
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
-from kvbridge.transfer.data import data_path
+from kvbridge.transfer.data import data_path, jsonl_rows
 from kvbridge.transfer.suffix.detector import attention_entropy, segment_starts
 
 # Boilerplate closings of the kinds that end real pages and messages (written for this set).
@@ -39,8 +38,7 @@ def labelled_set(tokenizer, documents: int = 24, body_words: tuple[int, int] = (
                  add_special_tokens: bool = True) -> list[LabelledText]:
     """`documents` texts: the start of a held-out pydoc page (a varying number of words) + "\\n\\n" + a closing,
     closings taken in turn."""
-    lines = data_path("pydoc_heldout.jsonl").read_text().splitlines()
-    pages = [json.loads(line)["document"] for line in lines if line.strip()]
+    pages = [row["document"] for _, row in jsonl_rows(data_path("pydoc_heldout.jsonl"))]
     out = []
     lo, hi = body_words
     for i in range(documents):

@@ -181,6 +181,16 @@ def test_a_renamed_record_never_takes_an_id_the_file_gives_another(tmp_path):
     assert [r.id for r in records] == ["a", "a#3", "a#2", "a#4"]
 
 
+def test_records_with_a_line_separator_inside_a_string_are_read_whole(tmp_path):
+    """JSON leaves U+2028, U+2029 and U+0085 raw inside strings (json.dumps with ensure_ascii=False, as `eval heldout
+    --out` writes); str.splitlines cut the record there and refused it as not JSON."""
+    path = tmp_path / "records.jsonl"
+    rows = [{"id": f"d{i}", "document": f"first sentence.{ch}Second sentence.", "summary": "s"}
+            for i, ch in enumerate("\u2028\u2029\x85")]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert [(r.id, r.document) for r in read_records(path)] == [(r["id"], r["document"]) for r in rows]
+
+
 class StoreSource:
     """Stands in for ProjectedSource over a server (its clock staged: a test may not time one): the target's own KV
     as every cache, computed at a cache's first fetch and served from the store after (store_fetch_s); fetch's two

@@ -31,7 +31,9 @@ def jsonl_rows(path: Path, text: str | None = None) -> Iterator[tuple[int, objec
     caller has read them already); a line that is not JSON raises ValueError naming the file and the line."""
     if text is None:
         text = path.read_text(encoding="utf-8")
-    for n, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only: str.splitlines also cuts at U+2028, U+2029 and U+0085, which JSON leaves raw in strings
+    # (json.dumps(..., ensure_ascii=False) writes them so; a "\r" before "\n" is JSON whitespace)
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
