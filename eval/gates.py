@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from kvbridge.adapters.pairs import start_token_id
 from kvbridge.adapters.scoring import continuation_nll
-from kvbridge.eval.summaries import ProjectedSource, fuse_gated
+from kvbridge.eval.summaries import ProjectedSource, clean_cut, fuse_gated
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.data import data_path
@@ -36,7 +36,8 @@ def calibration_texts(target: LoadedModel, count: int = 8, context_tokens: int =
         tok = tokenize(target.tokenizer, text, add_special_tokens=False)
         if len(tok) < need:
             raise ValueError(f"a corpus window has {len(tok)} target tokens, fewer than {need}")
-        windows.append((text[:int(tok.offsets[context_tokens - 1, 1])], tok.ids[context_tokens:need]))
+        cut = clean_cut(tok.offsets, context_tokens)  # not inside a character its byte tokens share
+        windows.append((text[:int(tok.offsets[cut - 1, 1])], tok.ids[cut:cut + continuation_tokens]))
     return windows
 
 

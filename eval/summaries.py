@@ -88,7 +88,7 @@ def prepare(record: Record, target: LoadedModel, config: EvalConfig) -> Prepared
     """The record cut to at most max_doc_tokens of context plus a held-out continuation; None if too short."""
     tok = tokenize(target.tokenizer, record.document, add_special_tokens=False)
     n = len(tok)
-    context = min(config.max_doc_tokens, n - config.continuation_tokens)
+    context = clean_cut(tok.offsets, min(config.max_doc_tokens, n - config.continuation_tokens))
     if context < config.min_doc_tokens:
         return None
     text = record.document[:int(tok.offsets[context - 1, 1])]
@@ -96,6 +96,15 @@ def prepare(record: Record, target: LoadedModel, config: EvalConfig) -> Prepared
     start = torch.tensor([start_token_id(target.tokenizer)])
     cont = tok.ids[context:context + config.continuation_tokens]
     return PreparedDoc(record, text, torch.cat((start, ids)), cont)
+
+
+def clean_cut(offsets: torch.Tensor, context: int) -> int:
+    """The most tokens, up to `context`, after which the text can be cut: a tokenizer that spells a character in
+    several byte tokens gives each of them the whole character's offsets, and a cut after the first would keep the
+    whole character in the text (one token more than asked) and its other bytes in the continuation too."""
+    while 1 < context < offsets.shape[0] and int(offsets[context, 0]) < int(offsets[context - 1, 1]):
+        context -= 1
+    return context
 
 
 @torch.no_grad()

@@ -191,6 +191,24 @@ def test_records_with_a_line_separator_inside_a_string_are_read_whole(tmp_path):
     assert [(r.id, r.document) for r in read_records(path)] == [(r["id"], r["document"]) for r in rows]
 
 
+def test_a_document_is_never_cut_inside_a_character_its_byte_tokens_share(smollm2_tokenizer):
+    """SmolLM2 spells "∞" in two byte tokens that share the character's offsets: a cut after the first kept the whole
+    character in the document (one token over max_doc_tokens) and began the continuation with its second byte. The
+    cut moves back to before the character; the continuation starts with it, after the document's last token."""
+    from kvbridge.eval.records import Record
+    from kvbridge.eval.summaries import EvalConfig, prepare
+    from kvbridge.transfer.align import tokenize
+
+    document = "The branch cut runs along the negative real axis to -∞, continuous from above. " * 40
+    tok = tokenize(smollm2_tokenizer, document, add_special_tokens=False)
+    inside = next(i for i in range(1, len(tok)) if int(tok.offsets[i, 0]) < int(tok.offsets[i - 1, 1]))
+    target = SimpleNamespace(tokenizer=smollm2_tokenizer)
+    doc = prepare(Record("r", document, ""), target, EvalConfig(max_doc_tokens=inside, min_doc_tokens=8))
+    assert doc.doc_tokens == inside - 1  # the character's first byte token goes to the continuation
+    assert doc.continuation[:2].tolist() == tok.ids[inside - 1:inside + 1].tolist()
+    assert document.startswith(doc.text) and document[len(doc.text)] == "∞"
+
+
 class StoreSource:
     """Stands in for ProjectedSource over a server (its clock staged: a test may not time one): the target's own KV
     as every cache, computed at a cache's first fetch and served from the store after (store_fetch_s); fetch's two
