@@ -103,17 +103,18 @@ def instruction_for(window_id: str, text: str) -> str:
 
 
 def answer_windows(docs: list[tuple[str, str]], target_tokenizer, config: AnswerConfig, per_document: int = 1,
-                   seed: int = 0, dev: bool = False) -> list[Window]:
+                   dev: bool = False) -> list[Window]:
     """Up to per_document windows of every document (ids "<doc id>/answer-<n>", dev: "<doc id>/answer-dev-<n>",
-    asked in DEV_INSTRUCTION): its first C target tokens, C drawn (seeded by the window id) among config.lengths
-    that the document holds, cut at a token boundary; documents shorter than the shortest length give none."""
+    asked in DEV_INSTRUCTION): its first C target tokens, C drawn (seeded by the window id alone: an answer cache,
+    which records no seed, holds the same window under one id whatever the run's --seed) among config.lengths that
+    the document holds, cut at a token boundary; documents shorter than the shortest length give none."""
     out = []
     for doc_id, text in docs:
         offsets = target_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         fits = [n for n in config.lengths if n <= len(offsets)]
         for n in range(per_document if fits else 0):
             wid = f"{doc_id}{DEV_MARK if dev else '/answer-'}{n}"
-            c = random.Random(seed * 1_000_003 + _seed(wid)).choice(fits)
+            c = random.Random(_seed(wid)).choice(fits)  # (a --seed 0 run's draws, as before)
             out.append(Window(wid, doc_id, text[:offsets[c - 1][1]]))
     return out
 

@@ -269,12 +269,12 @@ def select_answer_windows(files: list[str | Path], target_tokenizer, config: Cha
         docs = split_documents(path, corpus_name(path), config.doc_chars)
         held = [d for d in docs if is_heldout(d[0], config.heldout_fraction) and is_heldout(d[0], 0.5, salt="dev")]
         dev += answer_windows(rng.sample(held, min(len(held), config.answer_dev or config.dev_per_corpus)),
-                              target_tokenizer, config.answer, seed=config.seed, dev=True)
+                              target_tokenizer, config.answer, dev=True)
         train_docs += [d for d in docs if not is_heldout(d[0], config.heldout_fraction)]
     if not train_docs:
         return dev, []
     per_document = -(-config.answer_windows // len(train_docs))
-    train_w = answer_windows(train_docs, target_tokenizer, config.answer, per_document, seed=config.seed)
+    train_w = answer_windows(train_docs, target_tokenizer, config.answer, per_document)
     rng.shuffle(train_w)
     return dev, train_w[:config.answer_windows]
 
@@ -302,7 +302,10 @@ def stage_plan(config: ChainConfig, start: dict, context: ContextConfig | None
     for n, tc in enumerate(config.stage_configs()):
         objective = tc.objective
         weighted = f"-w{config.decision_weight:g}" if objective == "decision" and config.decision_weight != 1 else ""
-        before = [[c.objective, c.max_iters, c.lr] for c, _, _ in plan]
+        # what the stages before made: their objective, steps and rate, and a kl or ce stage's exact tail (the one
+        # option they take that a later stage's own config does not hold; recorded when set, as records before it)
+        before = [[c.objective, c.max_iters, c.lr] + ([{"exact_tail": c.exact_tail}] if c.exact_tail else [])
+                  for c, _, _ in plan]
         plan.append((tc, f"stage-{n}-{objective}{weighted}{kind}", base | {"before": before}))
     return plan
 

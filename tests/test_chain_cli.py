@@ -313,6 +313,12 @@ def test_chain_answer_stage_keeps_the_best_dev_fidelity_and_resumes(corpus, tmp_
                                                                            dev_per_corpus=2, answer_dev=3))[0]
     assert len(dev) < len(more) <= 6  # 3 a file where it holds that many held-out dev documents
     assert all(is_heldout(w.doc_id, 0.5, salt="dev") and instruction_for(w.id, w.text) == DEV_INSTRUCTION for w in more)
+    # the answer cache keeps windows by id and records no seed: a window's text is its id's under every --seed (a
+    # window's length was drawn with the seed, and a cache of another seed served other lengths under the same ids)
+    other = select_answer_windows(corpus[0], target.tokenizer, dataclasses.replace(config, seed=1))
+    texts = {w.id: w.text for w in dev + train}
+    shared = [w for w in other[0] + other[1] if w.id in texts]
+    assert shared and all(texts[w.id] == w.text for w in shared)
 
 
 def test_chain_with_a_context_window_writes_format_4_beside_a_plain_run(corpus, tmp_path, capsys):

@@ -154,3 +154,26 @@ def test_differences_name_the_options():
     init = {"start": {"corpus": {"a.txt": "1" * 64}, "init": "f" * 64, "windows": "w"}, "train_windows": 16}
     assert differences(saved, init) == [
         "was made from a ridge fit (no --init); this run starts with an --init adapter of sha256 ffffffffffff..."]
+
+
+def test_a_stage_after_a_kl_stage_of_another_exact_tail_is_refused_too(tmp_path):
+    """A stage's inputs name the stages before it; --exact-tail changes what a kl (or ce) stage trains, and only the
+    kl stage was refused: once its folder was removed (as the refusal says), the answer stage after it resumed its
+    finished checkpoint, made on top of the kl stage of the other exact tail, and the run wrote that old adapter."""
+    import dataclasses
+
+    from kvbridge.adapters.trainer import _save, check_resume
+
+    first = chain.ChainConfig(stages=(("kl", 10), ("answer", 10)), answer_windows=4, exact_tail=0.2)
+    start = {"corpus": {"x.txt": "0" * 64}, "init": "", "seed": 0}
+    for tc, name, inputs in chain.stage_plan(first, start, None):  # the first run's finished stages
+        (tmp_path / name).mkdir()
+        _save(tmp_path / name / "last.safetensors", torch.nn.Linear(1, 1), None,
+              {"iter": tc.max_iters, "config": dataclasses.asdict(tc), "inputs": inputs, "best": 0.5,
+               "best_iter": tc.max_iters, "elapsed_s": 0.0, "stale": 0})
+    for tc, name, inputs in chain.stage_plan(dataclasses.replace(first, exact_tail=0.4), start, None):
+        with pytest.raises(ValueError, match="exact_tail"):
+            check_resume(tmp_path / name, tc, inputs)
+    # a run without exact tails records its stages as runs before this change did
+    plain = chain.stage_plan(dataclasses.replace(first, exact_tail=0.0), start, None)
+    assert plain[1][2]["before"] == [["kl", 10, chain.DEFAULT_LR["kl"]]]
