@@ -177,12 +177,38 @@ def load_fuser(path: str | Path) -> tuple[FuserMaps, dict]:
     record = json.loads(header.get("kvbridge_adapter", "{}"))
     if record.get("kind") != "fuser" or record.get("format_version") != FUSER_FORMAT_VERSION:
         raise ValueError(f"{path.name} is not a kvbridge fuser file (format {FUSER_FORMAT_VERSION}, kind 'fuser')")
-    fuser_meta(record, path)
+    meta = fuser_meta(record, path)
     t = load_file(str(path))
     missing = [n for n in FUSER_TENSORS if n not in t]
     if missing:
         raise ValueError(f"{path.name} lacks tensors {missing}")
-    return _from_saved(t, int(record["rank"])), record
+    rank = record.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"{path.name}: fuser metadata rank must be an int >= 1, got {rank!r}")
+    _check_saved(t, meta, rank, path)
+    return _from_saved(t, rank), record
+
+
+def _check_saved(t: dict[str, torch.Tensor], meta: AdapterMeta, rank: int, path: Path) -> None:
+    """Every tensor of a fuser file of the shape and kind its metadata says (the parameters are filled by copy_, which
+    would broadcast a tensor of rank 1 over the metadata's rank 8), the layer map inside the source's layers."""
+    s, tg = meta.source, meta.target
+    lt, heads = tg["num_layers"], tg["num_kv_heads"]
+    d_s, d_t = s["num_kv_heads"] * s["head_dim"], heads * tg["head_dim"]
+    k = t["layer_map"].shape[1] if t["layer_map"].ndim == 2 else -1
+    expect = {"layer_map": (lt, k)}
+    for m in "kv":
+        expect |= {f"mix_{m}": (lt, k), f"sigma_{m}": (lt,), f"a_{m}": (lt, d_s, rank), f"b_{m}": (lt, rank, d_t),
+                   f"c_{m}": (lt, d_t), f"gate_{m}": (lt, heads)}
+    for name, shape in expect.items():
+        if tuple(t[name].shape) != shape:
+            raise ValueError(f"{path.name}: fuser tensor {name} has shape {tuple(t[name].shape)}, expected {shape} "
+                             f"for {s['name']} -> {tg['name']} at rank {rank}")
+        if (t[name].dtype == torch.int64) != (name == "layer_map") or not (
+                name == "layer_map" or t[name].dtype.is_floating_point):
+            raise ValueError(f"{path.name}: fuser tensor {name} has dtype {t[name].dtype}")
+    if t["layer_map"].numel() and not 0 <= int(t["layer_map"].min()) <= int(t["layer_map"].max()) < s["num_layers"]:
+        raise ValueError(f"{path.name}: fuser layer_map refers to source layers outside [0, {s['num_layers']})")
 
 
 def fuser_meta(record: dict, path: Path) -> AdapterMeta:

@@ -199,3 +199,33 @@ def test_fuser_load_refuses_a_file_without_the_models_identity_or_for_other_mode
     save_file(tensors, str(tmp_path / "bare.safetensors"), metadata={"kvbridge_adapter": json.dumps(record)})
     with pytest.raises(ValueError, match=r"bare\.safetensors: fuser metadata field 'target' missing"):
         Fuser.load(tmp_path / "bare.safetensors", source, target)
+
+
+def test_fuser_load_refuses_tensors_other_than_its_metadata_says(pair, ridge, tmp_path):
+    """The parameters are filled by copy_, which broadcasts: a file whose residual holds rank 1 under metadata saying
+    rank 8 loaded and fused it eight times over; a file of one layer failed only inside a fuse. Each tensor's shape
+    and kind, and the layer map's range, are checked against the metadata, naming the file and the tensor."""
+    maps, meta = _fuser(ridge), ridge[0].meta
+    good = save_fuser(maps, meta, tmp_path / "good.safetensors", dtype=torch.float32)
+    tensors, header = load_file(str(good)), json.loads(_header(good))
+    lt = pair[1].spec.num_layers
+    for change, named in (({"a_k": tensors["a_k"][:, :, :1].contiguous(), "b_k": tensors["b_k"][:, :1].contiguous()},
+                           r"tensor a_k has shape .* at rank 8"),
+                          ({name: t[:1].contiguous() for name, t in tensors.items()}, f"expected \\({lt},"),
+                          ({"gate_v": tensors["gate_v"].to(torch.int64)}, "gate_v has dtype torch.int64"),
+                          ({"layer_map": tensors["layer_map"] + 100}, "layer_map refers to source layers outside")):
+        path = tmp_path / "bad.safetensors"
+        save_file(tensors | change, str(path), metadata={"kvbridge_adapter": json.dumps(header)})
+        with pytest.raises(ValueError, match=rf"bad\.safetensors: fuser .*{named}"):
+            load_fuser(path)
+    save_file(tensors, str(tmp_path / "rank.safetensors"),
+              metadata={"kvbridge_adapter": json.dumps(header | {"rank": 0})})
+    with pytest.raises(ValueError, match="rank must be an int >= 1"):
+        load_fuser(tmp_path / "rank.safetensors")
+
+
+def _header(path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return f.metadata()["kvbridge_adapter"]
