@@ -322,7 +322,7 @@ def train(maps: ResidualMaps, start_kv: torch.Tensor, target: LoadedModel, cache
 
     bar = tqdm(total=config.max_iters, initial=it, desc=f"train {config.objective}", disable=not progress)
     losses: list[float] = []
-    stop = False
+    stop = config.patience > 0 and state["stale"] >= config.patience  # resumed after it stopped early: stays stopped
     while it < config.max_iters and not stop:
         if it % config.eval_interval == 0 and not (state["record"] and state["record"][-1]["iter"] == it):
             stop = evaluate(losses)

@@ -341,3 +341,18 @@ def test_a_draw_of_a_window_the_teacher_cache_left_out_is_refused(pair, cache, r
     with pytest.raises(RuntimeError, match="step 0 draws a training window the teacher cache does not hold"):
         train(_maps(ridge), ridge[0].start_kv, target, cache, train_idx, None, cfg, TEACHER.context_tokens,
               tmp_path / "left-out", progress=False)
+
+
+def test_a_run_that_stopped_early_stays_stopped_when_resumed(pair, cache, ridge, tmp_path):
+    """With patience, a run stops after evaluations without a better dev score and writes its last checkpoint there;
+    a rerun with resume=True did not see that it had stopped, trained on and could replace its best checkpoint."""
+    _, target = pair
+    probe = RecoveryProbe.from_cache(target, ridge[0].start_kv, cache, list(range(12, 16)), TEACHER.context_tokens)
+    # a rate that makes things worse: the dev recovery falls after step 0 and patience 2 stops the run early
+    cfg = TrainerConfig(objective="kl", max_iters=12, warmup_iters=0, batch_windows=2, eval_interval=1, lr=3.0,
+                        min_lr=3.0, patience=2)
+    runs = [train(_maps(ridge), ridge[0].start_kv, target, cache, list(range(12)), probe, cfg, TEACHER.context_tokens,
+                  tmp_path / "stage", resume=resume, progress=False) for resume in (False, True)]
+    assert runs[0]["iters"] < cfg.max_iters  # it stopped early
+    assert (runs[1]["iters"], len(runs[1]["record"]), runs[1]["best_iter"]) == (
+        runs[0]["iters"], len(runs[0]["record"]), runs[0]["best_iter"])
