@@ -86,6 +86,15 @@ def load_adapter(path: str | Path, device: torch.device | str = "cpu") -> Adapte
     missing = [n for n in TENSORS if n not in tensors]
     if missing:
         raise ValueError(f"{path}: adapter tensors missing: {missing}")
+    # the format says how its tensors are read (a context branch with its norm or without, 4 or 5): tensors of a
+    # later format than the metadata names are refused, not read as some format the file does not claim
+    version = data["format_version"]
+    for names, needs in ((CONTEXT, CONTEXT_FORMAT_VERSION), (("src_basis",), BASIS_FORMAT_VERSION),
+                         (("tok_table", "wk_tok", "wv_tok"), TOKENS_FORMAT_VERSION)):
+        held = [n for n in names if n in tensors]
+        if held and version < needs:
+            raise ValueError(f"{path}: adapter format version {version} holds no {held[0]}; its tensors {held} are "
+                             f"those of format {needs} and later")
     try:
         adapter = Adapter(meta=meta, **{n: tensors[n] for n in TENSORS}, **{n: tensors.get(n) for n in OPTIONAL})
     except ValueError as exc:  # a shape, dtype or metadata field that is not an adapter's: named with the file

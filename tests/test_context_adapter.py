@@ -78,6 +78,16 @@ def test_the_branch_folds_into_a_format_4_adapter_that_projects_as_trained_tiled
         torch.testing.assert_close(tiled.kv, whole.kv, atol=1e-5, rtol=1e-5)
     path = save_adapter(adapter, tmp_path / "ctx.safetensors")
     assert read_adapter_meta(path)["format_version"] == (4 if norm else 5)
+    # a file whose metadata names a format before the branch's (2, 3) is refused: its format says how the branch is
+    # read (format 4 with the norm, 5 without), and it was read as format 4 whatever it held
+    from safetensors.torch import load_file, save_file
+
+    tensors, record = load_file(str(path)), read_adapter_meta(path)
+    for version in (2, 3):
+        older = tmp_path / f"claims-{version}.safetensors"
+        save_file(tensors, str(older), metadata={"kvbridge_adapter": json.dumps(record | {"format_version": version})})
+        with pytest.raises(ValueError, match=rf"claims-{version}\.safetensors: adapter format version {version} holds"):
+            load_adapter(older)
     again = load_adapter(path)
     assert again.context_norm == norm
     assert torch.equal(project(again, seg, paired.alignment, paired.target_ids, source.rope, target.rope,
