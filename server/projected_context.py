@@ -43,6 +43,9 @@ class ProjectedContext:
         self.first: FetchRecord | None = None  # the first fetch and the last one (no KV kept: a session can be long)
         self.last: FetchRecord | None = None
         self.adapter_digest = ""  # of the adapter the last fetch was projected by: the generator checks its prior
+        # [T] bool, of the last segment returned: the positions whose KV is the projection's (a served correction,
+        # `mode`, recomputed the others with the target); the generator's prior reads these as projected
+        self.still_projected: torch.Tensor | None = None
 
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         if offset < 1:
@@ -61,6 +64,7 @@ class ProjectedContext:
                              first_position=int(fetched.segment.positions[0]), wire_bytes=fetched.wire_bytes,
                              num_chunks=fetched.num_chunks)
         self.adapter_digest = fetched.adapter_digest
+        self.still_projected = fetched.still_projected()[lead:]
         self.first = self.first or record
         self.last = record
         return fetched.segment.slice(lead, fetched.segment.num_tokens)

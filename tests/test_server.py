@@ -209,6 +209,42 @@ def test_the_generator_takes_projected_context_through_the_service(identity_serv
     assert not any(isinstance(v, list) for v in vars(source).values())  # nothing that grows with a session
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.2])
+def test_the_generator_reads_a_served_corrections_recomputed_kv_as_the_targets_own(identity_server, tiny_target,
+                                                                                   fraction):
+    """ProjectedContext(mode=...) asks the server for a served correction; the generator marked every fetched position
+    as projected, so its prior read the target's own recomputed KV as projected (FetchedCache.still_projected, which
+    the evaluation reads, leaves them out). Now it reads them as the server says, blending its own share on top."""
+    from kvbridge.server.projected_context import ProjectedContext
+    from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator
+    from kvbridge.transfer.suffix.induction import InductionPrior
+
+    class Recording(InductionPrior):  # the masks the generator reads the cache with
+        masks: list = []
+
+        def reading(self, lm, ids, still):
+            self.masks.append(still.clone())
+            return super().reading(lm, ids, still)
+
+        def from_layer(self, m):
+            return self if m == 0 else super().from_layer(m)
+
+    prior = Recording(torch.zeros(4, tiny_target.spec.num_layers, tiny_target.model.config.num_attention_heads))
+    doc = served.text(9)
+    with KVBridgeClient(identity_server.address) as client:
+        served_still = client.fetch_projected(text=doc, mode="recompute:0.5").still_projected()
+        assert 0 < int(served_still.sum()) < served_still.numel() - 1  # some document positions recomputed
+        source = ProjectedContext(client, tiny_target, mode="recompute:0.5")
+        gen = SuffixReuseGenerator(tiny_target, context_source=source, induction_prior=prior,
+                                   recompute_fraction=fraction)
+        gen.generate("s", [Part(doc, "document", projected=True), Part(" In short,")], max_new_tokens=2)
+    read = prior.masks[-1][:served_still.numel()]  # the generation's mask over the start token and the document
+    if fraction:  # the generator's blend recomputes more of them: a subset of what the server left projected
+        assert bool((read <= served_still).all()) and int(read.sum()) < int(served_still.sum())
+    else:
+        assert torch.equal(read, served_still)
+
+
 def test_the_generator_says_when_its_prior_was_fitted_for_another_adapter(identity_server, tiny_target, caplog):
     from kvbridge.server.projected_context import ProjectedContext
     from kvbridge.transfer.suffix.generator import Part, SuffixReuseGenerator

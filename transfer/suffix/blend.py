@@ -196,11 +196,12 @@ def planned_forwards(t: int, c: int, layers: int, config: BlendConfig, probe_tok
 
 def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendConfig,
           prior: InductionPrior | None = None, context_projected: torch.Tensor | None = None,
-          probe_ids: torch.Tensor | None = None) -> BlendResult:
+          probe_ids: torch.Tensor | None = None, placed_projected: torch.Tensor | None = None) -> BlendResult:
     """`placed` (KV the model did not compute, right after `context`, which is exact) blended as the module says.
 
     With a `prior`, the forward that recomputes the selected tokens reads the placed KV that stays projected (and
-    the context's positions where `context_projected`, [C] bool, is True) with it, from layer m on (the first m
+    the context's positions where `context_projected`, [C] bool, is True; of the placed ones those `placed_projected`,
+    [T] bool, marks, when a served correction recomputed some already) with it, from layer m on (the first m
     layers' KV is the target's own after the selection pass). The "prompt" rule needs `probe_ids` [N]: the tokens
     the request puts right after the placed ones."""
     if int(placed.positions[0]) != context.num_tokens:
@@ -233,7 +234,7 @@ def blend(lm: LoadedModel, context: KVSegment, placed: KVSegment, config: BlendC
     if selected.numel() != count:  # select_tokens takes `count` (the plan's last forward)
         raise RuntimeError(f"blend selected {selected.numel()} tokens of {t}, planned {count}")
     if selected.numel():
-        still = torch.ones(t, dtype=torch.bool)
+        still = torch.ones(t, dtype=torch.bool) if placed_projected is None else placed_projected.bool().cpu().clone()
         still[selected] = False
         before = torch.zeros(c, dtype=torch.bool) if context_projected is None else context_projected.bool().cpu()
         if prior is not None and bool(still.any() or before.any()):

@@ -69,8 +69,10 @@ def model_lock(model: nn.Module) -> threading.RLock:
 
 
 class ContextSource(Protocol):
-    """May also tell `adapter_digest` (str): the digest of the adapter its last segment was projected by, which the
-    generator checks its induction prior against (server.projected_context.ProjectedContext does)."""
+    """May also tell, of its last segment, `adapter_digest` (str): the digest of the adapter it was projected by, which
+    the generator checks its induction prior against, and `still_projected` ([T] bool): its positions whose KV is the
+    projection's (a served correction recomputed the others with the target; none given: all of them)
+    (server.projected_context.ProjectedContext tells both)."""
 
     def projected_segment(self, text: str, offset: int) -> KVSegment:
         """The target's KV for `text` (its target tokens) at positions offset.., projected from the source."""
@@ -233,16 +235,17 @@ class SuffixReuseGenerator:
                 check_projected(seg, ids[a:b], a, index, lm)
                 digest = getattr(self.context_source, "adapter_digest", "")
                 self._check_prior(digest)
+                served = self._served_projected(b - a)
                 source_kv = seg.kv
                 if self.recompute_fraction:  # blend the projected KV: r recomputed, chosen by attention
                     blended = blend(lm, context(a), seg.to(device=buf.device, dtype=buf.dtype),
                                     BlendConfig(fraction=self.recompute_fraction), prior=self._prior(),
-                                    context_projected=still[:a])
+                                    context_projected=still[:a], placed_projected=served)
                     seg, redone = blended.segment, blended.selected.numel()
-                    still[a:b] = blended.still_projected
+                    still[a:b] = blended.still_projected & served
                 else:
                     redone = 0
-                    still[a:b] = True
+                    still[a:b] = served
                 made.projected(a, b, source_kv, digest, self.recompute_fraction, still[a:b], self._prior())
                 buf[:, :, :, a:b] = seg.kv.to(buf)
                 metrics.tokens_projected += b - a - redone
@@ -296,6 +299,18 @@ class SuffixReuseGenerator:
         metrics.tokens_prefilled += redone.numel()
         metrics.parts.append("shifted")
         return fixed, redone
+
+    def _served_projected(self, tokens: int) -> torch.Tensor:
+        """[tokens] bool: the context source's last segment's positions whose KV is the projection's (its
+        `still_projected`: a served correction recomputed the others); every one where it does not tell."""
+        served = getattr(self.context_source, "still_projected", None)
+        if served is None:
+            return torch.ones(tokens, dtype=torch.bool)
+        served = torch.as_tensor(served).bool().cpu()
+        if tuple(served.shape) != (tokens,):
+            raise ValueError(f"the context source's still_projected has shape {tuple(served.shape)}; its segment holds "
+                             f"{tokens} tokens")
+        return served
 
     def _check_prior(self, digest: str) -> None:
         """Say once per adapter when the prior projected KV is read with was fitted for another adapter than the one
