@@ -9,6 +9,7 @@ adapters and counters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,6 +73,9 @@ class CacheResult:
     # projected: the index in `segment` of the first document token (the tokens before it, the start token or a
     # prompt's head, are not the document's); None for source caches
     document_index: int | None = None
+    # projected: the serial of the source entry whose KV it was made from (read before that KV); what is derived
+    # from it is stored with it (store.put's source_serial), never for other KV stored under the key since
+    source_serial: int | None = None
 
 
 def cache_label(label: str, adapter: Adapter) -> str:
@@ -135,37 +139,76 @@ class Projecting:
             return self._projection(tenant, key, text, target, resolved, offset, require_cached, out)
         label, chosen = resolved
         source_key = key or self._cached_source_key(tenant, text)
-        lead = self._lead(tenant, source_key)
-        # the stored correction's namespace is "<tag>#<source key>"; a prior other than the target's shipped one in it,
-        # and for a segment entry's (computed after the start token, `_correct`) "/after-start": what servers before
-        # that stored for one (computed without a start token) is never adopted through Redis
-        tag = (f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
-               f"{'' if lead else '/after-start'}")
+        held = self._source_info(tenant, source_key)  # read before a stored correction of it: its kind and serial
+        lead, serial = (int(held.kind == "prefix"), held.serial) if held is not None else (1, None)
+        tag = self._correction_tag(label, chosen, correction, target, lead)
         warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
             if source_key else None
         if warm is None:
             if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
                 self._projection(tenant, key, text, target, resolved, offset, require_cached, None)
             base = self._projection(tenant, key, text, target, resolved, 0, require_cached, None)
-            if source_key is None:  # known now even for a text ingested by this call
-                source_key, lead = base.source_key, 1
-            warm = self._replica_correction(tenant, base, tag, target)
-        if warm is None:
-            started = time.perf_counter()
-            fixed = self._correct(target, base.segment, correction, chosen.digest, lead)
-            log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
-                     fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
-            self._count("correction", computed=fixed.segment.num_tokens)
-            info = self.store.put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
-                                  text=base.text, source_key=base.source_key,
-                                  annotations={"exact_coverage": base.exact_coverage,
-                                               **self.corrections.annotations(correction, fixed)})
-            warm = info, fixed.segment
+            # the source entry the projection was made from: known now for a text ingested by this call, and another
+            # than the one looked up above when that was deleted meanwhile (a prefix entry then, a segment entry now)
+            if (base.source_key, base.document_index) != (source_key, lead):
+                source_key, lead = base.source_key, base.document_index
+                tag = self._correction_tag(label, chosen, correction, target, lead)
+            serial = base.source_serial
+            with self._single_flight(f"{tenant}\0{tag}#{source_key}"):  # a correction at once per entry and mode
+                warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
+                    or self._replica_correction(tenant, base, tag, target)
+                if warm is None:
+                    warm = self._computed_correction(tenant, target, base, correction, chosen, tag, lead)
+                else:
+                    self._count("correction", reused=warm[1].num_tokens)
         else:
             self._count("correction", reused=warm[1].num_tokens)
         placed = self._placed(target, chosen, warm[0], warm[1], source_key, label, offset, lead)
-        return replace(placed, mode=str(correction),
+        return replace(placed, mode=str(correction), source_serial=serial,
                        recomputed=tuple(recomputed_of(warm[0].annotations, warm[1].num_tokens)))
+
+    def _correction_tag(self, label: str, chosen: Adapter, correction: Correction, target: ServedModel,
+                        lead: int) -> str:
+        """A stored correction's namespace is "<tag>#<source key>": the adapter, the correction, a prior other than
+        the target's shipped one, and for a segment entry's (computed after the start token, `_correct`)
+        "/after-start": what servers before that stored for one (computed without a start token) is never adopted
+        through Redis."""
+        return (f"{cache_label(label, chosen)}|{correction}{self.corrections.prior_tag(target.lm)}"
+                f"{'' if lead else '/after-start'}")
+
+    def _computed_correction(self, tenant: str, target: ServedModel, base: CacheResult, correction: Correction,
+                             chosen: Adapter, tag: str, lead: int) -> tuple[EntryInfo, KVSegment]:
+        """The correction of `base` (the projection) computed by the target and stored, linked to the source entry
+        the projection was made from (NotFound when it was deleted, or stored again, meanwhile)."""
+        started = time.perf_counter()
+        fixed = self._correct(target, base.segment, correction, chosen.digest, lead)
+        log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
+                 fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
+        self._count("correction", computed=fixed.segment.num_tokens)
+        info = self.store.put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
+                              text=base.text, source_key=base.source_key, source_serial=base.source_serial,
+                              annotations={"exact_coverage": base.exact_coverage,
+                                           **self.corrections.annotations(correction, fixed)})
+        return info, fixed.segment
+
+    @contextlib.contextmanager
+    def _single_flight(self, name: str):
+        """One holder at a time per name (a correction of one entry in one mode): a second request waits for the
+        first and then finds its stored result, instead of taking another correction slot to compute it again."""
+        with self._flights_lock:
+            lock, users = self._flights.get(name, (None, 0))
+            lock = lock or threading.Lock()
+            self._flights[name] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._flights_lock:
+                lock, users = self._flights[name]
+                if users == 1:
+                    del self._flights[name]
+                else:
+                    self._flights[name] = (lock, users - 1)
 
     def _correct(self, target: ServedModel, projected: KVSegment, correction: Correction, digest: str, lead: int
                  ) -> Corrected:
@@ -210,20 +253,21 @@ class Projecting:
         label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
+        held = self._source_info(tenant, source_key)  # read before the projection: its kind and serial
         warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out) \
-            if source_key else None
+            if held is not None else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             self._count("projection", reused=projected.num_tokens)
-            return self._placed(target, chosen, info, projected, source_key, label, offset,
-                                self._lead(tenant, source_key))
-        source_key, segment, known, created = self._source_entry(tenant, key, text, require_cached)
+            return replace(self._placed(target, chosen, info, projected, source_key, label, offset,
+                                        int(held.kind == "prefix")), source_serial=held.serial)
+        source_key, segment, known, created, held = self._source_entry(tenant, key, text, require_cached)
         try:
             if segment.model != source.lm.spec.identity:
                 raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
                                          f"from the source model {source.lm.name!r}")
             tspec = target.lm.spec
-            lead = 1 if self.store.info(source_key, tenant).kind == "prefix" else 0
+            lead = int(held.kind == "prefix")
             if lead:
                 paired = self._paired(source.lm, target.lm, segment, known)
             else:  # a piece of a text, at its positions there
@@ -239,9 +283,10 @@ class Projecting:
             self._count("projection", reused=reused, computed=t_t - reused)
             # linked to its source entry (a Delete of that removes it too); a no-op when already there
             info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
-                                  source_key=source_key,
+                                  source_key=source_key, source_serial=held.serial,
                                   annotations={"exact_coverage": paired.alignment.exact_coverage})
-            return self._placed(target, chosen, info, projected, source_key, label, offset, lead)
+            return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
+                           source_serial=held.serial)
         except Exception:
             if created is not None:  # undo this call's ingest, unless another request stored or projected it since
                 self.store.delete(source_key, tenant, if_generation=created.generation)
@@ -355,6 +400,15 @@ class Projecting:
                            adapter_digest=adapter.digest,
                            text=info.text, exact_coverage=float(info.annotations.get("exact_coverage", 0.0)),
                            mode="replace", document_index=lead)
+
+    def _source_info(self, tenant: str, source_key: str | None) -> EntryInfo | None:
+        """The source entry's info; None when there is none (or no key)."""
+        if source_key is None:
+            return None
+        try:
+            return self.store.info(source_key, tenant)
+        except NotFound:
+            return None
 
     def _lead(self, tenant: str, source_key: str | None) -> int:
         """1 when the projection of this source entry begins with the target's start token (a prefix entry), 0 when

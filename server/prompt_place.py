@@ -112,7 +112,7 @@ class Placing:
                     return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
         seg = base.segment
-        lead = self._lead(tenant, base.source_key)
+        lead = base.document_index  # as the source entry the projection was made from is
         where = locate(prompt, [NO_START] * (1 - lead) + seg.token_ids.tolist())
         if where.as_stored:
             return base
@@ -133,7 +133,7 @@ class Placing:
         # file this placement under another adapter's name)
         namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode, lead)
         self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
-                       source_key=base.source_key,
+                       source_key=base.source_key, source_serial=base.source_serial,
                        annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
                                     DIGEST: base.adapter_digest, RECOMPUTED: ",".join(map(str, placed.recomputed)),
                                     PROJECTION: base.entry_key})

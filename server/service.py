@@ -125,6 +125,8 @@ class KVBridgeService(Placing, Projecting):
         self.adapters = adapters
         self.document_ids = KeptIds()  # target ids of documents that prompt-carrying fetches asked about
         self._projecting = threading.BoundedSemaphore(limits.max_projections)
+        self._flights: dict[str, tuple[threading.Lock, int]] = {}  # Projecting._single_flight: name -> (lock, users)
+        self._flights_lock = threading.Lock()
         # (stage, how) -> tokens: stage "ingest" (source tokens) or "projection" (target tokens); how "reused"
         # (read from the store) or "computed" (by the source model, or by the adapter)
         self.token_counts: Counter = Counter()
@@ -329,29 +331,32 @@ class KVBridgeService(Placing, Projecting):
         return self.store.lookup(ids, tenant, served.lm.spec.identity, served.lm.spec.dtype, kind=kind), ids.numel()
 
     def _source_entry(self, tenant: str, key: str | None, text: str | None, require_cached: bool
-                      ) -> tuple[str, KVSegment, str | None, EntryInfo | None]:
-        """(key, segment, text, created) of a source entry named by key, or found (or ingested) by text; created is
-        the entry's info when this call stored it (so a failure later may undo exactly that)."""
+                      ) -> tuple[str, KVSegment, str | None, EntryInfo | None, EntryInfo]:
+        """(key, segment, text, created, info) of a source entry named by key, or found (or ingested) by text; created
+        is the entry's info when this call stored it (so a failure later may undo exactly that); info, read before
+        its KV: what derives from this KV is stored with `source_serial=info.serial`, so that the entry deleted and
+        stored again meanwhile (other KV under the same key) never gets it."""
         if key:
-            segment = self.store.get(key, tenant)
-            return key, segment, self.store.info(key, tenant).text, None
+            info = self.store.info(key, tenant)
+            return key, self.store.get(key, tenant), info.text, None, info
         if text is None:
             raise ValueError("give either key or text")
         found = self._cached_source_key(tenant, text)
         if found is not None:
             try:
-                return found, self.store.get(found, tenant), text, None
+                info = self.store.info(found, tenant)
+                return found, self.store.get(found, tenant), text, None, info
             except NotFound:
                 pass
         if require_cached:
             raise NotFound("no cached source entry for this text (require_cached is set)")
         info = self.ingest(tenant, text=text).entries[0][0]
         created = info if info.generation == 0 else None  # else another request stored it meanwhile
-        return info.key, self.store.get(info.key, tenant), text, created
+        return info.key, self.store.get(info.key, tenant), text, created, info
 
     def source_cache(self, tenant: str, key: str | None = None, text: str | None = None,
                      require_cached: bool = False) -> CacheResult:
-        key, segment, known, _ = self._source_entry(tenant, key, text, require_cached)
+        key, segment, known, _, _ = self._source_entry(tenant, key, text, require_cached)
         return CacheResult(segment=segment, entry_key=key, source_key=key, adapter="", text=known,
                            exact_coverage=1.0)
 

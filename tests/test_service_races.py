@@ -232,3 +232,121 @@ def test_a_block_pool_does_not_freeze_the_process_heap():
     before = gc.get_freeze_count()
     BlockPool(PoolLayout("m", "float32", 1, 1, 4, 16), 8, torch.device("cpu"))
     assert gc.get_freeze_count() == before
+
+
+def _upload(service, tiny_source, kv) -> str:
+    """PutSourceKV of TEXT's source ids with `kv`: the same key for any KV of the same ids."""
+    from kvbridge.server.service import SourceUpload
+
+    spec = tiny_source.spec
+    upload = SourceUpload(model=spec.name, config_hash="", dtype=kv.dtype, num_layers=spec.num_layers,
+                          num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                          token_ids=torch.as_tensor(tiny_source.tokenizer(TEXT)["input_ids"]), positions=None,
+                          rotated=True, kind="prefix")
+    return service.put_source("t", upload, kv)[0].key
+
+
+@pytest.mark.parametrize("mode", ["replace", "blend:0.2"])
+def test_what_derives_from_a_source_deleted_and_stored_again_meanwhile_is_never_kept(tmp_path, monkeypatch,
+                                                                                    tiny_source, tiny_target,
+                                                                                    adapter, mode):
+    """A key is its tokens' content key: another upload of the same ids (other KV) is the same key. A fetch that read
+    the old KV, its source deleted and uploaded again meanwhile, stored its projection (and correction) linked to the
+    new entry, and every later fetch was served the deleted KV's projection. Now it is refused (NOT_FOUND: stored
+    again since), and the next fetch projects the new KV."""
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    old = service.source_cache("x", text=TEXT).segment.kv.clone()
+    new = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(0)).to(old.dtype)
+    key = _upload(service, tiny_source, old)
+    reference = _service(tiny_source, tiny_target, tmp_path / "reference", adapter)
+    want = reference.projected_cache("t", key=_upload(reference, tiny_source, new), mode=mode).segment.kv
+    _during_projection(monkeypatch, lambda: (service.delete("t", key), _upload(service, tiny_source, new)),
+                       fail=False)
+    with pytest.raises(NotFound, match="stored again since"):
+        service.projected_cache("t", key=key, mode=mode)
+    monkeypatch.undo()
+    torch.testing.assert_close(service.projected_cache("t", key=key, mode=mode).segment.kv, want, rtol=0, atol=0)
+    assert service.store.check() == []
+
+
+def test_two_identical_corrections_at_once_compute_it_once(tmp_path, monkeypatch, tiny_source, tiny_target,
+                                                            adapter):
+    """The second of two fetches of one correction waited for the correction slot behind the first, then ran the
+    target over the document again; now it waits for the first and is served its stored result."""
+    from kvbridge.server import corrections
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    key = service.ingest("t", text=TEXT).entries[0][0].key
+    service.projected_cache("t", key=key, mode="replace")  # the projection is stored: only the correction runs
+    waiting, computed = threading.Semaphore(0), []
+    real_flight, real_correct = service._single_flight, corrections.correct
+
+    def single_flight(name):
+        waiting.release()  # this fetch reached the correction's one flight
+        return real_flight(name)
+
+    def correct(*args, **kwargs):
+        computed.append(1)
+        assert waiting.acquire(timeout=30) and waiting.acquire(timeout=30)  # both fetches are there
+        time.sleep(0.1)  # and the second one waits on the first
+        return real_correct(*args, **kwargs)
+
+    monkeypatch.setattr(service, "_single_flight", single_flight)
+    monkeypatch.setattr(corrections, "correct", correct)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(service.projected_cache("t", key=key, mode="blend:0.1")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2 and len(computed) == 1
+    assert results[0].entry_key == results[1].entry_key and results[0].recomputed == results[1].recomputed
+    assert service.token_counts[("correction", "reused")] == results[0].segment.num_tokens
+    assert not service._flights  # nothing left behind
+
+
+def test_a_corrected_fetch_whose_prefix_entry_is_deleted_meanwhile_corrects_the_entry_it_projects(
+        tmp_path, tiny_source, tiny_target, adapter):
+    """A text held as a prefix entry and as a detected segment: the fetch looked the text up (the prefix entry, lead
+    1), the prefix entry was deleted, and the projection found the segment entry; its correction was computed as the
+    prefix entry's (with a start token it does not hold) and named the deleted entry. It is the segment entry's."""
+    from test_prompt_place import _segment_entry
+
+    mode = "recompute:0.2"
+    service, piece, doc = _segment_entry(tmp_path, tiny_source, tiny_target, adapter)
+    prefix_key = service.ingest("t", text=piece).entries[0][0].key
+    real, deleted = service._cached_projection, []
+
+    def cached_projection(*args, **kwargs):
+        if not deleted:  # another client deletes the prefix entry once this fetch looked the text up
+            deleted.append(service.delete("t", prefix_key))
+        return real(*args, **kwargs)
+
+    service._cached_projection = cached_projection
+    got = service.projected_cache("t", text=piece, mode=mode)
+    del service._cached_projection
+    clean = service.projected_cache("t", text=piece, mode=mode)  # the segment entry's own correction, stored
+    assert got.source_key == clean.source_key != prefix_key and got.source_key in service.store.keys("t")
+    assert (got.document_index, got.entry_key, got.recomputed) == (0, clean.entry_key, clean.recomputed)
+    torch.testing.assert_close(got.segment.kv, clean.segment.kv, rtol=0, atol=0)
+
+
+def test_a_warm_segment_fetch_whose_entry_is_deleted_after_its_read_says_where_its_document_begins(
+        tmp_path, tiny_source, tiny_target, adapter):
+    """A warm fetch asked whether its source was a prefix or a segment entry after reading the projection, and took
+    a source deleted meanwhile for a prefix entry: the reply said the segment's document began at 1, not 0."""
+    from test_prompt_place import _segment_entry
+
+    service, piece, doc = _segment_entry(tmp_path, tiny_source, tiny_target, adapter)
+    key = service.projected_cache("t", text=piece, require_cached=True).source_key  # its projection stored
+    real = service._gathered
+
+    def gathered(*args, **kwargs):
+        out = real(*args, **kwargs)
+        service.delete("t", key)  # another client deletes the entry right after this fetch read it
+        return out
+
+    service._gathered = gathered
+    got = service.projected_cache("t", key=key)
+    assert got.segment.token_ids.tolist() == doc and got.document_index == 0

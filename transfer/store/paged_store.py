@@ -153,13 +153,15 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
 
     def put(self, segment: KVSegment, tenant: str, kind: str = "prefix", adapter: str = "",
             ttl_s: float | None = None, pin: bool = False, text: str | None = None,
-            source_key: str | None = None, annotations: dict | None = None) -> EntryInfo:
+            source_key: str | None = None, annotations: dict | None = None,
+            source_serial: int | None = None) -> EntryInfo:
         """Store a segment (a copy: the caller keeps its tensor). Idempotent per (tenant, model, dtype, adapter,
         kind, tokens): a second put refreshes TTL and pin and writes nothing. Prefix entries must sit at 0..T-1.
         `text`: what the tokens were made from, kept with the entry; `source_key`: the tenant's entry this one
-        is derived from (deleting that deletes this; NotFound when there is no such entry); `annotations`: small
-        JSON-able facts kept with it. Raises ValueError for bad input and CapacityError when it cannot fit; the
-        store is unchanged then."""
+        is derived from (deleting that deletes this; NotFound when there is no such entry, or, with `source_serial`,
+        when it is not that one any more: deleted and stored again since the caller read the KV it derived this
+        from); `annotations`: small JSON-able facts kept with it. Raises ValueError for bad input and CapacityError
+        when it cannot fit; the store is unchanged then."""
         if not isinstance(segment, KVSegment):
             raise ValueError(f"put takes a KVSegment, got {type(segment).__name__}")
         if kind not in KINDS:
@@ -178,7 +180,9 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         def locked(prefetched):
             self._expire()
             if source_key is not None:
-                self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
+                source = self.registry.for_tenant(source_key, tenant)  # NotFound: nothing to derive from
+                if source_serial is not None and source.serial != source_serial:
+                    raise NotFound(f"entry {source_key[:16]}... was stored again since its KV was read")
             created = layout.key not in self.budget.pools
             pool = self.budget.pool_for(layout, create=True)
             try:
