@@ -21,7 +21,7 @@ each reported time is a median.
    keeps the first fetch's file, so the timed fetches link it (a new name, nothing written); with --shm-keep-s 0
    each timed fetch gathers the KV from the store into a new file.
 3. wire: bytes on the wire of the projected fetch vs the source fetch (GetSourceCache) of the same entry, measured;
-   and the production pair's ratio computed from DESIGN.md's model numbers (not measured).
+   and the production pair's ratio computed from the models' KV bytes per token (not measured).
 
 The server process and the raw-socket baseline (which moves the very chunks the server sent): grpc_loopback.py.
 """
@@ -54,7 +54,7 @@ from machine import device_label
 from machine import machine_line as _machine_line
 
 ADAPTER_NAME = "bench-adapter"  # the adapter's name in the server's adapter folder
-# DESIGN.md, "Numbers to keep in mind": KV bytes per token in bf16, (source, target) of each pair
+# KV bytes per token in bf16 (layers x 2 x KV heads x head dim x 2), (source, target) of each pair
 PRODUCTION_PAIR = (("Qwen2-7B", 57_344), ("Phi-3-mini-4k", 393_216))
 SMALL_PAIR = (("Gemma-3-270M", 18_432), ("SmolLM2-135M", 23_040))
 
@@ -288,7 +288,7 @@ def bench_stream_and_wire(client: KVBridgeClient, text: str, dtype: str, chunk_b
           f"({per_t / per_s:.2f} per token; information, no goal)", flush=True)
     (ps, pb), (pt, pb_t) = PRODUCTION_PAIR
     (ss, sb), (st, sb_t) = SMALL_PAIR
-    print(f"wire    computed from DESIGN.md's KV bytes per token (bf16), not measured: production pair {pt} "
+    print(f"wire    computed from the models' KV bytes per token (bf16), not measured: production pair {pt} "
           f"{pb_t:,} B/token projected vs {ps} {pb:,} B/token source -> ratio projected/source {pb_t / pb:.1f}x "
           f"per token (fetching source KV and projecting locally moves that many times fewer bytes); small pair "
           f"{st} {sb_t:,} vs {ss} {sb:,} -> {sb_t / sb:.2f}x per token", flush=True)

@@ -58,15 +58,20 @@ def run(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"the sample corpus has {ids.numel()} tokens, fewer than {total + rounds}")
     service.ingest("warmup", token_ids=ids[:256].tolist())  # first-call costs of torch
     fresh_s, extend_s = [], []
-    for r in range(rounds):
-        tokens = ids[r:r + total].tolist()  # each round its own tokens, and its own tenants
+    def fresh(r: int, tokens: list[int]) -> None:
         t0 = time.perf_counter()
         service.ingest(f"fresh-{r}", token_ids=tokens)
         fresh_s.append(time.perf_counter() - t0)
+
+    def extend(r: int, tokens: list[int]) -> None:
         service.ingest(f"extend-{r}", token_ids=tokens[:PREFIX_TOKENS])  # the cached prefix (not timed)
         t0 = time.perf_counter()
         service.ingest(f"extend-{r}", token_ids=tokens)
         extend_s.append(time.perf_counter() - t0)
+
+    for r in range(rounds):  # each round its own tokens, and its own tenants; the two sides alternate
+        for side in ((fresh, extend) if r % 2 == 0 else (extend, fresh)):
+            side(r, ids[r:r + total].tolist())
     fresh, extend = statistics.median(fresh_s), statistics.median(extend_s)
     reused = service.token_counts[("ingest", "reused")]
     print(f"prefix  Ingest of {PREFIX_TOKENS} cached + {NEW_TOKENS} new tokens vs a fresh {total}-token Ingest "

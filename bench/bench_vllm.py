@@ -6,9 +6,9 @@ vLLM venv) serves SmolLM2-135M-Instruct in another, with the connector. The cont
 the packaged pydoc corpus) is ingested once (the source's prefill is not timed). Each request is the context plus a
 short question, greedy, one new token, timed from submission to the finished request (so TTFT):
 
-- own: vLLM prefills the whole prompt (no kvbridge context; prefix caching off, so nothing is reused);
-- connector, cold: the first request with the context: the server aligns and projects it, streams it, the connector
-  stages it and writes it into vLLM's blocks; vLLM prefills only the question;
+- own: vLLM prefills the whole prompt (no kvbridge context; a salt of its own, so nothing is reused);
+- connector, cold: the first request with the context: the server aligns and projects it and hands it over through
+  its shared-memory segment (same host), the connector writes it into vLLM's blocks; vLLM prefills only the question;
 - connector, warm: later requests: the projected entry is in the server's store;
 - connector, served blend:0.1, warm: the request asks the server for its stored correction (mode "blend:0.1",
   computed once by the server with the target at its first fetch, untimed; then a store hit like warm). Issue 33's
