@@ -100,6 +100,7 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
                     results[name] = (prompt, out, cold, warm)
         finally:
             code = server.stop()
+            log_tail = server.tail() if code != 0 else ""  # read while its folder is there
     rows = [("mode", "TTFT cold", "TTFT warm", "KV loaded", "vLLM prefill", "FLOPs saved", "ROUGE-L vs ref",
              "fidelity vs full", "repeated 3-grams")]
     summaries = {}
@@ -129,7 +130,7 @@ def run_demo_vllm(preset: str = "small", doc_id: str | None = None, max_doc_toke
         _say(f"{name:>{width}}: {summary}")
     _say("")
     if code != 0:
-        _say(f"server: exited with {code}; its log:\n{server.tail()}")
+        _say(f"server: exited with {code}; its log:\n{log_tail}")
         return 1
     _say(f"server: stopped cleanly (exit 0). Demo took {time.perf_counter() - t_start:.0f} s.")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from kvbridge.transfer.devices import DTYPE_NAMES
 
@@ -24,11 +25,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides["selfcheck"] = False if args.no_selfcheck else None
     overrides["source_weights"] = False if args.no_source_weights else None
     overrides["correction_prior"] = False if args.no_correction_prior else None
-    if args.no_shm:
-        overrides["shm_dir"] = None
-    elif args.shm_dir:
+    if args.shm_dir and not args.no_shm:
         overrides["shm_dir"] = args.shm_dir
     config = ServeConfig.load(args.config, **overrides)
+    if args.no_shm:  # (an override of None means "not given": load keeps the default or the TOML's folder)
+        config = dataclasses.replace(config, shm_dir=None)
     setup_logging(verbose=True, as_json=config.log_json)  # the flag, or the TOML's log_json
     return serve(config, ready_file=args.ready_file)
 

@@ -253,14 +253,16 @@ class Projecting:
         label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
-        held = self._source_info(tenant, source_key)  # read before the projection: its kind and serial
+        # read before the projection: its kind and serial (None: expired or evicted, which a projection outlives)
+        held = self._source_info(tenant, source_key)
         warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out) \
-            if held is not None else None
+            if source_key else None
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             self._count("projection", reused=projected.num_tokens)
-            return replace(self._placed(target, chosen, info, projected, source_key, label, offset,
-                                        int(held.kind == "prefix")), source_serial=held.serial)
+            lead = int(held.kind == "prefix") if held is not None else 1
+            return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
+                           source_serial=held.serial if held is not None else None)
         source_key, segment, known, created, held = self._source_entry(tenant, key, text, require_cached)
         try:
             if segment.model != source.lm.spec.identity:

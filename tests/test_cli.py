@@ -46,6 +46,14 @@ def test_selfcheck_refuses_models_it_cannot_handle(name, message, tmp_path, caps
     assert err.startswith("kvbridge selfcheck: error:") and message in err and "Traceback" not in err
 
 
+def test_selfcheck_of_a_config_refuses_the_production_weights_flags(tmp_path, capsys):
+    """--source/--target name the production preset's weights; beside --config alone they were ignored (exit 0)."""
+    path = tmp_path / "qwen2.json"
+    path.write_text(json.dumps(zoo.configs()["qwen2"].to_dict()))
+    assert main(["selfcheck", "--config", str(path), "--source", str(tmp_path / "none"), "--device", "cpu"]) == 2
+    assert "--source/--target apply to the production preset" in capsys.readouterr().err
+
+
 def test_unknown_preset_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["selfcheck", "--preset", "huge"])

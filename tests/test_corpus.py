@@ -281,6 +281,12 @@ def test_a_page_that_is_not_utf8_is_named_and_nothing_is_written(tmp_path, small
     kernel_page.write_bytes(gzip.compress(b"One\n===\n\n\xff\n"))
     with pytest.raises(ValueError, match=f"{kernel_page} is not UTF-8"):
         corpus.kernel_corpus(small_tree[1])
+    # damaged inside its deflate data (zlib.error, neither OSError nor EOFError): named too, not a traceback
+    damaged = bytearray(gzip.compress(("One\n===\n\n" + "The kernel keeps a list. " * 40).encode()))
+    damaged[10] ^= 0xFF  # the first byte of the deflate stream
+    kernel_page.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=f"{kernel_page} is not a complete gzip file"):
+        corpus.kernel_corpus(small_tree[1])
 
 
 def test_a_failed_write_leaves_no_partial_files(tmp_path, small_tree, monkeypatch):

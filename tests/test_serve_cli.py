@@ -225,6 +225,23 @@ def test_the_default_store_gives_each_tenant_a_quarter_of_the_pool_to_pin(monkey
                         ).tenant_max_pinned_bytes == 0
 
 
+def test_no_shm_turns_the_shared_memory_plane_off(tmp_path, monkeypatch):
+    """--no-shm set shm_dir to None among the overrides, which load reads as "not given": the default folder (or the
+    TOML's) stayed, and same-host fetches still went through /dev/shm."""
+    import kvbridge.server.app as app
+    from kvbridge.cli import main
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda config, ready_file=None: seen.append(config.shm_dir) or 0)
+    monkeypatch.setattr(app, "setup_logging", lambda verbose, as_json: None)
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'preset = "tiny"\nshm_dir = "{tmp_path}"\n')
+    for argv in (["--preset", "tiny", "--no-shm"], ["--config", str(toml), "--no-shm"], ["--config", str(toml)],
+                 ["--preset", "tiny"]):
+        assert main(["serve", *argv]) == 0
+    assert seen == [None, None, str(tmp_path), "/dev/shm"]
+
+
 def test_log_json_in_the_toml_file_formats_the_log(tmp_path, monkeypatch):
     """README: every flag but --ready-file and --no-shm has a TOML form; log_json from the file was read after the
     log was set up, and so ignored."""

@@ -350,3 +350,28 @@ def test_a_warm_segment_fetch_whose_entry_is_deleted_after_its_read_says_where_i
     service._gathered = gathered
     got = service.projected_cache("t", key=key)
     assert got.segment.token_ids.tolist() == doc and got.document_index == 0
+
+
+@pytest.mark.parametrize("mode", ["replace", "blend:0.1"])
+def test_a_projection_outliving_its_expired_source_is_still_served_by_its_key(tmp_path, tiny_source, tiny_target,
+                                                                              adapter, mode):
+    """A projection outlives a source that expires (or is evicted): a fetch by the source's key is a warm hit, in
+    every mode, though the source's kind and serial are not known any more."""
+    class Clock:
+        now = 1000.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock)
+    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
+    registry.add("fitted", adapter, make_default=True)
+    service = KVBridgeService(tiny_source, [tiny_target], store, registry)
+    key = service.ingest("t", text=TEXT, ttl_s=10).entries[0][0].key
+    first = service.projected_cache("t", key=key, mode=mode)  # stored with no TTL
+    clock.now += 20  # the source expires; its projection stays
+    assert key not in store.keys("t") and first.entry_key in store.keys("t")
+    again = service.projected_cache("t", key=key, mode=mode)
+    assert (again.entry_key, again.document_index) == (first.entry_key, first.document_index)
+    torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)

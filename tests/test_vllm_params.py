@@ -280,3 +280,57 @@ def test_cache_salts_part_every_choice_that_changes_the_loaded_kv():
     salts = {cache_salt(*choice) for choice in (("",), ("a",), ("a", "s"), ("a", "s", "blend:0.1"),
                                                  ("a", "s", "blend:0.1", 0), ("a", "s", "blend:0.1", 64))}
     assert len(salts) == 6
+
+
+def test_demo_through_vllm_shows_a_failed_servers_log(monkeypatch, capsys):
+    """The demo read the log of a server that exited non-zero after the folder holding it was gone: it died with
+    FileNotFoundError (exit 2) and the reason the server failed was lost. Only the server's exit is staged here (and
+    what the demo would need vLLM and the packaged models for): it shows the log and exits 1."""
+    from pathlib import Path
+
+    import kvbridge.eval.demo_vllm as demo_vllm
+    import kvbridge.server.client as client
+    import kvbridge.transfer.models as models
+    import kvbridge.transfer.presets as presets
+    import kvbridge.vllm.engine as engine
+    from kvbridge.cli import main
+    from kvbridge.transfer.tiny_pair import tiny_source, tiny_target
+
+    class Server:  # exits with 1 after writing its reason into its folder's log
+        def __init__(self, args, workdir):
+            self.log, self.address = workdir / "serve.log", "127.0.0.1:1"
+            self.log.write_text("Traceback ...\nRuntimeError: the server failed while draining\n")
+
+        def tail(self, lines=30):
+            return self.log.read_text()
+
+        def stop(self):
+            return 1
+
+    class Quiet:  # the client and the engine: nothing to reach
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def ingest(self, **kwargs):
+            pass
+
+        def generate(self, prompt, max_tokens=1, kvbridge=None):
+            return {"token_ids": [5, 6, 7][:max_tokens], "loaded_tokens": 0, "seconds": 0.1,
+                    "kvbridge_fetch_s": 0.01, "kvbridge_error": ""}
+
+    for module, name, value in ((engine, "vllm_available", lambda: ""), (engine, "engine_dtype", lambda: "float32"),
+                                (engine, "kv_transfer_config", lambda **k: {}), (engine, "EngineOptions", dict),
+                                (engine, "EngineProcess", Quiet), (client, "KVBridgeClient", Quiet),
+                                (models, "prepare_gguf", lambda name: Path("/nonexistent")),
+                                (presets, "load_pair", lambda preset: (tiny_source("cpu"), tiny_target("cpu"))),
+                                (demo_vllm, "_ensure_adapter", lambda *a: "staged"),
+                                (demo_vllm, "BackgroundServer", Server)):
+        monkeypatch.setattr(module, name, value)
+    assert main(["demo", "--engine", "vllm", "--no-selfcheck"]) == 1
+    assert "RuntimeError: the server failed while draining" in capsys.readouterr().out

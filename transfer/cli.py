@@ -22,6 +22,8 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
     from kvbridge.transfer.selfcheck import run_selfcheck
 
     presets = args.preset or ([] if args.config else ["small"])
+    if not presets and (args.source or args.target):  # they name the production preset's weights; --config alone
+        raise ValueError("--source/--target apply to the production preset (--preset production), not to --config")
     failed = 0
     total = 0
 

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import subprocess
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def _read_page(path: Path) -> str:
 def _read_gzipped_page(path: Path) -> str:
     try:
         data = gzip.decompress(path.read_bytes())
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # truncated, or damaged inside (zlib.error)
         raise ValueError(f"{path} is not a complete gzip file ({exc}); nothing was written") from None
     return _decode(path, data)
 
