@@ -58,13 +58,16 @@ class AnswerWindows(Windows):
         super().build(needed, log)
         for index in sorted(needed):
             path = self.answer_path(index)
-            if path.is_file():
-                continue
             with safe_open(str(self.path(index)), "pt") as f:
                 window_id = (f.metadata() or {}).get("id", str(index))
                 ids = f.get_tensor("ids")
             text = self.target.tokenizer.decode(ids, skip_special_tokens=True)
             instruction = window_instruction(window_id, text, index < self.recipe.dev)
+            if path.is_file():  # made before: kept when asked as this recipe asks it (its --dev decides which are)
+                with safe_open(str(path), "pt") as f:
+                    if (f.metadata() or {}).get("instruction") == instruction:
+                        continue
+                log(f"answer {index} {window_id}: made for another instruction (another --dev); made again")
             prompt = instruction_ids(self.target, instruction)
             answer = own_answer(self.target, ids, prompt, self.max_new_tokens)
             tmp = path.with_suffix(".tmp")

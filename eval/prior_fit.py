@@ -29,6 +29,7 @@ tolerance FILE records): the shipped prior's reproduction test. It computes ever
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -251,7 +252,7 @@ def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path | None
     `initial_terms`: a head whose four terms are 0 reads as the model does and gets no gradient). Resumes from
     work/checkpoint.safetensors when it holds this recipe's run, and writes it at every dev mark; work None: every
     step computed here, no checkpoint read or written (`prior check`: a reproduction reruns the recipe)."""
-    last = min(until or recipe.steps, recipe.steps)
+    last = recipe.steps if until is None else min(until, recipe.steps)  # (until 0: the start's dev NLL alone)
     picks = draws(recipe, last)
     windows.build(set(range(recipe.dev)) | {i for i, _ in picks}, log)
     for p in target.model.parameters():
@@ -319,8 +320,9 @@ def recorded(path: Path) -> dict:
 
 def compare(expected: list[float], got: list[float], tolerance: float) -> float:
     """The largest relative difference of two dev NLLs; raises when it passes `tolerance`."""
-    worst = max(abs(g - e) / abs(e) for e, g in zip(expected, got, strict=True))
-    if worst > tolerance:
+    gaps = [abs(g - e) / abs(e) for e, g in zip(expected, got, strict=True)]
+    worst = max(gaps, key=lambda gap: math.inf if math.isnan(gap) else gap)  # (max passes a NaN after a number by)
+    if not worst <= tolerance:  # a NaN (a rerun, or a record, of no number) fails too
         raise ValueError(f"dev NLL {got} differs from the recorded {expected} by {worst:.2e} relative, more than the "
                          f"recorded tolerance {tolerance:.0e}")
     return worst

@@ -5,6 +5,8 @@ attention comes back after the block; bad input is named; the probe finds SmolLM
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import zoo
@@ -220,6 +222,13 @@ def test_a_fitted_prior_round_trips_and_is_found_by_the_models_config_hash(tmp_p
         InductionPrior.load(tmp_path / "bare.safetensors")
     with pytest.raises(ValueError, match="finite float"):
         InductionPrior(torch.full((4, 2, 4), float("nan")))
+    # a file of such terms, or of another shape, is named with what is wrong (it was refused naming neither)
+    meta = {"kvbridge_prior": json.dumps({"target": {"config_hash": lm.spec.identity.config_hash}})}
+    for name, terms, says in (("nan", prior.terms.clone().fill_(float("nan")), "non-finite values"),
+                              ("flat", prior.terms[0].contiguous(), "finite float")):
+        save_file({"terms": terms}, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        with pytest.raises(ValueError, match=rf"{name}\.safetensors: .*{says}"):
+            InductionPrior.load(tmp_path / f"{name}.safetensors")
 
 
 def test_bad_input_is_named_and_the_attention_comes_back():

@@ -4,6 +4,7 @@ answer objective's windows hold the target's own answers, and only those are sco
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,6 +87,18 @@ def test_compare_names_the_difference_and_the_tolerance():
     assert compare([100.0, 200.0], [100.01, 199.99], 2e-4) == pytest.approx(1e-4)
     with pytest.raises(ValueError, match="more than the recorded tolerance"):
         compare([100.0, 200.0], [100.1, 200.0], 2e-4)
+    for got in ([100.0, math.nan], [math.nan, 200.0]):  # a rerun of no number reproduces nothing (it passed)
+        with pytest.raises(ValueError, match="nan relative"):
+            compare([100.0, 200.0], got, 2e-4)
+
+
+def test_a_check_until_step_0_runs_no_step(tiny_target):
+    """`prior check --until 0` compares the start's dev NLL: it ran every step of the recipe (until 0 read as none)."""
+    recipe = Recipe(preset="tiny", windows=6, dev=2, steps=6, dev_every=2)
+    windows = OwnWindows(recipe, tiny_target)
+    init = torch.ones_like(prior_fit.initial_terms(tiny_target))
+    theta, trajectory = fit(recipe, tiny_target, windows, None, until=0, log=lambda _: None, init=init)
+    assert list(trajectory) == ["0"] and windows.built == {0, 1} and torch.equal(theta, init)
 
 
 def test_the_shipped_prior_records_its_recipe_and_command():
@@ -282,6 +295,17 @@ def test_answer_windows_hold_the_targets_own_answer_and_the_objective_scores_onl
             tmp_path / "answer", log=lambda _: None, init=init)
     with pytest.raises(ValueError, match="objective is one of continuation, answer"):
         Recipe(objective="summary")
+    from kvbridge.eval.prior_answers import AnswerWindows
+
+    # the folder's answers under another --dev: a window asked in the dev wording there is a training one here (and
+    # kept its answer to the other instruction); it is asked again
+    other = Recipe(**{**dataclasses.asdict(recipe), "dev": 2})
+    again = AnswerWindows(other, tmp_path, tmp_path / "windows", tiny_source, tiny_target, tiny_adapter_file)
+    again.max_new_tokens = windows.max_new_tokens
+    again.build(set(range(other.windows)), log=lambda _: None)
+    with safe_open(str(again.answer_path(1)), "pt") as f:
+        assert f.metadata()["instruction"] == DEV_INSTRUCTION
+    assert again[1]["prompt"].tolist() == tiny_target.tokenizer(DEV_INSTRUCTION, add_special_tokens=False)["input_ids"]
 
 
 def test_prior_check_recomputes_where_the_fit_left_its_checkpoint(tmp_path, tiny_target, tiny_adapter_file,

@@ -175,7 +175,13 @@ class InductionPrior:
                 raise ValueError(f"{path}: its kvbridge_prior metadata is not a JSON object")
             adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
             adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
-            return cls(f.get_tensor("terms").float(), origin=path.name, adapter=adapter), meta
+            terms = f.get_tensor("terms")
+            if terms.is_floating_point() and not bool(torch.isfinite(terms).all()):
+                raise ValueError(f"{path}: its terms hold non-finite values (NaN or infinity)")
+            try:
+                return cls(terms.float(), origin=path.name, adapter=adapter), meta
+            except ValueError as exc:  # a shape or kind that is not a prior's: named with the file
+                raise ValueError(f"{path}: {exc}") from None
 
     def stale_for(self, digest: str) -> str | None:
         """Why this prior was not fitted for the adapter of content `digest` (Adapter.digest), else None: a fitted
