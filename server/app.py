@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kvbridge.adapters.io import load_adapter
@@ -157,6 +158,10 @@ def build_service(config: ServeConfig, source: LoadedModel | None = None,
         log.warning("no adapter for %s -> %s in %s: projected fetches fail until one is loaded "
                     "(train-adapter, then LoadAdapter; or start with --fit-adapter)", source.name,
                     [t.name for t in targets], folder)
+    for lm in (source, *targets):  # a chunk holds at least one token of one layer (K and V): else every fetch fails
+        row = 2 * lm.spec.num_kv_heads * lm.spec.head_dim * torch.finfo(getattr(torch, lm.spec.dtype)).bits // 8
+        if config.chunk_kb * 1024 < row:
+            raise ValueError(f"chunk_kb {config.chunk_kb}: one token of one layer of {lm.name!r} takes {row} bytes")
     limits = ServiceLimits(chunk_bytes=config.chunk_kb * 1024,
                            max_chunk_bytes=max(config.chunk_kb * 1024, config.max_message_bytes - 65536),
                            max_message_bytes=config.max_message_bytes,

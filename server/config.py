@@ -25,6 +25,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbridge.server.chunks import MIN_CHUNK_BYTES
 from kvbridge.transfer.devices import DTYPE_NAMES
 
 SECRET_FILE_ENV = "KVBRIDGE_REDIS_SECRET_FILE"  # names the secret file when the TOML and the flags do not
@@ -125,6 +126,8 @@ class ServeConfig:
             raise ValueError(f"detector_layers must be layer indices (>= 0), got {self.detector_layers}")
         if self.stream_workers < 2:
             raise ValueError(f"stream_workers must be >= 2 (uploads may hold half of them), got {self.stream_workers}")
+        if self.chunk_kb * 1024 < MIN_CHUNK_BYTES:  # what a request may ask for; the default is one too
+            raise ValueError(f"chunk_kb must be >= {MIN_CHUNK_BYTES // 1024}, got {self.chunk_kb}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
             raise ValueError(f"chunk_kb {self.chunk_kb} does not fit in max_message_mb {self.max_message_mb} "
                              "(leave 64 KB for the header)")

@@ -314,8 +314,12 @@ class KVBridgeService(Placing, Projecting):
         if tuple(kv.shape) != (spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim):
             raise ValueError(f"received KV of shape {tuple(kv.shape)}, expected "
                              f"{(spec.num_layers, 2, spec.num_kv_heads, t, spec.head_dim)}")
-        segment = KVSegment(kv=kv.to(getattr(torch, spec.dtype)), token_ids=ids, positions=positions.clone(),
-                            model=spec.identity, rotated=True)
+        converted = kv.to(getattr(torch, spec.dtype))
+        if kv.dtype != converted.dtype and not bool(torch.isfinite(converted).all()):  # (the chunks were checked)
+            raise ValueError(f"the uploaded KV ({str(kv.dtype).removeprefix('torch.')}, header.dtype) holds values "
+                             f"past the range of {spec.dtype}, the dtype {spec.name!r} is served and stored in")
+        segment = KVSegment(kv=converted, token_ids=ids, positions=positions.clone(), model=spec.identity,
+                            rotated=True)
         info = self.store.put(segment, tenant, kind=upload.kind, ttl_s=upload.ttl_s, pin=upload.pin)
         log.info("put_source tenant=%s model=%s tokens=%d key=%s", tenant, spec.name, t, info.key[:16])
         return info, int(positions[0])

@@ -194,6 +194,7 @@ def test_values_that_fail_later_are_refused_at_start_by_name(tmp_path, monkeypat
                             ({"tenant_max_entries": -1}, "tenant_max_entries must be >= 0"),
                             ({"tenant_max_pinned_mb": -1}, "tenant_max_pinned_mb must be >= 0"),
                             ({"max_message_mb": 2048}, "max_message_mb must be under 2048"),
+                            ({"chunk_kb": 2}, "chunk_kb must be >= 4"),  # every default fetch failed, as INVALID_ARG
                             ({"detector_layers": [-1]}, "detector_layers must be layer indices")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**fields)

@@ -230,3 +230,24 @@ def test_an_uploads_refused_token_ids_are_named_as_the_header_field(tmp_path, ti
                       ([1, spec.vocab_size], f"header.token_ids\\[1\\] = {spec.vocab_size} is outside")):
         with pytest.raises(ValueError, match=f"^{what}"):
             service.check_upload(upload(ids))
+
+
+def test_an_upload_past_the_range_of_the_models_dtype_is_refused_and_stores_nothing(tmp_path, tiny_target):
+    """An upload's chunks are checked for NaN and infinity in the dtype they came in; converted to the served model's
+    (narrower) dtype a finite float32 value past bfloat16's range became infinity, and was stored."""
+    from kvbridge.server.service import SourceUpload
+    from kvbridge.transfer.tiny_pair import tiny_source
+
+    source = tiny_source(device="cpu", dtype="bfloat16")
+    service = _service(source, tiny_target, tmp_path)
+    spec = source.spec
+    kv = torch.randn(spec.num_layers, 2, spec.num_kv_heads, 20, spec.head_dim)
+    kv[0, 0, 0, 0, 0] = 3.4e38  # finite in float32 (largest 3.4028e38), past bfloat16's largest (3.3895e38)
+    upload = SourceUpload(model=spec.name, config_hash="", dtype=kv.dtype, num_layers=spec.num_layers,
+                          num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, token_ids=torch.arange(3, 23),
+                          positions=None, rotated=True, kind="prefix")
+    with pytest.raises(ValueError, match="past the range of bfloat16, the dtype 'tiny-qwen2' is"):
+        service.put_source("t", upload, kv)
+    assert service.store.keys("t") == []
+    kv[0, 0, 0, 0, 0] = 1.0
+    assert service.put_source("t", upload, kv)[0].num_tokens == 20
