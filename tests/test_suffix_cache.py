@@ -73,6 +73,22 @@ def test_scores_route_segments_by_the_thresholds(setup):
     assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is None
 
 
+def test_a_kept_segment_never_expires_in_a_store_with_a_default_ttl(tiny_target):
+    """A segment scored to keep is kept without a TTL; a store whose entries get a default TTL (serve --default-ttl-s)
+    gave it that one, and its expiry taught the scorer the segment it rated most went unused."""
+    clock = Clock()
+    store = PagedStore(StoreConfig(capacity_bytes=16 << 20, device="cpu", default_ttl_s=60.0), clock=clock)
+    manager = SuffixCacheManager(store, scorer=FixedScorer(0.9))
+    seg = _segment(tiny_target, "You are a careful assistant who answers briefly.")
+    offer = manager.offer("s", seg, torch.tensor([], dtype=torch.int64), role="system")
+    assert offer.decision == "keep" and store.info(offer.key, manager._namespace("s")).expires_at is None
+    clock.now += 61  # the session stays (its TTL is 300 s); the store's default would have taken the entry
+    assert manager.find("s", seg.token_ids, seg.model, seg.dtype) is not None
+    mid = SuffixCacheManager(store, tenant="mid", scorer=FixedScorer(0.7))
+    assert store.info(mid.offer("s", seg, torch.tensor([], dtype=torch.int64)).key,
+                      mid._namespace("s")).expires_at == clock.now + 1800.0  # a mid score's own TTL, as before
+
+
 def test_session_ttl_flushes_with_an_injected_clock(setup):
     lm, store, clock = setup
     manager = SuffixCacheManager(store, scorer=FixedScorer(0.9), config=ManagerConfig(session_ttl_s=300))

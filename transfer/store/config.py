@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ import torch
 from kvbridge.transfer.errors import CapacityError
 from kvbridge.transfer.store.redis_auth import MIN_SECRET_BYTES
 from kvbridge.transfer.store.redis_url import check_redis_url
+
+NO_TTL = math.inf  # put's and refresh's ttl_s: the entry never expires, whatever default_ttl_s says
 
 
 @dataclass(frozen=True)

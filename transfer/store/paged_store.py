@@ -37,6 +37,7 @@ from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout, layout_key
 from kvbridge.transfer.store.budget import DeviceBudget
 from kvbridge.transfer.store.config import (
+    NO_TTL,
     LookupResult,
     QuotaExceeded,
     StoreConfig,
@@ -157,11 +158,12 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             source_serial: int | None = None) -> EntryInfo:
         """Store a segment (a copy: the caller keeps its tensor). Idempotent per (tenant, model, dtype, adapter,
         kind, tokens): a second put refreshes TTL and pin and writes nothing. Prefix entries must sit at 0..T-1.
-        `text`: what the tokens were made from, kept with the entry; `source_key`: the tenant's entry this one
-        is derived from (deleting that deletes this; NotFound when there is no such entry, or, with `source_serial`,
-        when it is not that one any more: deleted and stored again since the caller read the KV it derived this
-        from); `annotations`: small JSON-able facts kept with it. Raises ValueError for bad input and CapacityError
-        when it cannot fit; the store is unchanged then."""
+        `ttl_s`: seconds until it expires (None: the default, NO_TTL: never). `text`: what the tokens were made from,
+        kept with the entry; `source_key`: the tenant's entry this one is derived from (deleting that deletes this;
+        NotFound when there is no such entry, or, with `source_serial`, when it is not that one any more: deleted and
+        stored again since the caller read the KV it derived this from); `annotations`: small JSON-able facts kept
+        with it. Raises ValueError for bad input and CapacityError when it cannot fit; the store is unchanged
+        then."""
         if not isinstance(segment, KVSegment):
             raise ValueError(f"put takes a KVSegment, got {type(segment).__name__}")
         if kind not in KINDS:
@@ -201,7 +203,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             key = content_key(ns.digest(), kind, segment.token_ids)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
-            expires_at = now + ttl if ttl is not None else None
+            expires_at = now + ttl if ttl is not None and ttl != NO_TTL else None
             existing = self.registry.get(key)
             if existing is not None and pin and not existing.pinned:
                 self._check_quota(tenant, False, len(existing.hashes) * layout.block_bytes)
@@ -359,8 +361,8 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                 self._pin_entry(entry, tenant, True, prefetched)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
-            deadline_moved = ttl is not None or entry.expires_at is not None
-            entry.expires_at = now + ttl if ttl is not None else None
+            deadline_moved = (ttl is not None and ttl != NO_TTL) or entry.expires_at is not None
+            entry.expires_at = now + ttl if ttl is not None and ttl != NO_TTL else None
             entry.last_access = now
             if text is not None:
                 entry.text = text

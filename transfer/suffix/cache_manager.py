@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
-from kvbridge.transfer.store import CapacityError, NotFound, PagedStore, QuotaExceeded
+from kvbridge.transfer.store import NO_TTL, CapacityError, NotFound, PagedStore, QuotaExceeded
 from kvbridge.transfer.suffix.value_score import OnlineValueScorer, SegmentFeatures, ValueScorer
 
 __all__ = ["SuffixCacheManager", "ManagerConfig", "Offer", "TurnInfo", "Reusable", "prefix_key", "token_hash",
@@ -260,8 +260,9 @@ class SuffixCacheManager:
                 return Offer(score=score, decision="skip", key=None)
             keep = score >= self.config.keep_threshold
             ttl = None if keep else self.config.mid_ttl_s
-            try:
-                info = self.store.put(segment, self._namespace(session), kind="segment", ttl_s=ttl)
+            try:  # a kept segment never expires, whatever TTL the store gives entries by default
+                info = self.store.put(segment, self._namespace(session), kind="segment",
+                                      ttl_s=NO_TTL if keep else ttl)
             except (CapacityError, QuotaExceeded) as exc:  # caching is optional: the request goes on without it
                 self._not_stored += 1
                 log.info("a segment of %d tokens of session %r is not cached: %s", segment.num_tokens, session, exc)
