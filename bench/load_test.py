@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import multiprocessing as mp
 import re
 import secrets
@@ -41,8 +40,7 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,10 +50,8 @@ for folder in (BENCH_DIR, ROOT / "tests"):  # load_client.py, machine.py; servep
         sys.path.insert(0, str(folder))
 
 from load_client import (  # noqa: E402
-    INF,
     OPS,
     PRESETS,
-    RESTART_CODES,
     TIMEOUT_S,
     Shared,
     client_main,
@@ -63,6 +59,7 @@ from load_client import (  # noqa: E402
     sample_words,
     token_of,
 )
+from load_report import classify, metrics, percentile, print_report  # noqa: E402
 
 WITNESSES = 3  # the witness tenant's entries, made before the restart and checked after it
 START_TIMEOUT_S = 600.0  # bound on the server starting, and on the client processes getting ready
@@ -70,46 +67,6 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # each unwinds run(): its finall
 
 
 # ------------------------------------------------------------------------------------------------ the runner
-
-
-def metrics(port: int) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def classify(clients: list[dict], down_at: float, up_at: float) -> tuple[dict, Counter, Counter, Counter, list]:
-    """Latencies of answered calls by op; intended, restart and unexpected errors by (op, code)."""
-    latency: dict[str, list[float]] = defaultdict(list)
-    intended, restart, unexpected = Counter(), Counter(), Counter()
-    samples = []
-    for c in clients:
-        rows = c["rows"]
-        # a client is back once it has an answered call that started after the server came back
-        back = min((t0 for op, t0, dt, code, _, _ in rows if code == "OK" and t0 > up_at), default=INF)
-        for op, t0, dt, code, why, detail in rows:
-            if code == "OK":
-                latency[op].append(dt)
-            elif code == "NOT_FOUND" and why:
-                intended[(op, code, why)] += 1
-            elif code in RESTART_CODES and t0 + dt >= down_at and t0 <= back:
-                restart[(op, code)] += 1
-            else:
-                unexpected[(op, code)] += 1
-                if len(samples) < 8:
-                    samples.append(f"client {c['cid']}: {op} {code} at {t0 - down_at:+.2f} s from the restart: "
-                                   f"{detail}")
-    return latency, intended, restart, unexpected, samples
 
 
 def run(args) -> dict:
@@ -123,24 +80,31 @@ def run(args) -> dict:
     print(machine_line("full" if args.clients >= 64 and args.seconds >= 60 else "short",
                        f"preset {args.preset}", f"{args.clients} client processes", f"{args.tenants} tenants",
                        f"Redis tier {'on' if redis_on else 'off'}", f"restart by {args.restart}"), flush=True)
-    work = Path(tempfile.mkdtemp(prefix="kvbridge-load-"))
-    shm_root = Path(tempfile.mkdtemp(prefix="kvload-", dir="/dev/shm"))  # the server's segment folders go here
-    tenants = [f"load{t}" for t in range(args.tenants)]
-    (work / "tokens").write_text("".join(f"{t} {token_of(t)}\n" for t in [*tenants, "witness"]))
-    (work / "tokens").chmod(0o600)  # the server refuses a token file other users can read
-    (work / "adapters").mkdir()
-    redis = RedisProcess(work / "redis") if redis_on else None
-    sizes = PRESETS[args.preset]
-    serve_args = ["--preset", args.preset, "--device", "cpu", "--store-device", "cpu",
-                  "--store-capacity-mb", str(args.capacity_mb or sizes["capacity_mb"]),
-                  "--adapters", str(work / "adapters"),
-                  "--no-selfcheck", "--token-file", str(work / "tokens"), "--metrics-listen", "127.0.0.1:0",
-                  "--correction", "replace",  # the witness counts a source and its projection per Delete
-                  "--shm-dir", str(shm_root), "--grace-s", "5"]
-    if args.adapter:
-        shutil.copy(args.adapter, work / "adapters" / Path(args.adapter).name)
-    elif args.preset == "tiny":
-        serve_args.append("--fit-adapter")  # no adapter ships for the random pair: a ridge fit at the first start
+    work = shm_root = None
+    try:  # a stop signal while the run is set up removes what was made so far (the clean-up below is not armed)
+        work = Path(tempfile.mkdtemp(prefix="kvbridge-load-"))
+        shm_root = Path(tempfile.mkdtemp(prefix="kvload-", dir="/dev/shm"))  # the server's segment folders go here
+        tenants = [f"load{t}" for t in range(args.tenants)]
+        (work / "tokens").write_text("".join(f"{t} {token_of(t)}\n" for t in [*tenants, "witness"]))
+        (work / "tokens").chmod(0o600)  # the server refuses a token file other users can read
+        (work / "adapters").mkdir()
+        redis = RedisProcess(work / "redis") if redis_on else None
+        sizes = PRESETS[args.preset]
+        serve_args = ["--preset", args.preset, "--device", "cpu", "--store-device", "cpu",
+                      "--store-capacity-mb", str(args.capacity_mb or sizes["capacity_mb"]),
+                      "--adapters", str(work / "adapters"),
+                      "--no-selfcheck", "--token-file", str(work / "tokens"), "--metrics-listen", "127.0.0.1:0",
+                      "--correction", "replace",  # the witness counts a source and its projection per Delete
+                      "--shm-dir", str(shm_root), "--grace-s", "5"]
+        if args.adapter:
+            shutil.copy(args.adapter, work / "adapters" / Path(args.adapter).name)
+        elif args.preset == "tiny":
+            serve_args.append("--fit-adapter")  # no adapter ships for the random pair: a ridge fit at the first start
+    except BaseException:
+        for folder in (shm_root, None if args.keep else work):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
     server = None
     procs: list = []  # the client processes, once started (stopped in the finally below, whatever happened)
     report: dict = {"preset": args.preset, "clients": args.clients, "tenants": args.tenants, "redis": redis_on,
@@ -167,10 +131,14 @@ def run(args) -> dict:
             return json.loads((server.workdir / f"ready-{server.starts}.json").read_text())["metrics_port"]
 
         def check_metrics(when: str) -> dict[str, float]:
+            """The running server's metrics, its store checked; its evictions too (each server process counts its own:
+            those of the one before a restart are checked before it)."""
             m = metrics(metrics_port())
             if m.get("kvbridge_store_check_problems") != 0:
                 fail(f"{when}: store.check() found {m.get('kvbridge_store_check_problems')} problems "
                      "(the server log has them)")
+            if m.get('kvbridge_store_evictions_total{tier="device"}'):
+                fail(f"{when}: the device pool evicted blocks: the run was sized so that it never does")
             return m
 
         print(f"server: {server.address}, started in {report['server_start_s']:.1f} s (pid {server.pid})",
@@ -305,8 +273,6 @@ def run(args) -> dict:
         if m.get("kvbridge_store_entries") or m.get('kvbridge_store_bytes{tier="device"}') or \
                 m.get('kvbridge_store_bytes{tier="cpu"}'):
             fail(f"the store holds {report['store']} after every entry was deleted: leaked entries or blocks")
-        if m.get('kvbridge_store_evictions_total{tier="device"}'):
-            fail("the device pool evicted blocks: the run was sized so that it never does")
         server_errors = {k: v for k, v in m.items() if k.startswith("kvbridge_requests_total")
                          and re.search(r'code="(INTERNAL|UNKNOWN|DATA_LOSS)"', k)}
         if server_errors:
@@ -399,26 +365,6 @@ def run(args) -> dict:
     print(f"{'PASS' if not failures else 'FAIL'}: {len(failures)} failed checks; done in {report['wall_s']:.0f} s",
           flush=True)
     return report
-
-
-def print_report(r: dict) -> None:
-    print(f"\nload: {r['clients']} client processes, {r['tenants']} tenants, preset {r['preset']}, Redis tier "
-          f"{'on' if r['redis'] else 'off'}: {r['calls']} calls in {r['load_s']:.1f} s, the server down "
-          f"{r['down_s']:.1f} s of it; {r['answered']} answered = {r['throughput']:.1f} answered calls/s while it was "
-          "up", flush=True)
-    print("| operation | answered | p50 ms | p99 ms | max ms |\n|---|---:|---:|---:|---:|")
-    for op in OPS:
-        v = r["latency"].get(op)
-        if v:
-            print(f"| {op} | {v['n']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['max_ms']:.1f} |")
-    print(f"errors: {r['intended']} intended {r['intended_by'] or ''}; {r['restart_errors']} at the restart "
-          f"{r['restart_by'] or ''}; {r['unexpected']} unexpected {r['unexpected_by'] or ''}; {r['wrong']} wrong "
-          "answers")
-    print(f"after: store {r['store']}; tokens {r['tokens']}; shared memory {r['shm_after_run']} while serving, "
-          f"{len(r['shm_after_stop'])} folders after stop; Redis entry keys {r.get('redis_keys_after_run', '-')}, "
-          f"blocks (TTL) {r.get('redis_blocks_after_run', '-')}; "
-          f"witness {r['witness']}; {r['clients_resumed']} clients resumed after the restart; server exit "
-          f"{r['server_exit']}", flush=True)
 
 
 def _stop(signum: int, frame) -> None:

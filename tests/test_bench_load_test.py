@@ -192,3 +192,33 @@ def test_stop_signals_held_holds_them_whatever_threads_exist(first, second):
         waiter.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_a_stop_while_the_run_is_set_up_removes_what_it_made(tmp_path, monkeypatch):
+    """The work folder and the shared-memory folder were made, and --adapter copied, before the clean-up was armed: a
+    Ctrl-C (or SIGTERM) then left both behind. Here the stop comes during the adapter's copy."""
+    import glob
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(LOAD_TEST.parent))
+    import load_test
+
+    adapter = tmp_path / "adapter.safetensors"
+    adapter.write_bytes(b"x")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the work folder goes here
+    before = set(glob.glob("/dev/shm/kvload-*"))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # what the runner's SIGINT handler raises
+
+    monkeypatch.setattr(shutil, "copy", stopped)
+    handlers = {s: signal.getsignal(s) for s in load_test.STOP_SIGNALS}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_test.main(["--no-redis", "--clients", "1", "--tenants", "1", "--seconds", "1", "--restart", "none",
+                            "--adapter", str(adapter)])
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert set(glob.glob("/dev/shm/kvload-*")) == before and not list(tmp_path.glob("kvbridge-load-*"))
