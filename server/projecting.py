@@ -78,6 +78,13 @@ class CacheResult:
     source_serial: int | None = None
 
 
+def decoded_text(source: LoadedModel, ids: torch.Tensor) -> str | None:
+    """The text a source entry's ids (with the tokenizer's special tokens) decode to, when they come back from it
+    (an upload keeps no text); None otherwise."""
+    text = source.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+    return text if torch.equal(tokenize(source.tokenizer, text, add_special_tokens=True).ids, ids) else None
+
+
 def cache_label(label: str, adapter: Adapter) -> str:
     """The adapter's part of a stored projection's namespace: its label ("name@version", what clients are told) and
     its content digest, so a retrained adapter saved under the same name and version never finds the old one's KV
@@ -96,9 +103,8 @@ class Projecting:
     def _paired(self, source: LoadedModel, target: LoadedModel, segment: KVSegment, text: str | None) -> PairedText:
         if text is None:
             # Fetched by key and the text is not remembered: recover it from the ids, if they round-trip.
-            text = source.tokenizer.decode(segment.token_ids.tolist(), skip_special_tokens=True)
-            again = tokenize(source.tokenizer, text, add_special_tokens=True).ids
-            if not torch.equal(again, segment.token_ids):
+            text = decoded_text(source, segment.token_ids)
+            if text is None:
                 raise FailedPrecondition(
                     "this entry's source token ids do not come back from their decoded text, so its target tokens "
                     "cannot be aligned; fetch it by text instead")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from kvbridge.server.corrections import MODE, RECOMPUTED, recomputed_of
-from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, digest_label
+from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, decoded_text, digest_label
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -237,10 +237,8 @@ class Placing:
             source = self.models[self.source_name].lm
             if source.tokenizer is None:
                 return None
-            held = self.store.token_ids(key, tenant)
-            text = source.tokenizer.decode(held.tolist(), skip_special_tokens=True)
-            if not text.strip() or not torch.equal(tokenize(source.tokenizer, text, add_special_tokens=True).ids,
-                                                   held):
+            text = decoded_text(source, self.store.token_ids(key, tenant))
+            if text is None or not text.strip():
                 return None
             ids = _target_ids(target, text)
             self.document_ids.put(kept, ids)
