@@ -35,8 +35,8 @@ from kvbridge.adapters.teacher import source_features
 from kvbridge.adapters.weights import META_FIELDS, check_fitted_for, check_meta
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from kvbridge.transfer.tensor_files import json_field, read_tensors
+from safetensors.torch import save_file
 from torch import nn
 
 FUSER_FORMAT_VERSION = 2
@@ -172,13 +172,11 @@ def save_fuser(maps: FuserMaps, meta: AdapterMeta, path: str | Path, dtype: torc
 def load_fuser(path: str | Path) -> tuple[FuserMaps, dict]:
     """A saved fuser (float32 in memory) and its metadata; refuses files that are not fusers."""
     path = Path(path)
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        header = f.metadata() or {}
-    record = json.loads(header.get("kvbridge_adapter", "{}"))
+    t, header = read_tensors(path)
+    record = json_field(path, header, "kvbridge_adapter") if "kvbridge_adapter" in header else {}
     if record.get("kind") != "fuser" or record.get("format_version") != FUSER_FORMAT_VERSION:
         raise ValueError(f"{path.name} is not a kvbridge fuser file (format {FUSER_FORMAT_VERSION}, kind 'fuser')")
     meta = fuser_meta(record, path)
-    t = load_file(str(path))
     missing = [n for n in FUSER_TENSORS if n not in t]
     if missing:
         raise ValueError(f"{path.name} lacks tensors {missing}")

@@ -38,12 +38,11 @@ from pathlib import Path
 import torch
 from kvbridge.adapters.adapter import has_text_source, model_record
 from kvbridge.adapters.pairs import flatten_heads, pair_text
-from kvbridge.adapters.work_folder import differences
+from kvbridge.adapters.work_folder import differences, write_tensors
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.attention import switched_attention
 from kvbridge.transfer.models import LoadedModel
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from kvbridge.transfer.tensor_files import read_tensors
 from tqdm import tqdm
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -329,7 +328,7 @@ class TeacherCache:
                         none.append(w.id)
                         continue
                     name = hashlib.blake2b(w.id.encode(), digest_size=10).hexdigest() + ".safetensors"
-                    save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.root / name))
+                    write_tensors(self.root / name, tensors)
                     entry = {"id": w.id, "doc_id": w.doc_id, "file": name} | ({} if keep_kv else {"kv": False})
                     if n > 1:
                         listed.append(entry)
@@ -390,7 +389,7 @@ class TeacherCache:
         tmp.replace(path)
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.root / self.entries[i]["file"]))
+        return read_tensors(self.root / self.entries[i]["file"])[0]
 
     def has_kv(self, i: int) -> bool:
         """Window i keeps the target's own q (when the cache keeps queries), k and v: it is not lean."""
@@ -406,5 +405,4 @@ class TeacherCache:
 
     def load_tensor(self, i: int, name: str) -> torch.Tensor:
         """One tensor of window i, read without the rest of its file."""
-        with safe_open(str(self.root / self.entries[i]["file"]), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        return read_tensors(self.root / self.entries[i]["file"], names=(name,))[0][name]

@@ -80,7 +80,8 @@ from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
 from kvbridge.adapters.work_folder import check_inputs
 from kvbridge.transfer.models import LoadedModel
-from safetensors.torch import load_file, save_file
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 OBJECTIVES = ("attention", "kl", "ce", "answer", "decision", "onpolicy")
@@ -152,9 +153,11 @@ OPTION_OF = {"max_iters": " (--stages)", "warmup_iters": " (--stages)", "lr": " 
 
 def _state(path: Path) -> dict:
     """A checkpoint's state (its metadata), read without its tensors."""
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["state"])
+    try:
+        return json_field(path, read_metadata(path), "state")
+    except ValueError as exc:
+        raise ValueError(f"{exc}: it is not a kvbridge trainer checkpoint; remove {path.parent} or use another "
+                         "--work") from None
 
 
 def check_resume(out_dir: str | Path, config: TrainerConfig, inputs: dict | None = None,
@@ -225,7 +228,7 @@ def _save(path: Path, maps: ResidualMaps, optimizer, state: dict) -> None:
 
 def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:
     state = _state(path)
-    tensors = load_file(str(path))
+    tensors = read_tensors(path)[0]
     maps.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("maps.")})
     if optimizer is not None:
         params = dict(maps.named_parameters())

@@ -28,8 +28,8 @@ from kvbridge.eval.prior_fit import Windows
 from kvbridge.eval.summaries import EvalConfig
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.suffix.reuse import prefill_after
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from kvbridge.transfer.tensor_files import read_metadata, read_tensors, readable
+from safetensors.torch import save_file
 
 
 def window_instruction(window_id: str, text: str, dev: bool) -> str:
@@ -58,15 +58,13 @@ class AnswerWindows(Windows):
         super().build(needed, log)
         for index in sorted(needed):
             path = self.answer_path(index)
-            with safe_open(str(self.path(index)), "pt") as f:
-                window_id = (f.metadata() or {}).get("id", str(index))
-                ids = f.get_tensor("ids")
+            tensors, meta = read_tensors(self.path(index), names=("ids",))
+            window_id, ids = meta.get("id", str(index)), tensors["ids"]
             text = self.target.tokenizer.decode(ids, skip_special_tokens=True)
             instruction = window_instruction(window_id, text, index < self.recipe.dev)
-            if path.is_file():  # made before: kept when asked as this recipe asks it (its --dev decides which are)
-                with safe_open(str(path), "pt") as f:
-                    if (f.metadata() or {}).get("instruction") == instruction:
-                        continue
+            if readable(path):  # made before: kept when asked as this recipe asks it (its --dev decides which are)
+                if read_metadata(path).get("instruction") == instruction:
+                    continue
                 log(f"answer {index} {window_id}: made for another instruction (another --dev); made again")
             prompt = instruction_ids(self.target, instruction)
             answer = own_answer(self.target, ids, prompt, self.max_new_tokens)
@@ -78,5 +76,5 @@ class AnswerWindows(Windows):
 
     def __getitem__(self, index: int) -> dict:
         if index not in self._loaded:
-            self._loaded[index] = {**load_file(str(self.path(index))), **load_file(str(self.answer_path(index)))}
+            self._loaded[index] = {**read_tensors(self.path(index))[0], **read_tensors(self.answer_path(index))[0]}
         return self._loaded[index]

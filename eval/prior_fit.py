@@ -38,13 +38,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kvbridge.adapters.work_folder import write_tensors
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
 from kvbridge.transfer.suffix.reuse import prefill_after
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors, readable
+from safetensors.torch import save_file
 
 RECOMPUTE = 0.1  # recompute:0.1: the share of the context the target recomputes at its end
 OBJECTIVES = ("continuation", "answer")
@@ -174,7 +175,7 @@ class Windows:
 
     def build(self, needed: set[int], log=print) -> None:
         """Project the windows of `needed` (indices < recipe.windows) that are not in the folder yet."""
-        todo = {i for i in needed if not self.path(i).is_file()}
+        todo = {i for i in needed if not readable(self.path(i))}  # a copy cut short is made again
         if not todo:
             return
         from kvbridge.eval.run import start_local_server
@@ -194,7 +195,7 @@ class Windows:
                                                      mode="replace").segment
                     self._save(index, doc, segment.kv.float())
                     log(f"window {index} {doc.record.id} {doc.doc_tokens} tokens {time.perf_counter() - t0:.1f} s")
-            found = sum(self.path(i).is_file() for i in todo)
+            found = sum(readable(self.path(i)) for i in todo)
             if found < len(todo):
                 raise ValueError(f"the corpora in {self.data} give {found} of the {len(todo)} windows asked for")
         finally:
@@ -208,13 +209,12 @@ class Windows:
         head = KVSegment(kv=kv[:, :, :, :t - k], token_ids=ids[:t - k], positions=torch.arange(t - k),
                          model=self.target.spec.identity, rotated=True)
         tail = prefill_after(self.target, head, ids[t - k:]).kv.float()
-        save_file({"ids": ids, "cont": doc.continuation, "kv": kv.to(torch.bfloat16).contiguous(),
-                   "tail": tail.to(torch.bfloat16).contiguous()}, str(self.path(index)),
-                  metadata={"id": doc.record.id})
+        write_tensors(self.path(index), {"ids": ids, "cont": doc.continuation, "kv": kv.to(torch.bfloat16),
+                                         "tail": tail.to(torch.bfloat16)}, metadata={"id": doc.record.id})
 
     def __getitem__(self, index: int) -> dict:
         if index not in self._loaded:
-            self._loaded[index] = load_file(str(self.path(index)))
+            self._loaded[index] = read_tensors(self.path(index))[0]
         return self._loaded[index]
 
 
@@ -296,11 +296,9 @@ def _save_checkpoint(path: Path, recipe: Recipe, step: int, theta, opt, trajecto
 def _resume(path: Path, recipe: Recipe, theta, opt) -> tuple[int, dict]:
     if not path.is_file():
         return 0, {}
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        if Recipe(**json.loads(meta["recipe"])) != recipe:
-            raise ValueError(f"{path} holds a run of another recipe ({meta['recipe']}): use another --work folder")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = read_tensors(path, names=("theta", "exp_avg", "exp_avg_sq"))
+    if "recipe" not in meta or Recipe(**json.loads(meta["recipe"])) != recipe:
+        raise ValueError(f"{path} holds a run of another recipe ({meta.get('recipe')}): use another --work folder")
     step = int(meta["step"])
     with torch.no_grad():
         theta.copy_(tensors["theta"])
@@ -310,8 +308,8 @@ def _resume(path: Path, recipe: Recipe, theta, opt) -> tuple[int, dict]:
 
 
 def recorded(path: Path) -> dict:
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads((f.metadata() or {}).get("kvbridge_prior", "{}"))
+    header = read_metadata(path)
+    meta = json_field(path, header, "kvbridge_prior") if "kvbridge_prior" in header else {}
     if "recipe" not in meta or "dev_nll" not in meta:
         raise ValueError(f"{path} records no recipe and dev NLL (kvbridge_prior metadata): not made by `kvbridge "
                          "prior fit`")

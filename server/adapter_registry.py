@@ -226,8 +226,10 @@ class AdapterRegistry:
 
 
 def _file_name_ok(path: Path) -> bool:
-    """A file whose stem is a loadable bare name (x.safetensors.safetensors is not: its name would strip to x)."""
-    return bool(NAME.fullmatch(path.stem)) and not path.stem.endswith(SUFFIX)
+    """A file whose stem is a loadable bare name (x.safetensors.safetensors is not: its name would strip to x) and
+    that resolves inside its folder (a symlink pointing out is neither listed nor loaded: `AdapterRegistry.path`)."""
+    return (bool(NAME.fullmatch(path.stem)) and not path.stem.endswith(SUFFIX)
+            and path.resolve().parent == path.parent.resolve())
 
 
 def _meta_dict(adapter: Adapter) -> dict:

@@ -88,7 +88,7 @@ class Corrections:
                         prior = InductionPrior.load_for(self.limits.prior_file, lm)
                         terms = prior.terms.contiguous().numpy().tobytes()
                         tag = "/prior~" + hashlib.sha256(terms).hexdigest()[:16]
-                    except ValueError:  # another target's file (or none at all: check_prior_file says so)
+                    except (ValueError, OSError):  # another target's file, a damaged one, none: check_prior_file says
                         prior = None
                 self._priors[lm.name] = prior if prior is not None else InductionPrior.for_model(lm)
                 self._tags[lm.name] = tag

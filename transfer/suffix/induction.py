@@ -50,7 +50,7 @@ from kvbridge.transfer.suffix.induction_attention import (
     open_mask,
     prior_attention,
 )
-from safetensors import safe_open
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors
 from safetensors.torch import save_file
 
 __all__ = ["InductionPrior", "induction_scores", "find_fitted",
@@ -164,24 +164,19 @@ class InductionPrior:
     def _read(cls, path: str | Path) -> tuple[InductionPrior, dict]:
         """(the prior, its file's kvbridge_prior metadata)."""
         path = Path(path)
-        with safe_open(str(path), "pt") as f:
-            if "kvbridge_prior" not in (f.metadata() or {}) or "terms" not in f.keys():
-                raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
-            try:
-                meta = json.loads(f.metadata()["kvbridge_prior"])
-            except ValueError:
-                meta = None
-            if not isinstance(meta, dict):
-                raise ValueError(f"{path}: its kvbridge_prior metadata is not a JSON object")
-            adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
-            adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
-            terms = f.get_tensor("terms")
-            if terms.is_floating_point() and not bool(torch.isfinite(terms).all()):
-                raise ValueError(f"{path}: its terms hold non-finite values (NaN or infinity)")
-            try:
-                return cls(terms.float(), origin=path.name, adapter=adapter), meta
-            except ValueError as exc:  # a shape or kind that is not a prior's: named with the file
-                raise ValueError(f"{path}: {exc}") from None
+        tensors, header = read_tensors(path)
+        if "kvbridge_prior" not in header or "terms" not in tensors:
+            raise ValueError(f"{path} is not an induction prior file (no kvbridge_prior metadata or terms)")
+        meta = json_field(path, header, "kvbridge_prior")
+        adapter = meta.get("adapter")  # before adapter digests were recorded: the adapter's file stem alone
+        adapter = adapter if isinstance(adapter, dict) else {"name": str(adapter)} if adapter else None
+        terms = tensors["terms"]
+        if terms.is_floating_point() and not bool(torch.isfinite(terms).all()):
+            raise ValueError(f"{path}: its terms hold non-finite values (NaN or infinity)")
+        try:
+            return cls(terms.float(), origin=path.name, adapter=adapter), meta
+        except ValueError as exc:  # a shape or kind that is not a prior's: named with the file
+            raise ValueError(f"{path}: {exc}") from None
 
     def stale_for(self, digest: str) -> str | None:
         """Why this prior was not fitted for the adapter of content `digest` (Adapter.digest), else None: a fitted
@@ -266,8 +261,10 @@ def find_fitted(lm: LoadedModel, folder: Path | None = None) -> Path | None:
     """The fitted prior file in `folder` (default: the shipped `priors/`) for exactly `lm` (config hash), or None."""
     folder = PRIORS if folder is None else Path(folder)
     for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvbridge_prior", "{}"))
-        if meta.get("target", {}).get("config_hash") == lm.spec.identity.config_hash:
+        header = read_metadata(path)
+        if "kvbridge_prior" not in header:  # not a prior
+            continue
+        meta = json_field(path, header, "kvbridge_prior")
+        if (meta.get("target") or {}).get("config_hash") == lm.spec.identity.config_hash:
             return path
     return None
