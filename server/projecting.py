@@ -22,6 +22,7 @@ from kvbridge.adapters.pairs import PairedText, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.shm_segments import PendingSegment
+from kvbridge.server.undo import undoable
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -127,6 +128,7 @@ class Projecting:
         return PairedText(text=text, source_ids=src.ids, target_ids=tgt.ids, alignment=align_tokens(src, tgt),
                           target_offsets=tgt.offsets)
 
+    @undoable
     def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",
                         adapter: str = "", offset: int = 0, require_cached: bool = False,
                         out: KVOut | None = None, mode: str = "") -> CacheResult:
@@ -191,10 +193,10 @@ class Projecting:
         log.info("correction tenant=%s mode=%s tokens=%d source=%s in %.2f s", tenant, correction,
                  fixed.segment.num_tokens, base.source_key[:16], time.perf_counter() - started)
         self._count("correction", computed=fixed.segment.num_tokens)
-        info = self.store.put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
-                              text=base.text, source_key=base.source_key, source_serial=base.source_serial,
-                              annotations={"exact_coverage": base.exact_coverage,
-                                           **self.corrections.annotations(correction, fixed)})
+        info = self._put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
+                         text=base.text, source_key=base.source_key, source_serial=base.source_serial,
+                         annotations={"exact_coverage": base.exact_coverage,
+                                      **self.corrections.annotations(correction, fixed)})
         return info, fixed.segment
 
     @contextlib.contextmanager
@@ -269,36 +271,33 @@ class Projecting:
             lead = int(held.kind == "prefix") if held is not None else 1
             return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
                            source_serial=held.serial if held is not None else None)
-        source_key, segment, known, created, held = self._source_entry(tenant, key, text, require_cached)
-        try:
-            if segment.model != source.lm.spec.identity:
-                raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
-                                         f"from the source model {source.lm.name!r}")
-            tspec = target.lm.spec
-            lead = int(held.kind == "prefix")
-            if lead:
-                paired = self._paired(source.lm, target.lm, segment, known)
-            else:  # a piece of a text, at its positions there
-                paired = self._paired_segment(source.lm, target.lm, segment, known)
-            t_t = paired.target_ids.numel()
-            if offset + t_t > target.max_positions:
-                raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
-                                 f"{target.max_positions} positions")
-            namespace = f"{ident}#{source_key}"  # projected KV of this source entry through this adapter
-            with self._projecting:
-                projected, reused = self._project_reusing(tenant, source_key, segment, paired, ident, chosen, source,
-                                                          target)
-            self._count("projection", reused=reused, computed=t_t - reused)
-            # linked to its source entry (a Delete of that removes it too); a no-op when already there
-            info = self.store.put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
-                                  source_key=source_key, source_serial=held.serial,
-                                  annotations={"exact_coverage": paired.alignment.exact_coverage})
-            return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
-                           source_serial=held.serial)
-        except Exception:
-            if created is not None:  # undo this call's ingest, unless another request stored or projected it since
-                self.store.delete(source_key, tenant, if_generation=created.generation)
-            raise
+        # a failure after an ingest of the text is undone by projected_cache (server/undo)
+        source_key, segment, known, _, held = self._source_entry(tenant, key, text, require_cached)
+        if segment.model != source.lm.spec.identity:
+            raise FailedPrecondition(f"entry {source_key[:16]}... holds KV of {segment.model.name!r}; adapters map "
+                                     f"from the source model {source.lm.name!r}")
+        tspec = target.lm.spec
+        lead = int(held.kind == "prefix")
+        if lead:
+            paired = self._paired(source.lm, target.lm, segment, known)
+        else:  # a piece of a text, at its positions there
+            paired = self._paired_segment(source.lm, target.lm, segment, known)
+        t_t = paired.target_ids.numel()
+        if offset + t_t > target.max_positions:
+            raise ValueError(f"offset {offset} + {t_t} projected tokens exceeds {tspec.name!r}'s "
+                             f"{target.max_positions} positions")
+        kvcache.check_rope_window(tspec, offset + t_t)  # a longrope target's tables switch below that: refused now
+        namespace = f"{ident}#{source_key}"  # projected KV of this source entry through this adapter
+        with self._projecting:
+            projected, reused = self._project_reusing(tenant, source_key, segment, paired, ident, chosen, source,
+                                                      target)
+        self._count("projection", reused=reused, computed=t_t - reused)
+        # linked to its source entry (a Delete of that removes it too); a no-op when already there
+        info = self._put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
+                         source_key=source_key, source_serial=held.serial,
+                         annotations={"exact_coverage": paired.alignment.exact_coverage})
+        return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
+                       source_serial=held.serial)
 
     def _project_reusing(self, tenant: str, source_key: str, segment: KVSegment, paired: PairedText, label: str,
                          chosen: Adapter, source: ServedModel, target: ServedModel) -> tuple[KVSegment, int]:

@@ -26,6 +26,7 @@ from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.projecting import CacheResult, KVOut, Projecting, ServedModel
 from kvbridge.server.prompt_place import KeptIds, Placing
 from kvbridge.server.request_limits import quote
+from kvbridge.server.undo import created, undoable
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import tokenize
 from kvbridge.transfer.errors import NotFound
@@ -179,12 +180,17 @@ class KVBridgeService(Placing, Projecting):
         if not text.strip():
             raise ValueError("text is empty: there is nothing to cache")
 
+    def _put(self, segment: KVSegment, tenant: str, **options) -> EntryInfo:
+        """store.put, the entry noted as this call's when the put created it (undone if the call fails: server/undo)."""
+        return created(self.store.put(segment, tenant, **options), tenant)
+
     def _kept(self, text: str | None) -> str | None:
         """The text to keep with an entry (for aligning it again when it is fetched by key): None when too long."""
         return text if text is not None and len(text) <= self.limits.text_memo_chars else None
 
     # ------------------------------------------------------------------------------------------ RPCs
 
+    @undoable
     def ingest(self, tenant: str, text: str | None = None, token_ids=None, model: str = "", session_id: str = "",
                detect_segments: bool = False, ttl_s: float | None = None, pin: bool = False) -> IngestResult:
         """Run the source model on the text (or ids) and store its KV as one prefix entry; with detect_segments
@@ -223,7 +229,7 @@ class KVBridgeService(Placing, Projecting):
             spans = self.detector.segments(lm.model, lm.spec, ids) if detect_segments else []
         reused = prefix.num_tokens if prefix is not None else 0
         self._count("ingest", reused=reused, computed=ids.numel() - reused)
-        info = self.store.put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin, text=self._kept(text))
+        info = self._put(segment, tenant, kind="prefix", ttl_s=ttl_s, pin=pin, text=self._kept(text))
         entries = [(info, 0)]
         if len(spans) > 1:
             entries += self._store_segments(tenant, lm, text, ids, segment, spans, ttl_s)
@@ -251,27 +257,21 @@ class KVBridgeService(Placing, Projecting):
     def _store_segments(self, tenant: str, lm: LoadedModel, text: str, ids: torch.Tensor, segment: KVSegment,
                         spans: list[tuple[int, int]], ttl_s: float | None) -> list[tuple[EntryInfo, int]]:
         """Each detected span whose text tokenizes back to its own tokens, as a "segment" entry (KV at its
-        positions in the text). A failure removes the ones stored before it."""
+        positions in the text). A failure removes them and the prefix entry (`ingest` is undoable: server/undo)."""
         tokenized = tokenize(lm.tokenizer, text, add_special_tokens=True)
         stored: list[tuple[EntryInfo, int]] = []
-        try:
-            for start, end in spans:
-                text_tokens = (~tokenized.special[start:end]).nonzero()[:, 0] + start
-                if text_tokens.numel() == 0:
-                    continue
-                a, b = int(text_tokens[0]), int(text_tokens[-1]) + 1  # structural specials stay out
-                piece = text[int(tokenized.offsets[a, 0]):int(tokenized.offsets[b - 1, 1])]
-                alone = tokenize(lm.tokenizer, piece, add_special_tokens=False).ids
-                if not piece.strip() or not torch.equal(alone, ids[a:b]):
-                    log.info("segment [%d, %d) does not tokenize back to itself alone: not stored", a, b)
-                    continue
-                info = self.store.put(segment.slice(a, b), tenant, kind="segment", ttl_s=ttl_s, text=self._kept(piece))
-                stored.append((info, a))
-        except Exception:
-            for info, _ in stored:
-                if info.new_blocks:
-                    self.store.delete(info.key, tenant)
-            raise
+        for start, end in spans:
+            text_tokens = (~tokenized.special[start:end]).nonzero()[:, 0] + start
+            if text_tokens.numel() == 0:
+                continue
+            a, b = int(text_tokens[0]), int(text_tokens[-1]) + 1  # structural specials stay out
+            piece = text[int(tokenized.offsets[a, 0]):int(tokenized.offsets[b - 1, 1])]
+            alone = tokenize(lm.tokenizer, piece, add_special_tokens=False).ids
+            if not piece.strip() or not torch.equal(alone, ids[a:b]):
+                log.info("segment [%d, %d) does not tokenize back to itself alone: not stored", a, b)
+                continue
+            info = self._put(segment.slice(a, b), tenant, kind="segment", ttl_s=ttl_s, text=self._kept(piece))
+            stored.append((info, a))
         return stored
 
     def check_upload(self, upload: SourceUpload) -> tuple[ServedModel, torch.Tensor, torch.Tensor]:
@@ -306,6 +306,7 @@ class KVBridgeService(Placing, Projecting):
             raise ValueError("header.positions of a prefix entry must be 0..T-1 (send kind 'segment' otherwise)")
         return served, ids, positions
 
+    @undoable
     def put_source(self, tenant: str, upload: SourceUpload, kv: torch.Tensor) -> tuple[EntryInfo, int]:
         """Store uploaded source KV ([L, 2, H, T, D]); converted to the served model's dtype."""
         served, ids, positions = self.check_upload(upload)
@@ -320,7 +321,7 @@ class KVBridgeService(Placing, Projecting):
                              f"past the range of {spec.dtype}, the dtype {spec.name!r} is served and stored in")
         segment = KVSegment(kv=converted, token_ids=ids, positions=positions.clone(), model=spec.identity,
                             rotated=True)
-        info = self.store.put(segment, tenant, kind=upload.kind, ttl_s=upload.ttl_s, pin=upload.pin)
+        info = self._put(segment, tenant, kind=upload.kind, ttl_s=upload.ttl_s, pin=upload.pin)
         log.info("put_source tenant=%s model=%s tokens=%d key=%s", tenant, spec.name, t, info.key[:16])
         return info, int(positions[0])
 
@@ -358,6 +359,7 @@ class KVBridgeService(Placing, Projecting):
         created = info if info.generation == 0 else None  # else another request stored it meanwhile
         return info.key, self.store.get(info.key, tenant), text, created, info
 
+    @undoable
     def source_cache(self, tenant: str, key: str | None = None, text: str | None = None,
                      require_cached: bool = False) -> CacheResult:
         key, segment, known, _, _ = self._source_entry(tenant, key, text, require_cached)

@@ -33,6 +33,7 @@ from kvbridge.server.request_limits import clip_details
 from kvbridge.server.service import CacheResult, KVBridgeService, SourceUpload
 from kvbridge.server.shm_layout import LAYOUT
 from kvbridge.server.shm_segments import SegmentRegistry, SegmentsFull
+from kvbridge.server.undo import undone_on_failure
 from kvbridge.server.wire_cache import StreamOut, WireCache
 from kvbridge.transfer import timeline
 from kvbridge.transfer.errors import CapacityError, NotFound
@@ -183,6 +184,8 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                 with self.uploads.hold(tenant):
                     with self.watchdog.watch(context.cancel) as watched:  # the stream's messages, not the store's work
                         upload, kv = self._receive(method, request_iterator, watched)
+                    if not context.is_active():  # cancelled, or past its deadline, after its last chunk: grpc ends
+                        raise ConnectionAbortedError("the client left")  # the iterator as if it half-closed
                     info, start = self.service.put_source(tenant, upload, kv)
                 return pb2.PutSourceKVResponse(entry=_entry(info, start, upload.model))
             except Exception as exc:
@@ -273,34 +276,36 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                     pending = lent = StreamOut(self.wire, self.buffers.lend(out_dtype) if self.buffers else None,
                                                tenant, out_dtype, size)
                 timeline.event("server_begin")
-                result = fetch(tenant, pending)
-                seg = result.segment
-                # sent before: seg.kv is a meta tensor (a reuse whose entry went before its touch projected again:
-                # real KV, whatever messages the reuse found are not this fetch's)
-                resent = lent is not None and lent.messages is not None and seg.kv.is_meta
-                if resent:
-                    kv = seg.kv
-                else:
-                    kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
-                n_layers, _, h, t, d = kv.shape
-                per_token = 2 * h * d * kv.element_size()  # one token of one layer
-                if per_token + CHUNK_FRAMING > limit.bytes:
-                    raise MessageTooLarge(f"one token of one layer of this KV is {per_token} bytes: no chunk of it "
-                                          f"fits in the message limit of {limit}")
-                ranges = plan_chunks(n_layers, t, per_token, size)
-                header = pb2.CacheHeader(
-                    model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
-                    dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
-                    token_ids=seg.token_ids.tolist(), positions=seg.positions.tolist(), rotated=seg.rotated,
-                    entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
-                    num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
-                    text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
-                    exact_coverage=result.exact_coverage, mode=result.mode,
-                    recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
-                    adapter_digest=result.adapter_digest,
-                    document_position=None if result.document_index is None
-                    else int(seg.positions[0]) + result.document_index)
-                fit_header(header, limit, per_token)  # a first message holds it (without the text if need be)
+                # what the fetch stored is removed again when its reply is refused here (server/undo)
+                with undone_on_failure(self.service.store):
+                    result = fetch(tenant, pending)
+                    seg = result.segment
+                    # sent before: seg.kv is a meta tensor (a reuse whose entry went before its touch projected again:
+                    # real KV, whatever messages the reuse found are not this fetch's)
+                    resent = lent is not None and lent.messages is not None and seg.kv.is_meta
+                    if resent:
+                        kv = seg.kv
+                    else:
+                        kv = seg.kv.to(device="cpu", dtype=out_dtype or seg.dtype)  # [L, 2, H, T, D]
+                    n_layers, _, h, t, d = kv.shape
+                    per_token = 2 * h * d * kv.element_size()  # one token of one layer
+                    if per_token + CHUNK_FRAMING > limit.bytes:
+                        raise MessageTooLarge(f"one token of one layer of this KV is {per_token} bytes: no chunk of it "
+                                              f"fits in the message limit of {limit}")
+                    ranges = plan_chunks(n_layers, t, per_token, size)
+                    header = pb2.CacheHeader(
+                        model=pb2.ModelRef(name=seg.model.name, config_hash=seg.model.config_hash),
+                        dtype=dtype_name(kv.dtype), num_layers=n_layers, num_kv_heads=h, head_dim=d,
+                        token_ids=seg.token_ids.tolist(), positions=seg.positions.tolist(), rotated=seg.rotated,
+                        entry_key=result.entry_key, source_key=result.source_key, adapter=result.adapter,
+                        num_chunks=len(ranges), total_bytes=kv.numel() * kv.element_size(),
+                        text=result.text if result.text and len(result.text) <= MAX_HEADER_TEXT_CHARS else "",
+                        exact_coverage=result.exact_coverage, mode=result.mode,
+                        recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
+                        adapter_digest=result.adapter_digest,
+                        document_position=None if result.document_index is None
+                        else int(seg.positions[0]) + result.document_index)
+                    fit_header(header, limit, per_token)  # a first message holds it (without the text if need be)
                 failure = None
             except Exception as exc:
                 failure = self._failure(outcome, method, exc)
@@ -309,13 +314,22 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
             if failure is not None:
                 context.abort(*failure)
             if pending is not None and lent is None:
+                if not context.is_active():  # the client left while the server fetched: no segment for nobody
+                    pending.discard()
+                    outcome["code"] = "CANCELLED"
+                    return
                 shared = self._publish(method, pending, kv)
                 if shared is not None:  # one message, no KV in it: the client reads the file and releases it
                     header.shared.CopyFrom(shared)
                     header.num_chunks = 0
                     timeline.event("server_end")
                     self.metrics.bytes_streamed.labels(method, "shm").inc(shared.size)
-                    yield pb2.CacheChunk(header=header)
+                    outcome["code"] = "CANCELLED"  # until the header is out: a client that leaves closes this
+                    try:
+                        yield pb2.CacheChunk(header=header)
+                    except GeneratorExit:  # nobody will read or release the segment: removed now, not at its TTL
+                        self.segments.release(tenant, shared.name)
+                        raise
                     outcome["code"] = "OK"
                     return
             outcome["code"] = "CANCELLED"  # until the last chunk is out: a client that leaves closes this generator

@@ -75,6 +75,7 @@ class SegmentRegistry(KeptFiles, SpareFiles):
         remove_stale_folders(root)
         self.folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root))  # 0700, random name
         self._lock_fd = hold_lock(self.folder)
+        self._closed = False
         self.spares = spares  # spare files kept ready (made only once start() runs the thread that makes them)
         self.held_bytes = 0
         self._live: dict[str, Segment] = {}
@@ -220,8 +221,12 @@ class SegmentRegistry(KeptFiles, SpareFiles):
             thread.start()
 
     def close(self) -> None:
-        """Stop the sweeper and remove every segment and the folder (server shutdown)."""
+        """Stop the sweeper and remove every segment and the folder (server shutdown); once: a second call does
+        nothing (its lock file's descriptor, closed here, may be another file's by then)."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._stop.set()
             self._wake.notify_all()
         for thread in self._threads:

@@ -43,7 +43,19 @@ def _during_projection(monkeypatch, action, fail: bool):
     real = projecting_module.project
 
     def project(*args, **kwargs):
-        action()
+        raised = []
+
+        def another_request():  # on a thread of its own, as a server runs it (its own call: server/undo)
+            try:
+                action()
+            except BaseException as exc:
+                raised.append(exc)
+
+        runner = threading.Thread(target=another_request)
+        runner.start()
+        runner.join()
+        if raised:
+            raise raised[0]
         if fail:
             raise RuntimeError("the projection failed")
         return real(*args, **kwargs)

@@ -342,3 +342,14 @@ def test_the_store_touches_an_entry_by_its_serial_and_refuses_another(tmp_path):
     assert again.key == info.key and again.serial != info.serial
     with pytest.raises(NotFound, match="stored again"):
         store.touch(info.key, "alice", held, info.serial)
+
+
+def test_closing_a_registry_twice_closes_no_other_file(tmp_path):
+    registry = SegmentRegistry(tmp_path, ttl_s=10.0, max_bytes=1 << 20)
+    registry.close()
+    fd = os.open(tmp_path / "mine", os.O_CREAT | os.O_RDWR)  # likely the number the lock file's descriptor had
+    try:
+        registry.close()  # a shutdown's second stop (a finally and an atexit hook, say)
+        os.fstat(fd)  # still this file's
+    finally:
+        os.close(fd)

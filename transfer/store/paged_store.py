@@ -243,21 +243,35 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             # only), so that the room allocation makes there cannot push them out, losing the entries that use them
             # for nothing; put back if the blocks cannot be had
             moved = {i: item for i in missing if self.cpu is not None and (item := self.cpu.pop(hashes[i]))}
+
+            def given_back(new_blocks):  # nothing stored: the blocks, the claim and the CPU tier's copies as before
+                for block in new_blocks:
+                    if block.block_hash is not None:
+                        del pool.hash_to_block[block.block_hash]
+                        block.block_hash = None
+                pool.unref(held + new_blocks)
+                below = []  # (room the allocation took since, by demoting what it evicted, pushes others on)
+                for i, (key_of_layout, block) in moved.items():
+                    below += self.cpu.put(hashes[i], key_of_layout, block)
+                self._lose(self.residency.below_cpu(below))
+                self.residency.drop(pool, self.registry.release(key, hashes))
+
             try:
                 new_blocks = self._allocate(pool, len(missing))
             except CapacityError:  # raised before any eviction: the CPU tier has the room they left
-                for i, (key_of_layout, block) in moved.items():
-                    evicted = self.cpu.put(hashes[i], key_of_layout, block)
-                    assert not evicted, "restoring popped blocks cannot overflow the CPU tier"
-                pool.unref(held)
-                self.residency.drop(pool, self.registry.release(key, hashes))
+                given_back([])
                 raise
-            # the new blocks, straight from the segment: kv [L, 2, H, T, D] -> pool [n, L, 2, H, bs, D]
-            if missing:
-                pool.write_segment([b.block_id for b in new_blocks], segment.kv, missing)
-            for i, block in zip(missing, new_blocks):
-                pool.set_hash(block, hashes[i])
-                present[i] = block
+            try:
+                # the new blocks, straight from the segment: kv [L, 2, H, T, D] -> pool [n, L, 2, H, bs, D] (a
+                # device's out-of-memory error, say, stores nothing)
+                if missing:
+                    pool.write_segment([b.block_id for b in new_blocks], segment.kv, missing)
+                for i, block in zip(missing, new_blocks):
+                    pool.set_hash(block, hashes[i])
+                    present[i] = block
+            except BaseException:
+                given_back(new_blocks)
+                raise
             # (A source lost to the evictions above keeps its link here: links outlive their source, so a Delete of
             # that key, or of the same text stored again, still removes this entry.)
             entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=segment.model,

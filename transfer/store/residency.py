@@ -120,6 +120,12 @@ class Residency:
             self.evictions["cpu"] += len(below)
         else:
             below = [(h, pool.layout.key, block) for (h, _), block in zip(live, data)]
+        return self.below_cpu(below)
+
+    def below_cpu(self, below: list[tuple[BlockHash, str, torch.Tensor]]) -> list[BlockHash]:
+        """Blocks that left the CPU tier (or, without one, the device): to Redis when it is up (sent after the
+        lock), else lost; returns the hashes of those lost (of blocks some entry still uses)."""
+        users = self.registry.users
         below = [item for item in below if item[0] in users]
         if not below:
             return []
