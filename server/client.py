@@ -338,7 +338,8 @@ class KVBridgeClient:
         transport: None for the client's default, else "stream", "shared_memory" or "auto".
         prompt: the target prompt's token ids, when the document does not begin it (a chat template or an
         instruction before it): the cache then holds the target's own KV of the tokens before the document, then
-        the document at its positions in the prompt (not with offset).
+        the document at its positions in the prompt (not with offset), up to where the prompt stops holding it (it
+        ends, or goes on otherwise: an edited text), so every cached token is the prompt's; prefill the rest.
         keep_shared: a same-host segment is left for another process to read (`FetchedCache.shared`; the caller
         releases it with release_segment), not mapped here."""
         request = pb2.GetProjectedCacheRequest(target_model=target_model, adapter=adapter, offset=offset,
@@ -360,7 +361,9 @@ class KVBridgeClient:
     def projected_cache(self, target, text: str | None = None, key: str | None = None, adapter: str = "",
                         **fetch_kwargs):
         """(DynamicCache for `target` (a LoadedModel), target token ids [T]) projected on the server: continue
-        with `target.model.generate(input_ids=cat(target_ids, prompt), cache=cache, ...)`."""
+        with `target.model.generate(input_ids=cat(target_ids, prompt), cache=cache, ...)`, where `prompt` holds at
+        least one token (generate reads the cache for input_ids[:-n] only when n new tokens follow it: with none, it
+        feeds the cache's last token again at a new position and answers otherwise; `kvcache.generate` refuses it)."""
         fetched = self.fetch_projected(text=text, key=key, target_model=target.name, adapter=adapter,
                                        **fetch_kwargs)
         _check_model(fetched.segment.model, target.spec.identity)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from kvbridge.server.corrections import MODE, RECOMPUTED, recomputed_of
 from kvbridge.server.projecting import CacheResult, KVOut, ServedModel, decoded_text, digest_label
+from kvbridge.server.undo import undoable
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.align import start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
@@ -49,12 +50,26 @@ class Located:
     head: int  # prompt tokens before the served document tokens: the target computes their own KV
     skip: int  # leading document tokens not served (the prompt cuts them otherwise; they are in the head)
     as_stored: bool  # the prompt begins with the stored cache's own tokens (start token, document): serve it as is
+    cut: int = 0  # last document tokens not served: the prompt ends, or goes on otherwise (an edit), before them
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, max_skip: int = MAX_SKIP) -> Located:
     """Where the document of a stored projection (`cache_ids`: start token, then the document's target tokens)
     begins in `prompt`: the first place where `probe` of its tokens (all of them when it has fewer), from the
-    `skip`-th on, follow one another, for the smallest skip < max_skip. ValueError (a sentence) when there is none."""
+    `skip`-th on, follow one another, for the smallest skip < max_skip. The served cache ends where the prompt stops
+    holding the document (`cut`: the prompt ends before the document does, or goes on otherwise: an edited text, a
+    last token merged with the text after it), so it never holds KV of tokens the prompt does not have; the prompt's
+    tokens after it are the caller's to prefill. ValueError (a sentence) when there is no such place."""
     if probe < 1 or max_skip < 1:
         raise ValueError(f"probe and max_skip must be >= 1, got {probe} and {max_skip}")
     prompt, doc = list(prompt), list(cache_ids[1:])
@@ -62,7 +77,8 @@ def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, 
         raise ValueError("the projected cache holds no document tokens")
     n = min(probe, len(doc))
     if prompt[:n + 1] == list(cache_ids[:n + 1]):
-        return Located(head=1, skip=0, as_stored=True)
+        cut = len(doc) - _common(prompt[1:], doc)
+        return Located(head=1, skip=0, as_stored=not cut, cut=cut)
     for skip in range(min(max_skip, len(doc))):
         run = doc[skip:skip + probe]
         if len(run) < n:  # a short document's last tokens: fewer than the run the error names (a "." would do)
@@ -70,7 +86,8 @@ def locate(prompt: Sequence[int], cache_ids: Sequence[int], probe: int = PROBE, 
         first = run[0]
         for h in range(len(prompt) - len(run) + 1):
             if prompt[h] == first and prompt[h:h + len(run)] == run:
-                return Located(head=h, skip=skip, as_stored=False)
+                held = _common(prompt[h:], doc[skip:])
+                return Located(head=h, skip=skip, as_stored=False, cut=len(doc) - skip - held)
     raise ValueError(f"the prompt ({len(prompt)} tokens) does not hold the document's target tokens: none of its "
                      f"first {min(max_skip, len(doc))} tokens starts a run of {n} of them in the prompt (is it the "
                      "same text, tokenized by the target's tokenizer?)")
@@ -80,6 +97,7 @@ class Placing:
     """Prompt placement, a part of KVBridgeService beside `Projecting` (whose store, models, adapters, corrections
     and projected caches it uses)."""
 
+    @undoable
     def prompt_cache(self, tenant: str, prompt: list[int], key: str | None = None, text: str | None = None,
                      target_model: str = "", adapter: str = "", require_cached: bool = False, out: KVOut | None = None,
                      mode: str = "") -> CacheResult:
@@ -103,11 +121,11 @@ class Placing:
             where = locate(prompt, document)  # refused here, before anything is computed or stored
             if where.as_stored:  # the warm fast path
                 return self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, out, mode)
-            _check_fits(where, len(document) - 1 - where.skip, target)
+            _check_fits(where, len(document) - 1 - where.skip - where.cut, target)
             namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
             if namespace is not None:  # placed before for this head: as warm as a plain fetch
-                kept = self._kept_placement(tenant, target, namespace,
-                                            prompt[:where.head] + document[1 + where.skip:], out, where.head)
+                kept = self._kept_placement(tenant, target, namespace, prompt[:where.head]
+                                            + document[1 + where.skip:len(document) - where.cut], out, where.head)
                 if kept is not None:
                     return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
@@ -117,9 +135,10 @@ class Placing:
         if where.as_stored:
             return base
         first = lead + where.skip  # the first served document token in the stored cache
-        served = seg.num_tokens - first
+        end = seg.num_tokens - where.cut  # and the last's end
+        served = end - first
         _check_fits(where, served, target)
-        doc = seg.slice(first, seg.num_tokens)
+        doc = seg.slice(first, end)
         moved = torch.arange(where.head, where.head + served)
         keys = target.lm.rope.shift_all(doc.keys.float(), doc.positions, moved)
         doc = doc.with_keys(keys.to(doc.dtype), moved, rotated=True)
@@ -128,15 +147,16 @@ class Placing:
             parts.insert(0, self._own_head(tenant, target, prompt[:where.head]).to(device=doc.device, dtype=doc.dtype))
         shift = where.head - first
         placed = replace(base, segment=KVSegment.concat(parts),
-                         recomputed=tuple(p + shift for p in base.recomputed if p >= first), document_index=where.head)
+                         recomputed=tuple(p + shift for p in base.recomputed if first <= p < end),
+                         document_index=where.head)
         # the namespace of the adapter that made `base` (a default changed since, LoadAdapter make_default, must not
         # file this placement under another adapter's name)
         namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode, lead)
-        self.store.put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
-                       source_key=base.source_key, source_serial=base.source_serial,
-                       annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
-                                    DIGEST: base.adapter_digest, RECOMPUTED: ",".join(map(str, placed.recomputed)),
-                                    PROJECTION: base.entry_key})
+        self._put(placed.segment, tenant, kind="prefix", adapter=namespace, text=base.text,
+                  source_key=base.source_key, source_serial=base.source_serial,
+                  annotations={"exact_coverage": base.exact_coverage, MODE: placed.mode, ADAPTER: base.adapter,
+                               DIGEST: base.adapter_digest, RECOMPUTED: ",".join(map(str, placed.recomputed)),
+                               PROJECTION: base.entry_key})
         self._count("placement", computed=placed.segment.num_tokens)
         return placed
 
@@ -199,7 +219,7 @@ class Placing:
         with target.lock:
             head = kvcache.extract(target.lm.model, spec, tokens)
         self._count("prompt_head", computed=len(ids))
-        self.store.put(head, tenant, kind="prefix", adapter=HEADS)
+        self._put(head, tenant, kind="prefix", adapter=HEADS)
         return head
 
     def _document_ids(self, tenant: str, target: ServedModel, key: str | None, text: str | None,
@@ -220,7 +240,8 @@ class Placing:
         if not text or not text.strip():
             return None
         # every prompt-carrying fetch asks (each connector load): ~10 ms of tokenizing for 1,024 tokens, kept
-        digest = (target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
+        # per tenant: how fast a refused probe of a text is answered must not tell whether another tenant asked it
+        digest = (tenant, target.lm.name, hashlib.blake2b(text.encode(), digest_size=16).digest())
         ids = self.document_ids.get(digest)
         if ids is None:
             ids = _target_ids(target, text)
@@ -257,10 +278,11 @@ def _check_fits(where: Located, served: int, target: ServedModel) -> None:
     if where.head + served > target.max_positions:
         raise ValueError(f"prompt: the document at position {where.head} ({served} tokens) exceeds "
                          f"{target.lm.spec.name!r}'s {target.max_positions} positions")
+    kvcache.check_rope_window(target.lm.spec, where.head + served)
 
 
 class KeptIds:
-    """A small LRU map (target name, text digest) -> the target ids of that document, thread-safe."""
+    """A small LRU map (tenant, target name, text digest) -> the target ids of that document, thread-safe."""
 
     def __init__(self, size: int = 1024):  # a few KB per document
         self.size, self._ids, self._lock = size, OrderedDict(), threading.Lock()

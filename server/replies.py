@@ -52,7 +52,7 @@ class LookupReply:
 class SharedSegment:
     """A server's shared-memory segment left for another process of this host to read (a fetch with
     keep_shared=True): map it with `shm_layout.map_kv(path, size, checksum, shape, dtype)`, which checks it, then
-    `KVBridgeClient.release_segment(name)`; the server removes it after ttl_s otherwise."""
+    `KVBridgeClient.release_segment(this)`; the server removes it after ttl_s otherwise."""
 
     path: str
     name: str

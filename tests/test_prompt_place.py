@@ -38,6 +38,21 @@ def test_locate_finds_the_document_after_a_head_and_skips_a_cut_first_token():
         locate([1, 2], [0])
 
 
+def test_locate_never_serves_document_tokens_the_prompt_does_not_hold():
+    cache = [0] + list(range(10, 30))  # start token 0, document 10..29
+    doc = cache[1:]
+    for prompt, placed in (([0, *doc[:-2], 98, 99], (1, 0, 2, False)),  # goes on otherwise before the last two
+                           ([5, 6, *doc[:-1], 99], (2, 0, 1, False)),
+                           ([5, *doc, 99], (1, 0, 0, False)),
+                           ([0, *doc[:12], 77, *doc[13:]], (1, 0, 8, False)),  # an edited text: served up to the edit
+                           ([5, 6, *doc[:12]], (2, 0, 8, False)),  # a document cut short: what the prompt holds
+                           ([*doc[:9]], (0, 0, 11, False))):
+        where = locate(prompt, cache)
+        assert (where.head, where.skip, where.cut, where.as_stored) == placed, prompt
+        served = doc[where.skip:len(doc) - where.cut]
+        assert prompt[where.head:where.head + len(served)] == served
+
+
 def _service(tiny_source, tiny_target, folder, adapter) -> KVBridgeService:
     store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"))
     registry = AdapterRegistry(folder, tiny_source.spec, [tiny_target.spec])
@@ -111,6 +126,13 @@ def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_sourc
             head = [ids[0], 30, 31]
             fetched = client.fetch_projected(key=key, mode="replace", prompt=head + ids[1:] + [4])
             assert fetched.segment.token_ids.tolist() == head + ids[1:]
+            # a prompt whose document's last token is another, or that is edited inside: the cache ends before the
+            # first token the prompt does not share with it (every served token is the prompt's)
+            for prompt, served in ((ids[:-1] + [4, 5], len(ids) - 1),
+                                   (head + ids[1:-1] + [4], len(head) + len(ids) - 2),
+                                   (head + ids[1:12] + [4] + ids[13:], len(head) + 11)):
+                fetched = client.fetch_projected(key=key, mode="replace", prompt=prompt)
+                assert fetched.segment.token_ids.tolist() == prompt[:served], prompt
     finally:
         running.stop(grace_s=1)
 
@@ -269,20 +291,15 @@ def _upload(service, tiny_source, text):
 
 @pytest.mark.parametrize("mode", ["replace", "recompute:0.2"])
 def test_a_refused_prompt_computes_and_stores_nothing(tmp_path, tiny_source, tiny_target, adapter, mode):
-    """A prompt that does not hold an uploaded document (PutSourceKV keeps no text), or that holds a text's document
-    past the target's positions, is refused before anything is ingested, projected or corrected (both were refused
-    only after the projection, and its correction, were stored)."""
+    """A prompt that does not hold an uploaded document (PutSourceKV keeps no text) is refused before anything is
+    projected or corrected (it was refused only after the projection, and its correction, were stored). (A prompt that
+    held a text's document past the target's positions was refused so too; the cache now ends where the prompt stops
+    holding the document, test_locate_never_serves_document_tokens_the_prompt_does_not_hold, so none does.)"""
     service = _service(tiny_source, tiny_target, tmp_path, adapter)
     key = _upload(service, tiny_source, TEXT)
     before = sorted(service.store.keys("t"))
     with pytest.raises(ValueError, match="does not hold the document"):
         service.prompt_cache("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], key=key, mode=mode)
-    long_text = " ".join([TEXT] * 20)
-    doc = tiny_target.tokenizer(long_text, add_special_tokens=False)["input_ids"]
-    room = service.models[tiny_target.name].max_positions
-    prompt = [17] * (room - len(doc) // 2) + doc[:12]  # fits; the document placed where it begins would not
-    with pytest.raises(ValueError, match="exceeds"):
-        service.prompt_cache("t", prompt, text=long_text, mode=mode)
     assert sorted(service.store.keys("t")) == before
 
 
@@ -305,3 +322,22 @@ def test_an_uploaded_documents_placement_is_kept_as_a_texts_is(tmp_path, tiny_so
     assert service.token_counts[("placement", "reused")] == len(head) + len(ids) - 1
     torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
     assert again.document_index == first.document_index == len(head)
+
+
+def test_a_tenant_never_reads_the_document_ids_another_tenant_kept(tmp_path, tiny_source, tiny_target, adapter,
+                                                                   monkeypatch):
+    """A refused prompt probe of a text is answered faster when its target ids are kept: kept per tenant, so that
+    speed never tells one tenant which texts another asked about."""
+    from kvbridge.server import prompt_place
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    made = []
+    real = prompt_place._target_ids
+    monkeypatch.setattr(prompt_place, "_target_ids", lambda *a: made.append(1) or real(*a))
+    ids = service.projected_cache("alice", text=TEXT, mode="replace").segment.token_ids.tolist()
+    service.prompt_cache("alice", [5, *ids[1:], 9], text=TEXT, mode="replace")
+    service.prompt_cache("alice", [6, *ids[1:], 9], text=TEXT, mode="replace")
+    assert len(made) == 1  # kept for alice
+    with pytest.raises(ValueError, match="does not hold the document"):
+        service.prompt_cache("bob", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], text=TEXT, mode="replace")
+    assert len(made) == 2  # bob's probe tokenized the text itself
