@@ -105,3 +105,12 @@ def test_chunk_messages_are_cache_chunks_for_any_reader_and_read_back_without_co
         with pytest.raises(WireError):
             read_chunk_message(raw[:-1])  # the chunk field runs past the end
     assert read_chunk_message(b"") == (None, None)
+
+
+def test_an_assembly_missing_only_the_last_token_is_not_complete():
+    kv = torch.randn(2, 2, 1, 10, 4)
+    asm = ChunkAssembler(2, 1, 10, 4, torch.float32)
+    asm.add(0, 2, 0, 9, encode(kv, _r(0, 2, 0, 9)))
+    assert not asm.complete and "missing" in asm.missing()
+    asm.add(0, 2, 9, 10, encode(kv, _r(0, 2, 9, 10)))
+    assert asm.complete and torch.equal(asm.kv, kv)

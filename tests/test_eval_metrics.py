@@ -299,3 +299,22 @@ def test_recovery_is_none_not_nan_where_full_gains_nothing_over_none():
     # (Σ none − Σ replace) / (Σ none − Σ full): 0.25; a mean of per-document ratios would give e's alone, 0.75
     assert pooled["value"] == pytest.approx((5 - 4.5) / (5 - 3))
     assert math.isfinite(pooled["low"]) and math.isfinite(pooled["high"])
+
+
+def test_bootstrap_intervals_are_the_percentiles_of_resampled_document_means_and_paired_recoveries():
+    """Exact intervals, not just ones that bracket the mean: the resampled documents' means (each draw a row), and
+    for recovery each draw's sums of one document set for none, full and the mode alike (paired)."""
+    import numpy as np
+    from kvbridge.adapters.scoring import bootstrap_draws, bootstrap_mean, bootstrap_recovery
+
+    x = np.array([0.1, 0.2, 0.3, 0.9])
+    _, lo, hi = bootstrap_mean(list(x), 500, 0)
+    means = x[bootstrap_draws(4, 500, 0)].mean(axis=1)
+    assert (lo, hi) == (float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5)))
+    rng = np.random.default_rng(1)
+    none = rng.uniform(10, 20, 12)
+    full, mode = none - rng.uniform(1, 3, 12), none - rng.uniform(0, 3, 12)
+    _, lo, hi = bootstrap_recovery(list(none), list(full), list(mode), 400, 0)
+    idx = bootstrap_draws(12, 400, 0)
+    r = (none[idx].sum(1) - mode[idx].sum(1)) / (none[idx].sum(1) - full[idx].sum(1))
+    assert (lo, hi) == pytest.approx((np.percentile(r, 2.5), np.percentile(r, 97.5)))

@@ -83,6 +83,12 @@ def test_bad_settings_and_parts_are_refused_before_anything_runs(tiny_target):
     for parts, message in (([Q1], r"parts\[0\] must be a Part, got str"), ([], "at least one part")):
         with pytest.raises(ValueError, match=message):
             gen.generate("s", parts, max_new_tokens=2)
+    # a projected part of whitespace alone (which the server refuses to project) is refused before any turn begins
+    gen.context_source = BadSource(tiny_target, None)
+    with Forwards(tiny_target) as forwards, pytest.raises(ValueError, match=r"parts\[1\] is projected but holds "
+                                                                            "whitespace only"):
+        gen.generate("s", [Part(DOC, "document"), Part(" \n", "document", projected=True), Part(Q1)], max_new_tokens=2)
+    assert forwards.count == 0
     assert manager.stats()["sessions"] == 0
 
 

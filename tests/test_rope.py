@@ -199,3 +199,15 @@ def test_the_convention_probe_and_the_rotations_make_their_tensors_on_the_models
                 rope.shift(keys[0], 0, pos, pos + 3)[None].expand_as(keys), rotate(keys, cos, sin),
                 unrotate(keys, cos, sin)):
         assert out.device.type == "meta" and out.shape == keys.shape
+
+
+def test_batched_rope_ops_leave_layers_without_rope_as_they_are():
+    from transformers import SmolLM3Config
+
+    config = SmolLM3Config(**zoo.COMMON, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], max_position_embeddings=512,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    lm = random_model(config, "smollm3-tiny", device="cpu")
+    keys = torch.randn(4, lm.spec.num_kv_heads, 5, lm.spec.head_dim)
+    pos = torch.arange(5)
+    for out in (lm.rope.rotate_all(keys, pos), lm.rope.unrotate_all(keys, pos), lm.rope.shift_all(keys, pos, pos + 3)):
+        assert torch.equal(out[3], keys[3]) and not torch.equal(out[0], keys[0])

@@ -36,3 +36,16 @@ def test_a_token_file_that_is_not_a_regular_file_is_refused(tmp_path):
         read_token_file(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         read_token_file(tmp_path / "missing")
+
+
+def test_a_token_given_twice_or_one_character_short_is_refused(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("alice aaaaaaaaaaaaaaaa\nbob aaaaaaaaaaaaaaaa\n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="same token is given twice"):
+        read_token_file(path)
+    path.write_text("alice " + "a" * 15 + "\n")
+    with pytest.raises(ValueError, match="shorter than 16"):
+        read_token_file(path)
+    path.write_text("alice " + "a" * 16 + "\n")
+    assert read_token_file(path) == {"a" * 16: "alice"}

@@ -68,3 +68,9 @@ def test_positions_past_the_table_are_refused():
         slot_mapping([1, 2], 40, 40, 32)
     with pytest.raises(ValueError, match="positions -1"):
         slot_mapping([1, 2], -1, 4, 32)
+
+
+def test_slot_mapping_refuses_one_position_past_the_table():
+    slot_mapping([1, 2], 0, 64, 32)  # fits exactly
+    with pytest.raises(ValueError, match="do not fit"):
+        slot_mapping([1, 2], 0, 65, 32)

@@ -16,8 +16,8 @@ A request is a list of parts. Every part but the last is context:
   manager.
 The last part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole
 request and the mask is the model's causal one, as for a plain prefill. Every forward that reads projected KV (a
-projected part's blend, the prefill of later parts, the recompute of a shifted part, the new turn, generation) reads
-it with the target's induction prior (`induction`: the target's induction heads get back from the tokens the match
+projected part's blend recompute, the prefill of later parts, the recompute of a shifted part, the new turn,
+generation; not the attention that chooses a blend's tokens) reads it with the target's induction prior (`induction`: the target's induction heads get back from the tokens the match
 their projected keys blur) unless `induction_prior=False`.
 
 A request is checked before anything runs (`limits`): its arguments, and that the context, the new turn and
@@ -170,6 +170,9 @@ class SuffixReuseGenerator:
         check_recompute(self.recompute_k, self.recompute_fraction)
         if any(part.projected for part in parts[:-1]) and self.context_source is None:
             raise ValueError("a projected part needs a context source")
+        blank = [i for i, part in enumerate(parts[:-1]) if part.projected and not part.text.strip()]
+        if blank:  # refused here, before any turn begins: the server projects text, never whitespace alone
+            raise ValueError(f"parts[{blank[0]}] is projected but holds whitespace only: prefill it (projected=False)")
         pieces = [torch.tensor([self.start_token])] + [self.tokens(part.text) for part in parts[:-1]]
         tail = self.tokens(parts[-1].text)
         if tail.numel() == 0:
