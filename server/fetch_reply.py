@@ -180,7 +180,8 @@ class FetchReply:
                             num_chunks=self.received, transport="shared_memory" if self.shared else "stream",
                             room=[room] if room is not None else [], mode=h.mode, shared=shared,
                             recomputed=self._recomputed(segment.positions), adapter_digest=h.adapter_digest,
-                            document_position=self._document_position(segment.positions))
+                            document_position=self._document_position(segment.positions),
+                            document_cut=max(0, int(h.document_cut)))
 
     def _recomputed(self, positions: torch.Tensor) -> torch.Tensor:
         """The header's recomputed positions, checked against the segment's: [R] int64."""

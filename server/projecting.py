@@ -77,6 +77,8 @@ class CacheResult:
     # projected: the serial of the source entry whose KV it was made from (read before that KV); what is derived
     # from it is stored with it (store.put's source_serial), never for other KV stored under the key since
     source_serial: int | None = None
+    # a prompt's placement: the document's last tokens not served (the prompt stops holding it before them)
+    document_cut: int = 0
 
 
 def decoded_text(source: LoadedModel, ids: torch.Tensor) -> str | None:

@@ -125,7 +125,8 @@ class Placing:
             namespace = self._placed_namespace(tenant, target, key, text, adapter, mode)
             if namespace is not None:  # placed before for this head: as warm as a plain fetch
                 kept = self._kept_placement(tenant, target, namespace, prompt[:where.head]
-                                            + document[1 + where.skip:len(document) - where.cut], out, where.head)
+                                            + document[1 + where.skip:len(document) - where.cut], out, where.head,
+                                            where.cut)
                 if kept is not None:
                     return kept
         base = self.projected_cache(tenant, key, text, target_model, adapter, 0, require_cached, None, mode)
@@ -148,7 +149,7 @@ class Placing:
         shift = where.head - first
         placed = replace(base, segment=KVSegment.concat(parts),
                          recomputed=tuple(p + shift for p in base.recomputed if first <= p < end),
-                         document_index=where.head)
+                         document_index=where.head, document_cut=where.cut)
         # the namespace of the adapter that made `base` (a default changed since, LoadAdapter make_default, must not
         # file this placement under another adapter's name)
         namespace = self._namespace(target, base.source_key, base.adapter, base.adapter_digest, mode, lead)
@@ -181,9 +182,9 @@ class Placing:
         return f"{PLACED}|{digest_label(label, digest)}|{correction}{prior}{after}#{source_key}"
 
     def _kept_placement(self, tenant: str, target: ServedModel, namespace: str, ids: list[int],
-                        out: KVOut | None, head: int) -> CacheResult | None:
-        """The placed cache of these tokens (the prompt's `head` tokens, then the document) when the store holds it,
-        gathered as a warm plain fetch is; None otherwise."""
+                        out: KVOut | None, head: int, cut: int) -> CacheResult | None:
+        """The placed cache of these tokens (the prompt's `head` tokens, then the document but for its last `cut`)
+        when the store holds it, gathered as a warm plain fetch is; None otherwise."""
         spec = target.lm.spec
         found = self.store.lookup(torch.tensor(ids, dtype=torch.int64), tenant, spec.identity, spec.dtype,
                                   adapter=namespace).key
@@ -201,7 +202,7 @@ class Placing:
                            text=info.text, exact_coverage=float(notes.get("exact_coverage", 0.0)),
                            mode=str(notes.get(MODE, "")),
                            recomputed=tuple(recomputed_of(notes, segment.num_tokens)),
-                           adapter_digest=str(notes.get(DIGEST, "")), document_index=head)
+                           adapter_digest=str(notes.get(DIGEST, "")), document_index=head, document_cut=cut)
 
     def _own_head(self, tenant: str, target: ServedModel, ids: list[int]) -> KVSegment:
         """The target's own KV of a prompt's tokens before its document, at positions 0..: computed once, then kept in

@@ -84,6 +84,8 @@ class FetchedCache:
     # the position of a projection's first document token: the tokens before it (the start token, a prompt's head)
     # are not the document's (None: source KV, or a server older than the field)
     document_position: int | None = None
+    # a prompt's placement: the document's last tokens not served, the prompt not holding them (0: the whole document)
+    document_cut: int = 0
 
     @property
     def dtype(self) -> str:

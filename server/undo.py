@@ -6,8 +6,10 @@ the prompt's head and the placed cache; an Ingest with DETECT_SEGMENTS the prefi
 servicer refuses a reply whose header does not fit the client's message limit after the fetch stored what it made.
 Each `KVBridgeService` method, and the servicer around a fetch and its reply's checks, runs inside `undone_on_failure`;
 every entry a put creates inside it (generation 0) is noted, and when the outermost block raises they are deleted, the
-last first, each only while it is at the generation this call stored (`PagedStore.delete(if_generation=...)`: an
-entry another request stored too, refreshed, or derived something from meanwhile is theirs as much, and stays).
+last first, each only while it is at the generation this call stored and no other call has read it
+(`PagedStore.delete(if_generation=..., if_owner=...)`, `registry.CALL`: an entry another request stored too,
+refreshed, derived something from, found or was served meanwhile is theirs as much, and stays; so does another
+entry of the same key, made after this call's went).
 
 A put that only refreshes an entry that was there (generation > 0) is not undone: the entry was the store's before.
 """
@@ -19,6 +21,8 @@ import contextvars
 import functools
 import logging
 from dataclasses import dataclass, field
+
+from kvbridge.transfer.store.registry import CALL
 
 log = logging.getLogger("kvbridge.server.service")
 
@@ -41,17 +45,18 @@ def undone_on_failure(store):
         yield
         return
     journal = _Journal()
-    token = _current.set(journal)
+    token, owning = _current.set(journal), CALL.set(journal)
     try:
         yield
     except BaseException:
         for key, tenant, generation in reversed(journal.entries):
             try:
-                store.delete(key, tenant, if_generation=generation)
+                store.delete(key, tenant, if_generation=generation, if_owner=journal)
             except Exception:  # the failure the caller sees is the call's own, not this clean-up's
                 log.exception("could not undo entry %s of a failed call", key[:16])
         raise
     finally:
+        CALL.reset(owning)
         _current.reset(token)
 
 

@@ -5,7 +5,9 @@ the client left stores or holds nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
 import threading
 import time
 
@@ -16,6 +18,7 @@ import torch
 from kvbridge.proto import pb2, pb2_grpc
 from kvbridge.server.chunks import dtype_name, iter_chunks
 from kvbridge.server.client import KVBridgeClient, KVBridgeError
+from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store import PagedStore, StoreConfig, pool_data
@@ -67,27 +70,59 @@ def test_a_reply_refused_for_the_clients_message_limit_keeps_nothing_the_fetch_s
     assert _held(server) == before
 
 
-def test_a_put_whose_block_write_fails_stores_nothing(monkeypatch):
+@pytest.mark.parametrize("trial", range(40))
+def test_a_store_write_that_fails_leaves_the_store_as_it_was(monkeypatch, trial):
+    """A device's out-of-memory error (say) while a put writes its new blocks, or while a read promotes an entry's
+    blocks back from the CPU tier: the blocks are given back, the CPU tier's copies put back, and every entry reads
+    back its own KV (random stores, with and without a CPU tier, shared prefixes, pins)."""
+    from kvbridge.transfer.store import block_pool
+
     ident = ModelIdentity("m", "0" * 64)
 
-    def segment(seed, t):
-        g = torch.Generator().manual_seed(seed)
-        return KVSegment(kv=torch.randn(2, 2, 2, t, 8, generator=g), positions=torch.arange(t), model=ident,
-                         token_ids=torch.randint(0, 1000, (t,), generator=g), rotated=True)
+    def segment(tokens):  # each token's KV a function of the tokens up to it (a prefix's KV is the same in all)
+        kv = torch.zeros(2, 2, 2, len(tokens), 8)
+        for i in range(len(tokens)):
+            kv[..., i, :] = float(hash(tuple(tokens[:i + 1])) % 100003)
+        return KVSegment(kv=kv, positions=torch.arange(len(tokens)), model=ident, token_ids=torch.tensor(tokens),
+                         rotated=True)
 
+    rnd = random.Random(trial)
     block = 2 * 2 * 2 * 16 * 8 * 4
-    store = PagedStore(StoreConfig(capacity_bytes=8 * block, device="cpu", slab_bytes=8 * block))
-    shared = store.put(segment(1, 32), "alice")  # its blocks are shared by nothing: the failed put's first 2 are not
+    store = PagedStore(StoreConfig(capacity_bytes=6 * block, device="cpu", slab_bytes=2 * block,
+                                   cpu_capacity_bytes=rnd.choice([0, 3 * block, 8 * block])))
+    base = [rnd.randrange(1000) for _ in range(16 * 6)]
+    kept = {}
+    for _ in range(rnd.randrange(2, 7)):
+        n = rnd.randrange(1, 6) * 16 + rnd.randrange(0, 16)
+        tokens = base[:n] if rnd.random() < 0.6 else [rnd.randrange(1000) for _ in range(n)]
+        with contextlib.suppress(CapacityError):
+            kept[store.put(segment(tokens), "a", pin=rnd.random() < 0.15).key] = tokens
+    before = sorted(store.keys("a"))
+    where, calls, fail_at = rnd.choice(["write_segment", "set_hash", "write"]), [0], rnd.randrange(0, 3)
+    real_set_hash = block_pool.BlockPool.set_hash
 
-    def out_of_memory(*args, **kwargs):
-        raise torch.cuda.OutOfMemoryError("out of memory (injected)")
+    def fault(*args):
+        calls[0] += 1
+        if calls[0] > fail_at or where != "set_hash":
+            raise torch.cuda.OutOfMemoryError("out of memory (injected)")
+        return real_set_hash(*args)
 
     with monkeypatch.context() as patched:
-        patched.setattr(pool_data.PoolData, "write_segment", out_of_memory)
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            store.put(segment(2, 64), "alice")
-    assert store.check() == [] and store.keys("alice") == [shared.key]
-    assert store.put(segment(5, 96), "alice").num_tokens == 96  # the whole rest of the store is there to be had
+        patched.setattr(*((block_pool.BlockPool, "set_hash", fault) if where == "set_hash"
+                          else (pool_data.PoolData, where, fault)))
+        n = rnd.randrange(1, 6) * 16 + rnd.randrange(0, 16)
+        tokens = base[:n] if rnd.random() < 0.7 else [rnd.randrange(1000) for _ in range(n)]
+        with contextlib.suppress(torch.cuda.OutOfMemoryError, CapacityError):
+            stored = store.put(segment(tokens), "a")
+            kept[stored.key] = tokens
+        for key in list(kept) if where == "write" else ():  # reads that promote demoted blocks
+            with contextlib.suppress(torch.cuda.OutOfMemoryError, CapacityError, NotFound):
+                store.get(key, "a")
+    assert store.check() == []
+    assert set(store.keys("a")) <= set(before) | set(kept)
+    for key in store.keys("a"):
+        with contextlib.suppress(CapacityError):  # a tight device: some entries cannot be read at once
+            assert torch.equal(store.get(key, "a").kv, segment(kept[key]).kv)
     assert store.check() == []
 
 
@@ -180,3 +215,36 @@ def test_an_offset_past_a_longrope_targets_switch_is_refused_before_projecting(t
         with pytest.raises(ValueError, match="longrope RoPE rotates every key.*switch past 256"):
             service.projected_cache("t", key=key, target_model=target.name, offset=250, mode=mode)
     assert projected == [] and store.keys("t") == [key]
+
+
+@pytest.mark.parametrize("meanwhile", ["served", "stored again"])
+def test_a_failed_calls_undo_leaves_what_another_call_was_served(tmp_path, monkeypatch, tiny_source, tiny_target,
+                                                                 adapter, meanwhile):
+    """A corrected fetch by text stores the source entry and the projection, then its correction fails. Meanwhile
+    another request (a thread of its own) was served those very entries, or, after a Delete, stored the same text's
+    again under the same keys: the failed call's undo leaves them (it removed them, and the other request's client
+    was handed keys of entries that were gone)."""
+    from test_service_races import TEXT, _service
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    other = {}
+
+    def another_request():
+        if meanwhile == "stored again":
+            service.delete("t", service._cached_source_key("t", TEXT))
+        other["result"] = service.projected_cache("t", text=TEXT, mode="replace")
+
+    def failing_correction(*args, **kwargs):
+        runner = threading.Thread(target=another_request)
+        runner.start()
+        runner.join()
+        raise RuntimeError("the correction failed")
+
+    monkeypatch.setattr(service, "_computed_correction", failing_correction)
+    with pytest.raises(RuntimeError, match="the correction failed"):
+        service.projected_cache("t", text=TEXT, mode="blend:0.1")
+    served = other["result"]
+    assert sorted(service.store.keys("t")) == sorted([served.entry_key, served.source_key])
+    again = service.projected_cache("t", key=served.source_key, mode="replace")
+    assert again.entry_key == served.entry_key and torch.equal(again.segment.kv, served.segment.kv)
+    assert service.store.check() == []

@@ -128,11 +128,13 @@ def test_bad_prompts_are_invalid_argument_naming_the_prompt(tmp_path, tiny_sourc
             assert fetched.segment.token_ids.tolist() == head + ids[1:]
             # a prompt whose document's last token is another, or that is edited inside: the cache ends before the
             # first token the prompt does not share with it (every served token is the prompt's)
-            for prompt, served in ((ids[:-1] + [4, 5], len(ids) - 1),
-                                   (head + ids[1:-1] + [4], len(head) + len(ids) - 2),
-                                   (head + ids[1:12] + [4] + ids[13:], len(head) + 11)):
+            for prompt, served, cut in ((ids[:-1] + [4, 5], len(ids) - 1, 1),
+                                        (head + ids[1:-1] + [4], len(head) + len(ids) - 2, 1),
+                                        (head + ids[1:12] + [4] + ids[13:], len(head) + 11, len(ids) - 12),
+                                        (head + ids[1:] + [4], len(head) + len(ids) - 1, 0)):
                 fetched = client.fetch_projected(key=key, mode="replace", prompt=prompt)
                 assert fetched.segment.token_ids.tolist() == prompt[:served], prompt
+                assert fetched.document_cut == cut  # the reply says so (what the vLLM connector remembers, Covered)
     finally:
         running.stop(grace_s=1)
 
@@ -341,3 +343,14 @@ def test_a_tenant_never_reads_the_document_ids_another_tenant_kept(tmp_path, tin
     with pytest.raises(ValueError, match="does not hold the document"):
         service.prompt_cache("bob", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], text=TEXT, mode="replace")
     assert len(made) == 2  # bob's probe tokenized the text itself
+
+
+def test_a_cut_placement_keeps_only_the_recomputed_positions_it_serves(tmp_path, tiny_source, tiny_target, adapter):
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    stored = service.projected_cache("t", text=TEXT, mode="blend:0.5")
+    ids = stored.segment.token_ids.tolist()
+    head, k = [ids[0], 17, 23], len(ids) // 2  # the prompt edits the document's token k (of the stored cache)
+    placed = service.prompt_cache("t", head + ids[1:k] + [4] + ids[k + 1:], text=TEXT, mode="blend:0.5")
+    assert placed.segment.num_tokens == len(head) + k - 1 and placed.document_cut == len(ids) - k
+    assert list(placed.recomputed) == [p + len(head) - 1 for p in stored.recomputed if 1 <= p < k]
+    assert any(p >= k for p in stored.recomputed)  # some were cut

@@ -287,6 +287,14 @@ def test_a_repeated_request_starts_from_vllms_prefix_cache_without_asking_the_se
     changed = engine_bf16.generate(edited, max_tokens=4, kvbridge=params, cache_salt="repeat-a")
     assert changed["kvbridge_prefix_cached"] == 0 and changed["kvbridge_fetch_s"] > 0  # looked up: the server says
     assert changed["num_cached_tokens"] == 256 and changed["loaded_tokens"] == 0  # the two blocks before the swap
+    # the edited prompt's cache ends at the swap (the server serves no token the prompt lacks): not remembered as the
+    # cache of the prompt that holds the whole document, whose request then looks up and loads the rest
+    cut = engine_bf16.generate(edited, max_tokens=4, kvbridge=params, cache_salt="repeat-c")
+    assert cut["loaded_tokens"] == 256 and cut["kvbridge_error"] == ""  # two blocks of 128
+    whole = engine_bf16.generate(prompt, max_tokens=12, kvbridge=params, cache_salt="repeat-c")
+    assert whole["kvbridge_prefix_cached"] == 0 and whole["kvbridge_fetch_s"] > 0
+    assert whole["num_cached_tokens"] == 384 and whole["loaded_tokens"] == 128
+    assert whole["token_ids"] == first["token_ids"]
 
 
 def test_a_slow_kvbridge_server_does_not_delay_a_plain_request_submitted_after(engine, doc, own):

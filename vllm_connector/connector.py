@@ -204,7 +204,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                       else str(handoff.stage(seg.kv[:, :, :, :match.loadable], self._staging)))
             return Plan(source=source, loadable=match.loadable, server=context.server, fetch_s=fetch_s,
                         wire_bytes=fetched.wire_bytes, covered=covered, received_at=time.monotonic(),
-                        cache_tokens=len(cache_ids) if match.common == len(cache_ids) else 0,
+                        # (a cache cut short of its document, the prompt not holding the rest, is another prompt's)
+                        cache_tokens=len(cache_ids) if match.common == len(cache_ids) and not fetched.document_cut
+                        else 0,
                         recomputed=None if fetched.recomputed is None
                         else served_recomputed(fetched.recomputed, fetched.document_position))
         except Exception as exc:  # noqa: BLE001 - whatever fails, vLLM prefills the request itself

@@ -48,7 +48,7 @@ from kvbridge.transfer.store.config import (
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
 from kvbridge.transfer.store.prefix_lookup import PrefixLookup
 from kvbridge.transfer.store.queries import StoreQueries
-from kvbridge.transfer.store.registry import KINDS, Entry, EntryInfo, EntryRegistry, info_of
+from kvbridge.transfer.store.registry import CALL, KINDS, Entry, EntryInfo, EntryRegistry, info_of
 from kvbridge.transfer.store.removal import EntryRemoval
 from kvbridge.transfer.store.residency import Residency
 from kvbridge.transfer.store.sharing import RedisSharing
@@ -126,7 +126,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
 
     def _make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
                        prefetched: dict | None = None):
-        return self.residency.make_resident(pool, hashes, keep_ref, self._allocate, prefetched)
+        return self.residency.make_resident(pool, hashes, keep_ref, self._allocate, prefetched, self._lose)
 
     def _info(self, entry: Entry, new_blocks: int) -> EntryInfo:
         pool = self.pools.get(entry.layout.key)
@@ -277,7 +277,8 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             entry = Entry(key=key, namespace=ns, kind=kind, layout=layout, model=segment.model,
                           token_ids=segment.token_ids.clone(), positions=segment.positions.clone(),
                           rotated=segment.rotated, hashes=hashes, expires_at=expires_at, pinned=pin,
-                          last_access=now, text=text, source_key=source_key, annotations=dict(annotations or {}))
+                          last_access=now, text=text, source_key=source_key, annotations=dict(annotations or {}),
+                          owner=CALL.get())
             self.registry.add(entry)
             self._share(entry, pool, [(hashes[i], present[i].block_id) for i in missing])
             # every block of the chain holds one ref from above (held or fresh); a pin keeps it

@@ -11,6 +11,7 @@ Invariants (`check`): `users` and `derived` are exactly what the entries' page t
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import itertools
 import json
@@ -24,6 +25,9 @@ from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace
 
 KINDS = ("prefix", "segment")
 _SERIALS = itertools.count(1)  # Entry.serial: one per Entry object made in this process
+# the running call (server/undo.py's journal; None outside one): an entry a put creates is that call's until another
+# call reads it (Entry.owner), and only then may the call's failure remove it again (PagedStore.delete's if_owner)
+CALL: contextvars.ContextVar[object | None] = contextvars.ContextVar("kvbridge_store_call", default=None)
 
 
 @dataclass(slots=True)
@@ -52,6 +56,14 @@ class Entry:
     # the tag of its record as Redis held it when last written or read here: a replica that finds the entry's blocks
     # gone from Redis deletes that very record only (redis_records.delete_record_if); None: none known
     record_tag: bytes | None = None
+    # the call that created it while no other call has read it (CALL): a failed call's undo removes only its own
+    owner: object | None = None
+
+    def seen(self) -> Entry:
+        """Read by the running call: another call's read makes it no call's own (returns self)."""
+        if self.owner is not None and self.owner is not CALL.get():
+            self.owner = None
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +97,15 @@ class EntryRegistry:
         return len(self.entries)
 
     def get(self, key: str) -> Entry | None:
-        return self.entries.get(key)
+        entry = self.entries.get(key)
+        return entry.seen() if entry is not None else None
 
     def for_tenant(self, key: str, tenant: str) -> Entry:
         """The tenant's entry of this key; NotFound when there is none (or it is another tenant's)."""
         entry = self.entries.get(key) if isinstance(key, str) else None
         if entry is None or entry.namespace.tenant != tenant:
             raise NotFound(f"no entry {key[:80]!r}" if isinstance(key, str) else "no entry: the key is not a string")
-        return entry
+        return entry.seen()
 
     def keys(self, tenant: str) -> list[str]:
         return [k for k, e in self.entries.items() if e.namespace.tenant == tenant]
@@ -101,7 +114,7 @@ class EntryRegistry:
         """The tenant's entries derived from entry `key` (which may be gone by now: links outlive their source
         until the derived entries go)."""
         keys = sorted(self.derived.get(key, ()))
-        return [self.entries[k] for k in keys if self.entries[k].namespace.tenant == tenant]
+        return [self.entries[k].seen() for k in keys if self.entries[k].namespace.tenant == tenant]
 
     def claim(self, key: str, hashes: list[BlockHash]) -> None:
         """Mark the blocks as used by `key` before they are written (so evictions meanwhile cannot drop them)."""

@@ -33,12 +33,13 @@ class EntryRemoval:
                 self._listeners.remove(listener)
 
     @_sends_redis_writes
-    def delete(self, key: str, tenant: str, if_generation: int | None = None) -> int:
+    def delete(self, key: str, tenant: str, if_generation: int | None = None, if_owner: object | None = None) -> int:
         """Remove an entry, the entries derived from it (transitively, also when the entry itself is gone), and
         every block only they used from the local tiers (in Redis, blocks expire by their TTL; entries shared through
         Redis: their records go: see _remove_entry). Returns how many entries went: 0 if there was nothing.
         if_generation: remove it only if it is still at that generation and nothing derives from it (undoing
-        one's own put without taking an entry someone else stored or used since)."""
+        one's own put without taking an entry someone else stored or used since); if_owner: and only if no call
+        but that one (registry.CALL) has read it since it was created (server/undo.py)."""
         if if_generation is None and isinstance(key, str) and _ENTRY_KEY.fullmatch(key):
             self._adopt_family(key, tenant)
         with self._lock:
@@ -46,7 +47,8 @@ class EntryRemoval:
             if entry is not None and entry.namespace.tenant != tenant:
                 entry = None
             if if_generation is not None:
-                if entry is None or entry.generation != if_generation or self.registry.derived_from(key, tenant):
+                if entry is None or entry.generation != if_generation or self.registry.derived_from(key, tenant) \
+                        or (if_owner is not None and entry.owner is not if_owner):
                     return 0
             doomed = [entry] if entry is not None else self.registry.derived_from(key, tenant)
             removed = 0

@@ -141,8 +141,8 @@ class Residency:
         return [h for h, _, _ in below]
 
     def make_resident(self, pool: BlockPool, hashes: list[BlockHash], keep_ref: bool,
-                      allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched | None = None
-                      ) -> list[Block]:
+                      allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched | None = None,
+                      lose: Callable[[list[BlockHash]], None] = lambda hashes: None) -> list[Block]:
         """Bring every block of a chain onto the device (promoting from CPU / Redis). Returns the device blocks,
         each holding one extra ref (released here unless keep_ref). Raises NotFound if a block is gone, NeedRemote
         (before changing anything) when blocks must come from Redis and are not in `prefetched`.
@@ -164,7 +164,7 @@ class Residency:
         pool.ref(present)  # protect them while promotion allocates
         try:
             if missing:
-                self._promote(pool, hashes, missing, allocate, prefetched or {})
+                self._promote(pool, hashes, missing, allocate, prefetched or {}, lose)
         except Exception:
             pool.unref(present)
             raise
@@ -176,7 +176,8 @@ class Residency:
         return blocks
 
     def _promote(self, pool: BlockPool, hashes: list[BlockHash], missing: list[int],
-                 allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched) -> None:
+                 allocate: Callable[[BlockPool, int], list[Block]], prefetched: Prefetched,
+                 lose: Callable[[list[BlockHash]], None]) -> None:
         layout_key = pool.layout.key
         # Blocks leave the CPU tier before allocation can demote into it (so they cannot be evicted meanwhile);
         # on failure exactly those go back, into the room they left.
@@ -214,7 +215,19 @@ class Residency:
         except CapacityError:  # raised before any eviction: the CPU tier is as we left it
             restore()
             raise
-        ids = torch.tensor([b.block_id for b in new_blocks])
-        pool.write(ids, torch.stack([data[i] for i in missing]))
-        for i, block in zip(missing, new_blocks):
-            pool.set_hash(block, hashes[i])
+        try:  # a device's out-of-memory error, say: the blocks given back, the CPU tier's copies put back
+            ids = torch.tensor([b.block_id for b in new_blocks])
+            pool.write(ids, torch.stack([data[i] for i in missing]))
+            for i, block in zip(missing, new_blocks):
+                pool.set_hash(block, hashes[i])
+        except BaseException:
+            for block in new_blocks:
+                if block.block_hash is not None:
+                    del pool.hash_to_block[block.block_hash]
+                    block.block_hash = None
+            pool.unref(new_blocks)
+            below = []  # (allocation may have taken the room they left, demoting what it evicted)
+            for i in from_cpu:
+                below += self.cpu.put(hashes[i], layout_key, data[i])
+            lose(self.below_cpu(below))
+            raise

@@ -17,8 +17,9 @@ A request is a list of parts. Every part but the last is context:
 The last part (the new turn) is always prefilled, then generation starts. Positions run 0.. over the whole
 request and the mask is the model's causal one, as for a plain prefill. Every forward that reads projected KV (a
 projected part's blend recompute, the prefill of later parts, the recompute of a shifted part, the new turn,
-generation; not the attention that chooses a blend's tokens) reads it with the target's induction prior (`induction`: the target's induction heads get back from the tokens the match
-their projected keys blur) unless `induction_prior=False`.
+generation; not the attention that chooses a blend's tokens) reads it with the target's induction prior
+(`induction`: the target's induction heads get back from the tokens the match their projected keys blur) unless
+`induction_prior=False`.
 
 A request is checked before anything runs (`limits`): its arguments, and that the context, the new turn and
 max_new_tokens fit the model's positions (and a longrope target's original window); a projected segment when the
