@@ -81,6 +81,16 @@ class CacheResult:
     document_cut: int = 0
 
 
+# a stored projection's (and correction's) annotation: 1 when it begins with the target's start token (its source a
+# prefix entry), 0 when with the document (a segment entry): known after the source expired (the projection outlives it)
+DOCUMENT_INDEX = "document_index"
+
+
+def _document_index(info: EntryInfo) -> int:
+    """Where a stored projection's document begins (entries stored before the annotation: after a start token)."""
+    return 0 if info.annotations.get(DOCUMENT_INDEX) == 0 else 1
+
+
 def decoded_text(source: LoadedModel, ids: torch.Tensor) -> str | None:
     """The text a source entry's ids (with the tokenizer's special tokens) decode to, when they come back from it
     (an upload keeps no text); None otherwise."""
@@ -150,10 +160,16 @@ class Projecting:
         label, chosen = resolved
         source_key = key or self._cached_source_key(tenant, text)
         held = self._source_info(tenant, source_key)  # read before a stored correction of it: its kind and serial
-        lead, serial = (int(held.kind == "prefix"), held.serial) if held is not None else (1, None)
-        tag = self._correction_tag(label, chosen, correction, target, lead)
-        warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
-            if source_key else None
+        serial = held.serial if held is not None else None
+        warm = None
+        # a source that expired (its correction outlives it) may have been a prefix entry or a segment entry: its
+        # correction is looked for under either's namespace
+        for lead in (int(held.kind == "prefix"),) if held is not None else (0, 1):
+            tag = self._correction_tag(label, chosen, correction, target, lead)
+            warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
+                if source_key else None
+            if warm is not None:
+                break
         if warm is None:
             if offset:  # the projection's checks of the offset first: a refused request computes and stores nothing
                 self._projection(tenant, key, text, target, resolved, offset, require_cached, None)
@@ -197,7 +213,7 @@ class Projecting:
         self._count("correction", computed=fixed.segment.num_tokens)
         info = self._put(fixed.segment, tenant, kind="prefix", adapter=f"{tag}#{base.source_key}",
                          text=base.text, source_key=base.source_key, source_serial=base.source_serial,
-                         annotations={"exact_coverage": base.exact_coverage,
+                         annotations={"exact_coverage": base.exact_coverage, DOCUMENT_INDEX: lead,
                                       **self.corrections.annotations(correction, fixed)})
         return info, fixed.segment
 
@@ -270,7 +286,7 @@ class Projecting:
         if warm is not None:  # a projection made before: no source read, no alignment, no projection
             info, projected = warm
             self._count("projection", reused=projected.num_tokens)
-            lead = int(held.kind == "prefix") if held is not None else 1
+            lead = int(held.kind == "prefix") if held is not None else _document_index(info)
             return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
                            source_serial=held.serial if held is not None else None)
         # a failure after an ingest of the text is undone by projected_cache (server/undo)
@@ -297,7 +313,7 @@ class Projecting:
         # linked to its source entry (a Delete of that removes it too); a no-op when already there
         info = self._put(projected, tenant, kind="prefix", adapter=namespace, text=paired.text,
                          source_key=source_key, source_serial=held.serial,
-                         annotations={"exact_coverage": paired.alignment.exact_coverage})
+                         annotations={"exact_coverage": paired.alignment.exact_coverage, DOCUMENT_INDEX: lead})
         return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
                        source_serial=held.serial)
 

@@ -387,3 +387,36 @@ def test_a_projection_outliving_its_expired_source_is_still_served_by_its_key(tm
     again = service.projected_cache("t", key=key, mode=mode)
     assert (again.entry_key, again.document_index) == (first.entry_key, first.document_index)
     torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["replace", "blend:0.2"])
+def test_a_segment_entrys_projection_outliving_its_source_keeps_its_document_position(tmp_path, tiny_source,
+                                                                                      tiny_target, adapter, mode):
+    """A segment entry's projection holds the document's tokens alone (document index 0). Once the segment entry
+    expired, a warm fetch of its projection took it for a prefix entry's (the start token first): the document
+    position it told was one token off. The projection records it now."""
+    import served
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
+
+    class Clock:
+        now = 1000.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock)
+    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
+    registry.add("fitted", adapter, make_default=True)
+    service = KVBridgeService(tiny_source, [tiny_target], store, registry)
+    service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
+    _, *segments = service.ingest("t", " ".join(served.text(i) for i in range(10, 14)), detect_segments=True,
+                                  ttl_s=10).entries
+    key = max((info for info, _ in segments), key=lambda i: i.num_tokens).key
+    first = service.projected_cache("t", key=key, mode=mode)
+    assert first.document_index == 0
+    clock.now += 20  # the segment entry expires; its projection (and correction) stay
+    assert key not in store.keys("t")
+    again = service.projected_cache("t", key=key, mode=mode)
+    assert (again.entry_key, again.document_index) == (first.entry_key, 0)
+    torch.testing.assert_close(again.segment.kv, first.segment.kv, rtol=0, atol=0)
