@@ -201,13 +201,22 @@ def test_the_convention_probe_and_the_rotations_make_their_tensors_on_the_models
         assert out.device.type == "meta" and out.shape == keys.shape
 
 
-def test_batched_rope_ops_leave_layers_without_rope_as_they_are():
+@pytest.mark.parametrize("no_rope_layers, nope, roped", [([1, 1, 1, 0], 3, 0),  # the last layer without RoPE
+                                                          ([1, 0, 1, 1], 1, 2)])  # one between RoPE layers
+def test_batched_rope_ops_leave_layers_without_rope_as_they_are(no_rope_layers, nope, roped):
     from transformers import SmolLM3Config
 
-    config = SmolLM3Config(**zoo.COMMON, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], max_position_embeddings=512,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = SmolLM3Config(**zoo.COMMON, num_hidden_layers=4, no_rope_layers=no_rope_layers,
+                           max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     lm = random_model(config, "smollm3-tiny", device="cpu")
     keys = torch.randn(4, lm.spec.num_kv_heads, 5, lm.spec.head_dim)
     pos = torch.arange(5)
     for out in (lm.rope.rotate_all(keys, pos), lm.rope.unrotate_all(keys, pos), lm.rope.shift_all(keys, pos, pos + 3)):
-        assert torch.equal(out[3], keys[3]) and not torch.equal(out[0], keys[0])
+        assert torch.equal(out[nope], keys[nope]) and not torch.equal(out[roped], keys[roped])
+
+
+def test_consecutive_runs_keeps_a_gap_of_one_layer_apart():
+    from kvbridge.transfer.rope import consecutive_runs
+
+    assert consecutive_runs([0, 1, 2, 5, 6]) == [slice(0, 3), slice(5, 7)]
+    assert consecutive_runs([0, 2, 3]) == [slice(0, 1), slice(2, 4)]

@@ -364,22 +364,29 @@ def test_a_warm_segment_fetch_whose_entry_is_deleted_after_its_read_says_where_i
     assert got.segment.token_ids.tolist() == doc and got.document_index == 0
 
 
+class _Clock:
+    now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _clocked_service(tmp_path, tiny_source, tiny_target, adapter) -> tuple[KVBridgeService, _Clock]:
+    """A service whose store reads the returned clock (a test moves it on to expire entries)."""
+    clock = _Clock()
+    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock)
+    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
+    registry.add("fitted", adapter, make_default=True)
+    return KVBridgeService(tiny_source, [tiny_target], store, registry), clock
+
+
 @pytest.mark.parametrize("mode", ["replace", "blend:0.1"])
 def test_a_projection_outliving_its_expired_source_is_still_served_by_its_key(tmp_path, tiny_source, tiny_target,
                                                                               adapter, mode):
     """A projection outlives a source that expires (or is evicted): a fetch by the source's key is a warm hit, in
     every mode, though the source's kind and serial are not known any more."""
-    class Clock:
-        now = 1000.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
-    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock)
-    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
-    registry.add("fitted", adapter, make_default=True)
-    service = KVBridgeService(tiny_source, [tiny_target], store, registry)
+    service, clock = _clocked_service(tmp_path, tiny_source, tiny_target, adapter)
+    store = service.store
     key = service.ingest("t", text=TEXT, ttl_s=10).entries[0][0].key
     first = service.projected_cache("t", key=key, mode=mode)  # stored with no TTL
     clock.now += 20  # the source expires; its projection stays
@@ -398,17 +405,8 @@ def test_a_segment_entrys_projection_outliving_its_source_keeps_its_document_pos
     import served
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
-    class Clock:
-        now = 1000.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
-    store = PagedStore(StoreConfig(capacity_bytes=32 << 20, device="cpu"), clock=clock)
-    registry = AdapterRegistry(tmp_path, tiny_source.spec, [tiny_target.spec])
-    registry.add("fitted", adapter, make_default=True)
-    service = KVBridgeService(tiny_source, [tiny_target], store, registry)
+    service, clock = _clocked_service(tmp_path, tiny_source, tiny_target, adapter)
+    store = service.store
     service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
     _, *segments = service.ingest("t", " ".join(served.text(i) for i in range(10, 14)), detect_segments=True,
                                   ttl_s=10).entries

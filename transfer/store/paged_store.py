@@ -245,15 +245,8 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             moved = {i: item for i in missing if self.cpu is not None and (item := self.cpu.pop(hashes[i]))}
 
             def given_back(new_blocks):  # nothing stored: the blocks, the claim and the CPU tier's copies as before
-                for block in new_blocks:
-                    if block.block_hash is not None:
-                        del pool.hash_to_block[block.block_hash]
-                        block.block_hash = None
-                pool.unref(held + new_blocks)
-                below = []  # (room the allocation took since, by demoting what it evicted, pushes others on)
-                for i, (key_of_layout, block) in moved.items():
-                    below += self.cpu.put(hashes[i], key_of_layout, block)
-                self._lose(self.residency.below_cpu(below))
+                popped = [(hashes[i], key_of_layout, block) for i, (key_of_layout, block) in moved.items()]
+                self._lose(self.residency.give_back(pool, new_blocks, popped, held))
                 self.residency.drop(pool, self.registry.release(key, hashes))
 
             try:

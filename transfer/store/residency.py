@@ -122,6 +122,22 @@ class Residency:
             below = [(h, pool.layout.key, block) for (h, _), block in zip(live, data)]
         return self.below_cpu(below)
 
+    def give_back(self, pool: BlockPool, fresh: list[Block], popped: list[tuple[BlockHash, str, torch.Tensor]],
+                  held: list[Block] = ()) -> list[BlockHash]:
+        """Undo a write of blocks that failed (a device's out-of-memory error, say): the `fresh` blocks allocated for
+        it unindexed and released with the `held` ones it took, and the CPU tier's copies it `popped` put back (the
+        allocation may have taken the room they left, demoting what it evicted: what that pushes on goes below).
+        Returns the hashes lost (below_cpu)."""
+        for block in fresh:
+            if block.block_hash is not None:
+                del pool.hash_to_block[block.block_hash]
+                block.block_hash = None
+        pool.unref([*held, *fresh])
+        below = []
+        for block_hash, layout_key, data in popped:
+            below += self.cpu.put(block_hash, layout_key, data)
+        return self.below_cpu(below)
+
     def below_cpu(self, below: list[tuple[BlockHash, str, torch.Tensor]]) -> list[BlockHash]:
         """Blocks that left the CPU tier (or, without one, the device): to Redis when it is up (sent after the
         lock), else lost; returns the hashes of those lost (of blocks some entry still uses)."""
@@ -221,13 +237,5 @@ class Residency:
             for i, block in zip(missing, new_blocks):
                 pool.set_hash(block, hashes[i])
         except BaseException:
-            for block in new_blocks:
-                if block.block_hash is not None:
-                    del pool.hash_to_block[block.block_hash]
-                    block.block_hash = None
-            pool.unref(new_blocks)
-            below = []  # (allocation may have taken the room they left, demoting what it evicted)
-            for i in from_cpu:
-                below += self.cpu.put(hashes[i], layout_key, data[i])
-            lose(self.below_cpu(below))
+            lose(self.give_back(pool, new_blocks, [(hashes[i], layout_key, data[i]) for i in from_cpu]))
             raise
