@@ -3,8 +3,9 @@ a watchdog that cancels streams that have moved no message for too long.
 
 Why uploads are counted and downloads are not: an upload's length is the client's to choose (a header, then
 nothing), so a tenant could hold every stream thread with calls that never end; a download is paced by the server
-and ends when its chunks are out, unless the client stops reading, which the idle watchdog catches. The thread
-budgets that keep health and unary calls apart from streams are in `app` (one pool each).
+and ends when its chunks are out, unless the client stops reading, which the idle watchdog catches (and until then
+holds one of its tenant's share of the stream threads: server/fair_pool.py). The thread budgets that keep health and
+unary calls apart from streams are in `app` (one pool each).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from kvbridge.server.admission import IdleWatchdog, StreamSlots
 from kvbridge.server.auth import Authenticator, AuthInterceptor, read_token_file
 from kvbridge.server.config import ServeConfig, is_loopback, split_address
 from kvbridge.server.corrections import CorrectionLimits, Corrections
+from kvbridge.server.fair_pool import FairPool, FairStreams
 from kvbridge.server.gather_buffers import GatherBuffers
 from kvbridge.server.metrics import Metrics
 from kvbridge.server.request_limits import check_message, clip_details
@@ -194,7 +195,7 @@ class RunningServer:
     metrics: Metrics
     metrics_port: int | None
     health: health.HealthServicer
-    pools: dict[str, futures.ThreadPoolExecutor]  # the thread budgets: health, unary, stream, other
+    pools: dict[str, futures.ThreadPoolExecutor | FairPool]  # the thread budgets: health, unary, stream, other
     watchdog: IdleWatchdog
     segments: SegmentRegistry | None  # same-host fetches' shared-memory files; None: off
     wire: WireCache | None = None  # recent streamed fetches' messages, for the next fetch of the same KV
@@ -206,7 +207,7 @@ class RunningServer:
 
 
 def _shut(server: grpc.Server, grace_s: float, watchdog: IdleWatchdog, segments: SegmentRegistry | None,
-          pools: dict[str, futures.ThreadPoolExecutor], metrics: Metrics) -> None:
+          pools: dict[str, futures.ThreadPoolExecutor | FairPool], metrics: Metrics) -> None:
     """Stop the server (in-flight calls get grace_s) and everything it started: nothing of it is left behind."""
     server.stop(grace_s).wait()
     watchdog.stop()
@@ -267,16 +268,17 @@ def _refusing(behavior, request_streaming: bool, max_text_chars: int, counted=No
     return run
 
 
-def _on(pool: futures.ThreadPoolExecutor, behavior):
-    """The behavior, run on this pool instead of the server's default one (grpc's per-method thread pool)."""
+def _on(pool: futures.ThreadPoolExecutor | FairPool, behavior):
+    """The behavior, run on this pool instead of the server's default one (grpc's per-method thread pool); on a
+    FairPool, its lane of no tenant until FairStreams points the call at its caller's."""
     def run(*args):
         return behavior(*args)
-    run.experimental_thread_pool = pool
+    run.experimental_thread_pool = pool.lane("") if isinstance(pool, FairPool) else pool
     return run
 
 
 def kvbridge_handler(servicer: KVBridgeServicer, max_text_chars: int,
-                     pools: dict[str, futures.ThreadPoolExecutor] | None = None,
+                     pools: dict[str, futures.ThreadPoolExecutor | FairPool] | None = None,
                      metrics: Metrics | None = None) -> grpc.GenericRpcHandler:
     """The generated stubs' method handlers, with deserializers that let the servicer refuse bad bytes; unary
     methods on pools["unary"], streamed ones on pools["stream"] (when given); refusals before the servicer counted
@@ -344,15 +346,18 @@ def start_server(service: KVBridgeService, config: ServeConfig, tokens: dict[str
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]
     # Thread budgets: streams (whose length a client can stretch) never hold a thread that unary calls or health
-    # checks need. "reflection": its streams, which anyone may open and hold (health and reflection need no token).
+    # checks need; "stream" shares its threads fairly between tenants (server/fair_pool.py). "reflection": its
+    # streams, which anyone may open and hold (health and reflection need no token).
     # "other": the start of a health Watch (it holds no thread after) and refusals of calls without a valid token.
     pools = {"health": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-health"),
              "unary": futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvbridge-unary"),
-             "stream": futures.ThreadPoolExecutor(max_workers=config.stream_workers,
-                                                  thread_name_prefix="kvbridge-stream"),
+             "stream": FairPool(config.stream_workers, config.stream_threads_for(len(set(tokens.values()))
+                                                                                 if tokens else 1)),
              "reflection": futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-reflection"),
              "other": futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-rpc")}
-    server = grpc.server(pools["other"], interceptors=[AuthInterceptor(auth, metrics)], options=options)
+    metrics.watch_streams(pools["stream"])
+    server = grpc.server(pools["other"], options=options,
+                         interceptors=[AuthInterceptor(auth, metrics), FairStreams(pools["stream"], auth.tenant)])
     watchdog = IdleWatchdog(config.stream_idle_s)
     segments = None
     if config.shm_dir:

@@ -16,7 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "preset", "source", "target", "device", "dtype", "adapters", "default_adapter", "store_device",
         "store_capacity_mb", "cpu_tier_mb", "block_size", "redis_url", "redis_secret_file", "default_ttl_s", "listen",
         "tls_cert", "tls_key",
-        "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "uploads_per_tenant",
+        "token_file", "max_message_mb", "chunk_kb", "workers", "stream_workers", "stream_threads_per_tenant",
+        "uploads_per_tenant",
         "stream_idle_s", "max_projections", "tenant_max_entries", "tenant_max_pinned_mb", "metrics_listen", "grace_s",
         "detector_layers", "shm_ttl_s", "shm_max_mb", "shm_keep_s", "shm_headroom_tokens",
         "stream_keep_mb", "stream_keep_s", "correction", "max_corrections", "correction_prior_file")}
@@ -82,6 +83,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--chunk-kb", type=int, default=None, help="KV chunk size on the wire (default 1024)")
     p.add_argument("--workers", type=int, default=None, help="threads for unary calls (default 8)")
     p.add_argument("--stream-workers", type=int, default=None, help="threads for streamed calls (default 8)")
+    p.add_argument("--stream-threads-per-tenant", type=int, default=None,
+                   help="streamed calls one tenant runs at once, its others waiting their turn (default: all the "
+                        "stream threads with one tenant, else all but a quarter)")
     p.add_argument("--uploads-per-tenant", type=int, default=None,
                    help="open PutSourceKV calls one tenant may hold (default 2)")
     p.add_argument("--stream-idle-s", type=float, default=None,

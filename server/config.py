@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbridge.server.chunks import MIN_CHUNK_BYTES
+from kvbridge.server.fair_pool import default_per_tenant
 from kvbridge.transfer.devices import DTYPE_NAMES
 
 SECRET_FILE_ENV = "KVBRIDGE_REDIS_SECRET_FILE"  # names the secret file when the TOML and the flags do not
@@ -63,6 +64,9 @@ class ServeConfig:
     chunk_kb: int = 1024  # default KV chunk size on the wire
     workers: int = 8  # threads for unary calls (Ingest, Lookup, Stats, ...); health checks have 2 of their own
     stream_workers: int = 8  # threads for streamed calls (uploads and fetches): streams never take a unary thread
+    # stream threads one tenant may hold at once, its further streamed calls waiting (0: all of them with one tenant,
+    # else all but a quarter, so one tenant's unread fetches never hold every thread; server/fair_pool.py)
+    stream_threads_per_tenant: int = 0
     uploads_per_tenant: int = 2  # open PutSourceKV calls a tenant may hold; more are refused (RESOURCE_EXHAUSTED)
     stream_idle_s: float = 60.0  # a stream that moves no message for this long is cancelled
     max_projections: int = 2  # projections running at once (each holds the adapter's device for its length)
@@ -126,6 +130,9 @@ class ServeConfig:
             raise ValueError(f"detector_layers must be layer indices (>= 0), got {self.detector_layers}")
         if self.stream_workers < 2:
             raise ValueError(f"stream_workers must be >= 2 (uploads may hold half of them), got {self.stream_workers}")
+        if not 0 <= self.stream_threads_per_tenant <= self.stream_workers:
+            raise ValueError(f"stream_threads_per_tenant must be 0 (automatic) or 1 to stream_workers "
+                             f"({self.stream_workers}), got {self.stream_threads_per_tenant}")
         if self.chunk_kb * 1024 < MIN_CHUNK_BYTES:  # what a request may ask for; the default is one too
             raise ValueError(f"chunk_kb must be >= {MIN_CHUNK_BYTES // 1024}, got {self.chunk_kb}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
@@ -185,6 +192,10 @@ class ServeConfig:
     def max_uploads(self) -> int:
         """Open uploads over all tenants: half the stream threads, so fetches always have threads left."""
         return max(1, self.stream_workers // 2)
+
+    def stream_threads_for(self, tenants: int) -> int:
+        """Stream threads one tenant may hold on a server that `tenants` tenants can call."""
+        return self.stream_threads_per_tenant or default_per_tenant(self.stream_workers, tenants)
 
     @property
     def max_message_bytes(self) -> int:

@@ -71,6 +71,20 @@ class TokenCollector:
         yield family
 
 
+class StreamCollector:
+    """Streamed calls running on the stream threads and waiting for one (server/fair_pool.py), over all tenants."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        family = GaugeMetricFamily("kvbridge_stream_calls", "streamed calls running on a stream thread or waiting "
+                                   "for one (a tenant past its share of the threads waits)", labels=["state"])
+        family.add_metric(["running"], sum(self.pool.running().values()))
+        family.add_metric(["waiting"], sum(self.pool.waiting().values()))
+        yield family
+
+
 class Metrics:
     def __init__(self, store=None, service=None):
         self.registry = CollectorRegistry()
@@ -85,6 +99,10 @@ class Metrics:
         if service is not None:
             self.registry.register(TokenCollector(service))
         self._http = None
+
+    def watch_streams(self, pool) -> None:
+        """Report the stream threads' FairPool on /metrics."""
+        self.registry.register(StreamCollector(pool))
 
     @contextmanager
     def observe(self, method: str):
