@@ -10,6 +10,7 @@ adapters and counters.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -275,20 +276,46 @@ class Projecting:
                     ) -> CacheResult:
         """`projected_cache` in mode replace: the projection as the adapter makes it (`resolved`: (label, adapter)
         as the registry resolved the request's adapter, once per fetch)."""
-        source = self.models[self.source_name]
         label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
+        warm = self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, out)
+        if warm is not None:
+            return warm
+        # one projection at once per entry (or text not ingested yet) and adapter: a request that comes while another
+        # projects it waits, then serves what that one stored, instead of taking a projection slot (and for a text,
+        # ingesting it) to compute the same KV again
+        name = source_key or "text:" + hashlib.sha256((text or "").encode("utf-8", "surrogatepass")).hexdigest()
+        with self._single_flight(f"{tenant}\0{ident}#{name}"):
+            if source_key is None:
+                source_key = self._cached_source_key(tenant, text)
+            return self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, out) \
+                or self._projected_now(tenant, key, text, target, resolved, offset, require_cached)
+
+    def _warm_projection(self, tenant: str, source_key: str | None, ident: str, chosen: Adapter, label: str,
+                         target: ServedModel, offset: int, out: KVOut | None) -> CacheResult | None:
+        """A projection of the entry made before, placed at offset (no source read, no alignment, no projection);
+        None when the store holds none (or no entry is named)."""
+        if source_key is None:
+            return None
         # read before the projection: its kind and serial (None: expired or evicted, which a projection outlives)
         held = self._source_info(tenant, source_key)
-        warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out) \
-            if source_key else None
-        if warm is not None:  # a projection made before: no source read, no alignment, no projection
-            info, projected = warm
-            self._count("projection", reused=projected.num_tokens)
-            lead = int(held.kind == "prefix") if held is not None else _document_index(info)
-            return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
-                           source_serial=held.serial if held is not None else None)
+        warm = self._cached_projection(tenant, source_key, ident, target, None if offset else out)
+        if warm is None:
+            return None
+        info, projected = warm
+        self._count("projection", reused=projected.num_tokens)
+        lead = int(held.kind == "prefix") if held is not None else _document_index(info)
+        return replace(self._placed(target, chosen, info, projected, source_key, label, offset, lead),
+                       source_serial=held.serial if held is not None else None)
+
+    def _projected_now(self, tenant: str, key: str | None, text: str | None, target: ServedModel,
+                       resolved: tuple[str, Adapter], offset: int, require_cached: bool) -> CacheResult:
+        """The projection computed now (reusing what stored projections of a shared source prefix hold) and
+        stored, placed at offset."""
+        source = self.models[self.source_name]
+        label, chosen = resolved
+        ident = cache_label(label, chosen)
         # a failure after an ingest of the text is undone by projected_cache (server/undo)
         source_key, segment, known, _, held = self._source_entry(tenant, key, text, require_cached)
         if segment.model != source.lm.spec.identity:
