@@ -219,6 +219,42 @@ def test_the_saver_drops_the_partial_kv_of_a_request_that_finished_before_its_la
     saver.close()
 
 
+def test_a_request_whose_table_lacks_blocks_is_not_saved_and_the_engine_saves_the_others():
+    """A sliding-window engine's table holds the null block (id 0) before the window after a prefix-cache hit: that
+    request cannot be saved. It used to stop the engine's saving for good (every later request refused); now only that
+    request is counted failed, and the next is read and uploaded."""
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.layouts import write_cpu_vec
+    from kvbridge.vllm.saving import SaveChunk, Saver
+
+    saver = Saver(ConnectorConfig.from_extra({"kvbridge_address": "127.0.0.1:1"}), "unused", 32)
+    uploaded = []
+    saver._upload = lambda req_id, server, kv, token_ids: uploaded.append((req_id, kv.clone(), token_ids))
+    cache = torch.zeros(4, 2, 32, 16)  # [blocks, H_kv, block_size, 2 D], the CPU "vec" layout
+    key, value = torch.randn(32, 2, 8), torch.randn(32, 2, 8)
+    write_cpu_vec(cache, key, value, torch.arange(64, 96))  # into block 2
+    windowed = SaveChunk("w", "default", [0, 2], 0, 64, 64, token_ids=list(range(64)))  # block 0: the null block
+    whole = SaveChunk("b", "default", [2], 0, 32, 32, token_ids=list(range(32)))
+    for index in range(2):
+        saver.save_layer(index, 2, SimpleNamespace(isa="vec"), cache, [windowed])
+    saver.step_done([windowed])
+    assert saver.counts() == {"saves_failed": 1} and "w" not in saver._kv
+    for index in range(2):
+        saver.save_layer(index, 2, SimpleNamespace(isa="vec"), cache, [whole])
+    saver.step_done([whole])
+    saver.close()  # waits for the upload thread
+    assert [(r, t) for r, _, t in uploaded] == [("b", list(range(32)))]
+    assert torch.equal(uploaded[0][1][1, 0], key.transpose(0, 1)) and torch.equal(uploaded[0][1][0, 1],
+                                                                                   value.transpose(0, 1))
+    assert saver.counts() == {} and not saver._unsaved
+    first = SaveChunk("a", "default", [0, 2], 0, 64, 96)  # its first chunk: aborted before its last
+    saver.save_layer(0, 2, SimpleNamespace(isa="vec"), cache, [first])
+    assert set(saver._unsaved) == {"a"}
+    saver.forget({"a"})
+    assert not saver._unsaved and not saver._kv
+
+
 def test_covered_knows_what_a_lookup_would_load_only_for_the_prompt_start_it_saw():
     from kvbridge.vllm.plans import Covered
 

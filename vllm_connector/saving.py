@@ -126,6 +126,9 @@ class Saver:
         # why this engine cannot save ("": it can; `refused`: what the connector found at its start, e.g. a quantized
         # KV cache), warned at each step that had saves
         self._refused = refused
+        # req_id -> why this request cannot be saved (its table lacks blocks: a sliding window dropped them); the
+        # engine saves its other requests, and this one's last chunk counts it failed
+        self._unsaved: dict[str, str] = {}
 
     def save_layer(self, index: int, num_layers: int, layer, kv_cache: torch.Tensor, chunks: list[SaveChunk]) -> None:
         """Read layer `index`'s positions of every chunk out of its paged buffer (kv_cache)."""
@@ -138,10 +141,15 @@ class Saver:
                              f"{kv_cache.device.type}")
             return
         for chunk in chunks:
+            if chunk.req_id in self._unsaved:
+                continue
             kept, slots = layouts.slot_mapping(chunk.block_ids, chunk.start, chunk.end - chunk.start, self.block_size)
-            if kept.numel() != chunk.end - chunk.start:  # a sliding window dropped blocks: the KV is gone
-                self._refused = "a sliding-window engine drops the blocks before its window: saving needs them"
-                return
+            if kept.numel() != chunk.end - chunk.start:  # a sliding window dropped blocks: this request's KV is gone
+                self._unsaved[chunk.req_id] = (f"its block table holds {chunk.end - chunk.start - kept.numel()} "
+                                               f"positions of {chunk.start}..{chunk.end} in no block (a sliding "
+                                               "window dropped them): saving needs every block")
+                self._kv.pop(chunk.req_id, None)
+                continue
             key, value = reader(kv_cache, slots)  # [n, H, D] each
             kv = self._kv.get(chunk.req_id)
             if kv is None:
@@ -161,7 +169,13 @@ class Saver:
                 self._count(saves_failed=refused)
             return
         for chunk in chunks:
-            if chunk.token_ids is not None and chunk.req_id in self._kv:
+            if chunk.token_ids is None:
+                continue
+            why = self._unsaved.pop(chunk.req_id, None)
+            if why is not None:
+                log.warning("kvbridge: request %s not saved: %s", chunk.req_id, why)
+                self._count(saves_failed=1)
+            elif chunk.req_id in self._kv:
                 kv = self._kv.pop(chunk.req_id)
                 self._uploads.submit(self._upload, chunk.req_id, chunk.server, kv, chunk.token_ids)
 
@@ -169,6 +183,8 @@ class Saver:
         """Finished requests: the KV of a save they never completed (aborted before their last chunk) is dropped."""
         for req_id in req_ids & self._kv.keys():
             del self._kv[req_id]
+        for req_id in req_ids & self._unsaved.keys():
+            del self._unsaved[req_id]
 
     def _upload(self, req_id: str, server: str, kv: torch.Tensor, token_ids: list[int]) -> None:
         try:
