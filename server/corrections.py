@@ -10,6 +10,7 @@ annotations keep the mode and the positions the target recomputed, which the hea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -101,17 +102,21 @@ class Corrections:
             raise ValueError(f"correction_prior_file {self.limits.prior_file}: fitted for none of the served targets "
                              f"({', '.join(lm.name for lm in targets)})")
 
-    def compute(self, lm: LoadedModel, projected: KVSegment, correction: Correction, adapter: str = "") -> Corrected:
+    def compute(self, lm: LoadedModel, projected: KVSegment, correction: Correction, adapter: str = "",
+                lock: threading.Lock | None = None) -> Corrected:
         """The correction of a projection (start token at 0, the document after it) by the target `lm`, at most
         `max_running` at once; KV on the model's device and in the projection's dtype. `adapter`: the digest of the
-        adapter that projected it; a fitted prior made for another one is still read, and said once in the log."""
+        adapter that projected it; a fitted prior made for another one is still read, and said once in the log.
+        `lock`: the model's (ServedModel.lock), held for the correction's forwards once it has its slot: the prior's
+        reading hooks every forward of the model, so another request's forward meanwhile (a prompt's head) would
+        run under it and reset what it read."""
         prior = self.prior(lm)
         stale = prior.stale_for(adapter) if prior is not None and adapter else None
         if stale and (lm.name, adapter) not in self._stale_told:
             self._stale_told.add((lm.name, adapter))
             log.warning("corrections of %s: %s", lm.name, stale)
         device = next(lm.model.parameters()).device
-        with self._running, torch.no_grad():
+        with self._running, lock or contextlib.nullcontext(), torch.no_grad():
             fixed = correct(lm, projected.to(device=device), correction, prior=prior)
         return Corrected(fixed.segment.to(device=projected.device, dtype=projected.dtype), fixed.still_projected,
                          fixed.forwards, fixed.exact_layers)
