@@ -87,6 +87,30 @@ class CacheResult:
 DOCUMENT_INDEX = "document_index"
 
 
+class _OnceOut:
+    """A fetch's KVOut as its store reads see it: once one read has used it (reuse or tensor, then lost its entry:
+    evicted or deleted before its gather), the fetch's later reads get none (`_fresh`): a same-host segment is given
+    its buffer once, and the fetch's KV is copied in when it is published."""
+
+    def __init__(self, out: KVOut):
+        self.out, self.used = out, False
+
+    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        self.used = True
+        return self.out.reuse(tag, shape, dtype)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        self.used = True
+        return self.out.tensor(shape, dtype)
+
+    def written(self, start: int, end: int) -> None:
+        self.out.written(start, end)
+
+
+def _fresh(out: _OnceOut | None) -> _OnceOut | None:
+    return None if out is None or out.used else out
+
+
 def _document_index(info: EntryInfo) -> int:
     """Where a stored projection's document begins (entries stored before the annotation: after a start token)."""
     return 0 if info.annotations.get(DOCUMENT_INDEX) == 0 else 1
@@ -151,6 +175,7 @@ class Projecting:
         A correction is computed from the projection once, stored linked to the source entry, and read after."""
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
+        out = _OnceOut(out) if out is not None and offset == 0 else None  # offered to one store read at most
         correction = self.corrections.resolve(mode)
         target = self.model(target_model, "target")
         # resolved once: a default changed meanwhile (LoadAdapter make_default) must not make the projection the
@@ -167,8 +192,7 @@ class Projecting:
         # correction is looked for under either's namespace
         for lead in (int(held.kind == "prefix"),) if held is not None else (0, 1):
             tag = self._correction_tag(label, chosen, correction, target, lead)
-            warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
-                if source_key else None
+            warm = self._cached_projection(tenant, source_key, tag, target, _fresh(out)) if source_key else None
             if warm is not None:
                 break
         if warm is None:
@@ -182,7 +206,7 @@ class Projecting:
                 tag = self._correction_tag(label, chosen, correction, target, lead)
             serial = base.source_serial
             with self._single_flight(f"{tenant}\0{tag}#{source_key}"):  # a correction at once per entry and mode
-                warm = self._cached_projection(tenant, source_key, tag, target, None if offset else out) \
+                warm = self._cached_projection(tenant, source_key, tag, target, _fresh(out)) \
                     or self._replica_correction(tenant, base, tag, target)
                 if warm is None:
                     warm = self._computed_correction(tenant, target, base, correction, chosen, tag, lead)
@@ -245,13 +269,13 @@ class Projecting:
         by RoPE: placed after a start token it is that correction exactly; its recomputed positions are document
         tokens only)."""
         if lead:
-            return self.corrections.compute(target.lm, projected, correction, digest)
+            return self.corrections.compute(target.lm, projected, correction, digest, lock=target.lock)
         lm = target.lm
         with target.lock:
             start = kvcache.extract(lm.model, lm.spec, torch.tensor([start_token_id(lm.tokenizer)]))
         doc = place(projected, lm.rope, 1)
         fixed = self.corrections.compute(lm, KVSegment.concat([start.to(device=doc.device, dtype=doc.dtype), doc]),
-                                         correction, digest)
+                                         correction, digest, lock=target.lock)
         out = place(fixed.segment.slice(1, fixed.segment.num_tokens), lm.rope, int(projected.positions[0]))
         return replace(fixed, segment=out, still_projected=fixed.still_projected[1:])
 
@@ -279,17 +303,21 @@ class Projecting:
         label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
-        warm = self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, out)
+        warm = self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, _fresh(out))
         if warm is not None:
             return warm
-        # one projection at once per entry (or text not ingested yet) and adapter: a request that comes while another
-        # projects it waits, then serves what that one stored, instead of taking a projection slot (and for a text,
-        # ingesting it) to compute the same KV again
-        name = source_key or "text:" + hashlib.sha256((text or "").encode("utf-8", "surrogatepass")).hexdigest()
-        with self._single_flight(f"{tenant}\0{ident}#{name}"):
-            if source_key is None:
-                source_key = self._cached_source_key(tenant, text)
-            return self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, out) \
+        # one projection at once per entry and adapter: a request that comes while another projects it waits, then
+        # serves what that one stored, instead of taking a projection slot to compute the same KV again. A request by
+        # text holds the text's flight first (it may ingest the text), then the entry's once the entry is known: so
+        # it waits for a request of the same text that ingested it and is projecting it, or is still ingesting it
+        with contextlib.ExitStack() as flights:
+            if key is None:
+                digest = hashlib.sha256((text or "").encode("utf-8", "surrogatepass")).hexdigest()
+                flights.enter_context(self._single_flight(f"{tenant}\0{ident}#text:{digest}"))
+                source_key = self._cached_source_key(tenant, text)  # ingested meanwhile by the one waited for
+            if source_key is not None:
+                flights.enter_context(self._single_flight(f"{tenant}\0{ident}#{source_key}"))
+            return self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, _fresh(out)) \
                 or self._projected_now(tenant, key, text, target, resolved, offset, require_cached)
 
     def _warm_projection(self, tenant: str, source_key: str | None, ident: str, chosen: Adapter, label: str,
@@ -424,7 +452,8 @@ class Projecting:
         kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
         if kept is not None:  # the destination has this entry's KV from an earlier fetch
             return self.store.touch(info.key, tenant, kept, info.serial)
-        want = getattr(out, "dtype", None) if isinstance(out, PendingSegment) else None
+        dest = out.out if isinstance(out, _OnceOut) else out
+        want = dest.dtype if isinstance(dest, PendingSegment) else None
         if held and want is not None and want != dtype:  # a same-host segment in another dtype (the engine's bf16):
             # converted into it once, kept under the tag, so later fetches copy nothing
             buffer = out.tensor(shape, want)

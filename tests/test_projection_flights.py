@@ -84,3 +84,77 @@ def test_fetches_of_other_entries_or_tenants_do_not_wait_on_each_other(tmp_path,
 
     results, computed = _concurrently(service, monkeypatch, fetch)
     assert computed == 3 and len({r.entry_key for r in results}) == 3
+
+
+def test_a_fetch_by_text_that_comes_after_the_ingest_waits_for_the_projection(tmp_path, monkeypatch, tiny_source,
+                                                                             tiny_target, adapter):
+    """The second fetch of a text comes once the first has ingested it and while it projects: it found the new
+    source entry, took that entry's flight (which the first never held) and projected again; now it waits on the
+    text's flight the first holds."""
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    real_flight, real_project = service._single_flight, projecting_module.project
+    projecting, waiting, computed, results = threading.Event(), threading.Event(), [], {}
+
+    def single_flight(name):
+        if threading.current_thread().name == "second" and "#text:" in name:
+            waiting.set()
+        return real_flight(name)
+
+    def project(*args, **kwargs):
+        computed.append(threading.current_thread().name)
+        if len(computed) == 1:
+            projecting.set()
+            waiting.wait(5)  # until the second fetch waits on the text's flight (never, before)
+        return real_project(*args, **kwargs)
+
+    monkeypatch.setattr(service, "_single_flight", single_flight)
+    monkeypatch.setattr(projecting_module, "project", project)
+    first = threading.Thread(target=lambda: results.update(first=service.projected_cache("t", text=TEXT)),
+                             name="first")
+    first.start()
+    assert projecting.wait(30)  # the first has ingested the text and projects it
+    second = threading.Thread(target=lambda: results.update(second=service.projected_cache("t", text=TEXT)),
+                              name="second")
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert computed == ["first"] and set(results) == {"first", "second"}
+    assert results["first"].entry_key == results["second"].entry_key
+    assert not service._flights
+
+
+def test_a_same_host_fetch_whose_warm_read_lost_its_entry_is_served_the_projection_made_meanwhile(
+        tmp_path, monkeypatch, tiny_source, tiny_target, adapter, shm_root):
+    """A same-host fetch offers its segment's buffer to the store read; when that read loses the stored projection
+    (evicted before the gather) and another fetch projects it again meanwhile, the fetch read it a second time into
+    the same segment, which takes a buffer once (AssertionError, INTERNAL to the client); now the second read makes
+    its own tensor, which the segment copies in when it is published."""
+    from kvbridge.server.shm_segments import SegmentRegistry
+
+    service = _service(tiny_source, tiny_target, tmp_path, adapter)
+    segments = SegmentRegistry(str(shm_root))
+    service.projected_cache("t", text=TEXT)  # stored: the same-host fetch below starts as a warm one
+    store, real_get, lost = service.store, service.store.get, []
+
+    def get(key, tenant, out=None, written=None):
+        if out is None or lost:
+            return real_get(key, tenant, out=out, written=written)
+        lost.append(key)
+        store._remove_entry(store.registry.get(key), "evicted")  # gone just before this read
+        try:
+            return real_get(key, tenant, out=out, written=written)  # NotFound: on to the projection's flight
+        finally:  # meanwhile another client's fetch projects it again
+            other = threading.Thread(target=lambda: service.projected_cache("t", text=TEXT))
+            other.start()
+            other.join(60)
+
+    monkeypatch.setattr(store, "get", get)
+    pending = segments.reserve("t")
+    try:
+        served = service.projected_cache("t", text=TEXT, out=pending)
+        segment = pending.publish(served.segment.kv)
+        assert lost and served.segment.num_tokens > 0
+        assert served.segment.kv.equal(service.projected_cache("t", text=TEXT).segment.kv)
+        assert segment.name and store.check() == [] and not service._flights
+    finally:
+        segments.close()
