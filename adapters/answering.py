@@ -5,6 +5,7 @@ answer probe and the evaluation read them here, so a checkpoint is chosen on wha
 
 from __future__ import annotations
 
+import re
 import time
 from functools import cache
 
@@ -104,18 +105,38 @@ def greedy_alike(target: LoadedModel, contexts: list[KVSegment], prompts: list[t
     return out
 
 
+# words of any script, lowercased: runs of letters and digits (so ASCII text is cut exactly as rouge-score's own
+# tokenizer cuts it, [a-z0-9]+), and each Han character or kana alone (those scripts put no space between words).
+# rouge-score's tokenizer keeps [a-z0-9] only: Cyrillic, Greek or CJK text had no words at all, and two different
+# answers in it scored 1.0 ("they say the same, nothing").
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WORDS = re.compile(f"[{_CJK}]|[^\\W_{_CJK}]+")
+
+
+class WordTokenizer:
+    """rouge-score's Tokenizer for text of any script; Porter stemming of ASCII words longer than 3 characters, as
+    rouge-score's default does."""
+
+    def __init__(self):
+        from nltk.stem import porter
+
+        self._stemmer = porter.PorterStemmer()
+
+    def tokenize(self, text: str) -> list[str]:
+        words = _WORDS.findall(text.lower())
+        return [self._stemmer.stem(w) if len(w) > 3 and w.isascii() else w for w in words]
+
+
 @cache
 def _scorer():
     from rouge_score import rouge_scorer  # here, not at import: it loads nltk (a second at every CLI start)
 
-    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=_tokenizer())
 
 
 @cache
-def _tokenizer():
-    from rouge_score import tokenizers
-
-    return tokenizers.DefaultTokenizer(use_stemmer=True)  # the scorer's own
+def _tokenizer() -> WordTokenizer:
+    return WordTokenizer()
 
 
 def _has_words(text: str) -> bool:
@@ -123,7 +144,8 @@ def _has_words(text: str) -> bool:
 
 
 def rouge(reference: str, prediction: str) -> dict[str, float]:
-    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming). Two texts without a word (empty, or punctuation
+    """F1 of ROUGE-1, -2 and -L (rouge-score, Porter stemming; words of every script: WordTokenizer, which cuts
+    ASCII text as rouge-score's own tokenizer does). Two texts without a word (empty, or punctuation
     only) score 1: they say the same, nothing (rouge-score gives 0, so `full`'s fidelity to itself was below 1 where
     its answer was empty)."""
     if not _has_words(reference) and not _has_words(prediction):

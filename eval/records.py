@@ -53,7 +53,7 @@ def read_records(path: str | Path, exclude: str | Path | None = None) -> list[Re
             given.add(renamed)
             log.warning("%s:%d: id %r is taken by another record: this one is %r", path, n, record.id, renamed)
             record = Record(renamed, record.document, record.summary)
-        if record.id not in skip:
+        if record.id not in skip and obj["id"] not in skip:  # an excluded id excludes every record under it
             records.append(record)
     if not records:
         raise ValueError(f"{path} holds no records" + (f" outside {exclude}" if skip else ""))

@@ -190,6 +190,10 @@ def test_records_are_checked(tmp_path):
     a, b = '{"id": "a", "document": "x", "summary": "y"}', '{"id": "a", "document": "z", "summary": "w"}'
     bad.write_text("\n".join((a, b, a, b)) + "\n")  # repeats dropped, another record under a taken id renamed
     assert [(r.id, r.document) for r in read_records(bad)] == [("a", "x"), ("a#2", "z")]
+    skip = tmp_path / "skip.jsonl"
+    skip.write_text('{"id": "a", "document": "x", "summary": "y"}\n')
+    with pytest.raises(ValueError, match="holds no records outside"):  # the record renamed a#2 is excluded too
+        read_records(bad, exclude=skip)
     rest = read_records(SAMPLE, exclude=SAMPLE.parent / "pydoc_heldout.jsonl")
     assert len(rest) < len(records) and not {r.id for r in rest} & {r.id for r in read_records(
         SAMPLE.parent / "pydoc_heldout.jsonl")}
@@ -203,6 +207,12 @@ def test_rouge_is_the_librarys_and_the_bootstrap_brackets_the_mean():
     # two answers without a word say the same (rouge-score would give 0): full's fidelity to itself is 1
     assert rouge("", "") == rouge("...", "") == dict.fromkeys(ROUGE_TYPES, 1.0)
     assert rouge("", pred) == rouge(ref, "") == dict.fromkeys(ROUGE_TYPES, 0.0)
+    # words of every script: different answers in Cyrillic or Japanese share nothing (they scored 1.0: no [a-z0-9]
+    # word in either, taken for two empty answers); the same answer scores 1
+    for a, b in (("Кошка сидит на ковре", "Собака бежит по улице"), ("日本語の文書です", "全く違う答え")):
+        assert rouge(a, b) == dict.fromkeys(ROUGE_TYPES, 0.0) and rouge(a, a) == dict.fromkeys(ROUGE_TYPES, 1.0)
+    assert rouge("Кошка сидит на ковре", "") == dict.fromkeys(ROUGE_TYPES, 0.0)
+    assert rouge("Кошка сидит", "Кошка спит")["rouge1"] == 0.5
     mean, lo, hi = bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0)
     assert lo <= mean <= hi and mean == pytest.approx(0.375)
     assert bootstrap_mean([0.1, 0.2, 0.3, 0.9], 500, 0) == (mean, lo, hi)  # seeded
