@@ -38,6 +38,7 @@ SERVICE = pb2.DESCRIPTOR.services_by_name["KVBridge"].full_name  # "kvbridge.v1.
 DOWNLOADS = (("GetProjectedCache", pb2.GetProjectedCacheRequest), ("GetSourceCache", pb2.GetSourceCacheRequest))
 MAX_ATTEMPTS = 5  # gRPC's own ceiling on a retry policy's maxAttempts (it lowers larger values to 5)
 MAX_BACKOFF_S = 2.0  # the channel's retries (and the client's) wait at most this long between attempts
+RECONNECT_BACKOFF_S = 1.0  # a channel whose server went away tries to reconnect at least this often
 NOT_RETRIED = ("Delete",)  # a lost answer may hide its effect: tried again, it would say NOT_FOUND, or delete anew
 TRANSPORTS = ("stream", "shared_memory", "auto")
 

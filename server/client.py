@@ -26,6 +26,7 @@ KVBridgeError with the status code and the server's sentence.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -35,8 +36,17 @@ from pathlib import Path
 import grpc
 import torch
 from kvbridge.proto import pb2
-from kvbridge.server.channel import MAX_BACKOFF_S, NOT_RETRIED, Channels, Endpoint, parse_target, resolve_transport
+from kvbridge.server.channel import (
+    MAX_BACKOFF_S,
+    NOT_RETRIED,
+    RECONNECT_BACKOFF_S,
+    Channels,
+    Endpoint,
+    parse_target,
+    resolve_transport,
+)
 from kvbridge.server.chunks import (
+    CHUNK_FRAMING,
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_METADATA,
     dtype_name,
@@ -99,8 +109,13 @@ class KVBridgeClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        limit = int(max_message_mb * (1 << 20))
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        limit = self._message_limit = int(max_message_mb * (1 << 20))
+        # a channel whose server went away tries to reconnect after gRPC's backoff, which grows to 120 s: a server
+        # back on its port would then refuse every call of this client's retries (1.5 s by default) for seconds to
+        # minutes. Kept under the retries' own longest wait, a reconnect comes within them
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_S * 1000))]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         creds = (grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))
@@ -227,9 +242,11 @@ class KVBridgeClient:
     def _fetch_once(self, method: str, request, timeout_s: float | None, endpoints: list[Endpoint],
                     keep_shared: bool = False) -> FetchedCache | None:
         """One fetch, its tries through `endpoints` in turn; None when the server named a shared segment this client
-        cannot read."""
-        for attempt in range(self.retries + 1):
-            endpoint = endpoints[attempt % len(endpoints)]
+        cannot read. A replica that answers UNAVAILABLE (down) sends the try on to the next one at once: a try waits
+        and counts as one of `retries` only once every replica has failed it."""
+        attempt, failed = 0, 0
+        for turn in itertools.count():
+            endpoint = endpoints[turn % len(endpoints)]
             reply = FetchReply(method, max_bytes=self.max_fetch_bytes)
             try:
                 reply.read(endpoint.downloads[method](request, timeout=timeout_s or self.timeout_s,
@@ -242,9 +259,14 @@ class KVBridgeClient:
                 # before its first message: unless the channel retried it already; after: only to replicas (the KV
                 # is read-only; another replica serves it from the shared tier), the whole fetch again
                 again = not self._retried_by_channel(endpoint) if reply.received == 0 else self.target.balanced
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and again and attempt < self.retries:
-                    self._sleep(attempt)
-                    continue
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and again:
+                    failed += 1
+                    if failed < len(endpoints):  # a replica this try has not been to yet
+                        continue
+                    if attempt < self.retries:
+                        self._sleep(attempt)
+                        attempt, failed = attempt + 1, 0
+                        continue
                 raise KVBridgeError(exc.code(), exc.details() or "", method) from None
         raise AssertionError("unreachable")
 
@@ -286,6 +308,8 @@ class KVBridgeClient:
             raise ValueError(f"kv must be one of {sorted(map(dtype_name, ST_DTYPES))}, got {dtype_name(kv.dtype)}")
         if kv.shape[3] != len(token_ids):
             raise ValueError(f"kv holds {kv.shape[3]} tokens and token_ids {len(token_ids)}")
+        # a chunk's message fits the largest message this client sends (max_message_mb), as a fetch's do
+        chunk_bytes = min(chunk_bytes, self._message_limit - CHUNK_FRAMING)
         plan_chunks(kv.shape[0], kv.shape[3], 2 * kv.shape[2] * kv.shape[4] * kv.element_size(), chunk_bytes)
         if not model:  # the server's source model, as it names it (the upload names its model)
             sources = [m.name for m in self.list_models() if "source" in m.role.split(",")]

@@ -20,6 +20,10 @@ class KVBridgeError(Exception):
         super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.method = method
+
+    def __reduce__(self):  # pickled (a process pool's worker raised it) and copied with its own arguments
+        return type(self), (self.code, self.details, self.method)
 
 
 @dataclass(frozen=True)
