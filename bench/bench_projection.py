@@ -20,7 +20,8 @@ from machine import device_label, machine_line
 
 
 def random_adapter(source, target, device: torch.device):
-    """Random maps of the pair's shapes: the projection's cost does not depend on the values."""
+    """Random maps of the plainest shape (one source layer per target layer, no token features or context branch),
+    for a pair without a shipped adapter: the cost depends on the shape, not on the values."""
     from kvbridge.adapters.adapter import Adapter, AdapterMeta, model_record
     from kvbridge.adapters.layer_map import build_layer_map
     from kvbridge.adapters.pairs import start_kv, start_token_id
@@ -101,7 +102,8 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", default="small", choices=["small", "tiny"])
     p.add_argument("--tokens", type=int, default=512, help="context length in target tokens (about)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--adapter", help="a trained adapter file (default: random weights of the right shapes)")
+    p.add_argument("--adapter", help="a trained adapter file (default: the pair's shipped adapter, what a server "
+                                     "serves; random maps of its plainest shape for a pair without one)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
@@ -110,12 +112,17 @@ def run(argv: list[str] | None = None) -> dict:
             p.error(f"{name} must be >= {low}, got {value}")
 
     from kvbridge.adapters.io import load_adapter
+    from kvbridge.adapters.shipped import find_shipped
     from kvbridge.transfer.presets import load_pair
 
     source, target = load_pair(args.preset, dtype=args.dtype, device=args.device)
     device = target.device
     print(machine_line("full", f"device {device_label(device)}", f"dtype {args.dtype}"))
-    adapter = load_adapter(args.adapter, device) if args.adapter else random_adapter(source, target, device)
+    # the shipped adapter by default: its shape (a mix of source layers, token features, a context branch) sets the
+    # projection's cost, and random maps of the plainest shape cost half of it
+    path = args.adapter or find_shipped(source.spec, target.spec)
+    adapter = load_adapter(path, device) if path else random_adapter(source, target, device)
+    print(f"adapter {path or 'random maps (the pair has no shipped adapter)'}")
     return measure(source, target, adapter, args.tokens, args.rounds, args.dtype)
 
 
