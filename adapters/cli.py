@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from kvbridge.adapters.layer_map import LAYER_MAPS
 from kvbridge.transfer.data import data_path
 from kvbridge.transfer.devices import DTYPE_NAMES
+from kvbridge.transfer.tensor_files import write_text
 
 if TYPE_CHECKING:
     from kvbridge.adapters.distributed import Launch
@@ -154,6 +155,14 @@ def default_work(home: Path, source: str, target: str) -> Path:
     return home / "train" / f"{model_component(source)}--{model_component(target)}"
 
 
+# options only some trainers read (the sizes of the chain's windows, --work and the ridge's corpus sizes are left
+# out: runs and scripts share them across trainers)
+OTHER_TRAINERS_OPTIONS = {
+    "--init": ("chain", "fuser"), "--stages": ("chain", "fuser"), "--stage-lr": ("chain", "fuser"),
+    "--exact-tail": ("chain", "fuser"), "--answer-windows": ("chain", "fuser"), "--token-rank": ("chain",),
+    "--source-rank": ("chain",), "--context-window": ("chain",), "--refine-steps": ("ridge",), "--stats": ("ridge",)}
+
+
 def check_options(args: argparse.Namespace) -> None:
     """Refuse, by the option's name, what is wrong before any model loads (chain.ChainConfig names the rest of the
     chain's options when it is made, still before any model loads)."""
@@ -167,6 +176,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"--init {args.init}: no such adapter file")
     if args.trainer == "fuser" and args.fuser_rank < 1:
         raise ValueError(f"--fuser-rank must be >= 1 for --trainer fuser, got {args.fuser_rank}")
+    # what the other trainer would have done: ignored, it gave another adapter than the one asked for (--trainer
+    # ridge --init X fitted a fresh ridge and recorded no training at all)
+    defaults = build_parser()
+    for option, trainers in OTHER_TRAINERS_OPTIONS.items():
+        name = option[2:].replace("-", "_")
+        if args.trainer not in trainers and getattr(args, name) != defaults.get_default(name):
+            raise ValueError(f"{option} is an option of --trainer {' or '.join(trainers)}; --trainer {args.trainer} "
+                             "does not read it")
 
 
 def eval_documents(args: argparse.Namespace, source, target) -> list:
@@ -252,14 +269,19 @@ def run(args: argparse.Namespace) -> int:
         adapter.meta.metrics["eval_documents"] = result.documents
         result_json["recovery"] = {"nll": result.nll, "recovery": result.recovery, "interval": result.interval,
                                    "documents": result.documents, "scored_tokens": result.scored_tokens}
-    adapter.meta.metrics["heldout_mean"] = {key: sum(r[key] for r in report.layers) / len(report.layers)
-                                            for key in ("r2_k", "cos_k", "r2_v", "cos_v")}
+    heldout_mean = {key: sum(r[key] for r in report.layers) / len(report.layers)
+                    for key in ("r2_k", "cos_k", "r2_v", "cos_v")}
+    if args.refine_steps:  # the report's figures are of the ridge maps, which refinement changed: said so by name
+        adapter.meta.metrics["ridge_fit_heldout_layers"] = adapter.meta.metrics.pop("heldout_layers", report.layers)
+        adapter.meta.metrics["ridge_fit_heldout_mean"] = heldout_mean
+    else:
+        adapter.meta.metrics["heldout_mean"] = heldout_mean
     out = Path(args.out) if args.out else default_out(kvbridge_home(), source.name, target.name, args.layer_map)
     save_adapter(adapter, out)
     print(f"adapter written to {out}")
     _prior_hint(preset, out)
     if args.json:
-        Path(args.json).write_text(json.dumps(result_json, indent=2, default=float))
+        write_text(args.json, json.dumps(result_json, indent=2, default=float))
     return 0
 
 
@@ -391,7 +413,7 @@ def run_chain(args: argparse.Namespace, launch: Launch | None = None) -> int:
     if args.trainer == "chain":
         _prior_hint(preset, out)
     if args.json:
-        Path(args.json).write_text(json.dumps({"record": record, "metrics": metrics}, indent=2, default=float))
+        write_text(args.json, json.dumps({"record": record, "metrics": metrics}, indent=2, default=float))
     return 0
 
 

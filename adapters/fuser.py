@@ -35,8 +35,7 @@ from kvbridge.adapters.teacher import source_features
 from kvbridge.adapters.weights import META_FIELDS, check_fitted_for, check_meta
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
-from kvbridge.transfer.tensor_files import json_field, read_tensors
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import json_field, read_tensors, save_tensors
 from torch import nn
 
 FUSER_FORMAT_VERSION = 2
@@ -163,9 +162,7 @@ def save_fuser(maps: FuserMaps, meta: AdapterMeta, path: str | Path, dtype: torc
     record = dataclasses.asdict(meta) | {"format_version": FUSER_FORMAT_VERSION, "kind": "fuser",
                                          "rank": maps.config.rank}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"kvbridge_adapter": json.dumps(record, sort_keys=True)})
-    tmp.replace(path)
+    save_tensors(path, tensors, metadata={"kvbridge_adapter": json.dumps(record, sort_keys=True)})
     return path
 
 

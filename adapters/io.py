@@ -19,8 +19,8 @@ from kvbridge.adapters.weights import (
     Adapter,
     AdapterMeta,
 )
+from kvbridge.transfer.tensor_files import save_tensors
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 TENSORS = ("layer_map", "mix_k", "mix_v", "wk", "bk", "wv", "bv")
 OPTIONAL = ("start_kv", "tok_table", "wk_tok", "wv_tok", "src_basis", *CONTEXT)
@@ -41,9 +41,7 @@ def save_adapter(adapter: Adapter, path: str | Path) -> Path:
                                 TOKENS_FORMAT_VERSION if adapter.tok_table is not None else FORMAT_VERSION)
     meta = {"kvbridge_adapter": json.dumps(record, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    save_tensors(path, tensors, metadata=meta)
     return path
 
 

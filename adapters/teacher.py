@@ -42,7 +42,7 @@ from kvbridge.adapters.work_folder import differences, write_tensors
 from kvbridge.transfer import kvcache
 from kvbridge.transfer.attention import switched_attention
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.tensor_files import read_tensors
+from kvbridge.transfer.tensor_files import read_tensors, write_text
 from tqdm import tqdm
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -384,9 +384,7 @@ class TeacherCache:
             path.unlink()
 
     def _write_index(self, path: Path, header: dict, entries: list[dict], empty: list[str]) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(header | {"windows": entries} | ({"empty": empty} if empty else {})))
-        tmp.replace(path)
+        write_text(path, json.dumps(header | {"windows": entries} | ({"empty": empty} if empty else {})))
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         return read_tensors(self.root / self.entries[i]["file"])[0]

@@ -80,8 +80,7 @@ from kvbridge.adapters.residual import CapacityConfig, ResidualMaps
 from kvbridge.adapters.teacher import TeacherCache
 from kvbridge.adapters.work_folder import check_inputs
 from kvbridge.transfer.models import LoadedModel
-from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors, save_tensors
 from tqdm import tqdm
 
 OBJECTIVES = ("attention", "kl", "ce", "answer", "decision", "onpolicy")
@@ -221,9 +220,7 @@ def _save(path: Path, maps: ResidualMaps, optimizer, state: dict) -> None:
             for p in group["params"]:
                 for k, v in optimizer.state.get(p, {}).items():
                     tensors[f"opt.{names[id(p)]}.{k}"] = torch.as_tensor(v).detach().clone().contiguous()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"state": json.dumps(state)})
-    tmp.replace(path)
+    save_tensors(path, tensors, metadata={"state": json.dumps(state)})
 
 
 def _load(path: Path, maps: ResidualMaps, optimizer) -> dict:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import save_tensors, write_text
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +112,12 @@ def check_inputs(saved: dict | None, wanted: dict, work: Path, part: Path, what:
 
 def write_json(path: Path, data: dict) -> None:
     """Write JSON atomically: a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_text(path, json.dumps(data))
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     """save_file atomically: a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    save_tensors(path, {k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
 
 
 def begin_checkpoint(folder: Path, marker: str) -> None:

@@ -28,8 +28,7 @@ from kvbridge.eval.prior_fit import Windows
 from kvbridge.eval.summaries import EvalConfig
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.suffix.reuse import prefill_after
-from kvbridge.transfer.tensor_files import read_metadata, read_tensors, readable
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import read_metadata, read_tensors, readable, save_tensors
 
 
 def window_instruction(window_id: str, text: str, dev: bool) -> str:
@@ -68,10 +67,8 @@ class AnswerWindows(Windows):
                 log(f"answer {index} {window_id}: made for another instruction (another --dev); made again")
             prompt = instruction_ids(self.target, instruction)
             answer = own_answer(self.target, ids, prompt, self.max_new_tokens)
-            tmp = path.with_suffix(".tmp")
-            save_file({"prompt": prompt, "answer": answer}, str(tmp), metadata={"id": window_id,
-                                                                               "instruction": instruction})
-            tmp.replace(path)
+            save_tensors(path, {"prompt": prompt, "answer": answer}, metadata={"id": window_id,
+                                                                              "instruction": instruction})
             log(f"answer {index} {window_id}: {answer.numel()} tokens")
 
     def __getitem__(self, index: int) -> dict:

@@ -44,8 +44,7 @@ from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.suffix.induction import InductionPrior, induction_scores
 from kvbridge.transfer.suffix.reuse import prefill_after
-from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors, readable
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors, readable, save_tensors
 
 RECOMPUTE = 0.1  # recompute:0.1: the share of the context the target recomputes at its end
 OBJECTIVES = ("continuation", "answer")
@@ -285,12 +284,10 @@ def fit(recipe: Recipe, target: LoadedModel, windows: Windows, work: Path | None
 
 def _save_checkpoint(path: Path, recipe: Recipe, step: int, theta, opt, trajectory) -> None:
     state = opt.state[theta]
-    tmp = path.with_suffix(".tmp")
-    save_file({"theta": theta.detach().contiguous(), "exp_avg": state["exp_avg"].contiguous(),
-               "exp_avg_sq": state["exp_avg_sq"].contiguous()}, str(tmp),
-              metadata={"recipe": json.dumps(asdict(recipe), sort_keys=True), "step": str(step),
-                        "trajectory": json.dumps(trajectory)})
-    tmp.replace(path)
+    save_tensors(path, {"theta": theta.detach().contiguous(), "exp_avg": state["exp_avg"].contiguous(),
+                        "exp_avg_sq": state["exp_avg_sq"].contiguous()},
+                 metadata={"recipe": json.dumps(asdict(recipe), sort_keys=True), "step": str(step),
+                           "trajectory": json.dumps(trajectory)})
 
 
 def _resume(path: Path, recipe: Recipe, theta, opt) -> tuple[int, dict]:

@@ -449,6 +449,10 @@ def test_train_adapter_cli_on_the_tiny_pair(tmp_path, capsys):
     assert len(report["layers"]) == 6 and "projected" in report["recovery"]["recovery"]
     saved = load_adapter(out)
     assert saved.meta.metrics["eval_documents"] == 4 and saved.meta.metrics["refine"]["steps"] == 3
+    # the report's R² and cosines are of the ridge maps the refinement changed: named so, not taken for the file's
+    assert "heldout_mean" not in saved.meta.metrics and "heldout_layers" not in saved.meta.metrics
+    assert set(saved.meta.metrics["ridge_fit_heldout_mean"]) == {"r2_k", "cos_k", "r2_v", "cos_v"}
+    assert len(saved.meta.metrics["ridge_fit_heldout_layers"]) == 6
     assert main(["--preset", "tiny", "--corpus", str(tmp_path / "absent.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -43,6 +43,12 @@ CHAIN = ("--trainer", "chain", "--stages", "kl:2")
     (("--trainer", "ridge", "--context-tokens", "4096"), "--eval-docs 4"),
     (("--trainer", "ridge", "--eval-docs", "1"), "--eval-docs 1"),
     ((*CHAIN, "--init", "absent.safetensors"), "absent.safetensors"),
+    # an option of the other trainer was ignored: --trainer ridge --init X fitted a fresh ridge
+    (("--trainer", "ridge", "--stages", "kl:2"), "--stages is an option of --trainer chain or fuser; --trainer ridge"),
+    (("--trainer", "ridge", "--exact-tail", "0.5"), "--exact-tail is an option of --trainer chain or fuser"),
+    (("--trainer", "fuser", "--stages", "ce:2", "--token-rank", "8"), "--token-rank is an option of --trainer chain;"),
+    ((*CHAIN, "--refine-steps", "3"), "--refine-steps is an option of --trainer ridge; --trainer chain does not"),
+    ((*CHAIN, "--stats", "s.safetensors"), "--stats is an option of --trainer ridge"),
 ])
 def test_bad_options_are_refused_before_any_work(corpus, tmp_path, no_work, capsys, extra, says):  # noqa: F811
     work = tmp_path / "work"
@@ -60,6 +66,10 @@ def test_an_init_adapter_of_another_pair_is_refused_before_any_work(corpus, tmp_
     assert main(_args(corpus, tmp_path / "work", tmp_path / "a.safetensors", *CHAIN, "--init", str(other))) == 2
     assert "was fitted for target" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+    assert main(_args(corpus, tmp_path / "work", tmp_path / "a.safetensors", "--trainer", "ridge", "--init",
+                      str(other))) == 2
+    assert "--init is an option of --trainer chain or fuser; --trainer ridge does not read it" in \
+        capsys.readouterr().err
 
 
 def test_the_ridge_trainer_writes_its_maps_in_the_save_dtype(corpus, tmp_path, tiny_source, tiny_target):  # noqa: F811

@@ -1,4 +1,4 @@
-"""safetensors files read back with errors that name the file.
+"""safetensors files read back with errors that name the file, and files written atomically.
 
 safetensors raises its own error type (not a ValueError) for a file cut short, a foreign header or bytes that are not
 safetensors at all, and names no path; every kvbridge file of tensors the user can be told to remove (a prior, a
@@ -8,10 +8,15 @@ fuser, a trainer checkpoint, a teacher or prior-fit window) is read through here
 from __future__ import annotations
 
 import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 def read_tensors(path: str | Path, names=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -59,3 +64,30 @@ def readable(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+@contextmanager
+def replaced(path: str | Path) -> Iterator[Path]:
+    """A temporary name beside `path` to write to; renamed onto path when the block ends, removed if it raises. The
+    name is this writer's own (process id and a random part): two runs writing the same file never write or rename
+    each other's (a fixed `.NAME.tmp` was renamed away by the other run, whose own rename then failed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, atomically (`replaced`): no reader, nor a run killed meanwhile, sees half a file."""
+    with replaced(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Path.write_text, atomically (`replaced`)."""
+    with replaced(path) as tmp:
+        tmp.write_text(text)

@@ -50,8 +50,7 @@ from kvbridge.transfer.suffix.induction_attention import (
     open_mask,
     prior_attention,
 )
-from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors
-from safetensors.torch import save_file
+from kvbridge.transfer.tensor_files import json_field, read_metadata, read_tensors, save_tensors
 
 __all__ = ["InductionPrior", "induction_scores", "find_fitted",
            "TERMS", "bias_tables", "open_mask"]  # these three: induction_attention's, imported from here too
@@ -142,8 +141,8 @@ class InductionPrior:
 
     def save(self, path: str | Path, meta: dict) -> None:
         """A safetensors file: the terms and a JSON "kvbridge_prior" entry (`meta`: the target, how it was fitted)."""
-        save_file({"terms": self.terms.float().contiguous()}, str(path),
-                  metadata={"kvbridge_prior": json.dumps(meta, sort_keys=True)})
+        save_tensors(path, {"terms": self.terms.float().contiguous()},
+                     metadata={"kvbridge_prior": json.dumps(meta, sort_keys=True)})
 
     @classmethod
     def load(cls, path: str | Path) -> InductionPrior:
