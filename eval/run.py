@@ -4,7 +4,9 @@ bars, and write the report."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -166,6 +168,7 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
     if options.limit is not None:
         records = records[:options.limit]
     check_out(Path(options.out), options.force)
+    started_with = _held(Path(options.out))
     torch.manual_seed(options.seed)
     if target is None or (source is None and options.server is None):
         from kvbridge.transfer.presets import load_pair
@@ -231,7 +234,8 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
         doc_id, exc = failure
         meta["partial"] = {"failed_document": doc_id, "error": f"{type(exc).__name__}: {exc}",
                            "documents_done": len(results), "documents_planned": len(docs)}
-    paths = write_report(Path(options.out), summary, results, meta, force=True)  # check_run looked at --out
+    paths = write_report(_report_folder(Path(options.out), options.force, started_with), summary, results, meta,
+                         force=True)  # check_out looked at --out before the run; _report_folder since
     if failure is not None:
         doc_id, exc = failure
         if isinstance(exc, KeyboardInterrupt):
@@ -242,6 +246,31 @@ def evaluate(options: RunOptions, source: LoadedModel | None = None, target: Loa
                            f"{len(docs)} documents before it are written to {options.out} as a partial run "
                            "(results.json meta.partial)") from exc
     return {"summary": summary, "paths": paths, "meta": meta, "results": results}
+
+
+def _held(out: Path) -> dict[str, int]:
+    """The files in `out` and their modification times (ns): what a run found there when it started."""
+    held = {}
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(out) as names:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # removed or renamed meanwhile (an atomic writer's file)
+                held[name.name] = name.stat().st_mtime_ns
+    return held
+
+
+def _report_folder(out: Path, force: bool, started_with: dict[str, int]) -> Path:
+    """Where the report goes: --out, unless another run wrote a report there meanwhile (files added or changed
+    since this run began, other than this run's engine.log): then a new folder beside it, said in the log, so neither
+    run's report is written over nor mixed with the other's. --force writes over what was there at the start only."""
+    changed = sorted(name for name, mtime in _held(out).items()
+                     if name != "engine.log" and started_with.get(name) != mtime)
+    if not changed:
+        return out
+    moved = out.with_name(f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    log.warning("--out %s: %s written there by another run while this one ran%s: this run's report goes to %s",
+                out, ", ".join(changed[:3]), "" if not force else " (--force writes over what was there before)",
+                moved)
+    return moved
 
 
 def _run_in_process(options: RunOptions, config: EvalConfig, modes: list[Mode], docs, client, target, source
