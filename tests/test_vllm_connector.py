@@ -5,7 +5,8 @@ by name, a load that failed on a worker is reported as failed in the request's k
 waited past its segment's TTL on the server fetches it again, an abort under async scheduling keeps the server's
 segment until the worker read it and takes a failed load's blocks out of vLLM's prefix cache, an empty step under
 async scheduling waits only when nothing runs, a save's answer says its upload is queued and the workers count
-uploads, and tensor parallelism is refused at construction.
+uploads, tensor parallelism is refused at construction, and a lookup whose KV another request loaded meanwhile
+says prefix_cached.
 
 Skipped when the vLLM venv is missing (`KVBRIDGE_VLLM=1 ./setup.sh` creates it).
 """
@@ -43,7 +44,8 @@ def checks() -> dict[str, str]:
                                   "a_failed_load_of_a_finished_request_leaves_the_prefix_cache",
                                   "an_empty_step_under_async_scheduling_waits_only_when_nothing_runs",
                                   "a_save_answer_says_queued_and_the_workers_count_uploads",
-                                  "tensor_parallelism_is_refused_at_construction"])
+                                  "tensor_parallelism_is_refused_at_construction",
+                                  "a_lookup_whose_kv_another_request_loaded_meanwhile_says_prefix_cached"])
 def test_connector_method(checks, name):
     assert checks.get(name) == "ok", checks.get(name, f"no check {name}")
 

@@ -245,6 +245,22 @@ def check_a_segment_past_its_ttl_is_fetched_again_not_loaded():
     sched.shutdown()
 
 
+def check_a_lookup_whose_kv_another_request_loaded_meanwhile_says_prefix_cached():
+    """Identical requests submitted together each look up; once the first has loaded, vLLM's prefix cache holds the
+    others' tokens, which load none: their answers said 0 loaded and nothing of why (prefix_cached 0)."""
+    from kvbridge.server.replies import SharedSegment
+
+    sched = connector(KVConnectorRole.SCHEDULER)
+    segment = SharedSegment(path=str(Path(STAGING) / "kvbridge-x" / "s.safetensors"), name="s", size=1, checksum="",
+                            shape=(L, 2, H, 64, D), dtype="bfloat16", ttl_s=30.0)
+    sched._plans["late"] = Plan(source=segment, loadable=64, server="default", received_at=time.monotonic())
+    req = request("late", {"kvbridge": {"key": "k"}})
+    assert sched.get_num_new_matched_tokens(req, 64) == (0, False)
+    got = finished(sched, req)
+    assert got["loaded_tokens"] == 0 and got["prefix_cached"] == 64 and got["error"] == "", got
+    sched.shutdown()
+
+
 class Scheduler:
     """vLLM 0.32's scheduler around the scheduler-side connector, as far as these checks need: request_finished's
     True keeps the request and its blocks until the workers name it in finished_recving (an id it no longer keeps

@@ -265,6 +265,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         tokens = max(0, plan.loadable - num_computed_tokens)
         if tokens:
             timeline.event("matched")
+        elif plan.loadable:  # another request's load of the same KV is in vLLM's prefix cache now: said, as a Covered
+            plan.prefix_cached = num_computed_tokens
         return tokens, tokens > 0 and not self.sync_loads
 
     def _begin(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -52,7 +52,9 @@ class Plan:
     released: bool = False  # the KV's source is given up (a staged file removed, the server's segment released)
     # the server's whole cache matched the prompt's first cache_tokens tokens (0: it did not, nothing to remember)
     cache_tokens: int = 0
-    prefix_cached: int = 0  # the prompt's tokens vLLM's own prefix cache held when the lookup was skipped (Covered)
+    # the prompt's tokens vLLM's own prefix cache held when the lookup was skipped (Covered), or when the lookup's
+    # answer came (another request loaded the same KV meanwhile)
+    prefix_cached: int = 0
     covered: CoveredKey | None = None  # what Covered remembers the cache under
     received_at: float = 0.0  # time.monotonic() when the server's answer came (its segment's TTL runs from then)
     recomputed: int | None = None  # document tokens the server says it recomputed (`served_recomputed`); None: no fetch
