@@ -28,6 +28,7 @@ from pathlib import Path
 from kvbridge.server.chunks import MIN_CHUNK_BYTES
 from kvbridge.server.fair_pool import default_per_tenant
 from kvbridge.transfer.devices import DTYPE_NAMES
+from kvbridge.transfer.store.config import check_ttl
 
 SECRET_FILE_ENV = "KVBRIDGE_REDIS_SECRET_FILE"  # names the secret file when the TOML and the flags do not
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's message limits are C ints
@@ -117,9 +118,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # None: the default (sized at start, no TTL, no quota); a value the store would refuse only after the models
         # load is refused here, by its field's name
-        for name in ("store_capacity_mb", "default_ttl_s"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.store_capacity_mb is not None and not self.store_capacity_mb > 0:
+            raise ValueError(f"store_capacity_mb must be > 0, got {self.store_capacity_mb}")
+        check_ttl("default_ttl_s", self.default_ttl_s)
         for name in ("tenant_max_entries", "tenant_max_pinned_mb"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -133,6 +134,10 @@ class ServeConfig:
         if not 0 <= self.stream_threads_per_tenant <= self.stream_workers:
             raise ValueError(f"stream_threads_per_tenant must be 0 (automatic) or 1 to stream_workers "
                              f"({self.stream_workers}), got {self.stream_threads_per_tenant}")
+        if 0 < self.stream_threads_per_tenant <= self.uploads_open_per_tenant:
+            raise ValueError(f"stream_threads_per_tenant {self.stream_threads_per_tenant} leaves a tenant's fetches no "
+                             f"thread while it holds its {self.uploads_open_per_tenant} uploads open: give more than "
+                             "that, or fewer uploads_per_tenant")
         if self.chunk_kb * 1024 < MIN_CHUNK_BYTES:  # what a request may ask for; the default is one too
             raise ValueError(f"chunk_kb must be >= {MIN_CHUNK_BYTES // 1024}, got {self.chunk_kb}")
         if self.chunk_kb * 1024 + 65536 > self.max_message_mb * (1 << 20):
@@ -195,7 +200,13 @@ class ServeConfig:
 
     def stream_threads_for(self, tenants: int) -> int:
         """Stream threads one tenant may hold on a server that `tenants` tenants can call."""
-        return self.stream_threads_per_tenant or default_per_tenant(self.stream_workers, tenants)
+        return self.stream_threads_per_tenant or default_per_tenant(self.stream_workers, tenants,
+                                                                    self.uploads_open_per_tenant)
+
+    @property
+    def uploads_open_per_tenant(self) -> int:
+        """Uploads one tenant can hold open: its own limit, within the server's."""
+        return min(self.uploads_per_tenant, self.max_uploads)
 
     @property
     def max_message_bytes(self) -> int:

@@ -29,10 +29,13 @@ import grpc
 __all__ = ["FairPool", "TenantLane", "FairStreams", "default_per_tenant"]
 
 
-def default_per_tenant(threads: int, tenants: int) -> int:
+def default_per_tenant(threads: int, tenants: int, uploads: int = 0) -> int:
     """Stream threads one tenant may hold: all of them when it is the only one that can call, else all but a quarter
-    (at least one) kept for the others."""
-    return threads if tenants <= 1 else max(1, threads - max(1, threads // 4))
+    (at least one) kept for the others; and always one more than the uploads it may hold open (`uploads`), so that
+    its own uploads, which last as long as its client wants, never leave its fetches waiting (on 2 stream threads
+    that takes both: no thread is then kept for the others)."""
+    share = threads if tenants <= 1 else max(1, threads - max(1, threads // 4))
+    return min(threads, max(share, uploads + 1))
 
 
 class FairPool:

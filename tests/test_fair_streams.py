@@ -71,6 +71,9 @@ def test_a_free_thread_takes_the_call_of_the_tenant_running_fewest_before_earlie
 def test_one_tenant_alone_gets_every_thread_and_errors_reach_the_future():
     assert (default_per_tenant(8, 1), default_per_tenant(8, 2), default_per_tenant(2, 2), default_per_tenant(3, 5),
             default_per_tenant(16, 3)) == (8, 6, 1, 2, 12)
+    # one more than the uploads a tenant may hold open: its own uploads never leave its fetches waiting
+    assert (default_per_tenant(8, 2, 2), default_per_tenant(2, 2, 1), default_per_tenant(3, 2, 1),
+            default_per_tenant(4, 3, 3)) == (6, 2, 2, 4)
     pool = FairPool(threads=3, per_tenant=default_per_tenant(3, 1))
     started, release = [], threading.Event()
     try:
@@ -110,13 +113,16 @@ def test_the_per_tenant_share_is_configured_and_checked():
     assert ServeConfig(preset="tiny", stream_workers=4, stream_threads_per_tenant=4).stream_threads_for(3) == 4
     with pytest.raises(ValueError, match=r"stream_threads_per_tenant must be 0 \(automatic\) or 1 to stream_workers"):
         ServeConfig(preset="tiny", stream_workers=4, stream_threads_per_tenant=5)
+    with pytest.raises(ValueError, match="leaves a tenant's fetches no thread while it holds its 2 uploads open"):
+        ServeConfig(preset="tiny", stream_workers=4, stream_threads_per_tenant=2)
+    assert ServeConfig(preset="tiny", stream_workers=2).stream_threads_for(2) == 2  # one upload (half of 2) + 1
 
 
 def test_a_tenants_unread_fetches_leave_a_stream_thread_for_another_tenant(tiny_source, tiny_target, tmp_path):
     """Bob opens four fetches of a long entry and reads none: each holds its thread (grpc's flow control stops the
-    writes) until the idle watchdog, 60 s here. On a server of two stream threads, alice's fetch got no thread until
-    then; now bob runs one at a time and alice's is served at once."""
-    running = served.start_on_cpu(tiny_source, [tiny_target], tmp_path, stream_workers=2, stream_idle_s=60)
+    writes) until the idle watchdog, 60 s here. On a server of three stream threads, alice's fetch got no thread until
+    then; now bob runs two at a time and alice's is served at once."""
+    running = served.start_on_cpu(tiny_source, [tiny_target], tmp_path, stream_workers=3, stream_idle_s=60)
     channels = []
     try:
         def stub(token):
@@ -130,16 +136,16 @@ def test_a_tenants_unread_fetches_leave_a_stream_thread_for_another_tenant(tiny_
         alice_key = alice.Ingest(pb2.IngestRequest(text=served.TEXT), metadata=alice_md).entries[0].key
         unread = [bob.GetSourceCache(pb2.GetSourceCacheRequest(key=key, chunk_bytes=4096), metadata=bob_md)
                   for _ in range(4)]
-        _until(lambda: running.watchdog.watching >= 1, "bob's first fetch running")
+        _until(lambda: running.watchdog.watching >= 2, "bob's first fetches running")
         time.sleep(0.5)  # bob's other fetches reach the server
         chunks = list(alice.GetSourceCache(pb2.GetSourceCacheRequest(key=alice_key), metadata=alice_md, timeout=20))
         assert chunks and len(chunks[0].header.token_ids) > 0
         pool = running.pools["stream"]
-        _until(lambda: pool.running() == {"bob": 1}, "alice's fetch ended on the server")  # bob runs one at a time
-        assert pool.waiting() == {"bob": 3}
+        _until(lambda: pool.running() == {"bob": 2}, "alice's fetch ended on the server")  # bob runs two at a time
+        assert pool.waiting() == {"bob": 2}
         scraped = generate_latest(running.metrics.registry).decode()
-        assert 'kvbridge_stream_calls{state="running"} 1.0' in scraped
-        assert 'kvbridge_stream_calls{state="waiting"} 3.0' in scraped
+        assert 'kvbridge_stream_calls{state="running"} 2.0' in scraped
+        assert 'kvbridge_stream_calls{state="waiting"} 2.0' in scraped
         for call in unread:
             call.cancel()
     finally:
@@ -167,3 +173,33 @@ def test_a_call_done_leaves_no_reference_to_its_arguments_behind():
     gc.collect()
     assert gone() is None
     pool.shutdown()
+
+
+def test_a_tenants_open_upload_leaves_its_own_fetch_a_thread(tiny_source, tiny_target, tmp_path):
+    """On two stream threads a tenant's share was one: its upload (paced by its client: here a header, then the KV
+    still being made) left its own fetch waiting until the upload ended or the idle watchdog cancelled it."""
+    running = served.start_on_cpu(tiny_source, [tiny_target], tmp_path, stream_workers=2, stream_idle_s=60)
+    channel = grpc.insecure_channel(running.address)
+    release = threading.Event()
+    try:
+        stub = pb2_grpc.KVBridgeStub(channel)
+        metadata = [("authorization", f"Bearer {served.BOB}")]
+        key = stub.Ingest(pb2.IngestRequest(text=served.TEXT), metadata=metadata).entries[0].key
+        spec = tiny_source.spec
+        header = pb2.KVHeader(model=pb2.ModelRef(name=tiny_source.name), dtype="float32",
+                              num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                              token_ids=[1, 2, 3], positions=[0, 1, 2], rotated=True, kind="prefix")
+
+        def messages():
+            yield pb2.PutSourceKVRequest(header=header)
+            release.wait(served.WAIT_S)
+
+        upload = stub.PutSourceKV.future(messages(), metadata=metadata, timeout=served.WAIT_S)
+        _until(lambda: running.pools["stream"].running() == {"bob": 1}, "the upload running")
+        chunks = list(stub.GetSourceCache(pb2.GetSourceCacheRequest(key=key), metadata=metadata, timeout=10))
+        assert chunks and len(chunks[0].header.token_ids) > 0  # DEADLINE_EXCEEDED before
+    finally:
+        release.set()
+        channel.close()
+        running.stop(1)
+    assert upload.done()

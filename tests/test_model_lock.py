@@ -32,7 +32,7 @@ def test_a_prompt_head_waits_for_a_correction_reading_its_model(tmp_path, monkey
             if "head" not in seen:  # the correction's forwards are about to run: a prompt fetch's head meanwhile
                 def head():
                     seen["head"] = service._own_head("t", target, head_ids)
-                thread = seen["head"] = threading.Thread(target=head)
+                thread = seen["thread"] = threading.Thread(target=head)
                 thread.start()
                 thread.join(0.5)
                 seen["ran inside"] = not thread.is_alive()
@@ -42,7 +42,7 @@ def test_a_prompt_head_waits_for_a_correction_reading_its_model(tmp_path, monkey
     served = service.projected_cache("t", text=TEXT, mode="blend:0.1")
     assert served.mode == "blend:0.1" and served.segment.num_tokens > 0
     assert seen["ran inside"] is False  # the head waited for the model
-    thread = seen["head"]
+    thread = seen["thread"]
     thread.join(60)
     assert not thread.is_alive()
     assert torch.allclose(seen["head"].kv, expected.kv, atol=1e-6)  # its own KV, under no prior
