@@ -52,6 +52,15 @@ def pair_text(text: str, source_tokenizer, target_tokenizer) -> PairedText:
                                                                      tgt.offsets)))
 
 
+def pair_segment(text: str, source_tokenizer, target_tokenizer) -> PairedText:
+    """A segment entry's text (a piece of a text, at its positions there) as both models cut it: no special tokens,
+    no start token, the target's tokens aligned to the segment's source tokens (what the server projects)."""
+    src = tokenize(source_tokenizer, text, add_special_tokens=False)
+    tgt = tokenize(target_tokenizer, text, add_special_tokens=False)
+    return PairedText(text=text, source_ids=src.ids, target_ids=tgt.ids, alignment=align_tokens(src, tgt),
+                      target_offsets=tgt.offsets)
+
+
 def flatten_heads(x: torch.Tensor) -> torch.Tensor:
     # x: [L, H, T, D] -> [L, T, H*D]
     return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])

@@ -399,14 +399,16 @@ class KVBridgeClient:
         """Fetch the source KV (fewer bytes on the wire) and project it here with `adapter`. `source` needs the
         source model's tokenizer, spec and rope (a LoadedModel); `target` likewise for the target."""
         from kvbridge.adapters.adapter import project
-        from kvbridge.adapters.pairs import pair_text
+        from kvbridge.adapters.pairs import pair_segment, pair_text
 
         fetched = self.fetch_source(text=text, key=key, require_cached=require_cached, timeout_s=timeout_s)
         _check_model(fetched.segment.model, source.spec.identity)
         known = text or fetched.text
         if not known:
             raise ValueError("the server did not send this entry's text (too long, or unknown): pass text=")
-        paired = pair_text(known, source.tokenizer, target.tokenizer)
+        # as the server pairs it: a segment entry (a piece of a text) without special tokens or a start token
+        pairing = pair_segment if fetched.entry_kind == "segment" else pair_text
+        paired = pairing(known, source.tokenizer, target.tokenizer)
         if not torch.equal(paired.source_ids, fetched.segment.token_ids):
             raise ValueError("the fetched entry's token ids are not the source tokenization of the text")
         projected = project(adapter, fetched.segment, paired.alignment, paired.target_ids, source.rope, target.rope,

@@ -181,7 +181,7 @@ class FetchReply:
                             room=[room] if room is not None else [], mode=h.mode, shared=shared,
                             recomputed=self._recomputed(segment.positions), adapter_digest=h.adapter_digest,
                             document_position=self._document_position(segment.positions),
-                            document_cut=max(0, int(h.document_cut)))
+                            document_cut=max(0, int(h.document_cut)), entry_kind=h.entry_kind)
 
     def _recomputed(self, positions: torch.Tensor) -> torch.Tensor:
         """The header's recomputed positions, checked against the segment's: [R] int64."""

@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 from kvbridge.adapters.adapter import Adapter, project
-from kvbridge.adapters.pairs import PairedText, pair_text
+from kvbridge.adapters.pairs import PairedText, pair_segment, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
 from kvbridge.server.shm_segments import PendingSegment
 from kvbridge.server.undo import undoable
 from kvbridge.transfer import kvcache
-from kvbridge.transfer.align import Alignment, align_tokens, start_token_id, tokenize
+from kvbridge.transfer.align import Alignment, start_token_id, tokenize
 from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
@@ -80,6 +80,7 @@ class CacheResult:
     source_serial: int | None = None
     # a prompt's placement: the document's last tokens not served (the prompt stops holding it before them)
     document_cut: int = 0
+    entry_kind: str = ""  # a source fetch: the entry's kind ("prefix" or "segment")
 
 
 # a stored projection's (and correction's) annotation: 1 when it begins with the target's start token (its source a
@@ -158,12 +159,10 @@ class Projecting:
         the target's tokens aligned to the segment's source tokens."""
         if text is None:
             raise FailedPrecondition("this segment's text is not known to the server any more: ingest the text again")
-        src = tokenize(source.tokenizer, text, add_special_tokens=False)
-        if not torch.equal(src.ids, segment.token_ids):
+        paired = pair_segment(text, source.tokenizer, target.tokenizer)
+        if not torch.equal(paired.source_ids, segment.token_ids):
             raise FailedPrecondition("the segment's tokens are not the source tokenization of its text")
-        tgt = tokenize(target.tokenizer, text, add_special_tokens=False)
-        return PairedText(text=text, source_ids=src.ids, target_ids=tgt.ids, alignment=align_tokens(src, tgt),
-                          target_offsets=tgt.offsets)
+        return paired
 
     @undoable
     def projected_cache(self, tenant: str, key: str | None = None, text: str | None = None, target_model: str = "",

@@ -90,6 +90,8 @@ class FetchedCache:
     document_position: int | None = None
     # a prompt's placement: the document's last tokens not served, the prompt not holding them (0: the whole document)
     document_cut: int = 0
+    # a source fetch: the entry's kind, "prefix" or "segment" ("": a server older than the field)
+    entry_kind: str = ""
 
     @property
     def dtype(self) -> str:

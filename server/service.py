@@ -13,7 +13,6 @@ this class kept in a file of its own.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kvbridge.transfer.errors import NotFound
 from kvbridge.transfer.models import LoadedModel
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.store import EntryInfo, LookupResult, PagedStore
+from kvbridge.transfer.store.config import MAX_TTL_S
 from kvbridge.transfer.suffix.detector import SuffixDetector
 
 log = logging.getLogger(__name__)
@@ -196,8 +196,9 @@ class KVBridgeService(Placing, Projecting):
         """Run the source model on the text (or ids) and store its KV as one prefix entry; with detect_segments
         (text only) also store each segment the detector finds as its own content-keyed "segment" entry, so
         targets can fetch a segment by its text."""
-        if ttl_s is not None and not 0 < ttl_s < math.inf:
-            raise ValueError(f"options.ttl_s must be > 0 and finite (or 0 for the server default), got {ttl_s}")
+        if ttl_s is not None and not 0 < ttl_s <= MAX_TTL_S:
+            raise ValueError(f"options.ttl_s must be > 0 and at most {MAX_TTL_S:.0f} s (ten years), or 0 for the "
+                             f"server default, got {ttl_s}")
         served = self.model(model, "source")
         if not served.lm.has_weights:
             raise FailedPrecondition(
@@ -293,8 +294,9 @@ class KVBridgeService(Placing, Projecting):
             raise ValueError("header.rotated must be true: upload keys as the model caches them (after RoPE)")
         if upload.kind not in ("prefix", "segment"):
             raise ValueError(f"header.kind must be 'prefix' or 'segment', got {upload.kind!r}")
-        if upload.ttl_s is not None and not 0 < upload.ttl_s < math.inf:
-            raise ValueError(f"header.options.ttl_s must be > 0 and finite, got {upload.ttl_s}")
+        if upload.ttl_s is not None and not 0 < upload.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"header.options.ttl_s must be > 0 and at most {MAX_TTL_S:.0f} s (ten years), got "
+                             f"{upload.ttl_s}")
         ids = self._source_ids(served, None, upload.token_ids.tolist(), field="header.token_ids")
         t = ids.numel()
         positions = upload.positions if upload.positions is not None else torch.arange(t)
@@ -362,9 +364,9 @@ class KVBridgeService(Placing, Projecting):
     @undoable
     def source_cache(self, tenant: str, key: str | None = None, text: str | None = None,
                      require_cached: bool = False) -> CacheResult:
-        key, segment, known, _, _ = self._source_entry(tenant, key, text, require_cached)
+        key, segment, known, _, info = self._source_entry(tenant, key, text, require_cached)
         return CacheResult(segment=segment, entry_key=key, source_key=key, adapter="", text=known,
-                           exact_coverage=1.0)
+                           exact_coverage=1.0, entry_kind=info.kind)
 
     def delete(self, tenant: str, key: str) -> int:
         """Delete an entry and the projected entries derived from it; NotFound when there is none."""

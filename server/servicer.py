@@ -303,7 +303,7 @@ class KVBridgeServicer(pb2_grpc.KVBridgeServicer):
                         exact_coverage=result.exact_coverage, mode=result.mode,
                         recomputed_positions=[int(seg.positions[0]) + p for p in result.recomputed],
                         adapter_digest=result.adapter_digest,
-                        document_cut=result.document_cut,
+                        document_cut=result.document_cut, entry_kind=result.entry_kind,
                         document_position=None if result.document_index is None
                         else int(seg.positions[0]) + result.document_index)
                     fit_header(header, limit, per_token)  # a first message holds it (without the text if need be)

@@ -282,6 +282,31 @@ def test_ingest_with_segment_detection_over_the_wire(server, alice):
     assert alice.fetch_source(text=back.text, require_cached=True).entry_key == segments[-1].key
 
 
+def test_a_segment_entry_projected_on_the_client_is_the_servers_projection(server, alice, tiny_source, tiny_target,
+                                                                           adapter):
+    """fetch_projected_locally paired a segment entry (a piece of a text) as a whole text, with special tokens and
+    the target's start token: another projection than the server's, silently (or, for a source with a start token,
+    refused as 'not the source tokenization'). The source fetch now says the entry's kind."""
+    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
+
+    previous = server.service.detector
+    server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
+    try:
+        reply = alice.ingest(" ".join(served.text(i) for i in range(30, 34)), detect_segments=True)
+    finally:
+        server.service.detector = previous
+    segments = [e for e in reply.entries if e.kind == "segment"]
+    assert segments, "the planted detector config should cut this text"
+    assert alice.fetch_source(key=segments[-1].key).entry_kind == "segment"
+    assert alice.fetch_source(key=reply.entries[0].key).entry_kind == "prefix"
+    for entry in segments:
+        on_server = alice.fetch_projected(key=entry.key, mode="replace")
+        local = alice.fetch_projected_locally(tiny_source, tiny_target, adapter, key=entry.key)
+        assert torch.equal(local.segment.token_ids, on_server.segment.token_ids)
+        assert torch.equal(local.segment.positions, on_server.segment.positions)
+        assert torch.equal(local.segment.kv, on_server.segment.kv)
+
+
 def test_projected_context_of_a_text_known_only_as_a_detected_segment(server, alice, tiny_target):
     """A text the server holds only as a segment of a longer ingest projects without the start token: the context
     source fetches it at its own position and keeps every one of its tokens (not the first dropped as a start

@@ -5,6 +5,7 @@ builders here (`seg`, `store`, `Clock`, `ok`) serve the other tests/test_store_*
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from kvbridge.transfer.segment import KVSegment
 from kvbridge.transfer.spec import ModelIdentity
-from kvbridge.transfer.store import NotFound, PagedStore, StoreConfig
+from kvbridge.transfer.store import NotFound, PagedStore, QuotaExceeded, StoreConfig
 from kvbridge.transfer.store.block_pool import CapacityError
 from kvbridge.transfer.store.kv_blocks import Block, FreeBlockQueue, Namespace, chain_root, hash_block, hash_chain
 from redisproc import TEST_SECRET
@@ -460,3 +461,34 @@ def test_model_kv_through_the_store_continues_exactly(tiny_source):
     out = kvcache.generate(lm.model, lm.spec, back, ids[-2:], max_new_tokens=8, min_new_tokens=8)
     assert torch.equal(out, kvcache.generate_plain(lm.model, lm.spec, ids, max_new_tokens=8, min_new_tokens=8))
     ok(st)
+
+
+def test_a_ttl_past_ten_years_or_nan_is_refused_by_name():
+    """NaN passed `ttl <= 0` and stopped every later entry's expiry (the expiry heap compared nothing past it); a TTL
+    near the float's largest overflowed the Redis tier's milliseconds and took the tier down for every tenant."""
+    from kvbridge.transfer.store import NO_TTL
+
+    clock = Clock()
+    st = store(clock=clock)
+    for bad in (math.nan, 1e306, 11 * 365 * 86400.0, -1.0):
+        with pytest.raises(ValueError, match=r"ttl_s must be > 0 and at most 315360000 s"):
+            st.put(seg(range(3)), "t", ttl_s=bad)
+    kept = st.put(seg(range(40, 43)), "t", ttl_s=NO_TTL)  # never: as before
+    with pytest.raises(ValueError, match="ttl_s must be > 0 and at most"):
+        st.refresh(kept.key, "t", ttl_s=math.nan)
+    with pytest.raises(ValueError, match="default_ttl_s must be > 0 and at most"):
+        StoreConfig(capacity_bytes=BLOCK_BYTES, default_ttl_s=math.nan)
+    short = st.put(seg(range(3)), "t", ttl_s=1.0)
+    clock.now += 2
+    st.purge_expired()
+    assert st.keys("t") == [kept.key] and short.key not in st.keys("t") and st.check() == []
+
+
+def test_pinned_entries_sharing_a_prefix_count_its_blocks_once_against_the_quota():
+    st = store(tenant_max_pinned_bytes=4 * BLOCK_BYTES)
+    st.put(seg(range(3 * BS)), "t", pin=True)  # 3 blocks
+    st.put(seg(range(4 * BS)), "t", pin=True)  # the same 3 and one more: 4 distinct blocks, the quota
+    assert st.tenant_usage("t").bytes_used == {"device": 4 * BLOCK_BYTES}
+    with pytest.raises(QuotaExceeded, match="pinning 4096 more bytes would take this tenant.s pinned KV to 20480"):
+        st.put(seg(range(100, 100 + BS)), "t", pin=True)
+    assert st.check() == []

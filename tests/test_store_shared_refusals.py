@@ -136,3 +136,55 @@ def test_a_shared_entry_of_a_layout_the_store_has_no_room_for_is_a_miss_and_ends
     reader.delete(info.key, "t")
     assert not reader._stale._removed
     assert reader.check() == []
+
+
+def test_a_get_of_a_shared_entry_of_a_layout_the_store_has_no_room_for_is_not_found(redis_url):
+    """get and info adopt too: they raised CapacityError where a miss is NotFound, as lookup's is a miss."""
+    other = ModelIdentity("model-g", "g" * 64)
+    cfg = dict(capacity_bytes=64 * BLOCK_BYTES, redis_url=redis_url, redis_secret=TEST_SECRET, device="cpu",
+               share_entries=True)
+    writer = PagedStore(StoreConfig(max_layouts=2, **cfg), clock=Clock())
+    reader = PagedStore(StoreConfig(max_layouts=1, **cfg), clock=Clock())
+    key = writer.put(seeded_segment(0, 40, other), "t").key
+    reader.put(_seg(0, 40), "t")  # the reader's one layout
+    for call in (lambda: reader.get(key, "t"), lambda: reader.info(key, "t")):
+        with pytest.raises(NotFound):
+            call()
+    assert reader.delete(key, "t") == 0  # (raised CapacityError; the record stays in Redis: the writer's to delete)
+    assert reader.check() == []
+
+
+def test_an_entry_stored_again_through_a_replica_that_holds_it_is_published_again(redis_url):
+    """A stores K, B adopts it, A deletes it (the record leaves Redis), the client stores K again through B: B found
+    its copy and wrote no record (nothing about it had changed), so A never found K again; so too after a Redis
+    restart (FLUSHALL) and a refresh (an Ingest of a known text). At most once a second, though: every record write
+    restarts the TTL of each block it names."""
+    from kvbridge.transfer.store.sharing import REPUBLISH_S
+
+    clock = Clock()
+    a, b = _sharing(redis_url, Clock()), _sharing(redis_url, clock)
+    seg = _seg(0, 40)
+    key = a.put(seg, "t").key
+    b.get(key, "t")  # B holds it now
+    assert a.delete(key, "t") == 1
+    assert b.put(seg, "t").generation == 2
+    assert torch.equal(a.get(key, "t").kv, seg.kv)  # NotFound before
+    redis.Redis.from_url(redis_url).flushall()
+    written, put_entries = [], b.redis.put_entries
+
+    def counted(items):  # the records B wrote (not those held back until their blocks are sent again)
+        missing = put_entries(items)
+        written.extend(k for k, *_ in items if missing is not None and k not in missing)
+        return missing
+
+    b.redis.put_entries = counted
+    for _ in range(20):  # a hot text's Ingests within a second: none, B published it just before
+        b.refresh(key, "t")
+    assert written == []
+    clock.now += REPUBLISH_S
+    for _ in range(20):
+        b.refresh(key, "t")
+    assert written == [key]  # once (after the blocks Redis lost, sent again)
+    c = _sharing(redis_url, Clock())
+    assert torch.equal(c.get(key, "t").kv, seg.kv)
+    assert a.check() == b.check() == c.check() == []

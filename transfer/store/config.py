@@ -12,6 +12,16 @@ from kvbridge.transfer.store.redis_auth import MIN_SECRET_BYTES
 from kvbridge.transfer.store.redis_url import check_redis_url
 
 NO_TTL = math.inf  # put's and refresh's ttl_s: the entry never expires, whatever default_ttl_s says
+MAX_TTL_S = 10 * 365 * 86400.0  # the longest finite TTL taken (ten years); NO_TTL for longer
+
+
+def check_ttl(name: str, value: float | None) -> None:
+    """ValueError naming `name` unless value is None, NO_TTL or in (0, MAX_TTL_S]: NaN passed `<= 0` and stopped
+    every later entry's expiry (the expiry heap compared nothing past it), and a TTL near the float's largest made
+    the Redis tier's milliseconds overflow, which took the tier down for every tenant."""
+    if value is not None and value != NO_TTL and not 0 < value <= MAX_TTL_S:
+        raise ValueError(f"{name} must be > 0 and at most {MAX_TTL_S:.0f} s (ten years), or None or infinite "
+                         f"(never), got {value}")
 
 
 @dataclass(frozen=True)
@@ -66,8 +76,7 @@ class StoreConfig:
             raise ValueError("redis_secret and redis_insecure contradict each other: give one")
         if self.redis_secret is not None and len(self.redis_secret) < MIN_SECRET_BYTES:
             raise ValueError(f"redis_secret needs at least {MIN_SECRET_BYTES} bytes, got {len(self.redis_secret)}")
-        if self.default_ttl_s is not None and self.default_ttl_s <= 0:
-            raise ValueError(f"default_ttl_s must be > 0 or None, got {self.default_ttl_s}")
+        check_ttl("default_ttl_s", self.default_ttl_s)
 
 
 class QuotaExceeded(CapacityError):

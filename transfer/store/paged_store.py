@@ -43,6 +43,7 @@ from kvbridge.transfer.store.config import (
     StoreConfig,
     StoreStats,
     TenantUsage,
+    check_ttl,
     default_capacity,
 )
 from kvbridge.transfer.store.kv_blocks import BlockHash, Namespace, chain_root, content_key, hash_chain
@@ -133,18 +134,23 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         tiers = {self.residency.tier_of(pool, h) or "redis" for h in entry.hashes}
         return info_of(entry, new_blocks, tiers.pop() if len(tiers) == 1 else "mixed")
 
-    def _check_quota(self, tenant: str, new_entry: bool, pin_bytes: int) -> None:
-        """QuotaExceeded when storing one more entry (new_entry) or pinning pin_bytes more would take the tenant
-        past its quota."""
+    def _check_quota(self, tenant: str, new_entry: bool, pin: tuple[list[BlockHash], PoolLayout] | None = None
+                     ) -> None:
+        """QuotaExceeded when storing one more entry (new_entry) or pinning the blocks `pin` names (hashes, layout)
+        would take the tenant past its quota. Pinned bytes count each block once, as Stats does: pinned documents
+        that share a prefix (a system prompt) hold its blocks once."""
         cfg = self.config
         if new_entry and cfg.tenant_max_entries is not None:
             held = self.registry.per_tenant.get(tenant, 0)
             if held >= cfg.tenant_max_entries:
                 raise QuotaExceeded(f"this tenant holds {held} entries, its quota: delete some (or let them "
                                     "expire) before storing more")
-        if pin_bytes and cfg.tenant_max_pinned_bytes is not None:
-            pinned = sum(len(e.hashes) * e.layout.block_bytes for e in self.registry.entries.values()
-                         if e.pinned and e.namespace.tenant == tenant)
+        if pin is not None and cfg.tenant_max_pinned_bytes is not None:
+            held = {(e.layout.key, h): e.layout.block_bytes for e in self.registry.entries.values()
+                    if e.pinned and e.namespace.tenant == tenant for h in e.hashes}
+            pinned = sum(held.values())
+            hashes, layout = pin
+            pin_bytes = sum(layout.block_bytes for h in dict.fromkeys(hashes) if (layout.key, h) not in held)
             if pinned + pin_bytes > cfg.tenant_max_pinned_bytes:
                 raise QuotaExceeded(f"pinning {pin_bytes} more bytes would take this tenant's pinned KV to "
                                     f"{pinned + pin_bytes} bytes, over its quota of {cfg.tenant_max_pinned_bytes}: "
@@ -173,8 +179,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
         if kind == "prefix" and not segment.is_contiguous_from(0):
             raise ValueError(f"a prefix entry must hold positions 0..T-1; this one starts at "
                              f"{int(segment.positions[0])} (store it as kind='segment')")
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        check_ttl("ttl_s", ttl_s)
         if text is not None and not isinstance(text, str):
             raise ValueError(f"text must be a str or None, got {type(text).__name__}")
         ns = self._namespace(tenant, segment.model, segment.dtype, adapter)
@@ -206,7 +211,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
             expires_at = now + ttl if ttl is not None and ttl != NO_TTL else None
             existing = self.registry.get(key)
             if existing is not None and pin and not existing.pinned:
-                self._check_quota(tenant, False, len(existing.hashes) * layout.block_bytes)
+                self._check_quota(tenant, False, (existing.hashes, layout))
             if existing is not None:
                 try:
                     blocks = self._make_resident(pool, existing.hashes, keep_ref=False, prefetched=prefetched)
@@ -218,20 +223,21 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                     if pin and not existing.pinned:
                         pool.ref(blocks)
                         existing.pinned = True
-                    deadline_moved = expires_at is not None or existing.expires_at is not None
+                    changed = (text is not None and text != existing.text) or bool(annotations) \
+                        or expires_at is not None or existing.expires_at is not None
                     existing.expires_at = expires_at
                     existing.last_access = now
-                    if (text is not None and text != existing.text) or annotations or deadline_moved:
-                        if text is not None:
-                            existing.text = text
-                        existing.annotations.update(annotations or {})
+                    if text is not None:
+                        existing.text = text
+                    existing.annotations.update(annotations or {})
+                    if changed or self._republish_due(existing, now):
                         self._share(existing, pool, [])  # the record again, with what it knows now and its deadline
                     existing.generation += 1
                     self.registry.schedule(existing)
                     self._stats.puts += 1
                     return self._info(existing, new_blocks=0)
-            self._check_quota(tenant, True, n_blocks * layout.block_bytes if pin else 0)
             hashes = self._chain(ns, kind, key, segment.token_ids)
+            self._check_quota(tenant, True, (hashes, layout) if pin else None)
             # Claim the hashes first: evictions below may lose other entries, and must not orphan (and drop)
             # blocks this entry is about to use.
             self.registry.claim(key, hashes)
@@ -349,7 +355,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
     def _pin_entry(self, entry: Entry, tenant: str, pinned: bool, prefetched: dict) -> None:
         pool = self.pools[entry.layout.key]
         if pinned and not entry.pinned:
-            self._check_quota(tenant, False, len(entry.hashes) * entry.layout.block_bytes)
+            self._check_quota(tenant, False, (entry.hashes, entry.layout))
             self._make_resident(pool, entry.hashes, keep_ref=True, prefetched=prefetched)
             entry.pinned = True
         elif not pinned and entry.pinned:
@@ -360,8 +366,7 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                 text: str | None = None) -> EntryInfo:
         """What a second put of the same entry does, without its tensor: restart the TTL (ttl_s, else the
         default), pin it if asked (never unpins), keep `text` with it if given. Raises NotFound."""
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        check_ttl("ttl_s", ttl_s)
         def locked(prefetched):
             self._expire()
             entry = self._entry_for(key, tenant, prefetched)
@@ -369,13 +374,14 @@ class PagedStore(StoreQueries, PrefixLookup, EntryRemoval, RedisSharing):
                 self._pin_entry(entry, tenant, True, prefetched)
             ttl = ttl_s if ttl_s is not None else self.config.default_ttl_s
             now = self.clock()
-            deadline_moved = (ttl is not None and ttl != NO_TTL) or entry.expires_at is not None
+            changed = (ttl is not None and ttl != NO_TTL) or entry.expires_at is not None \
+                or (text is not None and text != entry.text)
             entry.expires_at = now + ttl if ttl is not None and ttl != NO_TTL else None
             entry.last_access = now
             if text is not None:
                 entry.text = text
-            if deadline_moved:
-                self._share(entry, self.pools[entry.layout.key], [])  # the record again, with its new deadline
+            if changed or self._republish_due(entry, now):
+                self._share(entry, self.pools[entry.layout.key], [])  # the record again (see _republish_due)
             entry.generation += 1
             self.registry.schedule(entry)
             return self._info(entry, new_blocks=0)

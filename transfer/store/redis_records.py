@@ -65,7 +65,7 @@ class RedisRecords:
                 if key in missing:
                     continue
                 redis_key = self.commands.entry_key(key)
-                ms = longest_ms if ttl_s is None else max(1, min(longest_ms, int(ttl_s * 1000)))
+                ms = longest_ms if ttl_s is None or ttl_s * 1000 >= longest_ms else max(1, int(ttl_s * 1000))
                 pipe.set(redis_key, self.auth.seal_record(redis_key, record), px=ms)
                 written.append((redis_key, ms))
                 if source_key is not None:

@@ -56,6 +56,8 @@ class Entry:
     # the tag of its record as Redis held it when last written or read here: a replica that finds the entry's blocks
     # gone from Redis deletes that very record only (redis_records.delete_record_if); None: none known
     record_tag: bytes | None = None
+    # when this replica last queued its record (the store's clock; None: never, e.g. an entry adopted from Redis)
+    published_at: float | None = None
     # the call that created it while no other call has read it (CALL): a failed call's undo removes only its own
     owner: object | None = None
 

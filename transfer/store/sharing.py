@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from kvbridge.transfer.errors import NotFound
+from kvbridge.transfer.errors import CapacityError, NotFound
 from kvbridge.transfer.spec import ModelIdentity
 from kvbridge.transfer.store.block_pool import BlockPool, PoolLayout
 from kvbridge.transfer.store.kv_blocks import DIGEST_SIZE, BlockHash, Namespace, content_key
@@ -45,6 +45,7 @@ from kvbridge.transfer.store.residency import NeedRemote, read_to_cpu
 log = logging.getLogger("kvbridge.transfer.store.paged_store")  # the store's one logger
 
 _ENTRY_KEY = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}")  # what content_key returns
+REPUBLISH_S = 1.0  # an unchanged entry's record is written again at most this often per replica (_republish_due)
 _REMOTE_ROUNDS = 8  # Redis reads one call may make (more only while other calls keep demoting its blocks)
 
 
@@ -342,7 +343,11 @@ class RedisSharing:
         now = self.clock()
         if key in self._forgetting or self._stale.stale(key, record_id, read, now):
             return None
-        self.budget.pool_for(layout, create=True)
+        try:
+            self.budget.pool_for(layout, create=True)
+        except CapacityError as exc:  # this replica holds as many layouts as it may: the entry is not served here
+            log.warning("redis: not adopting entry %s... (%s)", key[:16], exc)
+            return None
         hashes = self._chain(ns, kind, key, tokens)
         self.registry.claim(key, hashes)
         if record.get("expires") is True and left_s is not None:  # the writer's deadline, on Redis's clock
@@ -359,6 +364,15 @@ class RedisSharing:
         self.registry.add(entry)
         return entry
 
+    def _republish_due(self, entry: Entry, now: float) -> bool:
+        """A put or refresh of an entry that changes nothing of its record still publishes it again when this replica
+        has not for REPUBLISH_S (or never: one adopted from Redis): Redis may have lost it meanwhile (another
+        replica's Delete of it, a Redis restart), and the put is the client's word that it is stored, so the other
+        replicas must find it. Not more often: a record write restarts the TTL of every block it names (one command
+        each), which a hot text's every Ingest made 140 times slower."""
+        return bool(self.config.share_entries and self.redis is not None) and (
+            entry.published_at is None or now - entry.published_at >= REPUBLISH_S)
+
     def _share(self, entry: Entry, pool: BlockPool, new: list[tuple[BlockHash, int]], again: bool = False) -> None:
         """Entries shared through Redis: queue the entry's record (a new one, with its deadline: again whenever that
         changes; the TTL of every block it names restarts with it) and its new blocks (written through: replicas
@@ -368,6 +382,7 @@ class RedisSharing:
         if new:
             data = read_to_cpu(pool, [i for _, i in new], [True] * len(new))
             self.residency.outbox.append(("put", [(h, pool.layout.key, block) for (h, _), block in zip(new, data)]))
+        entry.published_at = self.clock()
         record_id = secrets.token_hex(8)
         record = entry_record(entry, record_id)
         entry.record_ids.append(record_id)

@@ -208,7 +208,7 @@ class GetSourceCacheRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., text: _Optional[str] = ..., dtype: _Optional[str] = ..., require_cached: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class CacheHeader(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage", "shared", "mode", "recomputed_positions", "adapter_digest", "document_position", "document_cut")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_ids", "positions", "rotated", "entry_key", "source_key", "adapter", "num_chunks", "total_bytes", "text", "exact_coverage", "shared", "mode", "recomputed_positions", "adapter_digest", "document_position", "document_cut", "entry_kind")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class CacheHeader(_message.Message):
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_POSITION_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_CUT_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
     model: ModelRef
     dtype: str
     num_layers: int
@@ -251,7 +252,8 @@ class CacheHeader(_message.Message):
     adapter_digest: str
     document_position: int
     document_cut: int
-    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ..., mode: _Optional[str] = ..., recomputed_positions: _Optional[_Iterable[int]] = ..., adapter_digest: _Optional[str] = ..., document_position: _Optional[int] = ..., document_cut: _Optional[int] = ...) -> None: ...
+    entry_kind: str
+    def __init__(self, model: _Optional[_Union[ModelRef, _Mapping]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rotated: _Optional[bool] = ..., entry_key: _Optional[str] = ..., source_key: _Optional[str] = ..., adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., text: _Optional[str] = ..., exact_coverage: _Optional[float] = ..., shared: _Optional[_Union[SharedSegment, _Mapping]] = ..., mode: _Optional[str] = ..., recomputed_positions: _Optional[_Iterable[int]] = ..., adapter_digest: _Optional[str] = ..., document_position: _Optional[int] = ..., document_cut: _Optional[int] = ..., entry_kind: _Optional[str] = ...) -> None: ...
 
 class SharedSegment(_message.Message):
     __slots__ = ("name", "path", "size", "checksum", "layout", "ttl_s", "headroom_tokens")
