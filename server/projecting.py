@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import torch
 from kvbridge.adapters.adapter import Adapter, project
 from kvbridge.adapters.pairs import PairedText, pair_segment, pair_text
 from kvbridge.server.corrections import recomputed_of
 from kvbridge.server.errors import FailedPrecondition
+from kvbridge.server.kv_out import KVOut, OnceOut, fresh
 from kvbridge.server.shm_segments import PendingSegment
 from kvbridge.server.undo import undoable
 from kvbridge.transfer import kvcache
@@ -44,21 +44,6 @@ class ServedModel:
     roles: set[str]  # {"source"}, {"target"} or both
     max_positions: int  # the model's max_position_embeddings
     lock: threading.Lock = field(default_factory=threading.Lock)  # one forward at a time per model
-
-
-class KVOut(Protocol):
-    """Where a fetch may write its KV straight away (a same-host shared-memory segment) instead of a new tensor."""
-
-    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """The KV named by tag (the store entry and its serial) when the destination holds it already from an earlier
-        fetch (in the fetch's dtype; `dtype` is the KV's own): nothing to read from the store; None: fill tensor()."""
-
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A CPU buffer of that shape ([L, 2, H, T, D]) and dtype to fill, contiguous or the first T slots of each
-        row of a larger one; None: make a tensor as usual."""
-
-    def written(self, start: int, end: int) -> None:
-        """Layers [start, end) of the buffer are final (they are written in order)."""
 
 
 @dataclass(frozen=True)
@@ -86,30 +71,6 @@ class CacheResult:
 # a stored projection's (and correction's) annotation: 1 when it begins with the target's start token (its source a
 # prefix entry), 0 when with the document (a segment entry): known after the source expired (the projection outlives it)
 DOCUMENT_INDEX = "document_index"
-
-
-class _OnceOut:
-    """A fetch's KVOut as its store reads see it: once one read has used it (reuse or tensor, then lost its entry:
-    evicted or deleted before its gather), the fetch's later reads get none (`_fresh`): a same-host segment is given
-    its buffer once, and the fetch's KV is copied in when it is published."""
-
-    def __init__(self, out: KVOut):
-        self.out, self.used = out, False
-
-    def reuse(self, tag: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        self.used = True
-        return self.out.reuse(tag, shape, dtype)
-
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        self.used = True
-        return self.out.tensor(shape, dtype)
-
-    def written(self, start: int, end: int) -> None:
-        self.out.written(start, end)
-
-
-def _fresh(out: _OnceOut | None) -> _OnceOut | None:
-    return None if out is None or out.used else out
 
 
 def _document_index(info: EntryInfo) -> int:
@@ -174,7 +135,7 @@ class Projecting:
         A correction is computed from the projection once, stored linked to the source entry, and read after."""
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        out = _OnceOut(out) if out is not None and offset == 0 else None  # offered to one store read at most
+        out = OnceOut(out) if out is not None and offset == 0 else None  # offered to one store read at most
         correction = self.corrections.resolve(mode)
         target = self.model(target_model, "target")
         # resolved once: a default changed meanwhile (LoadAdapter make_default) must not make the projection the
@@ -191,7 +152,7 @@ class Projecting:
         # correction is looked for under either's namespace
         for lead in (int(held.kind == "prefix"),) if held is not None else (0, 1):
             tag = self._correction_tag(label, chosen, correction, target, lead)
-            warm = self._cached_projection(tenant, source_key, tag, target, _fresh(out)) if source_key else None
+            warm = self._cached_projection(tenant, source_key, tag, target, fresh(out)) if source_key else None
             if warm is not None:
                 break
         if warm is None:
@@ -205,7 +166,7 @@ class Projecting:
                 tag = self._correction_tag(label, chosen, correction, target, lead)
             serial = base.source_serial
             with self._single_flight(f"{tenant}\0{tag}#{source_key}"):  # a correction at once per entry and mode
-                warm = self._cached_projection(tenant, source_key, tag, target, _fresh(out)) \
+                warm = self._cached_projection(tenant, source_key, tag, target, fresh(out)) \
                     or self._replica_correction(tenant, base, tag, target)
                 if warm is None:
                     warm = self._computed_correction(tenant, target, base, correction, chosen, tag, lead)
@@ -302,7 +263,7 @@ class Projecting:
         label, chosen = resolved
         ident = cache_label(label, chosen)  # what the stored projection (and so the wire and shm caches) is keyed by
         source_key = key or self._cached_source_key(tenant, text)
-        warm = self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, _fresh(out))
+        warm = self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, fresh(out))
         if warm is not None:
             return warm
         # one projection at once per entry and adapter: a request that comes while another projects it waits, then
@@ -316,7 +277,7 @@ class Projecting:
                 source_key = self._cached_source_key(tenant, text)  # ingested meanwhile by the one waited for
             if source_key is not None:
                 flights.enter_context(self._single_flight(f"{tenant}\0{ident}#{source_key}"))
-            return self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, _fresh(out)) \
+            return self._warm_projection(tenant, source_key, ident, chosen, label, target, offset, fresh(out)) \
                 or self._projected_now(tenant, key, text, target, resolved, offset, require_cached)
 
     def _warm_projection(self, tenant: str, source_key: str | None, ident: str, chosen: Adapter, label: str,
@@ -451,7 +412,7 @@ class Projecting:
         kept = out.reuse((info.key, info.serial), shape, dtype) if held else None
         if kept is not None:  # the destination has this entry's KV from an earlier fetch
             return self.store.touch(info.key, tenant, kept, info.serial)
-        dest = out.out if isinstance(out, _OnceOut) else out
+        dest = out.out if isinstance(out, OnceOut) else out
         want = dest.dtype if isinstance(dest, PendingSegment) else None
         if held and want is not None and want != dtype:  # a same-host segment in another dtype (the engine's bf16):
             # converted into it once, kept under the tag, so later fetches copy nothing
