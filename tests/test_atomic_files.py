@@ -56,3 +56,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
             tmp.write_text("half")
             raise RuntimeError("disk full")
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "record.json"
+    tensor_files.write_text(path, "old")
+    with pytest.raises(KeyboardInterrupt):
+        with tensor_files.replaced(path) as tmp:
+            tmp.write_text("half")
+            raise KeyboardInterrupt
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]

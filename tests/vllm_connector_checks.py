@@ -253,11 +253,12 @@ def check_a_lookup_whose_kv_another_request_loaded_meanwhile_says_prefix_cached(
     sched = connector(KVConnectorRole.SCHEDULER)
     segment = SharedSegment(path=str(Path(STAGING) / "kvbridge-x" / "s.safetensors"), name="s", size=1, checksum="",
                             shape=(L, 2, H, 64, D), dtype="bfloat16", ttl_s=30.0)
-    sched._plans["late"] = Plan(source=segment, loadable=64, server="default", received_at=time.monotonic())
-    req = request("late", {"kvbridge": {"key": "k"}})
-    assert sched.get_num_new_matched_tokens(req, 64) == (0, False)
-    got = finished(sched, req)
-    assert got["loaded_tokens"] == 0 and got["prefix_cached"] == 64 and got["error"] == "", got
+    for req_id, computed in (("late", 64), ("later", 96)):  # vLLM's cache may hold more than the lookup found
+        sched._plans[req_id] = Plan(source=segment, loadable=64, server="default", received_at=time.monotonic())
+        req = request(req_id, {"kvbridge": {"key": "k"}})
+        assert sched.get_num_new_matched_tokens(req, computed) == (0, False)
+        got = finished(sched, req)
+        assert got["loaded_tokens"] == 0 and got["prefix_cached"] == computed and got["error"] == "", got
     sched.shutdown()
 
 
