@@ -114,8 +114,10 @@ class KVBridgeClient:
         # back on its port would then refuse every call of this client's retries (1.5 s by default) for seconds to
         # minutes. Kept under the retries' own longest wait, a reconnect comes within them
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_S * 1000))]
+        # (not min_reconnect_backoff_ms: gRPC takes it for the least time a connection attempt is given too, 20 s by
+        # default; at 100 ms a server slow to answer its first frames was never reached)
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         creds = (grpc.ssl_channel_credentials(root_certificates=_read(tls_root_cert))

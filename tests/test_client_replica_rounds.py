@@ -58,4 +58,7 @@ def test_every_channel_reconnects_at_least_every_second():
         options = dict(client._channels._options)
     assert RECONNECT_BACKOFF_S <= 1.0
     assert options["grpc.max_reconnect_backoff_ms"] == int(RECONNECT_BACKOFF_S * 1000)
-    assert options["grpc.initial_reconnect_backoff_ms"] == options["grpc.min_reconnect_backoff_ms"] == 100
+    assert options["grpc.initial_reconnect_backoff_ms"] == 100
+    # gRPC gives a connection attempt at least min_reconnect_backoff_ms (20 s by default): set to 100 ms, a server slow
+    # to send its first frames (tests/test_vllm.py's slow server, a loaded host) was never reached
+    assert "grpc.min_reconnect_backoff_ms" not in options

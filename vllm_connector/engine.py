@@ -194,7 +194,8 @@ class EngineProcess(LoggedProcess):
         "kvbridge_scheduler_s" / "kvbridge_scheduler_max_s" (the scheduler's time inside this request's connector
         calls: in all, and the longest call), "kvbridge_read_ahead" (the worker read the KV ahead, during a step
         that ran empty while the lookup ended: `loading`), "kvbridge_prefix_cached" (> 0: vLLM's own prefix cache
-        held that many prompt tokens, all the connector would have loaded: it asked the server nothing),
+        held that many prompt tokens, all the connector would have loaded, so it loaded none: with kvbridge_fetch_s 0
+        it asked the server nothing, else the server's answer came after another request had loaded the same KV),
         "kvbridge_recomputed_tokens" (document tokens the server says its correction recomputed, neither the start
         token nor a prompt's head counted: `plans.served_recomputed`; 0 for replace; None where the connector fetched
         no cache),
