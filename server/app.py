@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,6 +37,7 @@ from kvbridge.transfer.devices import resolve_device
 from kvbridge.transfer.models import LoadedModel, kvbridge_home
 from kvbridge.transfer.store import PagedStore, StoreConfig, read_secret_file
 from kvbridge.transfer.store.config import default_capacity
+from kvbridge.transfer.tensor_files import write_text
 
 log = logging.getLogger(__name__)
 
@@ -389,11 +389,9 @@ def serve(config: ServeConfig, ready_file: str | None = None) -> int:
     print(f"kvbridge serving on {running.address}" +
           (f", metrics on port {running.metrics_port}" if running.metrics_port else ""), flush=True)
     if ready_file:
-        # written beside it, then renamed: a watcher that sees the file sees all of it
-        partial = Path(f"{ready_file}.partial")
-        partial.write_text(json.dumps({"address": running.address, "port": running.port,
-                                       "metrics_port": running.metrics_port}))
-        os.replace(partial, ready_file)
+        # written beside it, then renamed (tensor_files.write_text): a watcher that sees the file sees all of it
+        write_text(ready_file, json.dumps({"address": running.address, "port": running.port,
+                                           "metrics_port": running.metrics_port}))
     done = threading.Event()
 
     def on_signal(signum, frame):

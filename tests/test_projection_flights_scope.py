@@ -1,6 +1,6 @@
-"""Projection flights and corrections: each flight is one tenant's and one adapter's (another tenant or adapter
-projects at once), a same-host fetch whose kept segment lost its entry, and a correction of a segment entry holding
-the model."""
+"""Projection flights: each flight is one tenant's and one adapter's (another tenant or adapter projects at once),
+and a same-host fetch whose kept segment lost its entry. (A correction of a segment entry holding the model:
+tests/test_model_lock.py.)"""
 
 from __future__ import annotations
 
@@ -94,46 +94,3 @@ def test_a_same_host_fetch_whose_kept_segment_lost_its_entry_is_served_the_proje
         assert store.check() == [] and not service._flights
     finally:
         segments.close()
-
-
-def test_a_prompt_head_waits_for_a_correction_of_a_segment_entry(tmp_path, monkeypatch, tiny_source, tiny_target,
-                                                                 adapter):
-    """Test_model_lock.py's scenario for a segment entry (lead 0: the correction
-    computed after the target's own start token), whose compute() was not given the model's lock."""
-    import contextlib
-
-    import torch
-    from kvbridge.transfer import kvcache
-    from kvbridge.transfer.suffix import induction
-    from test_prompt_place import _segment_entry
-
-    service, piece, _ = _segment_entry(tmp_path, tiny_source, tiny_target, adapter)
-    target = service.model("", "target")
-    layers, heads = tiny_target.spec.num_layers, tiny_target.model.config.num_attention_heads
-    service.corrections.prior(tiny_target)
-    service.corrections._priors[tiny_target.name] = induction.InductionPrior.from_weights(
-        torch.full((layers, heads), 0.5), origin="test")
-    head_ids = [5, 6, 7, 5, 6, 7, 5, 6]
-    expected = kvcache.extract(tiny_target.model, tiny_target.spec, torch.tensor(head_ids))
-    real_reading, seen = induction.InductionPrior.reading, {}
-
-    @contextlib.contextmanager
-    def reading(self, lm, token_ids, projected):
-        with real_reading(self, lm, token_ids, projected):
-            if "head" not in seen:
-                def head():
-                    seen["head"] = service._own_head("t", target, head_ids)
-                thread = seen["head"] = threading.Thread(target=head)
-                thread.start()
-                thread.join(0.5)
-                seen["ran inside"] = not thread.is_alive()
-            yield
-
-    monkeypatch.setattr(induction.InductionPrior, "reading", reading)
-    served = service.projected_cache("t", text=piece, require_cached=True, mode="blend:0.1")
-    assert served.document_index == 0  # a segment entry: the lead-0 correction
-    assert served.mode == "blend:0.1" and served.segment.num_tokens > 0
-    assert seen["ran inside"] is False
-    thread = seen["head"]
-    thread.join(60)
-    assert torch.allclose(seen["head"].kv, expected.kv, atol=1e-6)

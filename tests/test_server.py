@@ -262,16 +262,21 @@ def test_the_generator_says_when_its_prior_was_fitted_for_another_adapter(identi
     assert len(said) == 1 and source.adapter_digest[:16] in said[0]  # once per adapter
 
 
-def test_ingest_with_segment_detection_over_the_wire(server, alice):
+def _ingest_cut(server, alice, text: str):
+    """alice's Ingest of text with DETECT_SEGMENTS, the server's detector set to one that cuts the tiny pair's text
+    (the random model's own finds no segments)."""
     from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
 
     previous = server.service.detector
     server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
     try:
-        text = " ".join(served.text(i) for i in range(10, 14))
-        reply = alice.ingest(text, detect_segments=True)
+        return alice.ingest(text, detect_segments=True)
     finally:
         server.service.detector = previous
+
+
+def test_ingest_with_segment_detection_over_the_wire(server, alice):
+    reply = _ingest_cut(server, alice, " ".join(served.text(i) for i in range(10, 14)))
     prefix, *segments = reply.entries
     assert prefix.kind == "prefix" and prefix.num_tokens == reply.source_token_ids.numel()
     assert segments and all(e.kind == "segment" and e.start > 0 for e in segments[1:])
@@ -287,14 +292,7 @@ def test_a_segment_entry_projected_on_the_client_is_the_servers_projection(serve
     """fetch_projected_locally paired a segment entry (a piece of a text) as a whole text, with special tokens and
     the target's start token: another projection than the server's, silently (or, for a source with a start token,
     refused as 'not the source tokenization'). The source fetch now says the entry's kind."""
-    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
-
-    previous = server.service.detector
-    server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
-    try:
-        reply = alice.ingest(" ".join(served.text(i) for i in range(30, 34)), detect_segments=True)
-    finally:
-        server.service.detector = previous
+    reply = _ingest_cut(server, alice, " ".join(served.text(i) for i in range(30, 34)))
     segments = [e for e in reply.entries if e.kind == "segment"]
     assert segments, "the planted detector config should cut this text"
     assert alice.fetch_source(key=segments[-1].key).entry_kind == "segment"
@@ -313,14 +311,7 @@ def test_projected_context_of_a_text_known_only_as_a_detected_segment(server, al
     token, the rest one place early)."""
     from kvbridge.server.projected_context import ProjectedContext
     from kvbridge.transfer.align import tokenize
-    from kvbridge.transfer.suffix.detector import DetectorConfig, SuffixDetector
-
-    previous = server.service.detector
-    server.service.detector = SuffixDetector(DetectorConfig(threshold=2.8, min_segment=10))
-    try:
-        reply = alice.ingest(" ".join(served.text(i) for i in range(20, 24)), detect_segments=True)
-    finally:
-        server.service.detector = previous
+    reply = _ingest_cut(server, alice, " ".join(served.text(i) for i in range(20, 24)))
     segments = [e for e in reply.entries if e.kind == "segment" and e.start > 0]
     assert segments, "the planted detector config should cut this text"
     piece = alice.fetch_source(key=max(segments, key=lambda e: e.num_tokens).key).text
